@@ -1,0 +1,109 @@
+"""`kimi-supervisor`: the daemon's admin subcommands. Argument parsing and output only."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from supervisor.config import ConfigError, load_config
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _config_path(arg: str | None) -> Path:
+    path = arg or os.environ.get("KIMI_SUPERVISOR_CONFIG") or "/etc/kimi-supervisor/kimi-supervisor.toml"
+    return Path(path)
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = load_config(args.path)
+    print(f"# {args.path}: valid. Effective configuration, defaults included:")
+    print(config.effective_toml(), end="")
+    return EXIT_OK
+
+
+def cmd_launch_vllm(args: argparse.Namespace) -> int:
+    from supervisor.launcher import LaunchError, exec_vllm
+
+    try:
+        exec_vllm(Path(args.argv_file))
+    except LaunchError as e:
+        print(f"kimi-supervisor launch-vllm: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_FAILED  # not reached: exec replaced this process
+
+
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from supervisor.sandbox.sandbox import Sandbox
+
+    root = Path(args.dir)
+    if args.sandbox_cmd == "up":
+        sb = Sandbox.up(root, gpus=args.gpus, release_delay_s=args.release_delay)
+        print(f"# sandbox up in {sb.root}: systemd --user PID {sb.manager.pid}, "
+              f"{args.gpus} simulated GPU(s), config {sb.config_path}", file=sys.stderr)
+        print(f"# `eval \"$(cat {sb.root}/env.sh)\"` or paste these:", file=sys.stderr)
+        print(sb.exports(), end="")
+    elif args.sandbox_cmd == "ghost":
+        sb = Sandbox.attach(root)
+        ref = sb.start_ghost(args.gpu, args.mib, args.title, hidden=args.hidden)
+        print(ref.pid)
+    elif args.sandbox_cmd == "down":
+        Sandbox.attach(root).down()
+        print(f"# sandbox in {root} is down", file=sys.stderr)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kimi-supervisor", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    c.add_argument("path", type=Path)
+    c.set_defaults(fn=cmd_check_config)
+
+    c = sub.add_parser("launch-vllm", help="(used by the unit) exec vLLM with the argv from a file")
+    c.add_argument("--argv-file", required=True)
+    c.set_defaults(fn=cmd_launch_vllm)
+
+    sb = sub.add_parser("sandbox", help="an isolated systemd manager, simulated GPUs, fake vLLM")
+    sbs = sb.add_subparsers(dest="sandbox_cmd", required=True)
+    up = sbs.add_parser("up", help="start a sandbox and print its shell exports")
+    up.add_argument("--dir", required=True)
+    up.add_argument("--gpus", type=int, default=8)
+    up.add_argument("--release-delay", type=float, default=0.0,
+                    help="seconds the simulated driver takes to free a dead process's memory")
+    gh = sbs.add_parser("ghost", help="start a detached process outside every unit holding memory")
+    gh.add_argument("--dir", required=True)
+    gh.add_argument("--gpu", default="all", help="an index, a list like 0,1, or all")
+    gh.add_argument("--mib", type=int, default=1024, help="MiB per GPU; 0 holds the files only")
+    gh.add_argument("--title", default="python")
+    gh.add_argument("--hidden", action="store_true", help="hide it from the GPU process lists")
+    dn = sbs.add_parser("down", help="stop everything the sandbox started")
+    dn.add_argument("--dir", required=True)
+    sb.set_defaults(fn=cmd_sandbox)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"kimi-supervisor: configuration error:\n{e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:
+        from supervisor.ports.gpu import GpuUnavailable
+        from supervisor.ports.systemd import SystemdError
+        from supervisor.sandbox.sandbox import SandboxError
+        from supervisor.sandbox.usermanager import ManagerUnavailable
+
+        if isinstance(e, GpuUnavailable | SystemdError | SandboxError | ManagerUnavailable):
+            print(f"kimi-supervisor: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

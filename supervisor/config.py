@@ -1,0 +1,219 @@
+"""The configuration: one TOML file validated by pydantic models.
+
+Every error names the file, the key path and the reason. Nothing outside this module touches
+the host before `load_config` has returned, so a bad file never leaves half-done work behind.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from supervisor.model import Mode
+
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message says where and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServiceConfig(_Strict):
+    unit: str = "vllm-kimi-k25.service"
+
+    @field_validator("unit")
+    @classmethod
+    def _is_service(cls, v: str) -> str:
+        if not v.endswith(".service") or "/" in v:
+            raise ValueError("must be a unit name ending in .service, e.g. vllm-kimi-k25.service")
+        return v
+
+
+class SystemdConfig(_Strict):
+    scope: Literal["system", "user"] = "system"
+    # Only for scope = "user": the D-Bus address of the user manager's bus. Empty: taken from
+    # DBUS_SESSION_BUS_ADDRESS at run time.
+    bus_address: str = ""
+
+
+class ModeConfig(_Strict):
+    # Passed to vLLM after vllm.command, byte for byte: no shell, no quoting rules applied.
+    args: list[str]
+
+
+class VllmConfig(_Strict):
+    # argv of vLLM before the mode's arguments, e.g. ["/opt/vllm/bin/vllm", "serve", "MODEL", ...]
+    command: list[str] = Field(min_length=1)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    # Where the daemon writes the argv that the unit's launcher execs; the unit file reads
+    # %t/kimi-supervisor/vllm-argv.json, so keep the two in step.
+    argv_file: Path = Path("/run/kimi-supervisor/vllm-argv.json")
+    # Where the unit's output can be followed when there is no journal (the sandbox).
+    log_file: Path | None = None
+
+    @field_validator("command")
+    @classmethod
+    def _no_host_port(cls, v: list[str]) -> list[str]:
+        for flag in ("--host", "--port"):
+            if any(a == flag or a.startswith(flag + "=") for a in v):
+                raise ValueError(f"remove {flag} from command: it is set from vllm.{flag[2:]}")
+        return v
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.host}:{self.port}/health"
+
+
+class ModesConfig(_Strict):
+    production: ModeConfig
+    profile: ModeConfig
+
+    def args_for(self, mode: Mode) -> list[str]:
+        return list(self.production.args if mode is Mode.PRODUCTION else self.profile.args)
+
+
+class GpusConfig(_Strict):
+    backend: Literal["nvml", "sim"] = "nvml"
+    # Indices of the GPUs this supervisor owns; empty means every GPU NVML reports.
+    managed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    # A device counts as clean when used <= baseline + tolerance.
+    tolerance_mib: int = Field(default=256, ge=0)
+    # Fixed baselines (MiB) per GPU index; a GPU missing here is calibrated and persisted.
+    baseline_mib: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    # Only for backend = "sim": the simulated host's directory.
+    sim_dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _sim_needs_dir(self) -> GpusConfig:
+        if self.backend == "sim" and self.sim_dir is None:
+            raise ValueError('backend "sim" needs sim_dir, the simulated GPU host\'s directory')
+        for key in self.baseline_mib:
+            if not key.isdigit():
+                raise ValueError(f"baseline_mib keys are GPU indices like \"0\", not {key!r}")
+        return self
+
+
+class TeardownConfig(_Strict):
+    term_grace_s: PositiveSeconds = 30.0
+    cgroup_kill_timeout_s: PositiveSeconds = 10.0
+    strays_timeout_s: PositiveSeconds = 10.0
+    holders_timeout_s: PositiveSeconds = 10.0
+    release_timeout_s: PositiveSeconds = 60.0
+    poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.02
+    # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
+    stray_patterns: list[str] = Field(default_factory=list)
+    # Never signalled, in addition to the built-in list (matched against comm and argv[0] name).
+    protected_names: list[str] = Field(default_factory=list)
+    protected_units: list[str] = Field(default_factory=list)
+    # /dev/shm entries the service may leak (fnmatch patterns).
+    shm_patterns: list[str] = Field(default_factory=lambda: ["nccl-*", "vllm*", "psm_*"])
+    shm_dir: Path = Path("/dev/shm")
+    # A GPU reset as the very last resort. Off by default; never on in tests.
+    gpu_reset: bool = False
+
+
+class StateConfig(_Strict):
+    dir: Path = Path("/var/lib/kimi-supervisor")
+
+
+class Config(_Strict):
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    systemd: SystemdConfig = Field(default_factory=SystemdConfig)
+    vllm: VllmConfig
+    modes: ModesConfig
+    gpus: GpusConfig = Field(default_factory=GpusConfig)
+    teardown: TeardownConfig = Field(default_factory=TeardownConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+
+    def launch_argv(self, mode: Mode) -> list[str]:
+        """The exact argv vLLM must be started with in `mode`."""
+        v = self.vllm
+        return [*v.command, "--host", v.host, "--port", str(v.port), *self.modes.args_for(mode)]
+
+    def effective_toml(self) -> str:
+        """The effective configuration, defaults included, as TOML."""
+        return _to_toml(self)
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _reason(err: dict[str, object]) -> str:
+    kind = err.get("type")
+    if kind == "extra_forbidden":
+        return "unknown key (check its spelling; `kimi-supervisor check-config` prints every key)"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(err.get("msg", "invalid"))
+    return msg.removeprefix("Value error, ")
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            # A model_validator's error has no location of its own; name the section instead.
+            lines.append(f"{source}: {_loc(loc)}: {_reason(dict(err))}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: Path | str) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file (pass --config PATH)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    return parse_config(text, str(p))
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str | Path):
+        return json.dumps(str(v), ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _to_toml(model: BaseModel, prefix: str = "") -> str:
+    """Sub-models become [tables]; everything else is a key = value line. Unset optionals are
+    left out (TOML has no null)."""
+    lines: list[str] = []
+    tables: list[tuple[str, BaseModel]] = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            tables.append((f"{prefix}.{name}" if prefix else name, value))
+        elif value is not None:
+            lines.append(f"{name} = {_toml_value(value)}")
+    out = ([f"[{prefix}]", *lines, ""] if prefix else [*lines, ""]) if lines else []
+    for table_name, sub in tables:
+        out.append(_to_toml(sub, table_name))
+    return "\n".join(out)

@@ -1,0 +1,132 @@
+"""The GPU port: memory used and processes per device, and the device files that stand for them.
+
+Two backends behind one small interface: real NVML (`pynvml`, from nvidia-ml-py) and the
+simulated GPU host of the sandbox. NVML is initialised lazily; its failures become
+`GpuUnavailable` with a message that says what to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+MIB = 1024 * 1024
+
+
+class GpuUnavailable(Exception):
+    """No GPU information can be had (no driver, no device, or a device index out of range)."""
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_mib: int | None  # None: NVML could not say (other namespaces, some drivers)
+    kind: Literal["compute", "graphics"] = "compute"
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    index: int
+    used_mib: int
+    total_mib: int
+    processes: tuple[GpuProcess, ...] = ()
+
+
+class GpuPort(Protocol):
+    def device_count(self) -> int: ...
+    def sample(self, indices: Sequence[int]) -> list[DeviceSample]: ...
+    def device_path(self, index: int) -> str: ...
+    def shared_paths(self) -> list[str]: ...
+    def driver_version(self) -> str: ...
+    def close(self) -> None: ...
+
+
+class NvmlGpu:
+    """GpuPort over NVML. Device handles are looked up once and cached."""
+
+    def __init__(self) -> None:
+        self._nvml: Any = None
+        self._handles: dict[int, Any] = {}
+
+    def _lib(self) -> Any:
+        if self._nvml is not None:
+            return self._nvml
+        try:
+            import pynvml
+        except ImportError as e:
+            raise GpuUnavailable(
+                "the pynvml module is missing: install nvidia-ml-py (pip install nvidia-ml-py)"
+            ) from e
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as e:
+            raise GpuUnavailable(
+                f"NVML could not be initialised ({e}): is the NVIDIA driver loaded? "
+                "`nvidia-smi` should list the GPUs"
+            ) from e
+        self._nvml = pynvml
+        return pynvml
+
+    def _handle(self, index: int) -> Any:
+        if index not in self._handles:
+            nv = self._lib()
+            count = nv.nvmlDeviceGetCount()
+            if not 0 <= index < count:
+                raise GpuUnavailable(f"GPU {index} does not exist: NVML reports {count} GPU(s)")
+            self._handles[index] = nv.nvmlDeviceGetHandleByIndex(index)
+        return self._handles[index]
+
+    def device_count(self) -> int:
+        return int(self._lib().nvmlDeviceGetCount())
+
+    def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        nv = self._lib()
+        out = []
+        for index in indices:
+            h = self._handle(index)
+            try:
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
+                procs = [
+                    GpuProcess(p.pid, _mib(p.usedGpuMemory), "compute")
+                    for p in nv.nvmlDeviceGetComputeRunningProcesses(h)
+                ] + [
+                    GpuProcess(p.pid, _mib(p.usedGpuMemory), "graphics")
+                    for p in nv.nvmlDeviceGetGraphicsRunningProcesses(h)
+                ]
+            except nv.NVMLError as e:
+                raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
+            out.append(DeviceSample(index, int(mem.used) // MIB, int(mem.total) // MIB,
+                                    tuple(procs)))
+        return out
+
+    def device_path(self, index: int) -> str:
+        return f"/dev/nvidia{int(self._lib().nvmlDeviceGetMinorNumber(self._handle(index)))}"
+
+    def shared_paths(self) -> list[str]:
+        return ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+
+    def driver_version(self) -> str:
+        v = self._lib().nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+            self._handles.clear()
+
+
+def _mib(value: int | None) -> int | None:
+    # NVML reports NVML_VALUE_NOT_AVAILABLE (2**64-1) or None where it cannot account memory.
+    if value is None or value >= 2**63:
+        return None
+    return int(value) // MIB
+
+
+def make_gpu(backend: str, sim_dir: Any = None) -> GpuPort:
+    if backend == "nvml":
+        return NvmlGpu()
+    from supervisor.sandbox.simgpu import SimGpu
+
+    return SimGpu(sim_dir)

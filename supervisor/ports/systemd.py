@@ -1,0 +1,165 @@
+"""The systemd port: the only module that talks to a systemd manager (over D-Bus, via pystemd).
+
+Calls return as soon as the manager has queued the job; callers that need to wait poll
+`status()` against their own deadline. Works against the system manager or a user manager
+(the sandbox's), chosen by config `systemd.scope`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+Who = Literal["main", "control", "all"]
+
+
+class SystemdError(Exception):
+    """The manager could not be reached or refused a request; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class UnitStatus:
+    unit: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    main_pid: int
+    control_group: str
+    exec_main_status: int
+    result: str
+
+    @property
+    def inactive(self) -> bool:
+        return self.active_state in ("inactive", "failed")
+
+
+class SystemdPort(Protocol):
+    def status(self, unit: str) -> UnitStatus: ...
+    def start(self, unit: str) -> None: ...
+    def stop(self, unit: str) -> None: ...
+    def kill(self, unit: str, who: Who, sig: int) -> None: ...
+    def reset_failed(self, unit: str) -> None: ...
+    def cgroup_pids(self, unit: str) -> list[int]: ...
+    def daemon_reload(self) -> None: ...
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class PystemdSystemd:
+    """SystemdPort over pystemd. One D-Bus connection, opened lazily and reopened after errors;
+    use it from one thread."""
+
+    def __init__(self, scope: Literal["system", "user"] = "system", bus_address: str = "") -> None:
+        self.scope = scope
+        self.bus_address = bus_address
+        self._bus: Any = None
+
+    # -- connection ---------------------------------------------------------------------------
+    def _connect(self) -> Any:
+        if self._bus is not None:
+            return self._bus
+        from pystemd.dbuslib import DBus, DBusAddress
+
+        if self.scope == "system":
+            bus = DBus(user_mode=False)
+        else:
+            address = self.bus_address or os.environ.get("DBUS_SESSION_BUS_ADDRESS", "")
+            if not address:
+                raise SystemdError(
+                    "systemd scope is 'user' but no bus address is known: set "
+                    "systemd.bus_address or DBUS_SESSION_BUS_ADDRESS"
+                )
+            bus = DBusAddress(address.encode())
+        try:
+            bus.open()
+        except Exception as e:
+            raise SystemdError(f"cannot connect to the {self.scope} systemd manager: {e}") from e
+        self._bus = bus
+        return bus
+
+    def close(self) -> None:
+        if self._bus is not None:
+            try:
+                self._bus.close()
+            finally:
+                self._bus = None
+
+    def _unit(self, unit: str) -> Any:
+        from pystemd.systemd1 import Unit
+
+        try:
+            u = Unit(unit.encode(), bus=self._connect())
+            u.load()
+            return u
+        except SystemdError:
+            raise
+        except Exception as e:
+            self.close()
+            raise SystemdError(f"{unit}: cannot load from the {self.scope} manager: {e}") from e
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:
+            # A broken connection is reopened on the next call; the error says what failed.
+            self.close()
+            raise SystemdError(f"{what} failed: {e}") from e
+
+    # -- the port ---------------------------------------------------------------------------------
+    def status(self, unit: str) -> UnitStatus:
+        u = self._unit(unit)
+
+        def read() -> UnitStatus:
+            load_state = _s(u.Unit.LoadState)
+            service = u.Service if load_state == "loaded" else None
+            return UnitStatus(
+                unit=unit,
+                load_state=load_state,
+                active_state=_s(u.Unit.ActiveState),
+                sub_state=_s(u.Unit.SubState),
+                main_pid=int(service.MainPID) if service else 0,
+                control_group=_s(service.ControlGroup) if service else "",
+                exec_main_status=int(service.ExecMainStatus) if service else 0,
+                result=_s(service.Result) if service else "",
+            )
+
+        return self._call(f"reading {unit}", read)  # type: ignore[no-any-return]
+
+    def start(self, unit: str) -> None:
+        u = self._unit(unit)
+        self._call(f"starting {unit}", u.Unit.Start, b"replace")
+
+    def stop(self, unit: str) -> None:
+        u = self._unit(unit)
+        self._call(f"stopping {unit}", u.Unit.Stop, b"replace")
+
+    def kill(self, unit: str, who: Who, sig: int) -> None:
+        u = self._unit(unit)
+        self._call(f"killing {unit} ({who}, {signal.Signals(sig).name})", u.Unit.Kill,
+                   who.encode(), sig)
+
+    def reset_failed(self, unit: str) -> None:
+        u = self._unit(unit)
+        self._call(f"reset-failed {unit}", u.Unit.ResetFailed)
+
+    def cgroup_pids(self, unit: str) -> list[int]:
+        u = self._unit(unit)
+        if _s(u.Unit.LoadState) != "loaded":
+            return []
+        rows = self._call(f"listing the processes of {unit}", u.Service.GetProcesses)
+        return sorted({int(pid) for _path, pid, _cmd in rows})
+
+    def daemon_reload(self) -> None:
+        from pystemd.systemd1 import Manager
+
+        m = Manager(bus=self._connect())
+        try:
+            m.load()
+        except Exception as e:
+            self.close()
+            raise SystemdError(f"cannot reach the {self.scope} manager: {e}") from e
+        self._call("daemon-reload", m.Manager.Reload)

@@ -1,0 +1,288 @@
+"""A fake vLLM with the CLI shape and the process tree of vLLM V1, for the sandbox and GPU tests.
+
+    vllm serve MODEL --tensor-parallel-size N --port P [--host H] [--profiler-config JSON] ...
+
+The API server (this process) starts an engine-core process titled `VLLM::EngineCore`, which
+starts N workers titled `VLLM::Worker_TP0..N-1`; each worker holds memory on its GPU (simulated,
+or real CUDA with KIMI_FAKE_CUDA=1). It prints vLLM's startup phases, answers GET /health (200
+only once ready), GET /v1/models and POST /start_profile, /stop_profile.
+
+Fault switches come from the JSON file named by KIMI_FAKE_VLLM_CONFIG (see FakeOptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from setproctitle import setproctitle
+
+from supervisor.sandbox import holder
+
+
+@dataclass
+class FakeOptions:
+    load_s: float = 1.0  # time to "load the safetensors shards"
+    shards: int = 64
+    graph_capture_s: float = 0.2
+    mib_per_worker: int = 90_000
+    ignore_sigterm: bool = False  # every process of the tree ignores SIGTERM
+    shutdown_delay_s: float = 0.0  # the API server's orderly shutdown takes this long
+    crash_during_load_at: int | None = None  # percent of shards: exit 1 there
+    hang_during_load_at: int | None = None  # percent of shards: stop making progress
+    # A detached process started by worker 0 that escapes the unit's cgroup and keeps memory.
+    ghost_title: str | None = None
+    ghost_mib: int = 0
+    ghost_cgroup_procs: list[str] = field(default_factory=list)
+    profile_flush_s: float = 0.5
+    devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i
+
+    @classmethod
+    def load(cls) -> FakeOptions:
+        path = os.environ.get("KIMI_FAKE_VLLM_CONFIG", "")
+        if not path or not Path(path).exists():
+            return cls()
+        raw = json.loads(Path(path).read_text() or "{}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise SystemExit(f"{path}: unknown fake vLLM option(s): {', '.join(sorted(unknown))}")
+        return cls(**raw)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    print(f"INFO {stamp} [fake_vllm] {msg}", flush=True)
+
+
+# -- workers and engine core ---------------------------------------------------------------------
+def _child(role: str, *args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "supervisor.sandbox.fake_vllm", role, *args],
+        stdout=subprocess.PIPE,
+    )
+
+
+def _wait_line(proc: subprocess.Popen[bytes], expect: bytes) -> None:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(expect):
+        raise SystemExit(f"child {proc.pid} did not report {expect!r} (got {line!r})")
+
+
+def _terminate_on_signal(opts: FakeOptions, on_term: Any) -> None:
+    handler = signal.SIG_IGN if opts.ignore_sigterm else on_term
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def worker_main(rank: int) -> None:
+    opts = FakeOptions.load()
+    setproctitle(f"VLLM::Worker_TP{rank}")
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+    device = opts.devices[rank] if opts.devices else rank
+    held = holder.hold([device], opts.mib_per_worker)
+    if rank == 0 and opts.ghost_title:
+        _spawn_ghost(opts)
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.flush()
+    stop.wait()
+    held.release()
+
+
+def _spawn_ghost(opts: FakeOptions) -> None:
+    devices = ",".join(str(d) for d in (opts.devices or []))
+    args = [sys.executable, "-m", "supervisor.sandbox.ghost", "--title", opts.ghost_title or "",
+            "--mib", str(opts.ghost_mib), "--gpu", devices or "all"]
+    for procs in opts.ghost_cgroup_procs:
+        args += ["--cgroup-procs", procs]
+    ghost = subprocess.Popen(args, stdout=subprocess.PIPE, start_new_session=True)
+    _wait_line(ghost, b"ready")
+
+
+def engine_main(tp: int) -> None:
+    opts = FakeOptions.load()
+    setproctitle("VLLM::EngineCore")
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+    workers = [_child("worker", str(rank)) for rank in range(tp)]
+    for w in workers:
+        _wait_line(w, b"ready")
+    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.flush()
+    stop.wait()
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.wait()
+
+
+# -- the API server ------------------------------------------------------------------------------
+class Server:
+    def __init__(self, args: argparse.Namespace, opts: FakeOptions) -> None:
+        self.args = args
+        self.opts = opts
+        self.ready = threading.Event()
+        self.profiling = False
+        self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
+        self.lock = threading.Lock()
+
+    def start_profile(self) -> tuple[int, dict[str, Any]]:
+        if self.profiler is None:
+            return 404, {"detail": "Not Found"}
+        with self.lock:
+            self.profiling = True
+        log("Profiler started.")
+        return 200, {}
+
+    def stop_profile(self) -> tuple[int, dict[str, Any]]:
+        if self.profiler is None:
+            return 404, {"detail": "Not Found"}
+        with self.lock:
+            was, self.profiling = self.profiling, False
+        if not was:
+            return 200, {}
+        out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = int(time.time() * 1000)
+        paths = [out / f"fake-host_{os.getpid()}.rank{r}.{stamp}.pt.trace.json.gz"
+                 for r in range(self.args.tensor_parallel_size)]
+        # Flushing takes a while and the files grow as it goes, as torch's exporter does.
+        steps = 5
+        for i in range(steps):
+            for p in paths:
+                with gzip.open(p, "ab") as f:
+                    f.write(json.dumps({"traceEvents": [], "part": i}).encode() * 200)
+            time.sleep(self.opts.profile_flush_s / steps)
+        log(f"Profiler stopped; traces written to {out}")
+        return 200, {}
+
+
+def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _send(self, code: int, body: dict[str, Any] | None = None) -> None:
+            data = json.dumps(body or {}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                self._send(200 if server.ready.is_set() else 503)
+            elif self.path == "/v1/models":
+                self._send(200, {"object": "list", "data": [
+                    {"id": server.args.model, "object": "model", "owned_by": "vllm"}]})
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:
+            if self.path == "/start_profile":
+                self._send(*server.start_profile())
+            elif self.path == "/stop_profile":
+                self._send(*server.stop_profile())
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+    return Handler
+
+
+def _load(opts: FakeOptions) -> None:
+    shards = max(opts.shards, 1)
+    for done in range(1, shards + 1):
+        pct = done * 100 // shards
+        if opts.crash_during_load_at is not None and pct >= opts.crash_during_load_at:
+            log(f"ERROR: simulated crash while loading at {pct}%")
+            raise SystemExit(1)
+        if opts.hang_during_load_at is not None and pct >= opts.hang_during_load_at:
+            log(f"loading stalls at {pct}% (simulated hang)")
+            threading.Event().wait()
+        time.sleep(opts.load_s / shards)
+        print(f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{shards}",
+              flush=True)
+
+
+def serve_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="vllm serve")
+    p.add_argument("model")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--profiler-config", default=None)
+    args, _unknown = p.parse_known_args(argv)
+    opts = FakeOptions.load()
+    server = Server(args, opts)
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+
+    log(f"vLLM API server version 0.16.0 (fake) serving {args.model} "
+        f"with tensor parallel {args.tensor_parallel_size}")
+    if server.profiler is not None:
+        log(f"Torch profiler enabled: {json.dumps(server.profiler)}")
+    http = ThreadingHTTPServer((args.host, args.port), _handler(server))
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    engine = _child("engine", str(args.tensor_parallel_size))
+
+    def boot() -> None:
+        try:
+            _wait_line(engine, b"ready")
+            _load(opts)
+            log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
+            time.sleep(opts.graph_capture_s)
+            log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
+            server.ready.set()
+            print("INFO:     Application startup complete.", flush=True)
+        except SystemExit as e:
+            with contextlib.suppress(ProcessLookupError):
+                engine.kill()
+            os._exit(int(e.code or 1))
+
+    threading.Thread(target=boot, daemon=True).start()
+    stop.wait()
+    log("Shutting down")
+    if opts.shutdown_delay_s:
+        time.sleep(opts.shutdown_delay_s)
+    server.ready.clear()
+    http.shutdown()
+    engine.terminate()
+    engine.wait()
+    log("Shutdown complete")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: vllm serve MODEL [--tensor-parallel-size N] [--port P] ...")
+    role, rest = argv[0], argv[1:]
+    if role == "serve":
+        serve_main(rest)
+    elif role == "engine":
+        engine_main(int(rest[0]))
+    elif role == "worker":
+        worker_main(int(rest[0]))
+    else:
+        raise SystemExit(f"fake vllm: unknown command {role!r} (expected serve)")
+
+
+if __name__ == "__main__":
+    main()

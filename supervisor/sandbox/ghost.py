@@ -1,0 +1,68 @@
+"""A ghost: a detached process that holds GPU memory under an innocuous title.
+
+It is what the seed's incident left behind: a process that matched none of the name patterns
+and still held the GPUs. Started by `kimi-supervisor sandbox ghost` or by the fake vLLM's
+ghost fault; it writes "ready" once it holds what it was asked to, then waits to be killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from setproctitle import setproctitle
+
+from supervisor.sandbox import holder
+
+
+def parse_gpus(spec: str) -> list[int]:
+    if spec == "all":
+        if holder.real_cuda():
+            import torch
+
+            return list(range(torch.cuda.device_count()))
+        from supervisor.sandbox.simgpu import SimGpu
+
+        gpu = SimGpu(holder.sim_dir())
+        try:
+            return list(range(gpu.device_count()))
+        finally:
+            gpu.close()
+    return [int(x) for x in spec.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="ghost")
+    p.add_argument("--title", default="python")
+    p.add_argument("--gpu", default="all")
+    p.add_argument("--mib", type=int, default=1024)
+    p.add_argument("--hidden", action="store_true", help="hide from the GPU's process lists")
+    p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--cgroup-procs", action="append", default=[],
+                   help="cgroup.procs file(s) to move into, leaving the starter's cgroup")
+    args = p.parse_args(argv)
+    if args.title:
+        setproctitle(args.title)
+    for procs in args.cgroup_procs:
+        Path(procs).write_text(str(os.getpid()))
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    held = holder.hold(parse_gpus(args.gpu), args.mib, hidden=args.hidden)
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    # Nobody reads our stdout after this; detach it so a closed pipe cannot hurt us.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    threading.Event().wait()
+    held.release()
+
+
+if __name__ == "__main__":
+    main()

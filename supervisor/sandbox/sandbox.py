@@ -1,0 +1,228 @@
+"""The sandbox: a real isolated systemd user manager, a simulated GPU host and a fake vLLM,
+wired together with the project's own unit files, in one directory.
+
+    DIR/run/                XDG_RUNTIME_DIR of the manager (its bus; %t/kimi-supervisor/)
+    DIR/config/systemd/user the project's units/ plus a drop-in that points vLLM at the fake
+    DIR/gpu/                the simulated GPU host
+    DIR/bin/vllm            the fake vLLM's entry point
+    DIR/logs/vllm.log       the unit's output
+    DIR/fake-vllm.json      the fake's fault switches
+    DIR/kimi-supervisor.toml  config/sandbox.toml with this sandbox's paths filled in
+    DIR/ghosts.json         ghosts started here (PID and start time), ended by `down`
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import Config, load_config, parse_config
+from supervisor.ports import processes
+from supervisor.ports.processes import ProcessRef
+from supervisor.sandbox import simgpu
+from supervisor.sandbox.fake_vllm import FakeOptions
+from supervisor.sandbox.usermanager import UserManager
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+UNIT = "vllm-kimi-k25.service"
+
+
+class SandboxError(Exception):
+    pass
+
+
+def project_file(*parts: str) -> Path:
+    path = PROJECT_ROOT.joinpath(*parts)
+    if not path.exists():
+        raise SandboxError(f"{path} is missing: run from a checkout of kimi-supervisor "
+                           "installed with `pip install -e .`")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _fill(value: Any, sandbox: str) -> Any:
+    if isinstance(value, str):
+        return value.replace("{sandbox}", sandbox)
+    if isinstance(value, list):
+        return [_fill(v, sandbox) for v in value]
+    if isinstance(value, dict):
+        return {k: _fill(v, sandbox) for k, v in value.items()}
+    return value
+
+
+def render_config(root: Path, gpus: int, port: int, bus_address: str) -> Config:
+    raw = tomllib.loads(project_file("config", "sandbox.toml").read_text())
+    raw = _fill(raw, str(root))
+    raw.setdefault("vllm", {})["port"] = port
+    raw["systemd"]["bus_address"] = bus_address
+    cmd = raw["vllm"]["command"]
+    if "--tensor-parallel-size" in cmd:
+        cmd[cmd.index("--tensor-parallel-size") + 1] = str(gpus)
+    return Config.model_validate(raw)
+
+
+@dataclass
+class Sandbox:
+    root: Path
+    manager: UserManager
+
+    # -- paths --------------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "kimi-supervisor.toml"
+
+    @property
+    def gpu_dir(self) -> Path:
+        return self.root / "gpu"
+
+    @property
+    def vllm_log(self) -> Path:
+        return self.root / "logs" / "vllm.log"
+
+    @property
+    def fake_options_path(self) -> Path:
+        return self.root / "fake-vllm.json"
+
+    def config(self) -> Config:
+        return load_config(self.config_path)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**self.manager.env, "KIMI_SIM_GPU_DIR": str(self.gpu_dir),
+                "KIMI_SUPERVISOR_CONFIG": str(self.config_path)}
+
+    def exports(self) -> str:
+        return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.env.items())
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    @classmethod
+    def up(cls, root: Path, gpus: int = 8, release_delay_s: float = 0.0) -> Sandbox:
+        root = root.resolve()
+        existing = UserManager.attach(root)
+        if existing is not None:
+            raise SandboxError(f"a sandbox is already running in {root} (manager PID "
+                               f"{existing.pid}); `kimi-supervisor sandbox down --dir {root}`")
+        if gpus < 1:
+            raise SandboxError("--gpus must be at least 1")
+        for d in ("logs", "bin", "state"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        simgpu.create_host(root / "gpu", gpus, release_delay_s=release_delay_s)
+        manager = UserManager.start(root)
+        sb = cls(root, manager)
+        try:
+            sb._install(gpus)
+        except BaseException:
+            manager.stop()
+            raise
+        return sb
+
+    @classmethod
+    def attach(cls, root: Path) -> Sandbox:
+        manager = UserManager.attach(root)
+        if manager is None:
+            raise SandboxError(f"no sandbox is running in {root}: start one with "
+                               f"`kimi-supervisor sandbox up --dir {root}`")
+        return cls(root.resolve(), manager)
+
+    def _install(self, gpus: int) -> None:
+        config = render_config(self.root, gpus, _free_port(), self.manager.bus_address)
+        self.config_path.write_text(config.effective_toml())
+        parse_config(self.config_path.read_text(), str(self.config_path))  # round-trips
+        FakeOptions().save(self.fake_options_path)
+        entry = self.root / "bin" / "vllm"
+        entry.write_text(
+            f"#!{sys.executable}\n"
+            "# The sandbox's vllm: the fake from kimi-supervisor, with vLLM's CLI shape.\n"
+            "from supervisor.sandbox.fake_vllm import main\nmain()\n")
+        entry.chmod(0o755)
+        unit_dir = self.manager.unit_dir
+        for unit in project_file("units").glob("*.service"):
+            (unit_dir / unit.name).write_text(unit.read_text())
+        dropin = unit_dir / f"{UNIT}.d"
+        dropin.mkdir(exist_ok=True)
+        launcher = Path(sys.executable).with_name("kimi-supervisor")
+        (dropin / "sandbox.conf").write_text(
+            "# Written by `kimi-supervisor sandbox up`: vLLM is the fake, GPUs are simulated.\n"
+            "[Service]\n"
+            "ExecStart=\n"
+            f"ExecStart={launcher} launch-vllm --argv-file %t/kimi-supervisor/vllm-argv.json\n"
+            f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
+            f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
+            f"StandardOutput=append:{self.vllm_log}\n"
+            f"StandardError=append:{self.vllm_log}\n")
+        self.manager.systemctl("daemon-reload")
+        (self.root / "env.sh").write_text(self.exports())
+
+    def set_fake_options(self, opts: FakeOptions) -> None:
+        opts.save(self.fake_options_path)
+
+    def ghost_cgroup_procs(self) -> list[str]:
+        """cgroup.procs files of the sandbox's own top cgroup: outside every unit."""
+        return [str(d / "cgroup.procs") for d in self.manager.cgroup_dirs]
+
+    def start_ghost(self, gpu: str = "all", mib: int = 1024, title: str = "python",
+                    hidden: bool = False, ignore_sigterm: bool = False) -> ProcessRef:
+        """A detached process outside every unit holding `mib` MiB on `gpu`; returns it once
+        it holds them."""
+        args = [sys.executable, "-m", "supervisor.sandbox.ghost", "--gpu", gpu, "--mib", str(mib),
+                "--title", title]
+        if hidden:
+            args.append("--hidden")
+        if ignore_sigterm:
+            args.append("--ignore-sigterm")
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **self.env}, start_new_session=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.stdout.close()
+        if line.strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            raise SandboxError(f"the ghost did not start (exit {proc.wait()})")
+        ref = processes.ref_of(proc.pid)
+        assert ref is not None
+        self._record_ghost(ref)
+        return ref
+
+    def _ghosts_file(self) -> Path:
+        return self.root / "ghosts.json"
+
+    def _record_ghost(self, ref: ProcessRef) -> None:
+        ghosts = self._ghosts()
+        ghosts.append(ref)
+        self._ghosts_file().write_text(json.dumps([[g.pid, g.start_ticks] for g in ghosts]))
+
+    def _ghosts(self) -> list[ProcessRef]:
+        try:
+            return [ProcessRef(p, t) for p, t in json.loads(self._ghosts_file().read_text())]
+        except (OSError, ValueError):
+            return []
+
+    def leak(self, gpu: int, mib: int) -> Path:
+        return simgpu.leak(self.gpu_dir, gpu, mib)
+
+    def down(self) -> None:
+        """End what this sandbox started: its units (with the manager), its ghosts, its bus."""
+        self.manager.stop()
+        ghosts = self._ghosts()
+        for ref in ghosts:
+            processes.send_signal(ref, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while any(processes.is_alive(g) for g in ghosts) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._ghosts_file().unlink(missing_ok=True)

@@ -1,0 +1,151 @@
+"""Shared fixtures: one real sandbox (isolated systemd user manager, simulated GPUs, fake vLLM)
+per test session, reset to a clean state before each test that uses it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor.ports import processes
+from supervisor.ports.processes import ProcessRef
+from supervisor.ports.systemd import PystemdSystemd
+from supervisor.sandbox import simgpu
+from supervisor.sandbox.fake_vllm import FakeOptions
+from supervisor.sandbox.sandbox import UNIT, Sandbox
+from supervisor.sandbox.usermanager import unavailable_reason
+
+SANDBOX_GPUS = 4
+
+
+def wait_until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="session")
+def session_sandbox() -> Iterator[Sandbox]:
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no isolated systemd user manager here: {reason}")
+    root = Path(tempfile.mkdtemp(prefix="kimi-sbx-"))
+    sb = Sandbox.up(root, gpus=SANDBOX_GPUS)
+    try:
+        yield sb
+    finally:
+        sb.down()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+class SandboxHelper:
+    """What a test needs from the sandbox; everything it starts is ended after the test."""
+
+    def __init__(self, sb: Sandbox) -> None:
+        self.sb = sb
+        self.config = sb.config()
+        self.systemd = PystemdSystemd("user", self.config.systemd.bus_address)
+        self.gpu = simgpu.SimGpu(sb.gpu_dir)
+        self.started: list[ProcessRef] = []
+        self.indices = list(range(SANDBOX_GPUS))
+
+    def fake(self, **options: object) -> None:
+        self.sb.set_fake_options(FakeOptions(**options))  # type: ignore[arg-type]
+
+    def start_vllm(self, mode: str = "production", wait_ready: bool = True) -> int:
+        from supervisor.launcher import write_argv_file
+        from supervisor.model import Mode
+
+        write_argv_file(self.config, Mode(mode))
+        self.systemd.start(UNIT)
+        if wait_ready:
+            wait_until(lambda: health(self.config.vllm.health_url) == 200, 30, "vLLM ready")
+        return self.systemd.status(UNIT).main_pid
+
+    def used(self) -> list[int]:
+        return [d.used_mib for d in self.gpu.sample(self.indices)]
+
+    def baseline(self) -> list[int]:
+        return [self.gpu.baseline_of(i) for i in self.indices]
+
+    def ghost(self, **kw: object) -> ProcessRef:
+        ref = self.sb.start_ghost(**kw)  # type: ignore[arg-type]
+        self.started.append(ref)
+        return ref
+
+    def spawn(self, args: list[str], title: str | None = None) -> ProcessRef:
+        """A plain child process of the test, outside every unit, ended after the test."""
+        proc = subprocess.Popen(args, env={**os.environ, **self.sb.env},
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        ref = processes.ref_of(proc.pid)
+        assert ref is not None
+        self.started.append(ref)
+        return ref
+
+    def reset(self) -> None:
+        status = self.systemd.status(UNIT)
+        if not status.inactive:
+            self.systemd.kill(UNIT, "all", signal.SIGKILL)
+        wait_until(lambda: self.systemd.status(UNIT).inactive, 15, "the unit to stop")
+        if self.systemd.status(UNIT).active_state == "failed":
+            self.systemd.reset_failed(UNIT)
+        for ref in self.started:
+            processes.send_signal(ref, signal.SIGCONT)
+            processes.send_signal(ref, signal.SIGKILL)
+        for ref in self.started:
+            wait_until(lambda r=ref: not processes.is_alive(r), 10, f"PID {ref.pid} to end")
+            try:
+                os.waitpid(ref.pid, 0)
+            except ChildProcessError:
+                pass
+        self.started.clear()
+        for leak in (self.sb.gpu_dir / "leak").iterdir():
+            leak.unlink()
+        simgpu.set_release_delay(self.sb.gpu_dir, 0.0)
+        self.fake()
+        self.gpu.close()
+
+
+@pytest.fixture
+def sandbox(session_sandbox: Sandbox) -> Iterator[SandboxHelper]:
+    helper = SandboxHelper(session_sandbox)
+    helper.fake()
+    try:
+        yield helper
+    finally:
+        helper.reset()
+        # Anything left on the simulated GPUs means a test leaked a process: fail loudly.
+        gpu = simgpu.SimGpu(session_sandbox.gpu_dir)
+        try:
+            wait_until(lambda: all(d.used_mib == gpu.baseline_of(d.index)
+                                   for d in gpu.sample(helper.indices)), 10,
+                       "the simulated GPUs to return to baseline after the test")
+        finally:
+            gpu.close()
+
+
+@pytest.fixture
+def python() -> str:
+    return sys.executable

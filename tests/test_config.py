@@ -1,0 +1,128 @@
+"""The configuration file: shipped files are valid, bad files give one clear error each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import ConfigError, load_config, parse_config
+from supervisor.model import Mode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MINIMAL = """
+[vllm]
+command = ["/opt/vllm/bin/vllm", "serve", "m"]
+[modes.production]
+args = []
+[modes.profile]
+args = ["--profiler-config", '{"profiler": "torch"}']
+"""
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        parse_config(text, "test.toml")
+    return str(e.value).splitlines()
+
+
+def test_the_shipped_host_config_is_valid_and_has_eight_gpus_with_the_profiler_json() -> None:
+    config = load_config(ROOT / "config" / "kimi-supervisor.toml")
+    assert config.gpus.managed == list(range(8))
+    assert "--tensor-parallel-size" in config.vllm.command
+    assert config.vllm.command[config.vllm.command.index("--tensor-parallel-size") + 1] == "8"
+    profile = config.launch_argv(Mode.PROFILE)
+    pc = profile[profile.index("--profiler-config") + 1]
+    assert pc == '{"profiler": "torch", "torch_profiler_dir": "/var/lib/kimi-supervisor/traces"}'
+    assert "--profiler-config" not in config.launch_argv(Mode.PRODUCTION)
+
+
+def test_the_shipped_sandbox_config_is_valid() -> None:
+    config = load_config(ROOT / "config" / "sandbox.toml")
+    assert config.gpus.backend == "sim"
+    assert config.systemd.scope == "user"
+
+
+def test_an_unknown_key_is_one_error_naming_file_key_and_reason() -> None:
+    errs = errors_of(MINIMAL + "[teardown]\nterm_grace = 3\n")
+    assert errs == [
+        "test.toml: teardown.term_grace: unknown key (check its spelling; "
+        "`kimi-supervisor check-config` prints every key)"
+    ]
+
+
+def test_a_wrong_type_is_one_error_naming_the_key() -> None:
+    errs = errors_of(MINIMAL.replace(
+        'command = ["/opt/vllm/bin/vllm", "serve", "m"]', 'command = "vllm serve m"'))
+    assert len(errs) == 1
+    assert errs[0].startswith("test.toml: vllm.command: ")
+    assert "list" in errs[0]
+
+
+def test_a_missing_mode_is_one_error_naming_the_mode() -> None:
+    text = MINIMAL.replace("[modes.profile]\nargs = [\"--profiler-config\", '{\"profiler\": \"torch\"}']\n", "")
+    assert errors_of(text) == ["test.toml: modes.profile: required key is missing"]
+
+
+def test_a_negative_timeout_is_one_error_naming_the_key() -> None:
+    errs = errors_of(MINIMAL + "[teardown]\nterm_grace_s = -1\n")
+    assert errs == ["test.toml: teardown.term_grace_s: Input should be greater than 0"]
+
+
+def test_invalid_toml_says_where() -> None:
+    errs = errors_of("[vllm\n")
+    assert len(errs) == 1 and errs[0].startswith("test.toml: not valid TOML: ")
+
+
+def test_a_missing_file_says_so_and_how_to_pass_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"no such file \(pass --config PATH\)"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_host_and_port_come_from_one_place() -> None:
+    errs = errors_of(MINIMAL.replace('"serve", "m"]', '"serve", "m", "--port", "9"]'))
+    assert errs == ["test.toml: vllm.command: remove --port from command: it is set from vllm.port"]
+
+
+def test_mode_arguments_follow_the_command_byte_for_byte() -> None:
+    config = parse_config(MINIMAL)
+    assert config.launch_argv(Mode.PROFILE) == [
+        "/opt/vllm/bin/vllm", "serve", "m", "--host", "127.0.0.1", "--port", "8000",
+        "--profiler-config", '{"profiler": "torch"}',
+    ]
+
+
+def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path) -> None:
+    src = tmp_path / "c.toml"
+    src.write_text(MINIMAL)
+    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "term_grace_s = 30.0" in out  # defaults are shown
+    again = parse_config(out)
+    assert again == parse_config(MINIMAL)
+
+
+def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
+    src = tmp_path / "c.toml"
+    src.write_text(MINIMAL + "[gpus]\nbackend = \"cuda\"\n")
+    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert f"{src}: gpus.backend: Input should be 'nvml' or 'sim'" in r.stderr
+    assert r.stdout == ""
+
+
+def test_the_sim_backend_without_its_directory_is_refused() -> None:
+    errs = errors_of(MINIMAL + '[gpus]\nbackend = "sim"\n')
+    assert errs == ['test.toml: gpus: backend "sim" needs sim_dir, the simulated GPU host\'s directory']
+
+
+def test_json_round_trip_of_the_profile_argument_keeps_quotes_and_spaces() -> None:
+    config = load_config(ROOT / "config" / "kimi-supervisor.toml")
+    arg = config.modes.profile.args[-1]
+    assert json.loads(arg) == {"profiler": "torch",
+                               "torch_profiler_dir": "/var/lib/kimi-supervisor/traces"}

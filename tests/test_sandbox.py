@@ -1,0 +1,136 @@
+"""The sandbox as a user of it sees it: a real systemd unit running the fake vLLM on simulated
+GPUs, driven through the project's own unit file and systemd port."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from supervisor.config import load_config
+from supervisor.launcher import write_argv_file
+from supervisor.model import Mode
+from supervisor.ports import processes
+from supervisor.sandbox.sandbox import UNIT
+
+from .conftest import SandboxHelper, health, wait_until
+
+pytestmark = pytest.mark.systemd
+
+
+def post(url: str) -> int:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def test_the_unit_runs_the_fake_vllm_whose_workers_fill_the_gpus_and_stopping_returns_them(
+    sandbox: SandboxHelper,
+) -> None:
+    main_pid = sandbox.start_vllm("production")
+    status = sandbox.systemd.status(UNIT)
+    assert status.active_state == "active" and status.main_pid == main_pid
+    assert status.control_group.endswith(f"/app.slice/{UNIT}")
+    titles = {processes.cmdline_of(p)[0] for p in sandbox.systemd.cgroup_pids(UNIT)}
+    assert {"VLLM::EngineCore", *(f"VLLM::Worker_TP{i}" for i in range(4))} <= titles
+    assert [u - b for u, b in zip(sandbox.used(), sandbox.baseline(), strict=True)] == [90_000] * 4
+
+    sandbox.systemd.stop(UNIT)
+    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")
+    assert sandbox.used() == sandbox.baseline()
+    assert sandbox.systemd.status(UNIT).result == "success"
+
+
+def test_health_is_503_while_loading_and_200_once_ready(sandbox: SandboxHelper) -> None:
+    sandbox.fake(load_s=1.5)
+    sandbox.start_vllm("production", wait_ready=False)
+    wait_until(lambda: health(sandbox.config.vllm.health_url) == 503, 10, "503 while loading")
+    wait_until(lambda: health(sandbox.config.vllm.health_url) == 200, 10, "200 once ready")
+    log = sandbox.config.vllm.log_file
+    assert log is not None
+    text = log.read_text()
+    assert "Loading safetensors checkpoint shards: 100% Completed" in text
+    assert "Application startup complete." in text
+
+
+def test_the_profiler_config_json_arrives_byte_exact_in_vllms_argv(sandbox: SandboxHelper) -> None:
+    main_pid = sandbox.start_vllm("profile")
+    argv = processes.cmdline_of(main_pid)
+    expected = sandbox.config.launch_argv(Mode.PROFILE)
+    assert argv[-len(expected) + 1:] == expected[1:]
+    arg = argv[argv.index("--profiler-config") + 1]
+    assert arg == '{"profiler": "torch", "torch_profiler_dir": "%s/traces"}' % sandbox.sb.root
+
+
+def test_a_ghost_outside_the_unit_keeps_its_memory_after_the_unit_stops(
+    sandbox: SandboxHelper,
+) -> None:
+    sandbox.start_vllm("production")
+    ghost = sandbox.ghost(gpu="all", mib=6_000, title="python")
+    sandbox.systemd.stop(UNIT)
+    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")
+    assert processes.is_alive(ghost)
+    assert processes.comm_of(ghost.pid) == "python"
+    assert [u - b for u, b in zip(sandbox.used(), sandbox.baseline(), strict=True)] == [6_000] * 4
+    listed = {p.pid for d in sandbox.gpu.sample(sandbox.indices) for p in d.processes}
+    assert listed == {ghost.pid}
+
+
+def test_the_fakes_ghost_fault_escapes_the_units_cgroup(sandbox: SandboxHelper) -> None:
+    sandbox.fake(ghost_title="python3", ghost_mib=2_000, devices=[0, 1, 2, 3],
+                 ghost_cgroup_procs=sandbox.sb.ghost_cgroup_procs())
+    sandbox.start_vllm("production")
+    sandbox.systemd.stop(UNIT)
+    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")
+    listed = {p.pid for d in sandbox.gpu.sample(sandbox.indices) for p in d.processes}
+    assert len(listed) == 1
+    ghost = processes.ref_of(listed.pop())
+    assert ghost is not None
+    sandbox.started.append(ghost)  # ended by the fixture
+    assert processes.comm_of(ghost.pid) == "python3"
+    assert [u - b for u, b in zip(sandbox.used(), sandbox.baseline(), strict=True)] == [2_000] * 4
+
+
+def test_profiler_endpoints_write_traces_in_profile_mode_and_are_404_in_production(
+    sandbox: SandboxHelper,
+) -> None:
+    base = sandbox.config.vllm.health_url.removesuffix("/health")
+    sandbox.start_vllm("production")
+    assert post(base + "/start_profile") == 404
+    sandbox.systemd.stop(UNIT)
+    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")
+
+    sandbox.start_vllm("profile")
+    assert post(base + "/start_profile") == 200
+    assert post(base + "/stop_profile") == 200
+    traces = sorted((sandbox.sb.root / "traces").glob("*.pt.trace.json.gz"))
+    assert len(traces) >= 4 and all(t.stat().st_size > 0 for t in traces)
+    with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:
+        assert json.load(r)["data"][0]["id"] == "moonshotai/Kimi-K2.5"
+
+
+def test_starting_the_unit_without_an_argv_file_fails_with_the_reason_in_its_log(
+    sandbox: SandboxHelper,
+) -> None:
+    argv_file = sandbox.config.vllm.argv_file
+    argv_file.unlink(missing_ok=True)
+    sandbox.systemd.start(UNIT)
+    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to fail")
+    status = sandbox.systemd.status(UNIT)
+    assert status.active_state == "failed" and status.exec_main_status == 1
+    log = sandbox.config.vllm.log_file
+    assert log is not None and "vLLM is started by kimi-supervisor" in log.read_text()
+
+
+def test_sandbox_config_written_by_up_points_at_this_sandbox(sandbox: SandboxHelper) -> None:
+    config = load_config(sandbox.sb.config_path)
+    assert config.gpus.sim_dir == sandbox.sb.gpu_dir
+    assert config.vllm.argv_file == sandbox.sb.root / "run" / "kimi-supervisor" / "vllm-argv.json"
+    assert Path(config.vllm.command[0]).parent == sandbox.sb.root / "bin"
+    write_argv_file(config, Mode.PRODUCTION)
+    assert json.loads(config.vllm.argv_file.read_text())["mode"] == "production"
