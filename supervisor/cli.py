@@ -13,7 +13,11 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _config_path(arg: str | None) -> Path:
-    path = arg or os.environ.get("KIMI_SUPERVISOR_CONFIG") or "/etc/kimi-supervisor/kimi-supervisor.toml"
+    path = (
+        arg
+        or os.environ.get("KIMI_SUPERVISOR_CONFIG")
+        or "/etc/kimi-supervisor/kimi-supervisor.toml"
+    )
     return Path(path)
 
 
@@ -41,9 +45,12 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if args.sandbox_cmd == "up":
         sb = Sandbox.up(root, gpus=args.gpus, release_delay_s=args.release_delay)
-        print(f"# sandbox up in {sb.root}: systemd --user PID {sb.manager.pid}, "
-              f"{args.gpus} simulated GPU(s), config {sb.config_path}", file=sys.stderr)
-        print(f"# `eval \"$(cat {sb.root}/env.sh)\"` or paste these:", file=sys.stderr)
+        print(
+            f"# sandbox up in {sb.root}: systemd --user PID {sb.manager.pid}, "
+            f"{args.gpus} simulated GPU(s), config {sb.config_path}",
+            file=sys.stderr,
+        )
+        print(f'# `eval "$(cat {sb.root}/env.sh)"` or paste these:', file=sys.stderr)
         print(sb.exports(), end="")
     elif args.sandbox_cmd == "ghost":
         sb = Sandbox.attach(root)
@@ -72,8 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     up = sbs.add_parser("up", help="start a sandbox and print its shell exports")
     up.add_argument("--dir", required=True)
     up.add_argument("--gpus", type=int, default=8)
-    up.add_argument("--release-delay", type=float, default=0.0,
-                    help="seconds the simulated driver takes to free a dead process's memory")
+    up.add_argument(
+        "--release-delay",
+        type=float,
+        default=0.0,
+        help="seconds the simulated driver takes to free a dead process's memory",
+    )
     gh = sbs.add_parser("ghost", help="start a detached process outside every unit holding memory")
     gh.add_argument("--dir", required=True)
     gh.add_argument("--gpu", default="all", help="an index, a list like 0,1, or all")

@@ -98,7 +98,7 @@ class GpusConfig(_Strict):
             raise ValueError('backend "sim" needs sim_dir, the simulated GPU host\'s directory')
         for key in self.baseline_mib:
             if not key.isdigit():
-                raise ValueError(f"baseline_mib keys are GPU indices like \"0\", not {key!r}")
+                raise ValueError(f'baseline_mib keys are GPU indices like "0", not {key!r}')
         return self
 
 

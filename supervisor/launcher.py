@@ -23,8 +23,11 @@ class LaunchError(Exception):
 def write_argv_file(config: Config, mode: Mode) -> Path:
     path = config.vllm.argv_file
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"mode": mode.value, "argv": config.launch_argv(mode),
-               "written_at": utcnow().isoformat()}
+    payload = {
+        "mode": mode.value,
+        "argv": config.launch_argv(mode),
+        "written_at": utcnow().isoformat(),
+    }
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(payload, f, ensure_ascii=False)

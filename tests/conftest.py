@@ -3,6 +3,7 @@ per test session, reset to a clean state before each test that uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -27,7 +28,9 @@ from supervisor.sandbox.usermanager import unavailable_reason
 SANDBOX_GPUS = 4
 
 
-def wait_until(cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition") -> None:
+def wait_until(
+    cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
@@ -97,8 +100,12 @@ class SandboxHelper:
 
     def spawn(self, args: list[str], title: str | None = None) -> ProcessRef:
         """A plain child process of the test, outside every unit, ended after the test."""
-        proc = subprocess.Popen(args, env={**os.environ, **self.sb.env},
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            env={**os.environ, **self.sb.env},
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         ref = processes.ref_of(proc.pid)
         assert ref is not None
         self.started.append(ref)
@@ -116,10 +123,8 @@ class SandboxHelper:
             processes.send_signal(ref, signal.SIGKILL)
         for ref in self.started:
             wait_until(lambda r=ref: not processes.is_alive(r), 10, f"PID {ref.pid} to end")
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(ref.pid, 0)
-            except ChildProcessError:
-                pass
         self.started.clear()
         for leak in (self.sb.gpu_dir / "leak").iterdir():
             leak.unlink()
@@ -139,9 +144,13 @@ def sandbox(session_sandbox: Sandbox) -> Iterator[SandboxHelper]:
         # Anything left on the simulated GPUs means a test leaked a process: fail loudly.
         gpu = simgpu.SimGpu(session_sandbox.gpu_dir)
         try:
-            wait_until(lambda: all(d.used_mib == gpu.baseline_of(d.index)
-                                   for d in gpu.sample(helper.indices)), 10,
-                       "the simulated GPUs to return to baseline after the test")
+            wait_until(
+                lambda: all(
+                    d.used_mib == gpu.baseline_of(d.index) for d in gpu.sample(helper.indices)
+                ),
+                10,
+                "the simulated GPUs to return to baseline after the test",
+            )
         finally:
             gpu.close()
 

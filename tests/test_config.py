@@ -56,15 +56,20 @@ def test_an_unknown_key_is_one_error_naming_file_key_and_reason() -> None:
 
 
 def test_a_wrong_type_is_one_error_naming_the_key() -> None:
-    errs = errors_of(MINIMAL.replace(
-        'command = ["/opt/vllm/bin/vllm", "serve", "m"]', 'command = "vllm serve m"'))
+    errs = errors_of(
+        MINIMAL.replace(
+            'command = ["/opt/vllm/bin/vllm", "serve", "m"]', 'command = "vllm serve m"'
+        )
+    )
     assert len(errs) == 1
     assert errs[0].startswith("test.toml: vllm.command: ")
     assert "list" in errs[0]
 
 
 def test_a_missing_mode_is_one_error_naming_the_mode() -> None:
-    text = MINIMAL.replace("[modes.profile]\nargs = [\"--profiler-config\", '{\"profiler\": \"torch\"}']\n", "")
+    text = MINIMAL.replace(
+        '[modes.profile]\nargs = ["--profiler-config", \'{"profiler": "torch"}\']\n', ""
+    )
     assert errors_of(text) == ["test.toml: modes.profile: required key is missing"]
 
 
@@ -91,16 +96,27 @@ def test_host_and_port_come_from_one_place() -> None:
 def test_mode_arguments_follow_the_command_byte_for_byte() -> None:
     config = parse_config(MINIMAL)
     assert config.launch_argv(Mode.PROFILE) == [
-        "/opt/vllm/bin/vllm", "serve", "m", "--host", "127.0.0.1", "--port", "8000",
-        "--profiler-config", '{"profiler": "torch"}',
+        "/opt/vllm/bin/vllm",
+        "serve",
+        "m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--profiler-config",
+        '{"profiler": "torch"}',
     ]
 
 
 def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path) -> None:
     src = tmp_path / "c.toml"
     src.write_text(MINIMAL)
-    out = subprocess.run([sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "term_grace_s = 30.0" in out  # defaults are shown
     again = parse_config(out)
     assert again == parse_config(MINIMAL)
@@ -108,9 +124,12 @@ def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path
 
 def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
     src = tmp_path / "c.toml"
-    src.write_text(MINIMAL + "[gpus]\nbackend = \"cuda\"\n")
-    r = subprocess.run([sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
-                       capture_output=True, text=True)
+    src.write_text(MINIMAL + '[gpus]\nbackend = "cuda"\n')
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert f"{src}: gpus.backend: Input should be 'nvml' or 'sim'" in r.stderr
     assert r.stdout == ""
@@ -118,11 +137,15 @@ def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
 
 def test_the_sim_backend_without_its_directory_is_refused() -> None:
     errs = errors_of(MINIMAL + '[gpus]\nbackend = "sim"\n')
-    assert errs == ['test.toml: gpus: backend "sim" needs sim_dir, the simulated GPU host\'s directory']
+    assert errs == [
+        'test.toml: gpus: backend "sim" needs sim_dir, the simulated GPU host\'s directory'
+    ]
 
 
 def test_json_round_trip_of_the_profile_argument_keeps_quotes_and_spaces() -> None:
     config = load_config(ROOT / "config" / "kimi-supervisor.toml")
     arg = config.modes.profile.args[-1]
-    assert json.loads(arg) == {"profiler": "torch",
-                               "torch_profiler_dir": "/var/lib/kimi-supervisor/traces"}
+    assert json.loads(arg) == {
+        "profiler": "torch",
+        "torch_profiler_dir": "/var/lib/kimi-supervisor/traces",
+    }

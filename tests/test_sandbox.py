@@ -62,9 +62,10 @@ def test_the_profiler_config_json_arrives_byte_exact_in_vllms_argv(sandbox: Sand
     main_pid = sandbox.start_vllm("profile")
     argv = processes.cmdline_of(main_pid)
     expected = sandbox.config.launch_argv(Mode.PROFILE)
-    assert argv[-len(expected) + 1:] == expected[1:]
+    assert argv[-len(expected) + 1 :] == expected[1:]
     arg = argv[argv.index("--profiler-config") + 1]
-    assert arg == '{"profiler": "torch", "torch_profiler_dir": "%s/traces"}' % sandbox.sb.root
+    traces = f"{sandbox.sb.root}/traces"
+    assert arg == '{"profiler": "torch", "torch_profiler_dir": "' + traces + '"}'
 
 
 def test_a_ghost_outside_the_unit_keeps_its_memory_after_the_unit_stops(
@@ -82,8 +83,12 @@ def test_a_ghost_outside_the_unit_keeps_its_memory_after_the_unit_stops(
 
 
 def test_the_fakes_ghost_fault_escapes_the_units_cgroup(sandbox: SandboxHelper) -> None:
-    sandbox.fake(ghost_title="python3", ghost_mib=2_000, devices=[0, 1, 2, 3],
-                 ghost_cgroup_procs=sandbox.sb.ghost_cgroup_procs())
+    sandbox.fake(
+        ghost_title="python3",
+        ghost_mib=2_000,
+        devices=[0, 1, 2, 3],
+        ghost_cgroup_procs=sandbox.sb.ghost_cgroup_procs(),
+    )
     sandbox.start_vllm("production")
     sandbox.systemd.stop(UNIT)
     wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")

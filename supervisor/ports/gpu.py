@@ -96,8 +96,9 @@ class NvmlGpu:
                 ]
             except nv.NVMLError as e:
                 raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
-            out.append(DeviceSample(index, int(mem.used) // MIB, int(mem.total) // MIB,
-                                    tuple(procs)))
+            out.append(
+                DeviceSample(index, int(mem.used) // MIB, int(mem.total) // MIB, tuple(procs))
+            )
         return out
 
     def device_path(self, index: int) -> str:

@@ -63,7 +63,9 @@ def ref_of(pid: int) -> ProcessRef | None:
 def is_alive(ref: ProcessRef) -> bool:
     """True while the process exists and is not a zombie (a zombie has closed its files)."""
     fields = _stat_fields(ref.pid)
-    return bool(fields) and int(fields[19]) == ref.start_ticks and fields[0] not in ("Z", "X")
+    if not fields:
+        return False
+    return int(fields[19]) == ref.start_ticks and fields[0] not in ("Z", "X")
 
 
 def state_of(pid: int) -> str:

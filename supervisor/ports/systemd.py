@@ -58,7 +58,7 @@ class PystemdSystemd:
         self.bus_address = bus_address
         self._bus: Any = None
 
-    # -- connection ---------------------------------------------------------------------------
+    # -- connection --
     def _connect(self) -> Any:
         if self._bus is not None:
             return self._bus
@@ -109,7 +109,7 @@ class PystemdSystemd:
             self.close()
             raise SystemdError(f"{what} failed: {e}") from e
 
-    # -- the port ---------------------------------------------------------------------------------
+    # -- the port --
     def status(self, unit: str) -> UnitStatus:
         u = self._unit(unit)
 
@@ -139,8 +139,9 @@ class PystemdSystemd:
 
     def kill(self, unit: str, who: Who, sig: int) -> None:
         u = self._unit(unit)
-        self._call(f"killing {unit} ({who}, {signal.Signals(sig).name})", u.Unit.Kill,
-                   who.encode(), sig)
+        self._call(
+            f"killing {unit} ({who}, {signal.Signals(sig).name})", u.Unit.Kill, who.encode(), sig
+        )
 
     def reset_failed(self, unit: str) -> None:
         u = self._unit(unit)

@@ -108,8 +108,17 @@ def worker_main(rank: int) -> None:
 
 def _spawn_ghost(opts: FakeOptions) -> None:
     devices = ",".join(str(d) for d in (opts.devices or []))
-    args = [sys.executable, "-m", "supervisor.sandbox.ghost", "--title", opts.ghost_title or "",
-            "--mib", str(opts.ghost_mib), "--gpu", devices or "all"]
+    args = [
+        sys.executable,
+        "-m",
+        "supervisor.sandbox.ghost",
+        "--title",
+        opts.ghost_title or "",
+        "--mib",
+        str(opts.ghost_mib),
+        "--gpu",
+        devices or "all",
+    ]
     for procs in opts.ghost_cgroup_procs:
         args += ["--cgroup-procs", procs]
     ghost = subprocess.Popen(args, stdout=subprocess.PIPE, start_new_session=True)
@@ -161,8 +170,10 @@ class Server:
         out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
         out.mkdir(parents=True, exist_ok=True)
         stamp = int(time.time() * 1000)
-        paths = [out / f"fake-host_{os.getpid()}.rank{r}.{stamp}.pt.trace.json.gz"
-                 for r in range(self.args.tensor_parallel_size)]
+        paths = [
+            out / f"fake-host_{os.getpid()}.rank{r}.{stamp}.pt.trace.json.gz"
+            for r in range(self.args.tensor_parallel_size)
+        ]
         # Flushing takes a while and the files grow as it goes, as torch's exporter does.
         steps = 5
         for i in range(steps):
@@ -191,8 +202,13 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
             if self.path == "/health":
                 self._send(200 if server.ready.is_set() else 503)
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [
-                    {"id": server.args.model, "object": "model", "owned_by": "vllm"}]})
+                self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": server.args.model, "object": "model", "owned_by": "vllm"}],
+                    },
+                )
             else:
                 self._send(404, {"detail": "Not Found"})
 
@@ -218,8 +234,10 @@ def _load(opts: FakeOptions) -> None:
             log(f"loading stalls at {pct}% (simulated hang)")
             threading.Event().wait()
         time.sleep(opts.load_s / shards)
-        print(f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{shards}",
-              flush=True)
+        print(
+            f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{shards}",
+            flush=True,
+        )
 
 
 def serve_main(argv: list[str]) -> None:
@@ -235,8 +253,10 @@ def serve_main(argv: list[str]) -> None:
     stop = threading.Event()
     _terminate_on_signal(opts, lambda *_: stop.set())
 
-    log(f"vLLM API server version 0.16.0 (fake) serving {args.model} "
-        f"with tensor parallel {args.tensor_parallel_size}")
+    log(
+        f"vLLM API server version 0.16.0 (fake) serving {args.model} "
+        f"with tensor parallel {args.tensor_parallel_size}"
+    )
     if server.profiler is not None:
         log(f"Torch profiler enabled: {json.dumps(server.profiler)}")
     http = ThreadingHTTPServer((args.host, args.port), _handler(server))

@@ -42,8 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mib", type=int, default=1024)
     p.add_argument("--hidden", action="store_true", help="hide from the GPU's process lists")
     p.add_argument("--ignore-sigterm", action="store_true")
-    p.add_argument("--cgroup-procs", action="append", default=[],
-                   help="cgroup.procs file(s) to move into, leaving the starter's cgroup")
+    p.add_argument(
+        "--cgroup-procs",
+        action="append",
+        default=[],
+        help="cgroup.procs file(s) to move into, leaving the starter's cgroup",
+    )
     args = p.parse_args(argv)
     if args.title:
         setproctitle(args.title)

@@ -44,8 +44,10 @@ class SandboxError(Exception):
 def project_file(*parts: str) -> Path:
     path = PROJECT_ROOT.joinpath(*parts)
     if not path.exists():
-        raise SandboxError(f"{path} is missing: run from a checkout of kimi-supervisor "
-                           "installed with `pip install -e .`")
+        raise SandboxError(
+            f"{path} is missing: run from a checkout of kimi-supervisor "
+            "installed with `pip install -e .`"
+        )
     return path
 
 
@@ -81,7 +83,7 @@ class Sandbox:
     root: Path
     manager: UserManager
 
-    # -- paths --------------------------------------------------------------------------------------
+    # -- paths --
     @property
     def config_path(self) -> Path:
         return self.root / "kimi-supervisor.toml"
@@ -103,20 +105,25 @@ class Sandbox:
 
     @property
     def env(self) -> dict[str, str]:
-        return {**self.manager.env, "KIMI_SIM_GPU_DIR": str(self.gpu_dir),
-                "KIMI_SUPERVISOR_CONFIG": str(self.config_path)}
+        return {
+            **self.manager.env,
+            "KIMI_SIM_GPU_DIR": str(self.gpu_dir),
+            "KIMI_SUPERVISOR_CONFIG": str(self.config_path),
+        }
 
     def exports(self) -> str:
         return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.env.items())
 
-    # -- lifecycle ------------------------------------------------------------------------------
+    # -- lifecycle --
     @classmethod
     def up(cls, root: Path, gpus: int = 8, release_delay_s: float = 0.0) -> Sandbox:
         root = root.resolve()
         existing = UserManager.attach(root)
         if existing is not None:
-            raise SandboxError(f"a sandbox is already running in {root} (manager PID "
-                               f"{existing.pid}); `kimi-supervisor sandbox down --dir {root}`")
+            raise SandboxError(
+                f"a sandbox is already running in {root} (manager PID "
+                f"{existing.pid}); `kimi-supervisor sandbox down --dir {root}`"
+            )
         if gpus < 1:
             raise SandboxError("--gpus must be at least 1")
         for d in ("logs", "bin", "state"):
@@ -135,8 +142,10 @@ class Sandbox:
     def attach(cls, root: Path) -> Sandbox:
         manager = UserManager.attach(root)
         if manager is None:
-            raise SandboxError(f"no sandbox is running in {root}: start one with "
-                               f"`kimi-supervisor sandbox up --dir {root}`")
+            raise SandboxError(
+                f"no sandbox is running in {root}: start one with "
+                f"`kimi-supervisor sandbox up --dir {root}`"
+            )
         return cls(root.resolve(), manager)
 
     def _install(self, gpus: int) -> None:
@@ -148,7 +157,8 @@ class Sandbox:
         entry.write_text(
             f"#!{sys.executable}\n"
             "# The sandbox's vllm: the fake from kimi-supervisor, with vLLM's CLI shape.\n"
-            "from supervisor.sandbox.fake_vllm import main\nmain()\n")
+            "from supervisor.sandbox.fake_vllm import main\nmain()\n"
+        )
         entry.chmod(0o755)
         unit_dir = self.manager.unit_dir
         for unit in project_file("units").glob("*.service"):
@@ -164,7 +174,8 @@ class Sandbox:
             f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
             f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
             f"StandardOutput=append:{self.vllm_log}\n"
-            f"StandardError=append:{self.vllm_log}\n")
+            f"StandardError=append:{self.vllm_log}\n"
+        )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())
 
@@ -175,18 +186,38 @@ class Sandbox:
         """cgroup.procs files of the sandbox's own top cgroup: outside every unit."""
         return [str(d / "cgroup.procs") for d in self.manager.cgroup_dirs]
 
-    def start_ghost(self, gpu: str = "all", mib: int = 1024, title: str = "python",
-                    hidden: bool = False, ignore_sigterm: bool = False) -> ProcessRef:
+    def start_ghost(
+        self,
+        gpu: str = "all",
+        mib: int = 1024,
+        title: str = "python",
+        hidden: bool = False,
+        ignore_sigterm: bool = False,
+    ) -> ProcessRef:
         """A detached process outside every unit holding `mib` MiB on `gpu`; returns it once
         it holds them."""
-        args = [sys.executable, "-m", "supervisor.sandbox.ghost", "--gpu", gpu, "--mib", str(mib),
-                "--title", title]
+        args = [
+            sys.executable,
+            "-m",
+            "supervisor.sandbox.ghost",
+            "--gpu",
+            gpu,
+            "--mib",
+            str(mib),
+            "--title",
+            title,
+        ]
         if hidden:
             args.append("--hidden")
         if ignore_sigterm:
             args.append("--ignore-sigterm")
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                env={**os.environ, **self.env}, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         assert proc.stdout is not None
         line = proc.stdout.readline()
         proc.stdout.close()

@@ -44,8 +44,13 @@ def create_host(
         (root / "dev" / name).touch()
     host = {
         "devices": [
-            {"index": i, "total_mib": total_mib, "baseline_mib": baseline_mib,
-             "uuid": f"GPU-sim-{i:04d}", "name": "Simulated NVIDIA H200"}
+            {
+                "index": i,
+                "total_mib": total_mib,
+                "baseline_mib": baseline_mib,
+                "uuid": f"GPU-sim-{i:04d}",
+                "name": "Simulated NVIDIA H200",
+            }
             for i in range(gpus)
         ],
         "release_delay_s": release_delay_s,
@@ -89,8 +94,16 @@ class Allocation:
         ref = processes.ref_of(os.getpid())
         assert ref is not None
         self.record = root / "alloc" / f"{ref.pid}.{ref.start_ticks}.{index}"
-        _write_json(self.record, {"pid": ref.pid, "start_ticks": ref.start_ticks,
-                                  "device": index, "mib": mib, "hidden": hidden})
+        _write_json(
+            self.record,
+            {
+                "pid": ref.pid,
+                "start_ticks": ref.start_ticks,
+                "device": index,
+                "mib": mib,
+                "hidden": hidden,
+            },
+        )
 
     def free(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -186,8 +199,9 @@ class SimGpu:
             if rec is not None and rec["device"] in used:
                 used[rec["device"]] += rec["mib"]
         return [
-            DeviceSample(d.index, min(used[d.index], d.total_mib), d.total_mib,
-                         tuple(procs[d.index]))
+            DeviceSample(
+                d.index, min(used[d.index], d.total_mib), d.total_mib, tuple(procs[d.index])
+            )
             for d in devices
         ]
 

@@ -102,18 +102,26 @@ class UserManager:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"XDG_RUNTIME_DIR": str(self.runtime_dir),
-                "DBUS_SESSION_BUS_ADDRESS": self.bus_address}
+        return {
+            "XDG_RUNTIME_DIR": str(self.runtime_dir),
+            "DBUS_SESSION_BUS_ADDRESS": self.bus_address,
+        }
 
     @property
     def cgroup_dirs(self) -> list[Path]:
         return [h / self.name for h in cgroup_hierarchies()]
 
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["systemctl", "--user", *args], env={**os.environ, **self.env},
-                              capture_output=True, text=True, check=check, timeout=60)
+        return subprocess.run(
+            ["systemctl", "--user", *args],
+            env={**os.environ, **self.env},
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=60,
+        )
 
-    # -- lifecycle --------------------------------------------------------------------------------
+    # -- lifecycle --
     @classmethod
     def start(cls, root: Path, timeout_s: float = 30.0) -> UserManager:
         reason = unavailable_reason()
@@ -127,7 +135,8 @@ class UserManager:
         os.chmod(root / "run", 0o700)
         # Short stop timeouts so that shutting the sandbox down is quick.
         (root / "config" / "systemd" / "user.conf").write_text(
-            "[Manager]\nDefaultTimeoutStopSec=5s\n")
+            "[Manager]\nDefaultTimeoutStopSec=5s\n"
+        )
         systemd = systemd_binary()
         assert systemd is not None
         env = {
@@ -143,7 +152,11 @@ class UserManager:
         log = open(state / "manager.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", _INIT],
-            env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
         )
         log.close()
         mgr = cls(root, name, proc.pid)
@@ -154,10 +167,15 @@ class UserManager:
             raise
         ref = processes.ref_of(proc.pid)
         dbus = _read_pid(state / "dbus.pid")
-        (state / "pids.json").write_text(json.dumps({
-            "name": name, "manager": [ref.pid, ref.start_ticks] if ref else None,
-            "dbus": [dbus.pid, dbus.start_ticks] if dbus else None,
-        }))
+        (state / "pids.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "manager": [ref.pid, ref.start_ticks] if ref else None,
+                    "dbus": [dbus.pid, dbus.start_ticks] if dbus else None,
+                }
+            )
+        )
         return mgr
 
     @classmethod
@@ -182,7 +200,8 @@ class UserManager:
             if proc.poll() is not None:
                 log = (self.root / "manager" / "manager.log").read_text(errors="replace")
                 raise ManagerUnavailable(
-                    f"systemd --user exited with {proc.returncode}: {log.strip()[-800:]}")
+                    f"systemd --user exited with {proc.returncode}: {log.strip()[-800:]}"
+                )
             if (self.runtime_dir / "bus").exists():
                 try:
                     with DBusAddress(self.bus_address.encode()) as bus:

@@ -1,0 +1,31 @@
+# kimi-supervisor. `make test` and `make demo` do all set-up on a fresh Debian 12 machine (root).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup test lint typecheck pytest bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/setup-system.sh
+	sh scripts/setup-system.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+lint: setup
+	$(BIN)/ruff check supervisor tests bench
+	$(BIN)/ruff format --check supervisor tests bench
+
+typecheck: setup
+	$(BIN)/mypy supervisor
+
+pytest: setup
+	$(BIN)/pytest -q
+
+# The whole suite: lint, types, tests (real systemd user manager, real processes, simulated GPUs).
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
