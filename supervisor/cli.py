@@ -6,8 +6,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from supervisor.config import ConfigError, load_config
+from supervisor.config import Config, ConfigError, load_config
+
+if TYPE_CHECKING:
+    from supervisor.model import TeardownReport
+    from supervisor.ports.gpu import GpuPort
+    from supervisor.ports.systemd import PystemdSystemd
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -26,6 +32,92 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"# {args.path}: valid. Effective configuration, defaults included:")
     print(config.effective_toml(), end="")
     return EXIT_OK
+
+
+def _ports(config: Config) -> tuple[PystemdSystemd, GpuPort]:
+    from supervisor.ports.gpu import make_gpu
+    from supervisor.ports.systemd import PystemdSystemd
+
+    return (
+        PystemdSystemd(config.systemd.scope, config.systemd.bus_address),
+        make_gpu(config.gpus.backend, config.gpus.sim_dir),
+    )
+
+
+def managed_indices(config: Config, gpu: GpuPort) -> list[int]:
+    return list(config.gpus.managed) or list(range(gpu.device_count()))
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from supervisor import baseline
+
+    config = load_config(_config_path(args.config))
+    _, gpu = _ports(config)
+    try:
+        fresh = baseline.calibrate(gpu, managed_indices(config, gpu))
+    except baseline.BaselineError as e:
+        print(f"kimi-supervisor calibrate: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    baseline.save(config.state.dir, fresh)
+    for index, mib in sorted(fresh.devices.items()):
+        print(f"GPU {index}: baseline {mib} MiB")
+    print(f"driver {fresh.driver_version}; saved to {baseline.baseline_path(config.state.dir)}")
+    return EXIT_OK
+
+
+def cmd_teardown(args: argparse.Namespace) -> int:
+    from supervisor import baseline, history, log
+    from supervisor.ports.clock import SystemClock
+    from supervisor.teardown import Teardown
+
+    config = load_config(_config_path(args.config))
+    systemd, gpu = _ports(config)
+    indices = managed_indices(config, gpu)
+    base = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
+    log.configure(stream=sys.stderr)
+    logger = log.get()
+    report = Teardown(
+        config,
+        systemd,
+        gpu,
+        SystemClock(),
+        base,
+        on_event=lambda kind, data: logger.info(kind, **data),
+    ).run()
+    history.append(config.state.dir, "teardown", report)
+    if args.json:
+        print(report.model_dump_json(indent=2))
+    else:
+        print(format_report(report))
+    return EXIT_OK if report.outcome.value == "clean" else EXIT_FAILED
+
+
+def format_report(report: TeardownReport) -> str:
+    lines = [
+        f"teardown of {report.unit}: {report.outcome.value.upper()} in {report.duration_s:.2f} s"
+    ]
+    for s in report.steps:
+        lines.append(f"  {s.step.value:<17} {s.duration_s:6.2f} s  {s.note}")
+    for k in report.kills:
+        if k.signal == "SIGKILL":
+            title = " ".join(k.process.cmdline)[:60] or k.process.comm
+            lines.append(
+                f"  killed PID {k.process.pid} ({title}) in {k.step.value}: "
+                f"{k.evidence.value}; {k.result}"
+            )
+    for d in report.devices:
+        lines.append(f"  GPU {d.index}: {d.used_mib} MiB used, baseline {d.baseline_mib} MiB")
+    if report.shm_removed:
+        lines.append(f"  removed from /dev/shm: {', '.join(report.shm_removed)}")
+    if report.outcome.value != "clean":
+        lines.append(f"  diagnosis: {report.diagnosis}")
+        for h in report.remaining:
+            lines.append(
+                f"  still there: PID {h.process.pid} [{h.process.state}] "
+                f"{' '.join(h.process.cmdline)[:60]} ({h.unit or 'no unit'}): {h.why}"
+            )
+        lines.append(f"  next: {report.next_action}")
+    return "\n".join(lines)
 
 
 def cmd_launch_vllm(args: argparse.Namespace) -> int:
@@ -70,6 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("path", type=Path)
     c.set_defaults(fn=cmd_check_config)
 
+    c = sub.add_parser("calibrate", help="measure each managed GPU's baseline footprint")
+    c.add_argument("--config", default=None)
+    c.set_defaults(fn=cmd_calibrate)
+
+    c = sub.add_parser("teardown", help="tear the unit down now until the GPUs are verified clean")
+    c.add_argument("--config", default=None)
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(fn=cmd_teardown)
+
     c = sub.add_parser("launch-vllm", help="(used by the unit) exec vLLM with the argv from a file")
     c.add_argument("--argv-file", required=True)
     c.set_defaults(fn=cmd_launch_vllm)
@@ -105,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kimi-supervisor: configuration error:\n{e}", file=sys.stderr)
         return EXIT_USAGE
     except Exception as e:
+        from supervisor.baseline import BaselineError
         from supervisor.ports.gpu import GpuUnavailable
         from supervisor.ports.systemd import SystemdError
         from supervisor.sandbox.sandbox import SandboxError
         from supervisor.sandbox.usermanager import ManagerUnavailable
 
-        if isinstance(e, GpuUnavailable | SystemdError | SandboxError | ManagerUnavailable):
+        known = (GpuUnavailable, SystemdError, SandboxError, ManagerUnavailable, BaselineError)
+        if isinstance(e, known):
             print(f"kimi-supervisor: {e}", file=sys.stderr)
             return EXIT_FAILED
         raise

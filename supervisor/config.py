@@ -109,6 +109,8 @@ class TeardownConfig(_Strict):
     holders_timeout_s: PositiveSeconds = 10.0
     release_timeout_s: PositiveSeconds = 60.0
     poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.02
+    # After killing a GPU holder whose parent lives on, how long to watch for a respawn.
+    respawn_watch_s: Annotated[float, Field(ge=0)] = 1.0
     # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
     stray_patterns: list[str] = Field(default_factory=list)
     # Never signalled, in addition to the built-in list (matched against comm and argv[0] name).

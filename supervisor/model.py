@@ -41,6 +41,7 @@ class Evidence(enum.StrEnum):
     LISTENS_ON_PORT = "listens on vLLM's port"
     VLLM_SIGNATURE = "carries vLLM's signature and uses a managed GPU"
     NVML_LISTED = "NVML lists it as a process on a managed GPU"
+    RESPAWNS = "its children came back on a managed GPU after being killed"
     DEVICE_FD = "holds a managed /dev/nvidiaN open while memory is unexplained"
 
 

@@ -93,8 +93,13 @@ def cmdline_of(pid: int) -> list[str]:
     parts = raw.split(b"\0")
     if parts and parts[-1] == b"":
         parts.pop()
-    # setproctitle writes the title over argv and pads with NULs; keep what is there.
-    return [p.decode(errors="replace") for p in parts]
+    out = [p.decode(errors="replace") for p in parts]
+    # setproctitle writes the title over argv and pads it: keep the title, not the padding.
+    while out and not out[-1].strip():
+        out.pop()
+    if out:
+        out[-1] = out[-1].rstrip()
+    return out
 
 
 def cgroup_of(pid: int) -> str:

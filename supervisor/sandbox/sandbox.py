@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import baseline
 from supervisor.config import Config, load_config, parse_config
 from supervisor.ports import processes
 from supervisor.ports.processes import ProcessRef
@@ -126,7 +127,7 @@ class Sandbox:
             )
         if gpus < 1:
             raise SandboxError("--gpus must be at least 1")
-        for d in ("logs", "bin", "state"):
+        for d in ("logs", "bin", "state", "shm"):
             (root / d).mkdir(parents=True, exist_ok=True)
         simgpu.create_host(root / "gpu", gpus, release_delay_s=release_delay_s)
         manager = UserManager.start(root)
@@ -178,6 +179,12 @@ class Sandbox:
         )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())
+        # The simulated GPUs are idle now: calibrate their baseline, as the daemon does at boot.
+        gpu = simgpu.SimGpu(self.gpu_dir)
+        try:
+            baseline.save(config.state.dir, baseline.calibrate(gpu, list(range(gpus))))
+        finally:
+            gpu.close()
 
     def set_fake_options(self, opts: FakeOptions) -> None:
         opts.save(self.fake_options_path)

@@ -1,0 +1,264 @@
+"""The teardown, scenario by scenario, in the sandbox: a real systemd user manager, real
+processes, simulated GPUs. Each ends CLEAN with the GPUs at baseline unless said otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+
+from supervisor import baseline
+from supervisor.model import Evidence, Outcome, Step, TeardownReport
+from supervisor.ports import processes
+from supervisor.ports.clock import SystemClock
+from supervisor.sandbox import simgpu
+from supervisor.sandbox.sandbox import UNIT
+from supervisor.teardown import Teardown
+
+from .conftest import SandboxHelper, wait_until
+
+pytestmark = pytest.mark.systemd
+
+
+class Run:
+    def __init__(self, report: TeardownReport, events: list[tuple[str, dict[str, Any]]]) -> None:
+        self.report = report
+        self.events = events
+
+    def step(self, step: Step) -> Any:
+        return next(s for s in self.report.steps if s.step is step)
+
+    def killed(self, step: Step | None = None) -> set[int]:
+        return {
+            k.process.pid
+            for k in self.report.kills
+            if k.signal == "SIGKILL" and (step is None or k.step is step)
+        }
+
+    def ran(self) -> list[Step]:
+        return [s.step for s in self.report.steps if not s.skipped]
+
+
+def teardown(sandbox: SandboxHelper) -> Run:
+    events: list[tuple[str, dict[str, Any]]] = []
+    base = baseline.load(sandbox.config.state.dir)
+    assert base is not None, "sandbox up calibrates the baseline"
+    gpu = simgpu.SimGpu(sandbox.sb.gpu_dir)
+    try:
+        report = Teardown(
+            sandbox.config,
+            sandbox.systemd,
+            gpu,
+            SystemClock(),
+            base.devices,
+            on_event=lambda kind, data: events.append((kind, data)),
+        ).run()
+    finally:
+        gpu.close()
+    return Run(report, events)
+
+
+def assert_clean(sandbox: SandboxHelper, run: Run) -> None:
+    assert run.report.outcome is Outcome.CLEAN, run.report.diagnosis
+    assert sandbox.used() == sandbox.baseline()
+    assert sandbox.systemd.status(UNIT).inactive
+    assert os.getpid() not in run.killed(), "the supervisor never targets itself"
+
+
+def test_a_well_behaved_vllm_ends_after_stopping_the_unit(sandbox: SandboxHelper) -> None:
+    sandbox.start_vllm()
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert Step.STOP_UNIT in run.ran()
+    assert not {Step.KILL_CGROUP, Step.KILL_STRAYS, Step.KILL_GPU_HOLDERS} & set(run.ran())
+    assert run.killed() == set()
+    # No grace period waited for: the fake shuts down in well under a second.
+    assert run.step(Step.STOP_UNIT).duration_s < sandbox.config.teardown.term_grace_s / 2
+
+
+def test_a_vllm_that_ignores_sigterm_is_cleared_by_the_cgroup_kill_after_the_grace(
+    sandbox: SandboxHelper,
+) -> None:
+    sandbox.fake(ignore_sigterm=True)
+    sandbox.start_vllm()
+    in_unit = set(sandbox.systemd.cgroup_pids(UNIT))
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    grace = sandbox.config.teardown.term_grace_s
+    assert run.step(Step.STOP_UNIT).duration_s >= grace
+    assert run.killed(Step.KILL_CGROUP) == in_unit
+    assert run.step(Step.KILL_CGROUP).duration_s < 2.0
+
+
+def test_a_ghost_with_an_innocuous_title_on_every_gpu_is_killed_as_a_gpu_holder(
+    sandbox: SandboxHelper,
+) -> None:
+    sandbox.start_vllm()
+    ghost = sandbox.ghost(gpu="all", mib=8_000, title="python")
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert run.killed() == {ghost.pid}
+    kill = next(k for k in run.report.kills if k.signal == "SIGKILL")
+    assert kill.step is Step.KILL_GPU_HOLDERS and kill.evidence is Evidence.NVML_LISTED
+    assert kill.process.comm == "python" and kill.process.start_time > 0
+    assert [k.signal for k in run.report.kills] == ["SIGSTOP", "SIGKILL"]
+
+
+def test_a_stray_vllm_worker_outside_the_unit_is_killed_as_a_stray(sandbox: SandboxHelper) -> None:
+    sandbox.start_vllm()
+    stray = sandbox.ghost(gpu="3", mib=4_000, title="VLLM::Worker_TP3")
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert run.killed(Step.KILL_STRAYS) == {stray.pid}
+    assert run.report.kills[-1].evidence is Evidence.VLLM_SIGNATURE
+
+
+def test_a_process_that_escaped_the_units_tree_is_killed_as_a_stray(
+    sandbox: SandboxHelper,
+) -> None:
+    sandbox.fake(
+        ghost_title="python3",
+        ghost_mib=2_000,
+        devices=[0, 1, 2, 3],
+        ghost_cgroup_procs=sandbox.sb.ghost_cgroup_procs(),
+    )
+    sandbox.start_vllm()
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert len(run.killed(Step.KILL_STRAYS)) == 1
+    assert run.report.kills[-1].process.comm == "python3"
+
+
+RESPAWNER = textwrap.dedent("""
+    import subprocess, sys
+    from setproctitle import setproctitle
+    setproctitle("python")
+    while True:
+        child = subprocess.Popen([sys.executable, "-m", "supervisor.sandbox.ghost",
+                                  "--gpu", "1", "--mib", "3000", "--title", "python"],
+                                 stdout=subprocess.DEVNULL)
+        child.wait()
+""")
+
+
+def test_a_respawning_parent_outside_the_unit_leaves_no_child_alive(
+    sandbox: SandboxHelper,
+) -> None:
+    parent = sandbox.spawn([sys.executable, "-c", RESPAWNER])
+    wait_until(lambda: any(d.processes for d in sandbox.gpu.sample([1])), 10, "the first child")
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert not processes.is_alive(parent)
+    evidences = {k.evidence for k in run.report.kills if k.signal == "SIGKILL"}
+    assert Evidence.RESPAWNS in evidences
+    time.sleep(0.3)  # a survivor would have started a new child by now
+    assert sandbox.used() == sandbox.baseline()
+
+
+def test_a_stopped_holder_is_killed(sandbox: SandboxHelper) -> None:
+    ghost = sandbox.ghost(gpu="0", mib=5_000, title="python")
+    os.kill(ghost.pid, signal.SIGSTOP)
+    wait_until(lambda: processes.state_of(ghost.pid) == "T", 5, "the ghost to stop")
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert run.killed() == {ghost.pid}
+
+
+def test_a_holder_nvml_does_not_list_is_found_by_its_descriptors_and_protected_ones_survive(
+    sandbox: SandboxHelper,
+) -> None:
+    hidden = sandbox.ghost(gpu="2", mib=7_000, title="python", hidden=True)
+    persistenced = sandbox.ghost(gpu="all", mib=0, title="nvidia-persistenced")
+    dcgm = sandbox.ghost(gpu="all", mib=0, title="dcgm-exporter")
+    ctl = sandbox.sb.gpu_dir / "dev" / "nvidiactl"
+    control_only = sandbox.spawn(
+        [sys.executable, "-c", f"import time; f = open({str(ctl)!r}); time.sleep(600)"]
+    )
+    wait_until(lambda: processes.holds_any(control_only.pid, [str(ctl)]), 5, "ctl opened")
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    assert run.killed() == {hidden.pid}
+    assert run.report.kills[-1].evidence is Evidence.DEVICE_FD
+    assert "nvidia2" in run.report.kills[-1].reason
+    for survivor in (persistenced, dcgm, control_only):
+        assert processes.is_alive(survivor)
+
+
+def test_memory_the_driver_releases_slowly_is_waited_for_with_progress(
+    sandbox: SandboxHelper,
+) -> None:
+    simgpu.set_release_delay(sandbox.sb.gpu_dir, 1.5)
+    sandbox.start_vllm()
+    run = teardown(sandbox)
+    assert_clean(sandbox, run)
+    readings = [
+        [d["used_mib"] for d in data["devices"]] for kind, data in run.events if kind == "gpus"
+    ]
+    assert readings[0] == [90_615] * 4 and readings[-1] == [615] * 4
+    assert run.killed() == set(), "draining memory is waited for, never blamed on a process"
+    assert len(readings) >= 2
+
+
+def test_memory_held_with_no_process_ends_stuck_within_the_deadlines_with_a_diagnosis(
+    sandbox: SandboxHelper,
+) -> None:
+    sandbox.sb.leak(0, 5_000)
+    t = sandbox.config.teardown
+    started = time.monotonic()
+    run = teardown(sandbox)
+    elapsed = time.monotonic() - started
+    assert run.report.outcome is Outcome.STUCK
+    assert elapsed < (
+        t.term_grace_s
+        + t.cgroup_kill_timeout_s
+        + t.strays_timeout_s
+        + t.holders_timeout_s
+        + t.release_timeout_s
+    )
+    assert "GPU 0: 5615 MiB used, baseline 615" in run.report.diagnosis
+    assert "no process behind it" in run.report.next_action
+    assert run.killed() == set()
+
+
+def test_leftover_shared_memory_nobody_uses_is_removed_and_nothing_else(
+    sandbox: SandboxHelper,
+) -> None:
+    shm = sandbox.config.teardown.shm_dir
+    (shm / "nccl-leaked").write_bytes(b"x")
+    (shm / "nccl-in-use").write_bytes(b"x")
+    (shm / "not-ours").write_bytes(b"x")
+    user = sandbox.spawn(
+        [
+            sys.executable,
+            "-c",
+            f"import time; f = open({str(shm / 'nccl-in-use')!r}); time.sleep(600)",
+        ]
+    )
+    wait_until(lambda: processes.holds_any(user.pid, [str(shm / "nccl-in-use")]), 5, "open")
+    try:
+        run = teardown(sandbox)
+        assert_clean(sandbox, run)
+        assert run.report.shm_removed == [str(shm / "nccl-leaked")]
+        assert (shm / "nccl-in-use").exists() and (shm / "not-ours").exists()
+    finally:
+        for name in ("nccl-leaked", "nccl-in-use", "not-ours"):
+            (shm / name).unlink(missing_ok=True)
+
+
+def test_every_signal_is_in_the_history_file_after_the_teardown(sandbox: SandboxHelper) -> None:
+    from supervisor import history
+
+    ghost = sandbox.ghost(gpu="1", mib=1_000, title="python")
+    run = teardown(sandbox)
+    history.append(sandbox.config.state.dir, "teardown", run.report)
+    last = history.read(sandbox.config.state.dir, last=1)[0]
+    assert last["outcome"] == "clean"
+    assert [(k["process"]["pid"], k["signal"]) for k in last["kills"]] == [
+        (ghost.pid, "SIGSTOP"),
+        (ghost.pid, "SIGKILL"),
+    ]
