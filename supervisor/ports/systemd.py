@@ -164,3 +164,30 @@ class PystemdSystemd:
             self.close()
             raise SystemdError(f"cannot reach the {self.scope} manager: {e}") from e
         self._call("daemon-reload", m.Manager.Reload)
+
+
+class NoSystemd:
+    """For hosts without systemd (the lent GPU test host): the unit is reported not loaded and
+    inactive, and start/stop/kill are refused. A teardown then starts at its stray step, with the
+    unit's processes started by the caller."""
+
+    def status(self, unit: str) -> UnitStatus:
+        return UnitStatus(unit, "not-found", "inactive", "dead", 0, "", 0, "")
+
+    def start(self, unit: str) -> None:
+        raise SystemdError(f"cannot start {unit}: no systemd on this host")
+
+    def stop(self, unit: str) -> None:
+        pass  # nothing to stop: the unit does not exist here
+
+    def kill(self, unit: str, who: Who, sig: int) -> None:
+        pass
+
+    def reset_failed(self, unit: str) -> None:
+        pass
+
+    def cgroup_pids(self, unit: str) -> list[int]:
+        return []
+
+    def daemon_reload(self) -> None:
+        pass

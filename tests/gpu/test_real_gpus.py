@@ -1,0 +1,240 @@
+"""The teardown on real NVIDIA GPUs with the real NVML backend and the fake vLLM in real-CUDA
+mode. Runs only where NVML answers; skipped with the reason elsewhere.
+
+    KIMI_GPU_TESTS=1 python3 -m pytest -q tests/gpu -s     # on a GPU host
+
+There is no systemd on the lent GPU host: the unit's processes are started by the test and the
+teardown's unit steps find no unit (NoSystemd). Every process a test starts is ended by it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from supervisor import baseline
+from supervisor.config import Config, parse_config
+from supervisor.model import Evidence, Outcome
+from supervisor.ports import processes
+from supervisor.ports.clock import SystemClock
+from supervisor.ports.gpu import GpuUnavailable, NvmlGpu
+from supervisor.ports.processes import ProcessRef
+from supervisor.ports.systemd import NoSystemd
+from supervisor.teardown import Teardown
+
+
+def _nvml_reason() -> str | None:
+    try:
+        gpu = NvmlGpu()
+        n = gpu.device_count()
+        gpu.close()
+    except GpuUnavailable as e:
+        return str(e)
+    return None if n >= 1 else "NVML reports no GPU"
+
+
+REASON = _nvml_reason()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU: {REASON}")]
+GIB = 1024
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Host:
+    def __init__(self, tmp: Path) -> None:
+        self.gpu = NvmlGpu()
+        self.indices = list(range(min(self.gpu.device_count(), 8)))
+        self.tmp = tmp
+        self.started: list[tuple[ProcessRef, subprocess.Popen[bytes]]] = []
+        self.port = _port()
+        self.config: Config = parse_config(f"""
+[vllm]
+command = ["{sys.executable}", "-m", "supervisor.sandbox.fake_vllm", "serve", "m",
+           "--tensor-parallel-size", "{len(self.indices)}"]
+port = {self.port}
+[modes.production]
+args = []
+[modes.profile]
+args = []
+[gpus]
+backend = "nvml"
+managed = {self.indices}
+tolerance_mib = 256
+[teardown]
+term_grace_s = 3
+holders_timeout_s = 10
+release_timeout_s = 20
+shm_dir = "{tmp}/shm"
+[state]
+dir = "{tmp}/state"
+""")
+        (tmp / "shm").mkdir()
+        try:
+            self.baselines = baseline.calibrate(self.gpu, self.indices).devices
+        except baseline.BaselineError as e:
+            pytest.skip(f"the shared GPU host is busy, not touching it: {e}")
+
+    def env(self, **fake: object) -> dict[str, str]:
+        path = self.tmp / f"fake-{len(self.started)}.json"
+        path.write_text(json.dumps(fake))
+        return {**os.environ, "KIMI_FAKE_CUDA": "1", "KIMI_FAKE_VLLM_CONFIG": str(path)}
+
+    def spawn(self, args: list[str], env: dict[str, str], wait_ready: bool = False) -> ProcessRef:
+        proc = subprocess.Popen(
+            args,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if wait_ready else subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        ref = processes.ref_of(proc.pid)
+        assert ref is not None
+        self.started.append((ref, proc))
+        if wait_ready:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == b"ready"
+        return ref
+
+    def ghost(self, title: str, mib: int, gpus: str = "all", **kw: bool) -> ProcessRef:
+        args = [
+            sys.executable,
+            "-m",
+            "supervisor.sandbox.ghost",
+            "--title",
+            title,
+            "--mib",
+            str(mib),
+            "--gpu",
+            gpus,
+        ] + [f"--{k.replace('_', '-')}" for k, v in kw.items() if v]
+        return self.spawn(args, self.env(), wait_ready=True)
+
+    def vllm(self, **fake: object) -> ProcessRef:
+        ref = self.spawn([*self.config.vllm.command, "--port", str(self.port)], self.env(**fake))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1):
+                    return ref
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("the fake vLLM did not become ready in 180 s")
+
+    def used(self) -> list[int]:
+        return [d.used_mib for d in self.gpu.sample(self.indices)]
+
+    def clean(self) -> bool:
+        return all(
+            d.used_mib <= self.baselines[d.index] + 256 and not d.processes
+            for d in self.gpu.sample(self.indices)
+        )
+
+    def teardown(self) -> tuple[float, object]:
+        t0 = time.monotonic()
+        report = Teardown(self.config, NoSystemd(), self.gpu, SystemClock(), self.baselines).run()
+        return time.monotonic() - t0, report
+
+    def floor(self, refs: list[ProcessRef]) -> float:
+        t0 = time.monotonic()
+        for r in refs:
+            processes.send_signal(r, signal.SIGKILL)
+        while not self.clean():
+            if time.monotonic() - t0 > 60:
+                raise AssertionError("memory did not return within 60 s of SIGKILL")
+            time.sleep(0.005)
+        return time.monotonic() - t0
+
+    def cleanup(self) -> None:
+        for ref, _p in self.started:
+            processes.send_signal(ref, signal.SIGCONT)
+            processes.send_signal(ref, signal.SIGKILL)
+        for _ref, p in self.started:
+            p.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while not self.clean() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.gpu.close()
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path)
+    try:
+        yield h
+    finally:
+        h.cleanup()
+
+
+def killed(report: object) -> set[int]:
+    return {k.process.pid for k in report.kills if k.signal == "SIGKILL"}  # type: ignore[attr-defined]
+
+
+def timing(name: str, seconds: float) -> None:
+    print(f"\nTIMING {name} {seconds * 1000:.0f} ms")
+
+
+def test_the_seeds_incident_ghost_is_found_and_only_it_is_killed(host: Host) -> None:
+    # A vLLM-like tree whose workers hold ~96 GiB each, stopped; a ghost outside it on every GPU.
+    api = host.vllm(mib_per_worker=96 * GIB, load_s=0.2, shards=4)
+    ghost = host.ghost("python", 20 * GIB)
+    persistenced = host.ghost("nvidia-persistenced", 0)
+    processes.send_signal(api, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while processes.is_alive(api) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert host.used()[0] - host.baselines[0] > 19 * GIB
+    seconds, report = host.teardown()
+    timing("seed-incident teardown", seconds)
+    assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
+    assert killed(report) == {ghost.pid}
+    assert processes.is_alive(persistenced)
+    assert os.getpid() not in killed(report)
+
+
+def test_a_worker_ignoring_sigterm_and_a_stopped_holder_are_killed(host: Host) -> None:
+    host.vllm(mib_per_worker=8 * GIB, load_s=0.2, shards=4, ignore_sigterm=True)
+    stopped = host.ghost("python", 4 * GIB, gpus="0")
+    os.kill(stopped.pid, signal.SIGSTOP)
+    seconds, report = host.teardown()
+    timing("sigterm-ignoring + stopped teardown", seconds)
+    assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
+    assert stopped.pid in killed(report)
+    evid = {k.evidence for k in report.kills}  # type: ignore[attr-defined]
+    assert Evidence.VLLM_SIGNATURE in evid or Evidence.NVML_LISTED in evid
+
+
+def test_floor_and_teardown_for_a_ghost_measured_in_one_run(host: Host) -> None:
+    floors, teardowns = [], []
+    for _ in range(3):
+        ghost = host.ghost("python", 20 * GIB)
+        floors.append(host.floor([ghost]))
+        host.ghost("python", 20 * GIB)
+        seconds, report = host.teardown()
+        assert report.outcome is Outcome.CLEAN  # type: ignore[attr-defined]
+        teardowns.append(seconds)
+    floors.sort()
+    teardowns.sort()
+    timing("ghost floor median", floors[1])
+    timing("ghost teardown median", teardowns[1])
+    print(f"RATIO ghost teardown/floor {teardowns[1] / floors[1]:.2f}")
+
+
+def test_calibration_refuses_while_a_compute_process_runs(host: Host) -> None:
+    host.ghost("python", 2 * GIB, gpus="0")
+    with pytest.raises(baseline.BaselineError, match="refusing to calibrate"):
+        baseline.calibrate(host.gpu, host.indices)
+    print(f"\nBASELINE {host.baselines} driver {host.gpu.driver_version()}")
