@@ -119,8 +119,6 @@ class TeardownConfig(_Strict):
     # /dev/shm entries the service may leak (fnmatch patterns).
     shm_patterns: list[str] = Field(default_factory=lambda: ["nccl-*", "vllm*", "psm_*"])
     shm_dir: Path = Path("/dev/shm")
-    # A GPU reset as the very last resort. Off by default; never on in tests.
-    gpu_reset: bool = False
 
 
 class StateConfig(_Strict):

@@ -139,3 +139,16 @@ def test_sandbox_config_written_by_up_points_at_this_sandbox(sandbox: SandboxHel
     assert Path(config.vllm.command[0]).parent == sandbox.sb.root / "bin"
     write_argv_file(config, Mode.PRODUCTION)
     assert json.loads(config.vllm.argv_file.read_text())["mode"] == "production"
+
+
+def test_daemon_reload_through_the_port_picks_up_a_changed_drop_in(sandbox: SandboxHelper) -> None:
+    dropin = sandbox.sb.manager.unit_dir / f"{UNIT}.d" / "zz-test.conf"
+    dropin.write_text("[Service]\nEnvironment=KIMI_TEST_MARKER=reloaded\n")
+    try:
+        sandbox.systemd.daemon_reload()
+        main_pid = sandbox.start_vllm()
+        environ = Path(f"/proc/{main_pid}/environ").read_bytes().split(b"\0")
+        assert b"KIMI_TEST_MARKER=reloaded" in environ
+    finally:
+        dropin.unlink()
+        sandbox.systemd.daemon_reload()

@@ -9,6 +9,8 @@ teardown's unit steps find no unit (NoSystemd). Every process a test starts is e
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -48,6 +50,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"n
 GIB = 1024
 
 
+def _become_subreaper() -> None:
+    PR_SET_CHILD_SUBREAPER = 36
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,6 +65,7 @@ def _port() -> int:
 
 class Host:
     def __init__(self, tmp: Path) -> None:
+        _become_subreaper()
         self.gpu = NvmlGpu()
         self.indices = list(range(min(self.gpu.device_count(), 8)))
         self.tmp = tmp
@@ -159,11 +169,16 @@ dir = "{tmp}/state"
         return time.monotonic() - t0
 
     def cleanup(self) -> None:
-        for ref, _p in self.started:
+        # We are a child subreaper: everything our trees left behind (an orphaned EngineCore
+        # that holds no GPU memory, say) is our descendant, and only that is ended here.
+        tree = processes.descendants(os.getpid())
+        refs = [ref for ref, _p in self.started] + [r for r in map(processes.ref_of, tree) if r]
+        for ref in refs:
             processes.send_signal(ref, signal.SIGCONT)
             processes.send_signal(ref, signal.SIGKILL)
-        for _ref, p in self.started:
-            p.wait(timeout=30)
+        for ref in refs:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(ref.pid, 0)
         deadline = time.monotonic() + 60
         while not self.clean() and time.monotonic() < deadline:
             time.sleep(0.05)
