@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.ports import processes
-from supervisor.ports.processes import ProcessRef
 
 # Never signalled, whatever they hold: the driver's helpers and the monitoring stack.
 BUILTIN_PROTECTED_NAMES = frozenset(
@@ -119,7 +118,3 @@ def shm_in_use(shm_dir: Path, names: set[str]) -> set[str]:
                 used.add(target)
         used |= processes.maps_any(pid, str(shm_dir) + "/") & paths
     return {Path(p).name for p in used}
-
-
-def refs(pids: Iterable[int]) -> list[ProcessRef]:
-    return [r for r in map(processes.ref_of, pids) if r is not None]

@@ -208,9 +208,6 @@ class SimGpu:
     def device_path(self, index: int) -> str:
         return str(device_file(self.root, self._device(index).index))
 
-    def shared_paths(self) -> list[str]:
-        return [str(p) for p in shared_files(self.root)]
-
     def driver_version(self) -> str:
         return self._driver
 
