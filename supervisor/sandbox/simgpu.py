@@ -146,16 +146,24 @@ class SimGpu:
             _Device(d["index"], d["total_mib"], d["baseline_mib"]) for d in host["devices"]
         ]
         self._driver = str(host.get("driver_version", "sim"))
+        self._delay, self._delay_mtime = 0.0, -1
         # Like an NVML client, keep every device file open while we are a client.
         self._held = hold_files(
             [device_file(self.root, d.index) for d in self._devices] + shared_files(self.root)
         )
 
     def _release_delay(self) -> float:
+        # Re-read only when host.json changed (tests change the delay at run time); a teardown
+        # samples every 20 ms and should not parse it each time.
+        path = self.root / "host.json"
         try:
-            return float(json.loads((self.root / "host.json").read_text())["release_delay_s"])
+            mtime = path.stat().st_mtime_ns
+            if mtime != self._delay_mtime:
+                self._delay = float(json.loads(path.read_text())["release_delay_s"])
+                self._delay_mtime = mtime
         except (OSError, ValueError, KeyError):
             return 0.0
+        return self._delay
 
     def device_count(self) -> int:
         return len(self._devices)
