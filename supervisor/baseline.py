@@ -1,35 +1,25 @@
 """The baseline footprint of each managed GPU: what memory.used reads with no process on it.
 
 Set in config (`gpus.baseline_mib`) or calibrated when NVML shows no compute process on any
-managed device, and persisted with the time and the driver version. A driver upgrade changes the
-footprint, so a baseline from another driver version is calibrated again.
+managed device, and persisted (in the state file) with the time and the driver version. A driver
+upgrade changes the footprint, so a baseline from another driver version is calibrated again.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from datetime import datetime
 from pathlib import Path
-
-from pydantic import BaseModel, ValidationError
 
 from supervisor.model import utcnow
 from supervisor.ports.gpu import GpuPort
+from supervisor.state import Baseline, StateStore, with_baseline
 
 
 class BaselineError(Exception):
     pass
 
 
-class Baseline(BaseModel):
-    driver_version: str
-    calibrated_at: datetime
-    devices: dict[int, int]  # GPU index -> MiB
-
-
 def baseline_path(state_dir: Path) -> Path:
-    return state_dir / "baseline.json"
+    return StateStore(state_dir).path
 
 
 def calibrate(gpu: GpuPort, indices: list[int]) -> Baseline:
@@ -49,26 +39,12 @@ def calibrate(gpu: GpuPort, indices: list[int]) -> Baseline:
 
 
 def save(state_dir: Path, baseline: Baseline) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = baseline_path(state_dir)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(baseline.model_dump_json(indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    StateStore(state_dir).update(lambda st: with_baseline(st, baseline))
 
 
 def load(state_dir: Path) -> Baseline | None:
-    path = baseline_path(state_dir)
-    try:
-        return Baseline.model_validate(json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, ValidationError):
-        # Unreadable: moved aside and calibrated again rather than trusted.
-        path.rename(path.with_name(f"{path.name}.corrupt-{utcnow():%Y%m%dT%H%M%S}"))
-        return None
+    """The persisted baseline; an unusable state file is moved aside by the store."""
+    return StateStore(state_dir).read()[0].baseline
 
 
 def resolve(

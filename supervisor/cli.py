@@ -120,6 +120,83 @@ def format_report(report: TeardownReport) -> str:
     return "\n".join(lines)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """The daemon: `kimi-supervisor run`, started by kimi-supervisor.service (Type=notify)."""
+    from supervisor import log
+    from supervisor.control.handlers import Handlers
+    from supervisor.control.server import ControlError, ControlServer
+    from supervisor.daemon import Daemon, install_signal_handlers, reexec
+    from supervisor.metrics import Metrics
+    from supervisor.ports.notify import Notifier
+    from supervisor.ports.output import FileOutput, JournalOutput, OutputPort
+
+    config = load_config(_config_path(args.config))
+    log.configure()
+    logger = log.get()
+
+    def emit(event: str, level: str = "info", **kw: object) -> None:
+        getattr(logger, level)(event, **kw)
+
+    systemd, gpu = _ports(config)
+    keep = config.daemon.output_tail_lines
+    output: OutputPort = (
+        FileOutput(config.vllm.log_file, keep)
+        if config.vllm.log_file
+        else JournalOutput(config.service.unit, config.systemd.scope, keep)
+    )
+    metrics = Metrics() if config.metrics.enabled else None
+    daemon = Daemon(config, systemd, gpu, output, Notifier(), emit, metrics=metrics)
+    c = config.control
+    server = ControlServer(
+        c.socket,
+        c.group,
+        Handlers(daemon),
+        emit,
+        c.max_clients,
+        c.max_line_bytes,
+        c.idle_timeout_s,
+    )
+    try:
+        server.start()
+    except ControlError as e:
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if metrics is not None:
+        try:
+            metrics.serve(config.metrics.address, config.metrics.port)
+        except OSError as e:
+            emit(
+                "metrics_unavailable",
+                level="warning",
+                message=f"cannot listen on {config.metrics.address}:{config.metrics.port}: {e}",
+            )
+    install_signal_handlers(daemon)
+    emit(
+        "daemon_starting",
+        pid=os.getpid(),
+        config=str(_config_path(args.config)),
+        socket=str(c.socket),
+    )
+    clean = True
+    try:
+        if daemon.boot():
+            daemon.loop()
+        if daemon.reexec_requested and not daemon.stop_requested:
+            emit("reexec", message="re-executing; vLLM keeps running and is adopted")
+            server.close()
+            if metrics is not None:
+                metrics.close()
+            output.close()
+            reexec()
+        clean = daemon.shutdown()
+    finally:
+        server.close()
+        if metrics is not None:
+            metrics.close()
+        output.close()
+    return EXIT_OK if clean else EXIT_FAILED
+
+
 def cmd_launch_vllm(args: argparse.Namespace) -> int:
     from supervisor.launcher import LaunchError, exec_vllm
 
@@ -136,10 +213,13 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
     root = Path(args.dir)
     if args.sandbox_cmd == "up":
-        sb = Sandbox.up(root, gpus=args.gpus, release_delay_s=args.release_delay)
+        sb = Sandbox.up(
+            root, gpus=args.gpus, release_delay_s=args.release_delay, daemon=not args.no_daemon
+        )
         print(
             f"# sandbox up in {sb.root}: systemd --user PID {sb.manager.pid}, "
-            f"{args.gpus} simulated GPU(s), config {sb.config_path}",
+            f"{args.gpus} simulated GPU(s), config {sb.config_path}"
+            + ("" if args.no_daemon else f", daemon {sb.socket_path}"),
             file=sys.stderr,
         )
         print(f'# `eval "$(cat {sb.root}/env.sh)"` or paste these:', file=sys.stderr)
@@ -171,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(fn=cmd_teardown)
 
+    c = sub.add_parser("run", help="the daemon (started by kimi-supervisor.service)")
+    c.add_argument("--config", default=None)
+    c.set_defaults(fn=cmd_run)
+
     c = sub.add_parser("launch-vllm", help="(used by the unit) exec vLLM with the argv from a file")
     c.add_argument("--argv-file", required=True)
     c.set_defaults(fn=cmd_launch_vllm)
@@ -185,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="seconds the simulated driver takes to free a dead process's memory",
+    )
+    up.add_argument(
+        "--no-daemon", action="store_true", help="do not start kimi-supervisor.service in it"
     )
     gh = sbs.add_parser("ghost", help="start a detached process outside every unit holding memory")
     gh.add_argument("--dir", required=True)

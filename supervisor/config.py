@@ -122,7 +122,51 @@ class TeardownConfig(_Strict):
 
 
 class StateConfig(_Strict):
+    # Holds state.json (desired mode, transition, baseline) and history.jsonl.
     dir: Path = Path("/var/lib/kimi-supervisor")
+
+
+class DaemonConfig(_Strict):
+    # How often the loop compares desired with observed while vLLM serves (and when idle).
+    tick_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    # While vLLM loads: how often /health and the unit's output are read.
+    start_poll_s: Annotated[float, Field(gt=0, le=10)] = 0.25
+    # Loading Kimi-K2.5 takes over 30 minutes; this may be hours.
+    start_timeout_s: PositiveSeconds = 3 * 3600.0
+    health_timeout_s: PositiveSeconds = 2.0
+    # /health failing for this long while serving counts as unhealthy (a busy server may be
+    # slow to answer; a 30-minute reload is not started over one missed probe).
+    health_grace_s: Annotated[float, Field(ge=0)] = 60.0
+    # A mode that does not become ready sends the host back to the mode before it.
+    rollback: bool = True
+    # After vLLM dies or fails to start: wait initial, doubling up to max, before starting again.
+    restart_backoff_initial_s: Annotated[float, Field(ge=0)] = 5.0
+    restart_backoff_max_s: Annotated[float, Field(ge=0)] = 300.0
+    # This many failures within the window: stop retrying and report FAILED.
+    max_failures: Annotated[int, Field(ge=1)] = 3
+    failure_window_s: PositiveSeconds = 1800.0
+    # A teardown that ends STUCK is retried after this, doubling up to restart_backoff_max_s.
+    stuck_retry_s: PositiveSeconds = 30.0
+    # At boot: how long to keep asking NVML for the driver, the interval doubling up to this.
+    driver_retry_max_s: PositiveSeconds = 30.0
+    # Lines of the unit's output kept for reports when a start fails.
+    output_tail_lines: Annotated[int, Field(ge=1, le=1000)] = 30
+
+
+class ControlConfig(_Strict):
+    socket: Path = Path("/run/kimi-supervisor/control.sock")
+    # Members of this group (and root) may use the socket; it is created 0660 root:group.
+    group: str = "kimi"
+    max_clients: Annotated[int, Field(ge=1, le=4096)] = 128
+    max_line_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+    # A client that connects and sends nothing is dropped after this.
+    idle_timeout_s: PositiveSeconds = 10.0
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    address: str = "127.0.0.1"
+    port: int = Field(default=9464, ge=1, le=65535)
 
 
 class Config(_Strict):
@@ -133,6 +177,9 @@ class Config(_Strict):
     gpus: GpusConfig = Field(default_factory=GpusConfig)
     teardown: TeardownConfig = Field(default_factory=TeardownConfig)
     state: StateConfig = Field(default_factory=StateConfig)
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     def launch_argv(self, mode: Mode) -> list[str]:
         """The exact argv vLLM must be started with in `mode`."""

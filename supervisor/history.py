@@ -28,14 +28,28 @@ def append(state_dir: Path, kind: str, record: TeardownReport | dict[str, Any]) 
 
 
 def read(state_dir: Path, last: int | None = None) -> list[dict[str, Any]]:
+    """The last `last` records (all if None), oldest first. Reads from the end of the file, so
+    a long history costs only what is asked for."""
+    path = history_path(state_dir)
     try:
-        lines = history_path(state_dir).read_text(encoding="utf-8").splitlines()
+        f = open(path, "rb")  # noqa: SIM115 - closed below
     except FileNotFoundError:
         return []
+    with f:
+        if last is None:
+            data = f.read()
+        else:
+            end = f.seek(0, os.SEEK_END)
+            data, pos = b"", end
+            while pos > 0 and data.count(b"\n") <= last:
+                step = min(65536, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
     out = []
-    for line in lines:
+    for line in data.splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:
-            continue
+            continue  # a torn line, or the cut-off first line of the tail read
     return out[-last:] if last else out

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from supervisor.ports.processes import ProcessRef
 from supervisor.ports.systemd import PystemdSystemd
 from supervisor.sandbox import simgpu
 from supervisor.sandbox.fake_vllm import FakeOptions
-from supervisor.sandbox.sandbox import UNIT, Sandbox
+from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT, Sandbox
 from supervisor.sandbox.usermanager import unavailable_reason
 
 SANDBOX_GPUS = 4
@@ -55,7 +56,9 @@ def session_sandbox() -> Iterator[Sandbox]:
     if reason:
         pytest.skip(f"no isolated systemd user manager here: {reason}")
     root = Path(tempfile.mkdtemp(prefix="kimi-sbx-"))
-    sb = Sandbox.up(root, gpus=SANDBOX_GPUS)
+    # The daemon is started by the tests that need it (the `daemon` fixture); the teardown
+    # tests drive the unit themselves.
+    sb = Sandbox.up(root, gpus=SANDBOX_GPUS, daemon=False)
     try:
         yield sb
     finally:
@@ -158,3 +161,126 @@ def sandbox(session_sandbox: Sandbox) -> Iterator[SandboxHelper]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+KIMI_MODE = str(Path(sys.executable).with_name("kimi-mode"))
+
+
+class DaemonHelper:
+    """The daemon as `kimi-supervisor.service` of the sandbox's manager, and kimi-mode."""
+
+    def __init__(self, sandbox: SandboxHelper) -> None:
+        self.h = sandbox
+        self.sb = sandbox.sb
+        self.config = sandbox.config
+        self.socket = self.config.control.socket
+        self.dropin = self.sb.manager.unit_dir / f"{DAEMON_UNIT}.d" / "zz-test.conf"
+
+    # -- the service --
+    def reset_state(self, desired: str = "production") -> None:
+        from supervisor.model import Mode
+        from supervisor.state import StateStore, with_desired, with_transition
+
+        store = StateStore(self.config.state.dir)
+        store.update(lambda st: with_transition(with_desired(st, Mode(desired), "test"), None))
+        (self.config.state.dir / "history.jsonl").unlink(missing_ok=True)
+        for aside in self.config.state.dir.glob("state.json.corrupt-*"):
+            aside.unlink()
+
+    def override(self, text: str) -> None:
+        """A drop-in for the daemon's unit (removed after the test)."""
+        self.dropin.write_text("[Service]\n" + text)
+        self.sb.manager.systemctl("daemon-reload")
+
+    def start(self) -> None:
+        self.sb.start_daemon()
+
+    def stop(self) -> None:
+        self.sb.stop_daemon()
+
+    def pid(self) -> int:
+        return self.h.systemd.status(DAEMON_UNIT).main_pid
+
+    def unit(self) -> str:
+        return self.h.systemd.status(DAEMON_UNIT).active_state
+
+    def vllm_pid(self) -> int:
+        return self.h.systemd.status(UNIT).main_pid
+
+    def log(self) -> str:
+        return self.sb.daemon_log.read_text(errors="replace")
+
+    # -- talking to it --
+    def request(self, req: dict[str, object], timeout_s: float = 30) -> list[dict[str, object]]:
+        from supervisor.control.client import exchange
+
+        return [msg for _raw, msg in exchange(self.socket, req, timeout_s=timeout_s)]
+
+    def status(self) -> dict[str, Any]:
+        (reply,) = self.request({"cmd": "status"}, 10)
+        assert reply["ok"], reply
+        return reply["data"]  # type: ignore[return-value]
+
+    def history(self) -> list[dict[str, Any]]:
+        (reply,) = self.request({"cmd": "history", "n": 1000}, 10)
+        return reply["data"]["entries"]  # type: ignore[index,return-value]
+
+    def transitions(self) -> list[dict[str, Any]]:
+        return [e for e in self.history() if e["kind"] == "transition"]
+
+    def kimi_mode(
+        self, *args: str, preexec: list[str] | None = None, timeout: float = 90
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*(preexec or []), KIMI_MODE, *args],
+            env={**os.environ, **self.sb.env},
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def wait_serving(self, mode: str, timeout_s: float = 30) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
+        def serving() -> bool:
+            nonlocal last
+            try:
+                last = self.status()
+            except Exception:
+                return False
+            return last["state"] == "serving" and last["mode"] == mode
+
+        try:
+            wait_until(serving, timeout_s, f"the daemon to serve {mode}")
+        except AssertionError:
+            raise AssertionError(
+                f"not serving {mode}: {last.get('status_line')}\n{self.log()[-3000:]}"
+            ) from None
+        return last
+
+    def wait_state(self, state: str, timeout_s: float = 30) -> dict[str, Any]:
+        last: dict[str, Any] = {}
+
+        def reached() -> bool:
+            nonlocal last
+            try:
+                last = self.status()
+            except Exception:
+                return False
+            return last["state"] == state
+
+        wait_until(reached, timeout_s, f"state {state}")
+        return last
+
+
+@pytest.fixture
+def daemon(sandbox: SandboxHelper) -> Iterator[DaemonHelper]:
+    helper = DaemonHelper(sandbox)
+    helper.reset_state()
+    try:
+        yield helper
+    finally:
+        helper.stop()
+        if helper.dropin.exists():
+            helper.dropin.unlink()
+            helper.sb.manager.systemctl("daemon-reload")

@@ -42,6 +42,8 @@ class FakeOptions:
     shutdown_delay_s: float = 0.0  # the API server's orderly shutdown takes this long
     crash_during_load_at: int | None = None  # percent of shards: exit 1 there
     hang_during_load_at: int | None = None  # percent of shards: stop making progress
+    # The two faults above hit only a vLLM started with --profiler-config (profile mode).
+    load_faults_only_when_profiling: bool = False
     # A detached process started by worker 0 that escapes the unit's cgroup and keeps memory.
     ghost_title: str | None = None
     ghost_mib: int = 0
@@ -223,14 +225,15 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _load(opts: FakeOptions) -> None:
+def _load(opts: FakeOptions, profiling: bool) -> None:
     shards = max(opts.shards, 1)
+    faults = profiling or not opts.load_faults_only_when_profiling
     for done in range(1, shards + 1):
         pct = done * 100 // shards
-        if opts.crash_during_load_at is not None and pct >= opts.crash_during_load_at:
+        if faults and opts.crash_during_load_at is not None and pct >= opts.crash_during_load_at:
             log(f"ERROR: simulated crash while loading at {pct}%")
             raise SystemExit(1)
-        if opts.hang_during_load_at is not None and pct >= opts.hang_during_load_at:
+        if faults and opts.hang_during_load_at is not None and pct >= opts.hang_during_load_at:
             log(f"loading stalls at {pct}% (simulated hang)")
             threading.Event().wait()
         time.sleep(opts.load_s / shards)
@@ -266,7 +269,7 @@ def serve_main(argv: list[str]) -> None:
     def boot() -> None:
         try:
             _wait_line(engine, b"ready")
-            _load(opts)
+            _load(opts, server.profiler is not None)
             log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
             time.sleep(opts.graph_capture_s)
             log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")

@@ -9,6 +9,11 @@ wired together with the project's own unit files, in one directory.
     DIR/fake-vllm.json      the fake's fault switches
     DIR/kimi-supervisor.toml  config/sandbox.toml with this sandbox's paths filled in
     DIR/ghosts.json         ghosts started here (PID and start time), ended by `down`
+    DIR/control/control.sock  the daemon's control socket (kimi-mode finds it via env.sh)
+    DIR/logs/kimi-supervisor.log  the daemon's JSON log lines
+
+The daemon runs as the manager's `kimi-supervisor.service`, from the project's own unit file
+with a drop-in that points it at this sandbox's config.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from supervisor.sandbox.usermanager import UserManager
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 UNIT = "vllm-kimi-k25.service"
+DAEMON_UNIT = "kimi-supervisor.service"
 
 
 class SandboxError(Exception):
@@ -72,6 +78,7 @@ def render_config(root: Path, gpus: int, port: int, bus_address: str) -> Config:
     raw = tomllib.loads(project_file("config", "sandbox.toml").read_text())
     raw = _fill(raw, str(root))
     raw.setdefault("vllm", {})["port"] = port
+    raw.setdefault("metrics", {})["port"] = _free_port()
     raw["systemd"]["bus_address"] = bus_address
     cmd = raw["vllm"]["command"]
     if "--tensor-parallel-size" in cmd:
@@ -98,6 +105,14 @@ class Sandbox:
         return self.root / "logs" / "vllm.log"
 
     @property
+    def daemon_log(self) -> Path:
+        return self.root / "logs" / "kimi-supervisor.log"
+
+    @property
+    def socket_path(self) -> Path:
+        return self.config().control.socket
+
+    @property
     def fake_options_path(self) -> Path:
         return self.root / "fake-vllm.json"
 
@@ -110,6 +125,7 @@ class Sandbox:
             **self.manager.env,
             "KIMI_SIM_GPU_DIR": str(self.gpu_dir),
             "KIMI_SUPERVISOR_CONFIG": str(self.config_path),
+            "KIMI_SUPERVISOR_SOCKET": str(self.socket_path),
         }
 
     def exports(self) -> str:
@@ -117,7 +133,9 @@ class Sandbox:
 
     # -- lifecycle --
     @classmethod
-    def up(cls, root: Path, gpus: int = 8, release_delay_s: float = 0.0) -> Sandbox:
+    def up(
+        cls, root: Path, gpus: int = 8, release_delay_s: float = 0.0, daemon: bool = True
+    ) -> Sandbox:
         root = root.resolve()
         existing = UserManager.attach(root)
         if existing is not None:
@@ -134,6 +152,8 @@ class Sandbox:
         sb = cls(root, manager)
         try:
             sb._install(gpus)
+            if daemon:
+                sb.start_daemon()
         except BaseException:
             manager.stop()
             raise
@@ -151,6 +171,10 @@ class Sandbox:
 
     def _install(self, gpus: int) -> None:
         config = render_config(self.root, gpus, _free_port(), self.manager.bus_address)
+        # Other users must reach the control socket for the permission tests (the socket itself
+        # is 0660 and checked per connection).
+        self.root.chmod(0o755)
+        config.control.socket.parent.mkdir(mode=0o755, exist_ok=True)
         self.config_path.write_text(config.effective_toml())
         parse_config(self.config_path.read_text(), str(self.config_path))  # round-trips
         FakeOptions().save(self.fake_options_path)
@@ -177,6 +201,17 @@ class Sandbox:
             f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"
         )
+        dropin = unit_dir / f"{DAEMON_UNIT}.d"
+        dropin.mkdir(exist_ok=True)
+        (dropin / "sandbox.conf").write_text(
+            "# Written by `kimi-supervisor sandbox up`: the daemon runs on this sandbox's config.\n"
+            "[Service]\n"
+            "ExecStart=\n"
+            f"ExecStart={launcher} run --config {self.config_path}\n"
+            f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
+            f"StandardOutput=append:{self.daemon_log}\n"
+            f"StandardError=append:{self.daemon_log}\n"
+        )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())
         # The simulated GPUs are idle now: calibrate their baseline, as the daemon does at boot.
@@ -185,6 +220,22 @@ class Sandbox:
             baseline.save(config.state.dir, baseline.calibrate(gpu, list(range(gpus))))
         finally:
             gpu.close()
+
+    def start_daemon(self) -> None:
+        """Start the daemon as a service of the sandbox's manager; returns once it is READY."""
+        r = self.manager.systemctl("start", DAEMON_UNIT, check=False)
+        if r.returncode != 0:
+            tail = (
+                self.daemon_log.read_text(errors="replace")[-1500:]
+                if (self.daemon_log.exists())
+                else ""
+            )
+            raise SandboxError(f"{DAEMON_UNIT} did not start: {r.stderr.strip()}\n{tail}")
+
+    def stop_daemon(self) -> None:
+        """`systemctl stop kimi-supervisor`: the daemon tears vLLM down, then exits."""
+        self.manager.systemctl("stop", DAEMON_UNIT, check=False)
+        self.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
 
     def set_fake_options(self, opts: FakeOptions) -> None:
         opts.save(self.fake_options_path)

@@ -1,0 +1,80 @@
+"""The client side of the control socket: connect, send one request, read answer lines.
+Imports nothing heavy (no pystemd, no pynvml): `kimi-mode` starts fast."""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from supervisor.control.protocol import PROTOCOL_VERSION
+
+
+class Unreachable(Exception):
+    """The daemon cannot be reached, or it refused us; the message says what to do."""
+
+
+class TimedOut(Exception):
+    pass
+
+
+def connect(path: Path, timeout_s: float = 5.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(str(path))
+    except OSError as e:
+        sock.close()
+        if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+            raise Unreachable(
+                f"kimi-supervisor is not running (no daemon at {path}): "
+                "`systemctl start kimi-supervisor`, or pass --socket"
+            ) from None
+        if e.errno == errno.EACCES:
+            raise Unreachable(
+                f"permission denied on {path}: be root or a member of the daemon's control "
+                "group (default `kimi`: `sudo usermod -aG kimi $USER`, then log in again)"
+            ) from None
+        raise Unreachable(f"cannot connect to {path}: {e.strerror or e}") from None
+    return sock
+
+
+def exchange(
+    path: Path, request: dict[str, Any], timeout_s: float | None = None
+) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """Send `request` and yield each answer line (raw, parsed) until the daemon closes.
+    `timeout_s` bounds the whole exchange (TimedOut); None waits as long as it takes."""
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
+    with sock:
+        try:
+            sock.sendall(json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n")
+        except OSError as e:
+            raise Unreachable(f"the daemon closed the connection: {e}") from None
+        buf = b""
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    yield line, json.loads(line)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimedOut()
+                sock.settimeout(min(left, 1.0))
+            else:
+                sock.settimeout(1.0)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                raise Unreachable(f"lost the connection to the daemon: {e}") from None
+            if not chunk:
+                return
+            buf += chunk

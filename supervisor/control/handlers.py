@@ -1,0 +1,112 @@
+"""What each request does, run in the connection's thread. Reads come from the daemon's
+published snapshot and the history file; anything that changes state goes through the loop's
+queue (`Daemon.submit`) and waits for the loop's reply."""
+
+from __future__ import annotations
+
+import pwd
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+from supervisor import history
+from supervisor.control.protocol import (
+    End,
+    Event,
+    HistoryRequest,
+    Reply,
+    StatusRequest,
+    SubscribeRequest,
+    SwitchRequest,
+)
+from supervisor.control.server import Connection
+
+if TYPE_CHECKING:
+    from supervisor.daemon import Daemon
+
+# How long a switch request waits for the loop to take it (it answers within one poll
+# interval mid-teardown; a /health probe or a systemd call can hold it for a few seconds).
+LOOP_REPLY_TIMEOUT_S = 60.0
+
+
+def _who(conn: Connection) -> str:
+    try:
+        name = pwd.getpwuid(conn.peer.uid).pw_name
+    except KeyError:
+        name = f"uid {conn.peer.uid}"
+    return f"{name} (PID {conn.peer.pid})"
+
+
+class Handlers:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def __call__(self, request: Any, conn: Connection) -> None:
+        if isinstance(request, StatusRequest):
+            conn.send(Reply(ok=True, code="status", data=self.daemon.snapshot()))
+        elif isinstance(request, HistoryRequest):
+            entries = history.read(self.daemon.config.state.dir, request.n)
+            conn.send(Reply(ok=True, code="history", data={"entries": entries}))
+        elif isinstance(request, SubscribeRequest):
+            sub = self.daemon.bus.subscribe()
+            try:
+                conn.send(Reply(ok=True, code="subscribed", data=self.daemon.snapshot()))
+                while conn.alive and not sub.overflowed:
+                    msg = sub.get(1.0)
+                    if msg is None:
+                        if conn.hung_up():
+                            return
+                        continue
+                    conn.send(msg)
+            finally:
+                sub.close()
+        elif isinstance(request, SwitchRequest):
+            self._switch(request, conn)
+
+    def _switch(self, request: SwitchRequest, conn: Connection) -> None:
+        # Subscribe before asking, so no event of the switch is missed.
+        sub = self.daemon.bus.subscribe() if request.follow else None
+        try:
+            future = self.daemon.submit(
+                "switch", mode=request.mode, force=request.force, by=_who(conn)
+            )
+            try:
+                reply = future.result(timeout=LOOP_REPLY_TIMEOUT_S)
+            except FutureTimeout:
+                reply = Reply(
+                    ok=False,
+                    code="internal",
+                    message=f"the daemon's loop did not answer within {LOOP_REPLY_TIMEOUT_S:g} s "
+                    "(see `journalctl -u kimi-supervisor`)",
+                )
+            conn.send(reply)
+            if sub is None or not reply.ok or reply.code not in ("accepted", "joined"):
+                return
+            follow: str | None = None
+            if reply.code == "joined":
+                follow = reply.data["transition"]["id"]
+            while conn.alive and not sub.overflowed:
+                msg = sub.get(1.0)
+                if msg is None:
+                    if conn.hung_up():
+                        return  # Ctrl-C on the client: the switch goes on
+                    continue
+                if follow is None:
+                    # accepted: the switch is the next transition to our mode that starts
+                    if (
+                        isinstance(msg, Event)
+                        and msg.event == "transition_started"
+                        and msg.data.get("target") == request.mode
+                    ):
+                        follow = msg.transition
+                    else:
+                        continue
+                if isinstance(msg, End):
+                    if msg.data.get("transition") == follow:
+                        conn.send(msg)
+                        return
+                    continue
+                if msg.transition == follow or msg.transition is None:
+                    conn.send(msg)
+        finally:
+            if sub is not None:
+                sub.close()

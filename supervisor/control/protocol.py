@@ -1,0 +1,135 @@
+"""The control protocol: newline-delimited JSON over a Unix stream socket, one request per
+connection. Every message carries the protocol version `v`.
+
+Requests (client -> daemon):
+    {"v": 1, "cmd": "status"}
+    {"v": 1, "cmd": "history", "n": 20}
+    {"v": 1, "cmd": "switch", "mode": "profile", "follow": true, "force": false}
+    {"v": 1, "cmd": "subscribe"}
+
+Answers (daemon -> client), each one line:
+    {"v": 1, "type": "reply", "ok": true, "code": "accepted", "message": "...", "data": {...}}
+    {"v": 1, "type": "event", "event": "step_finished", "at": "...", "transition": "t-...",
+     "data": {...}}
+    {"v": 1, "type": "end", "ok": true, "outcome": "ready", "message": "...", "data": {...}}
+
+A request gets exactly one reply. `switch` with follow and `subscribe` then stream events; a
+followed switch ends with one `end` message. Errors are replies with ok=false and a code from
+ERROR_CODES. This module imports only pydantic: the client stays light.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION: Literal[1] = 1
+
+# Reply codes. ok: accepted, joined, already, status, history, subscribed.
+ERROR_CODES = {
+    "bad_json": "the line is not JSON",
+    "bad_request": "the request does not match the protocol (see docs/control-protocol.md)",
+    "unsupported_version": "the client speaks another protocol version",
+    "too_long": "the request line is longer than control.max_line_bytes",
+    "idle": "no request arrived within control.idle_timeout_s",
+    "forbidden": "the caller is neither root nor in the control group",
+    "busy": "another switch is in progress",
+    "too_many_clients": "control.max_clients connections are open",
+    "stopping": "the daemon is shutting down",
+    "internal": "the daemon failed to answer; see its log",
+}
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class StatusRequest(_Msg):
+    cmd: Literal["status"] = "status"
+
+
+class HistoryRequest(_Msg):
+    cmd: Literal["history"] = "history"
+    n: int = Field(default=20, ge=1, le=10_000)
+
+
+class SwitchRequest(_Msg):
+    cmd: Literal["switch"] = "switch"
+    mode: Literal["production", "profile"]
+    follow: bool = True
+    # Take over from a switch in progress instead of being refused.
+    force: bool = False
+
+
+class SubscribeRequest(_Msg):
+    cmd: Literal["subscribe"] = "subscribe"
+
+
+Request = Annotated[
+    StatusRequest | HistoryRequest | SwitchRequest | SubscribeRequest, Field(discriminator="cmd")
+]
+_REQUEST = TypeAdapter(Request)
+
+
+class Reply(_Msg):
+    type: Literal["reply"] = "reply"
+    ok: bool
+    code: str
+    message: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class Event(_Msg):
+    type: Literal["event"] = "event"
+    event: str
+    at: datetime
+    transition: str | None = None
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class End(_Msg):
+    type: Literal["end"] = "end"
+    ok: bool
+    outcome: str
+    message: str = ""
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def parse_request(line: bytes) -> StatusRequest | HistoryRequest | SwitchRequest | SubscribeRequest:
+    try:
+        raw = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError("bad_json", f"the request is not JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("bad_request", "the request must be a JSON object")
+    if raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "unsupported_version",
+            f"protocol version {raw.get('v')!r} is not supported; this daemon speaks "
+            f"{PROTOCOL_VERSION}: use the kimi-mode installed with it",
+        )
+    try:
+        return _REQUEST.validate_python(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'request'}: {err['msg']}" for err in e.errors()
+        )
+        raise ProtocolError("bad_request", f"bad request: {problems}") from None
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json().encode() + b"\n"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)

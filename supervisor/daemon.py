@@ -1,0 +1,1013 @@
+"""The daemon: one loop thread that owns vLLM's unit and the GPUs.
+
+    request or tick -> observe -> reconcile.decide -> act (teardown / start) -> persist -> notify
+
+Only the loop thread changes state. Connection threads read a published snapshot (status
+answers at once, even mid-teardown) and hand commands to the loop through a queue; signal
+handlers only enqueue. While a teardown runs, its waits between polls are the loop's waits for
+commands (`_BusyClock`), so a second switch is answered (joined, refused, or taking over)
+within one poll interval, and the watchdog is fed.
+
+The desired mode is persisted before anything is torn down; the transition in progress is
+persisted with its step, so a daemon that dies mid-switch redoes it from the start of the
+teardown (every step is idempotent), and a daemon that dies mid-load waits for that load.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import queue
+import signal
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from supervisor import history, launcher
+from supervisor.config import Config
+from supervisor.control.protocol import End, Event, Reply
+from supervisor.events import EventBus
+from supervisor.metrics import Metrics
+from supervisor.model import Mode, Outcome, TeardownReport, utcnow
+from supervisor.ports import processes
+from supervisor.ports.clock import Clock, SystemClock
+from supervisor.ports.gpu import GpuPort, GpuUnavailable
+from supervisor.ports.http import request as http_request
+from supervisor.ports.notify import Notifier
+from supervisor.ports.output import OutputPort
+from supervisor.ports.systemd import SystemdError, SystemdPort
+from supervisor.progress import Progress, advance
+from supervisor.reconcile import (
+    SWITCHING_STATES,
+    Action,
+    Do,
+    Memory,
+    Observed,
+    State,
+    decide,
+)
+from supervisor.state import (
+    Baseline,
+    PersistedState,
+    StateStore,
+    TransitionRecord,
+    with_baseline,
+    with_desired,
+    with_transition,
+)
+from supervisor.teardown import Teardown
+
+# Without a stored baseline (state lost while vLLM ran), teardowns judge "clean" against this
+# until the GPUs are next seen idle and calibrated. An idle H200 with persistence mode reads
+# 615 MiB; the status shows the baseline as provisional meanwhile.
+PROVISIONAL_BASELINE_MIB = 1024
+
+Log = Callable[..., None]
+
+
+@dataclass
+class Command:
+    kind: str  # "switch", "stop", "reexec", "wedge"
+    args: dict[str, Any] = field(default_factory=dict)
+    reply: Future[Reply] = field(default_factory=Future)
+
+
+class _BusyClock:
+    """The teardown's clock: its sleeps serve the command queue and feed the watchdog."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    def monotonic(self) -> float:
+        return self.daemon.clock.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        self.daemon._serve_until(self.daemon.clock.monotonic() + seconds, busy=True)
+
+
+def _new_id() -> str:
+    return f"t-{utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        systemd: SystemdPort,
+        gpu: GpuPort,
+        output: OutputPort,
+        notifier: Notifier,
+        log: Log,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.systemd = systemd
+        self.gpu = gpu
+        self.output = output
+        self.notifier = notifier
+        self.log = log
+        self.clock = clock or SystemClock()
+        self.metrics = metrics
+        self.unit = config.service.unit
+        self.store = StateStore(config.state.dir)
+        self.bus = EventBus()
+        self.commands: queue.Queue[Command] = queue.Queue()
+        self.faults = set(os.environ.get("KIMI_SUPERVISOR_FAULTS", "").split(","))
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_lock = threading.Lock()
+        self.heartbeat = self.clock.monotonic()
+        self.started_at = utcnow()
+        # -- owned by the loop thread --
+        self.state = State.BOOTING
+        self.state_since = utcnow()
+        self.desired = Mode.PRODUCTION
+        self.transition: TransitionRecord | None = None
+        self.interrupted: TransitionRecord | None = None
+        self.serving_mode: Mode | None = None
+        self.serving_pid = 0
+        self.mode_since: datetime | None = None
+        self.start_deadline: float | None = None
+        self.next_attempt_at: float | None = None
+        self.unhealthy_since: float | None = None
+        self.failures: collections.deque[float] = collections.deque()
+        self.stuck_retries = 0
+        self.progress = Progress()
+        self.observed: Observed | None = None
+        self.devices: list[dict[str, Any]] = []
+        self.indices: list[int] = []
+        self.baselines: dict[int, int] = {}
+        self.baseline_provisional = False
+        self.last_teardown: TeardownReport | None = None
+        self.warnings: list[str] = []
+        self.stop_requested = False
+        self.reexec_requested = False
+        self.preempt: tuple[Mode, str] | None = None
+        self._last_watchdog = 0.0
+        self._last_status_line = ""
+
+    # ---------------------------------------------------------------- state and publication
+    def _set_state(self, state: State, why: str = "") -> None:
+        if state is not self.state:
+            self.log("state_changed", previous=self.state.value, state=state.value, why=why)
+            self.state, self.state_since = state, utcnow()
+        self._publish()
+
+    def _persist(self, change: Callable[[PersistedState], PersistedState]) -> None:
+        self.store.update(change)
+
+    def _persist_transition(self) -> None:
+        tr = self.transition
+        self._persist(lambda st: with_transition(st, tr))
+
+    def _event(self, name: str, data: dict[str, Any] | None = None) -> None:
+        tid = self.transition.id if self.transition else None
+        self.bus.publish(Event(event=name, at=utcnow(), transition=tid, data=data or {}))
+
+    def _status_line(self) -> str:
+        s = self.state
+        if s is State.SERVING and self.serving_mode:
+            return f"{self.serving_mode.value}: serving (vLLM PID {self.serving_pid})"
+        if s is State.TEARING_DOWN and self.transition:
+            return f"switching to {self.transition.target.value}: {self.transition.step}"
+        if s is State.STARTING and self.transition:
+            return f"switching to {self.transition.target.value}: {self.progress.describe()}"
+        if s in (State.BACKOFF, State.STUCK) and self.next_attempt_at is not None:
+            wait = max(self.next_attempt_at - self.clock.monotonic(), 0)
+            return f"{s.value.upper()}: retrying {self.desired.value} in {wait:.0f} s"
+        if s is State.FAILED:
+            return f"FAILED: {self.desired.value} gave up; `kimi-mode {self.desired.value}` retries"
+        return s.value
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._snapshot_lock:
+            snap = dict(self._snapshot)
+        snap["daemon"] = {
+            **snap.get("daemon", {}),
+            "loop_heartbeat_age_s": round(self.clock.monotonic() - self.heartbeat, 3),
+        }
+        return snap
+
+    def _publish(self) -> None:
+        obs = self.observed
+        tr = self.transition
+        td = self.last_teardown
+        snap: dict[str, Any] = {
+            "desired_mode": self.desired.value,
+            "mode": self.serving_mode.value if self.serving_mode else None,
+            "state": self.state.value,
+            "state_since": self.state_since.isoformat(),
+            "status_line": self._status_line(),
+            "mode_since": self.mode_since.isoformat() if self.mode_since else None,
+            "transition": tr.model_dump(mode="json") if tr else None,
+            "progress": (
+                {
+                    "phase": self.progress.phase,
+                    "percent": self.progress.percent,
+                    "text": self.progress.describe(),
+                }
+                if self.state is State.STARTING
+                else None
+            ),
+            "unit": {
+                "name": self.unit,
+                "active_state": obs.active_state if obs else "unknown",
+                "sub_state": obs.sub_state if obs else "unknown",
+                "main_pid": obs.main_pid if obs else 0,
+                "running_mode": obs.running_mode.value if obs and obs.running_mode else None,
+                "health": obs.health if obs else -1,
+            },
+            "gpus": self.devices,
+            "baseline_provisional": self.baseline_provisional,
+            "last_teardown": _teardown_summary(td) if td else None,
+            "failures_in_window": len(self.failures),
+            "next_attempt_in_s": (
+                round(max(self.next_attempt_at - self.clock.monotonic(), 0.0), 1)
+                if self.next_attempt_at is not None and self.state in (State.BACKOFF, State.STUCK)
+                else None
+            ),
+            "warnings": list(self.warnings),
+            "daemon": {"pid": os.getpid(), "started_at": self.started_at.isoformat()},
+        }
+        with self._snapshot_lock:
+            self._snapshot = snap
+        line = snap["status_line"]
+        if line != self._last_status_line:
+            self._last_status_line = line
+            self.notifier.status(line)
+        if self.metrics:
+            self.metrics.set_modes(self.desired, self.serving_mode)
+            self.metrics.set_state(self.state.value, [s.value for s in State])
+            for d in self.devices:
+                self.metrics.set_gpu(d["index"], d["used_mib"], d["baseline_mib"])
+
+    def _warn(self, message: str) -> None:
+        self.log("warning", level="warning", message=message)
+        if message not in self.warnings:
+            self.warnings.append(message)
+            del self.warnings[:-10]
+
+    # ---------------------------------------------------------------- the command queue
+    def submit(self, kind: str, **args: Any) -> Future[Reply]:
+        cmd = Command(kind, args)
+        self.commands.put(cmd)
+        return cmd.reply
+
+    def _feed_watchdog(self) -> None:
+        now = self.clock.monotonic()
+        self.heartbeat = now
+        interval = self.notifier.watchdog_interval_s
+        if interval and now - self._last_watchdog >= interval:
+            self.notifier.watchdog()
+            self._last_watchdog = now
+
+    def _serve_until(self, deadline: float, busy: bool = False) -> None:
+        """Wait until `deadline`, handling commands as they come and feeding the watchdog."""
+        while True:
+            self._feed_watchdog()
+            now = self.clock.monotonic()
+            if now >= deadline:
+                return
+            wait = deadline - now
+            if self.notifier.watchdog_interval_s:
+                wait = min(wait, self.notifier.watchdog_interval_s)
+            try:
+                cmd = self.commands.get(timeout=wait)
+            except queue.Empty:
+                continue
+            try:
+                reply = self._handle(cmd, busy)
+            except Exception as e:  # never let one bad command take the loop down
+                self.log("command_failed", level="error", kind=cmd.kind, error=repr(e))
+                reply = Reply(ok=False, code="internal", message=f"internal error: {e}")
+            if not cmd.reply.done():
+                cmd.reply.set_result(reply)
+            if self.stop_requested and not busy:
+                return
+            if cmd.kind == "switch" and reply.code == "accepted" and not busy:
+                return  # act on it now
+
+    def _handle(self, cmd: Command, busy: bool) -> Reply:
+        if cmd.kind == "stop":
+            self.stop_requested = True
+            return Reply(ok=True, code="accepted", message="stopping")
+        if cmd.kind == "reexec":
+            self.reexec_requested = True
+            return Reply(ok=True, code="accepted", message="re-executing")
+        if cmd.kind == "wedge" and "wedge-on-sigusr2" in self.faults:
+            self.log("fault_wedge", level="warning", message="loop blocked on purpose (test fault)")
+            threading.Event().wait()
+        if cmd.kind == "switch":
+            return self._on_switch(
+                Mode(cmd.args["mode"]),
+                cmd.args.get("force", False),
+                cmd.args.get("by", "kimi-mode"),
+                busy,
+            )
+        return Reply(ok=False, code="bad_request", message=f"unknown command {cmd.kind}")
+
+    def _on_switch(self, mode: Mode, force: bool, by: str, busy: bool) -> Reply:
+        if self.stop_requested or self.state is State.STOPPING:
+            return Reply(ok=False, code="stopping", message="the daemon is shutting down")
+        if self.state is State.BOOTING:
+            return Reply(
+                ok=False,
+                code="busy",
+                message=f"the daemon is booting ({self._status_line()}); ask again in a moment",
+            )
+        tr = self.transition
+        if tr is not None and self.state in SWITCHING_STATES:
+            info = {"transition": tr.model_dump(mode="json")}
+            if tr.target is mode and self.preempt is None:
+                return Reply(
+                    ok=True,
+                    code="joined",
+                    message=f"already switching to {mode.value} since "
+                    f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
+                    data=info,
+                )
+            if not force:
+                return Reply(
+                    ok=False,
+                    code="busy",
+                    message=f"a switch to {tr.target.value} is in progress since "
+                    f"{tr.started_at.isoformat(timespec='seconds')} (step {tr.step}, asked by "
+                    f"{tr.requested_by or 'the daemon'}); wait for it, or use --force to take over",
+                    data=info,
+                )
+            self._desire(mode, by)
+            self.preempt = (mode, by)
+            return Reply(
+                ok=True,
+                code="accepted",
+                message=f"taking over from the switch to {tr.target.value}",
+                data=info,
+            )
+        if (
+            self.state is State.SERVING
+            and self.serving_mode is mode
+            and self.desired is mode
+            and self.observed is not None
+            and self.observed.healthy
+        ):
+            return Reply(
+                ok=True,
+                code="already",
+                message=f"{mode.value} is already running and healthy (vLLM PID "
+                f"{self.serving_pid}); nothing to do",
+            )
+        self._desire(mode, by)
+        self.failures.clear()  # an operator's request starts a fresh count
+        self.preempt = (mode, by)
+        return Reply(ok=True, code="accepted", message=f"switch to {mode.value} accepted")
+
+    def _desire(self, mode: Mode, by: str) -> None:
+        """Persist the desired mode: always before anything is torn down for it."""
+        self._persist(lambda st: with_desired(st, mode, by))
+        if mode is not self.desired:
+            self.log("desired_mode_changed", previous=self.desired.value, desired=mode.value, by=by)
+        self.desired = mode
+        self._publish()
+
+    # ---------------------------------------------------------------- boot
+    def _load_state(self) -> None:
+        st, warning = self.store.read()
+        if warning:
+            self._warn(warning)
+            self.log("state_file_corrupt", level="error", message=warning)
+            history.append(
+                self.config.state.dir, "incident", {"at": utcnow().isoformat(), "what": warning}
+            )
+            self.store.write(st)
+        self.desired = st.desired_mode
+        self.interrupted = st.transition
+        if st.transition is not None:
+            self.log("transition_interrupted", transition=st.transition.model_dump(mode="json"))
+
+    def _wait_for_driver(self) -> bool:
+        delay = 0.5
+        while not self.stop_requested:
+            try:
+                n = self.gpu.device_count()
+                self.indices = list(self.config.gpus.managed) or list(range(n))
+                self.gpu.sample(self.indices)
+                self.warnings = [w for w in self.warnings if "GPU driver" not in w]
+                return True
+            except GpuUnavailable as e:
+                msg = f"waiting for the GPU driver: {e}"
+                self._warn(msg)
+                self.notifier.status(msg)
+            self._serve_until(self.clock.monotonic() + delay)
+            delay = min(delay * 2, self.config.daemon.driver_retry_max_s)
+        return False
+
+    def _resolve_baseline(self) -> None:
+        fixed = self.config.gpus.baseline_mib
+        out = {i: fixed[str(i)] for i in self.indices if str(i) in fixed}
+        missing = [i for i in self.indices if i not in out]
+        st, _ = self.store.read()
+        stored = st.baseline
+        if missing and stored and stored.driver_version == self.gpu.driver_version():
+            out |= {i: stored.devices[i] for i in missing if i in stored.devices}
+            missing = [i for i in missing if i not in out]
+        if missing and self._calibrate():
+            return
+        for i in missing:
+            out[i] = PROVISIONAL_BASELINE_MIB
+        self.baselines = out
+        self.baseline_provisional = bool(missing)
+        if missing:
+            self._warn(
+                f"no baseline for GPU(s) {missing} and processes are on the GPUs: using "
+                f"{PROVISIONAL_BASELINE_MIB} MiB until they are next idle, then calibrating"
+            )
+
+    def _calibrate(self) -> bool:
+        samples = self.gpu.sample(self.indices)
+        if any(s.processes for s in samples):
+            return False
+        fixed = self.config.gpus.baseline_mib
+        b = Baseline(
+            driver_version=self.gpu.driver_version(),
+            calibrated_at=utcnow(),
+            devices={s.index: s.used_mib for s in samples},
+        )
+        self._persist(lambda st: with_baseline(st, b))
+        self.baselines = {s.index: fixed.get(str(s.index), s.used_mib) for s in samples}
+        self.baseline_provisional = False
+        self.warnings = [w for w in self.warnings if "no baseline" not in w]
+        self.log("baseline_calibrated", devices=b.devices, driver=b.driver_version)
+        return True
+
+    # ---------------------------------------------------------------- observation
+    def _observe(self) -> Observed | None:
+        try:
+            st = self.systemd.status(self.unit)
+        except SystemdError as e:
+            self._warn(f"cannot read {self.unit}: {e}")
+            return None
+        up = st.active_state in ("active", "activating", "reloading")
+        mode = launcher.running_mode(self.config, st.main_pid) if up else None
+        health = -1
+        if up:
+            health = http_request(
+                self.config.vllm.health_url, timeout_s=self.config.daemon.health_timeout_s
+            ).status
+        clean = self._sample_gpus()
+        obs = Observed(
+            active_state=st.active_state,
+            sub_state=st.sub_state,
+            main_pid=st.main_pid,
+            running_mode=mode,
+            health=health,
+            gpus_clean=clean,
+            result=st.result,
+            exec_main_status=st.exec_main_status,
+        )
+        now = self.clock.monotonic()
+        if obs.healthy or not up:
+            self.unhealthy_since = None
+        elif self.unhealthy_since is None:
+            self.unhealthy_since = now
+        self.observed = obs
+        return obs
+
+    def _sample_gpus(self) -> bool:
+        tol = self.config.gpus.tolerance_mib
+        try:
+            samples = self.gpu.sample(self.indices)
+        except GpuUnavailable as e:
+            self._warn(f"cannot read the GPUs: {e}")
+            return False
+        devices = []
+        for s in samples:
+            base = self.baselines.get(s.index, PROVISIONAL_BASELINE_MIB)
+            devices.append(
+                {
+                    "index": s.index,
+                    "used_mib": s.used_mib,
+                    "baseline_mib": base,
+                    "tolerance_mib": tol,
+                    "total_mib": s.total_mib,
+                    "clean": s.used_mib <= base + tol and not s.processes,
+                    "holders": [
+                        {"pid": p.pid, "name": _title(p.pid), "used_mib": p.used_mib}
+                        for p in s.processes
+                    ],
+                }
+            )
+        self.devices = devices
+        return all(d["clean"] for d in devices)
+
+    # ---------------------------------------------------------------- acting
+    def _memory(self) -> Memory:
+        return Memory(
+            state=self.state,
+            serving_pid=self.serving_pid,
+            start_deadline=self.start_deadline,
+            next_attempt_at=self.next_attempt_at,
+            unhealthy_since=self.unhealthy_since,
+        )
+
+    def _tick(self) -> None:
+        if self.state is State.STARTING:
+            self._follow_output()
+        obs = self._observe()
+        if obs is None:
+            self._publish()
+            return
+        if self.preempt is not None:
+            mode, by = self.preempt
+            self.preempt = None
+            if self.transition is not None:
+                self._end_transition(False, "preempted", f"superseded by a switch to {mode.value}")
+            self._run_transition(mode, "switch", f"asked by {by}", by)
+            return
+        action = decide(
+            self.desired,
+            self._memory(),
+            obs,
+            self.clock.monotonic(),
+            self.config.daemon.health_grace_s,
+        )
+        self._act(action, obs)
+        self._publish()
+
+    def _act(self, action: Action, obs: Observed) -> None:
+        if action.do is Do.NOTHING:
+            return
+        self.log("reconcile", action=action.do.value, reason=action.reason, state=self.state.value)
+        if action.do is Do.ADOPT:
+            self._adopt(obs, action.reason)
+        elif action.do is Do.RESUME_START:
+            self._resume_start(obs)
+        elif action.do is Do.READY:
+            self._ready(obs)
+        elif action.do is Do.START_FAILED:
+            self._start_failed(action.reason)
+        elif action.do is Do.DIED:
+            self._died(action.reason)
+        elif action.do in (Do.SWITCH, Do.RETRY):
+            kind = "retry" if action.do is Do.RETRY else "switch"
+            reason = action.reason
+            if self.interrupted is not None:
+                kind, reason = (
+                    "switch",
+                    (
+                        f"redoing {self.interrupted.id} (to {self.interrupted.target.value}), "
+                        f"interrupted at {self.interrupted.step}: {reason}"
+                    ),
+                )
+                self.interrupted = None
+            elif self.state is State.BOOTING:
+                kind = "boot"
+            self._run_transition(self.desired, kind, reason, "daemon")
+
+    def _adopt(self, obs: Observed, reason: str) -> None:
+        ref = processes.ref_of(obs.main_pid)
+        since = utcnow()
+        if ref is not None:
+            with contextlib.suppress(OSError, ValueError):
+                since = datetime.fromtimestamp(processes.start_time_epoch(ref), tz=since.tzinfo)
+        self.serving_mode, self.serving_pid, self.mode_since = obs.running_mode, obs.main_pid, since
+        if self.transition is not None or self.interrupted is not None:
+            self.transition = self.transition or self.interrupted
+            self._end_transition(True, "ready", f"{self.desired.value} was already running")
+        self.interrupted = None
+        self.log("adopted", mode=self.desired.value, main_pid=obs.main_pid, reason=reason)
+        self._set_state(State.SERVING, reason)
+        self.stuck_retries = 0
+
+    def _resume_start(self, obs: Observed) -> None:
+        tr = self.interrupted
+        self.interrupted = None
+        now = utcnow()
+        if tr is None or tr.target is not self.desired:
+            tr = TransitionRecord(
+                id=_new_id(),
+                target=self.desired,
+                kind="boot",
+                reason="found loading at boot",
+                requested_by="daemon",
+                started_at=now,
+                step="starting",
+                step_changed_at=now,
+            )
+        deadline_at = tr.start_deadline_at or now + timedelta(
+            seconds=self.config.daemon.start_timeout_s
+        )
+        tr = tr.model_copy(update={"step": "starting", "start_deadline_at": deadline_at})
+        self.transition = tr
+        self._persist_transition()
+        self.start_deadline = self.clock.monotonic() + (deadline_at - now).total_seconds()
+        self.output.begin()
+        self.progress = Progress()
+        self.log("start_resumed", transition=tr.id, main_pid=obs.main_pid)
+        self._set_state(State.STARTING, "a load was in progress when the daemon started")
+
+    def _run_transition(self, target: Mode, kind: str, reason: str, by: str) -> None:
+        now = utcnow()
+        obs = self.observed
+        previous = self.serving_mode or (obs.running_mode if obs and obs.unit_up else None)
+        tr = TransitionRecord(
+            id=_new_id(),
+            target=target,
+            previous=previous,
+            kind=kind,  # type: ignore[arg-type]
+            reason=reason,
+            requested_by=by,
+            started_at=now,
+            step="teardown",
+            step_changed_at=now,
+        )
+        self.transition = tr
+        self._persist_transition()
+        self.serving_mode, self.serving_pid, self.mode_since = None, 0, None
+        self.log("transition_started", **tr.model_dump(mode="json"))
+        self._event("transition_started", tr.model_dump(mode="json"))
+        self._set_state(State.TEARING_DOWN, reason)
+        report = self._teardown(reason)
+        if report.outcome is Outcome.STUCK:
+            self._stuck(report)
+            return
+        if self.stop_requested:
+            self._end_transition(False, "stopped", "the daemon is stopping")
+            return
+        if self.preempt is not None:
+            mode, by2 = self.preempt
+            self.preempt = None
+            self._end_transition(False, "preempted", f"superseded by a switch to {mode.value}")
+            self._run_transition(mode, "switch", f"asked by {by2} (took over)", by2)
+            return
+        self._start()
+
+    def _start(self) -> None:
+        tr = self.transition
+        assert tr is not None
+        argv_file = launcher.write_argv_file(self.config, tr.target)
+        self.output.begin()
+        self.progress = Progress()
+        deadline_at = utcnow() + timedelta(seconds=self.config.daemon.start_timeout_s)
+        self.transition = tr = tr.model_copy(
+            update={
+                "step": "starting",
+                "step_changed_at": utcnow(),
+                "start_deadline_at": deadline_at,
+            }
+        )
+        self._persist_transition()
+        argv = self.config.launch_argv(tr.target)
+        try:
+            st = self.systemd.status(self.unit)
+            if st.active_state == "failed":
+                self.systemd.reset_failed(self.unit)
+            self.systemd.start(self.unit)
+        except SystemdError as e:
+            self._set_state(State.STARTING)
+            self._start_failed(f"systemd refused to start {self.unit}: {e}")
+            return
+        self.start_deadline = self.clock.monotonic() + self.config.daemon.start_timeout_s
+        self.log("vllm_starting", mode=tr.target.value, argv=argv, argv_file=str(argv_file))
+        self._event("starting", {"mode": tr.target.value, "argv": argv})
+        self._set_state(State.STARTING, f"started {self.unit} in {tr.target.value}")
+
+    def _follow_output(self) -> None:
+        before = self.progress
+        for line in self.output.read_new():
+            self.progress = advance(self.progress, line)
+        if self.progress != before:
+            p = self.progress
+            self._event("progress", {"phase": p.phase, "percent": p.percent, "text": p.describe()})
+            if p.phase != before.phase:
+                self.log("vllm_progress", phase=p.phase, percent=p.percent)
+
+    def _ready(self, obs: Observed) -> None:
+        tr = self.transition
+        self._follow_output()
+        self.serving_mode, self.serving_pid, self.mode_since = (
+            tr.target if tr else self.desired,
+            obs.main_pid,
+            utcnow(),
+        )
+        self.progress = Progress("ready")
+        took = (utcnow() - tr.started_at).total_seconds() if tr else 0.0
+        self._event(
+            "ready",
+            {
+                "mode": self.serving_mode.value,
+                "main_pid": obs.main_pid,
+                "duration_s": round(took, 3),
+            },
+        )
+        self.log(
+            "vllm_ready",
+            mode=self.serving_mode.value,
+            main_pid=obs.main_pid,
+            duration_s=round(took, 3),
+        )
+        self.stuck_retries = 0
+        self._end_transition(True, "ready", f"{self.serving_mode.value} is ready ({took:.1f} s)")
+        self._set_state(State.SERVING, "GET /health answered 200")
+
+    def _start_failed(self, reason: str) -> None:
+        tr = self.transition
+        assert tr is not None
+        self._follow_output()
+        tail = self.output.tail()
+        self.log(
+            "vllm_start_failed",
+            level="error",
+            mode=tr.target.value,
+            reason=reason,
+            output_tail=tail,
+        )
+        self._event(
+            "start_failed", {"mode": tr.target.value, "reason": reason, "output_tail": tail}
+        )
+        self.transition = tr = tr.model_copy(update={"step": "teardown"})
+        self._set_state(State.TEARING_DOWN, reason)
+        report = self._teardown(f"start of {tr.target.value} failed: {reason}")
+        back = _rollback_target(tr)
+        detail = {"reason": reason, "output_tail": tail}
+        if report.outcome is Outcome.STUCK:
+            self._stuck(report, detail)
+            return
+        if self.stop_requested:
+            self._end_transition(False, "stopped", "the daemon is stopping", detail)
+            return
+        if self.preempt is not None:
+            mode, by = self.preempt
+            self.preempt = None
+            self._end_transition(
+                False, "preempted", f"superseded by a switch to {mode.value}", detail
+            )
+            self._run_transition(mode, "switch", f"asked by {by} (took over)", by)
+            return
+        if self.config.daemon.rollback and back is not None and tr.kind != "rollback":
+            why = f"{tr.target.value} did not become ready ({reason})"
+            self._end_transition(
+                False, "rolled_back", f"{why}; rolling back to {back.value}", detail
+            )
+            self._desire(back, "rollback")
+            self._run_transition(back, "rollback", why, "rollback")
+            return
+        self._failure(f"{tr.target.value} did not become ready: {reason}", detail)
+
+    def _died(self, reason: str) -> None:
+        self.log(
+            "vllm_died",
+            level="error",
+            reason=reason,
+            mode=(self.serving_mode.value if self.serving_mode else None),
+        )
+        history.append(
+            self.config.state.dir, "incident", {"at": utcnow().isoformat(), "what": reason}
+        )
+        self._event("vllm_died", {"reason": reason})
+        self.serving_mode, self.serving_pid, self.mode_since = None, 0, None
+        self._set_state(State.TEARING_DOWN, reason)
+        report = self._teardown(f"vLLM died: {reason}")
+        if report.outcome is Outcome.STUCK:
+            self._stuck(report)
+            return
+        self._failure(reason, {})
+
+    def _failure(self, reason: str, detail: dict[str, Any]) -> None:
+        d = self.config.daemon
+        now = self.clock.monotonic()
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > d.failure_window_s:
+            self.failures.popleft()
+        n = len(self.failures)
+        if n >= d.max_failures:
+            msg = (
+                f"{reason}; {n} failures within {d.failure_window_s:g} s: not retrying. "
+                f"Fix the cause, then `kimi-mode {self.desired.value}`"
+            )
+            self._end_transition(False, "failed", msg, detail)
+            self.log("failed", level="error", message=msg)
+            self._set_state(State.FAILED, msg)
+            return
+        wait = min(d.restart_backoff_initial_s * 2 ** (n - 1), d.restart_backoff_max_s)
+        self.next_attempt_at = now + wait
+        msg = (
+            f"{reason}; starting {self.desired.value} again in {wait:g} s (failure {n} of "
+            f"{d.max_failures})"
+        )
+        self._end_transition(False, "failed", msg, detail)
+        self._set_state(State.BACKOFF, msg)
+
+    def _stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
+        d = self.config.daemon
+        wait = min(
+            d.stuck_retry_s * 2**self.stuck_retries, max(d.restart_backoff_max_s, d.stuck_retry_s)
+        )
+        self.stuck_retries += 1
+        self.next_attempt_at = self.clock.monotonic() + wait
+        msg = (
+            f"teardown STUCK: {report.diagnosis}. Next: {report.next_action}. "
+            f"Retrying in {wait:g} s; vLLM is not started on occupied GPUs"
+        )
+        if self.transition is not None:
+            self._end_transition(False, "stuck", msg, detail or {})
+        self.log("stuck", level="error", message=msg)
+        self._set_state(State.STUCK, msg)
+
+    def _end_transition(
+        self, ok: bool, outcome: str, message: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        tr = self.transition
+        if tr is None:
+            return
+        finished = utcnow()
+        record = {
+            "id": tr.id,
+            "target": tr.target.value,
+            "previous": tr.previous.value if tr.previous else None,
+            "trigger": tr.kind,
+            "reason": tr.reason,
+            "requested_by": tr.requested_by,
+            "started_at": tr.started_at.isoformat(),
+            "finished_at": finished.isoformat(),
+            "duration_s": round((finished - tr.started_at).total_seconds(), 3),
+            "outcome": outcome,
+            "message": message,
+            **(detail or {}),
+        }
+        history.append(self.config.state.dir, "transition", record)
+        if self.metrics:
+            self.metrics.transitions.labels(outcome).inc()
+        self.log("transition_finished", level="info" if ok else "warning", **record)
+        self.bus.publish(
+            End(ok=ok, outcome=outcome, message=message, data={"transition": tr.id, **record})
+        )
+        self.transition = None
+        self._persist_transition()
+
+    # ---------------------------------------------------------------- teardown
+    def _teardown(self, reason: str) -> TeardownReport:
+        if not self.indices:
+            self._wait_for_driver()
+        if not self.baselines:
+            self._resolve_baseline()
+        tid = self.transition.id if self.transition else None
+
+        def on_event(kind: str, data: dict[str, Any]) -> None:
+            self.log(kind, transition=tid, **data)
+            if kind == "step_started" and self.transition is not None:
+                self.transition = self.transition.model_copy(
+                    update={"step": f"teardown:{data['step']}", "step_changed_at": utcnow()}
+                )
+                self._persist_transition()
+            if kind == "gpus":
+                self._devices_from_teardown(data["devices"])
+            if kind == "kill" and data.get("signal") == "SIGKILL" and self.metrics:
+                self.metrics.kills.labels(data.get("step", "")).inc()
+            self._event(kind, data)
+            self._publish()
+
+        report = Teardown(
+            self.config,
+            self.systemd,
+            self.gpu,
+            _BusyClock(self),
+            dict(self.baselines),
+            on_event=on_event,
+        ).run()
+        self.last_teardown = report
+        body = report.model_dump(mode="json") | {"transition": tid, "reason": reason}
+        history.append(self.config.state.dir, "teardown", body)
+        if self.metrics:
+            self.metrics.teardown_seconds.labels(report.outcome.value).observe(report.duration_s)
+        if report.outcome is Outcome.CLEAN and self.baseline_provisional:
+            self._calibrate()
+        self._sample_gpus()
+        self._publish()
+        return report
+
+    def _devices_from_teardown(self, devices: list[dict[str, Any]]) -> None:
+        tol = self.config.gpus.tolerance_mib
+        self.devices = [
+            {
+                "index": d["index"],
+                "used_mib": d["used_mib"],
+                "baseline_mib": d["baseline_mib"],
+                "tolerance_mib": tol,
+                "clean": d["used_mib"] <= d["baseline_mib"] + tol and not d["processes"],
+                "holders": [{"pid": p, "name": _title(p)} for p in d["processes"]],
+            }
+            for d in devices
+        ]
+
+    # ---------------------------------------------------------------- the loop
+    def _next_tick_in(self) -> float:
+        d = self.config.daemon
+        return d.start_poll_s if self.state is State.STARTING else d.tick_s
+
+    def boot(self) -> bool:
+        """Up to READY: state read, driver answering, baseline known, the world observed."""
+        self._load_state()
+        self._publish()
+        if not self._wait_for_driver():
+            return False
+        self._resolve_baseline()
+        self._observe()
+        self._publish()
+        self.notifier.ready(self._status_line())
+        self.log(
+            "ready",
+            desired=self.desired.value,
+            state=self.state.value,
+            unit=self.observed.describe_unit() if self.observed else "unknown",
+        )
+        return True
+
+    def loop(self) -> None:
+        """Tick until a stop is asked for; then tear down to clean (see `shutdown`)."""
+        next_tick = self.clock.monotonic()
+        while not self.stop_requested and not self.reexec_requested:
+            self._serve_until(next_tick)
+            if self.stop_requested or self.reexec_requested:
+                break
+            self._tick()
+            next_tick = self.clock.monotonic() + self._next_tick_in()
+
+    def shutdown(self) -> bool:
+        """`systemctl stop`: teardown to CLEAN (a few attempts), then return True if clean."""
+        t = self.config.teardown
+        budget = (
+            t.term_grace_s
+            + t.cgroup_kill_timeout_s
+            + t.strays_timeout_s
+            + t.holders_timeout_s
+            + t.release_timeout_s
+            + 30
+        )
+        self.notifier.extend_timeout(budget)
+        self._set_state(State.STOPPING, "stop requested")
+        self.notifier.stopping("stopping: tearing vLLM down")
+        self._end_transition(False, "stopped", "the daemon is stopping")
+        report = None
+        for _attempt in range(3):
+            self.notifier.extend_timeout(budget)
+            report = self._teardown("the supervisor is stopping")
+            if report.outcome is Outcome.CLEAN:
+                break
+        clean = report is not None and report.outcome is Outcome.CLEAN
+        self.log("stopped", clean=clean, desired=self.desired.value)
+        return clean
+
+    def request_from_signal(self, kind: str) -> None:
+        self.commands.put(Command(kind))
+
+
+def _title(pid: int) -> str:
+    """What an operator recognises a process by: its (possibly retitled) command line."""
+    return " ".join(processes.cmdline_of(pid))[:48] or processes.comm_of(pid)
+
+
+def _rollback_target(tr: TransitionRecord) -> Mode | None:
+    if tr.previous is not None and tr.previous is not tr.target:
+        return tr.previous
+    return Mode.PRODUCTION if tr.target is Mode.PROFILE else None
+
+
+def _teardown_summary(r: TeardownReport) -> dict[str, Any]:
+    return {
+        "outcome": r.outcome.value,
+        "started_at": r.started_at.isoformat(),
+        "duration_s": round(r.duration_s, 3),
+        "kills": [
+            {
+                "pid": k.process.pid,
+                "comm": k.process.comm,
+                "cmdline": " ".join(k.process.cmdline)[:200],
+                "step": k.step.value,
+                "evidence": k.evidence.value,
+                "result": k.result,
+            }
+            for k in r.kills
+            if k.signal == "SIGKILL"
+        ],
+        "diagnosis": r.diagnosis,
+        "next_action": r.next_action,
+    }
+
+
+def install_signal_handlers(daemon: Daemon) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: daemon.request_from_signal("stop"))
+    signal.signal(signal.SIGINT, lambda *_: daemon.request_from_signal("stop"))
+    signal.signal(signal.SIGHUP, lambda *_: daemon.request_from_signal("reexec"))
+    signal.signal(signal.SIGUSR2, lambda *_: daemon.request_from_signal("wedge"))
+
+
+def reexec() -> None:
+    """Replace this process with a fresh copy of itself (upgrades): vLLM is left running and is
+    adopted by the new process. The control socket's lock dies with the old image."""
+    os.execv(sys.executable, list(sys.orig_argv))

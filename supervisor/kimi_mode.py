@@ -1,0 +1,454 @@
+"""`kimi-mode`: what an operator types. Argument parsing and output only; the daemon does the
+work. Exit codes (as documented in docs/control-protocol.md):
+
+    0  done (or nothing to do)
+    1  the switch failed, or its teardown ended STUCK
+    2  usage error
+    3  the daemon is unreachable, or refused the request
+    4  timed out waiting (the switch goes on)
+  130  interrupted with Ctrl-C while following (the switch goes on)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from supervisor.control.client import TimedOut, Unreachable, exchange
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_TIMEOUT, EXIT_INTERRUPTED = (
+    0,
+    1,
+    2,
+    3,
+    4,
+    130,
+)
+DEFAULT_SOCKET = Path("/run/kimi-supervisor/control.sock")
+DEFAULT_CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
+
+
+class UsageError(Exception):
+    pass
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    """--socket, then KIMI_SUPERVISOR_SOCKET, then the config's control.socket, then default."""
+    if args.socket:
+        return Path(args.socket)
+    env = os.environ.get("KIMI_SUPERVISOR_SOCKET")
+    if env:
+        return Path(env)
+    explicit = args.config or os.environ.get("KIMI_SUPERVISOR_CONFIG")
+    path = Path(explicit or DEFAULT_CONFIG)
+    if not explicit and not path.exists():
+        return DEFAULT_SOCKET
+    from supervisor.config import ConfigError, load_config
+
+    try:
+        return load_config(path).control.socket
+    except ConfigError as e:
+        if explicit:
+            raise UsageError(f"cannot use the config to find the socket:\n{e}") from None
+        return DEFAULT_SOCKET
+
+
+# ------------------------------------------------------------------------------ formatting
+def _ago(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    secs = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    return _duration(secs)
+
+
+def _duration(secs: float) -> str:
+    secs = max(int(secs), 0)
+    d, rem = divmod(secs, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m}m"
+    if m:
+        return f"{m}m {s}s"
+    return f"{s}s"
+
+
+def _hhmmss(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_status(s: dict[str, Any]) -> str:
+    unit = s.get("unit", {})
+    mode = s.get("mode")
+    lines = [
+        f"desired mode:  {s['desired_mode']}",
+        f"actual mode:   {mode or '-'}"
+        + (
+            f"  (for {_ago(s.get('mode_since'))}, since {_hhmmss(s.get('mode_since'))})"
+            if mode
+            else ""
+        ),
+        f"state:         {s['state']}: {s.get('status_line', '')}",
+    ]
+    tr = s.get("transition")
+    if tr:
+        lines.append(
+            f"transition:    {tr['id']} to {tr['target']} ({tr['kind']}), step {tr['step']}, "
+            f"since {_hhmmss(tr['started_at'])}; {tr['reason']}"
+        )
+    if s.get("progress"):
+        lines.append(f"progress:      {s['progress']['text']}")
+    health = unit.get("health", -1)
+    lines.append(
+        f"unit:          {unit.get('name')} {unit.get('active_state')}/{unit.get('sub_state')}, "
+        f"MainPID {unit.get('main_pid') or '-'}, /health "
+        + ("-" if health == -1 else ("no answer" if health == 0 else str(health)))
+    )
+    lines.append("GPUs:          index  used MiB  baseline MiB  state  holders")
+    for g in s.get("gpus", []):
+        holders = ", ".join(f"{h['pid']} ({h['name']})" for h in g.get("holders", [])) or "-"
+        state = "clean" if g["clean"] else "in use"
+        lines.append(
+            f"               {g['index']:>5}  {g['used_mib']:>8}  {g['baseline_mib']:>12}  "
+            f"{state:<6} {holders}"
+        )
+    if s.get("baseline_provisional"):
+        lines.append("               (baseline provisional: calibrated when the GPUs are idle)")
+    td = s.get("last_teardown")
+    if td:
+        lines.append(
+            f"last teardown: {td['outcome'].upper()} in {td['duration_s']:.2f} s, "
+            f"{_ago(td['started_at'])} ago, {len(td['kills'])} process(es) killed"
+        )
+        for k in td["kills"]:
+            lines.append(
+                f"                 PID {k['pid']} {k['cmdline'][:60] or k['comm']} "
+                f"({k['step']}: {k['evidence']})"
+            )
+        if td["outcome"] != "clean":
+            lines.append(f"                 {td['diagnosis']}")
+            lines.append(f"                 next: {td['next_action']}")
+    if s.get("next_attempt_in_s") is not None:
+        lines.append(
+            f"next attempt:  in {s['next_attempt_in_s']:.0f} s "
+            f"({s.get('failures_in_window', 0)} failure(s) in the window)"
+        )
+    for w in s.get("warnings", []):
+        lines.append(f"warning:       {w}")
+    d = s.get("daemon", {})
+    lines.append(f"daemon:        PID {d.get('pid')}, up {_ago(d.get('started_at'))}")
+    return "\n".join(lines)
+
+
+def format_history(entries: list[dict[str, Any]]) -> str:
+    lines = []
+    for e in entries:
+        kind = e.get("kind")
+        if kind == "transition":
+            lines.append(
+                f"{_hhmmss(e['started_at'])}  switch   {e.get('previous') or '-'} -> "
+                f"{e['target']} ({e['trigger']}): {e['outcome'].upper()} in {e['duration_s']:.1f} s"
+                f" [{e['id']}] by {e.get('requested_by') or '-'}"
+            )
+            lines.append(f"{'':21}{e.get('message', '')}")
+        elif kind == "teardown":
+            kills = [k for k in e.get("kills", []) if k["signal"] == "SIGKILL"]
+            lines.append(
+                f"{_hhmmss(e['started_at'])}  teardown {e['outcome'].upper()} in "
+                f"{e['duration_s']:.2f} s, {len(kills)} killed: {e.get('reason', '')}"
+            )
+            for k in kills:
+                p = k["process"]
+                title = " ".join(p.get("cmdline", []))[:60] or p.get("comm", "")
+                lines.append(f"{'':21}killed PID {p['pid']} {title} ({k['step']}: {k['evidence']})")
+        elif kind == "incident":
+            lines.append(f"{_hhmmss(e.get('at'))}  incident {e.get('what')}")
+        else:
+            lines.append(json.dumps(e))
+    return "\n".join(lines) or "(no history yet)"
+
+
+class Follower:
+    """Renders a followed switch: redrawn on a TTY, plain lines otherwise."""
+
+    def __init__(self, out: TextIO, tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self.started = time.monotonic()
+        self.target = ""
+        self.steps: list[str] = []
+        self.current = ""
+        self.kills: list[str] = []
+        self.gpus: list[dict[str, Any]] = []
+        self.vllm = ""
+        self._drawn = 0
+        self._last_draw = 0.0
+        self._last_gpu_line = 0.0
+        self._last_pct: int | None = None
+
+    def say(self, text: str) -> None:
+        if self.tty:
+            self._clear()
+        print(text, file=self.out, flush=True)
+        if self.tty:
+            self._draw(force=True)
+
+    def on_event(self, e: dict[str, Any]) -> None:
+        name, data = e["event"], e.get("data", {})
+        if name == "transition_started":
+            self.target = data["target"]
+            self.say(
+                f"{data['id']}: {data.get('previous') or 'nothing'} -> {data['target']} "
+                f"({data['kind']}: {data['reason']})"
+            )
+        elif name == "step_started":
+            self.current = data["step"]
+        elif name == "step_finished":
+            mark = "skipped" if data.get("skipped") else f"{data['duration_s']:.2f} s"
+            self.steps.append(f"{data['step']} ({mark})")
+            self.current = ""
+            if not self.tty:
+                self.say(f"  teardown {data['step']:<17} {mark:>8}  {data.get('note', '')}")
+        elif name == "kill" and data.get("signal") == "SIGKILL":
+            p = data["process"]
+            title = " ".join(p.get("cmdline", []))[:50] or p.get("comm", "")
+            line = f"killed PID {p['pid']} {title} ({data['step']}: {data['evidence']})"
+            self.kills.append(line)
+            if not self.tty:
+                self.say(f"  {line}")
+        elif name == "spared":
+            self.say(f"  spared PID {data['pid']}: {data['why']}")
+        elif name == "gpus":
+            self.gpus = data["devices"]
+            now = time.monotonic()
+            if not self.tty and now - self._last_gpu_line >= 1.0:
+                self._last_gpu_line = now
+                self.say(
+                    "  GPUs used/baseline MiB: "
+                    + ", ".join(
+                        f"{d['index']}: {d['used_mib']}/{d['baseline_mib']}" for d in self.gpus
+                    )
+                )
+        elif name == "teardown_finished":
+            if not self.tty:
+                self.say(f"  teardown {data['outcome'].upper()} in {data['duration_s']:.2f} s")
+            self.steps.append(f"=> {data['outcome'].upper()} in {data['duration_s']:.2f} s")
+        elif name == "starting":
+            self.vllm = f"starting vLLM in {data['mode']}"
+            if not self.tty:
+                self.say(f"  {self.vllm}")
+        elif name == "progress":
+            self.vllm = data["text"]
+            pct = data.get("percent")
+            bucket = None if pct is None else pct // 10
+            if not self.tty and (bucket != self._last_pct or pct is None):
+                self._last_pct = bucket
+                self.say(f"  vLLM: {data['text']}")
+        elif name == "start_failed":
+            self.say(f"  vLLM did not start: {data['reason']}")
+            for line in data.get("output_tail", [])[-10:]:
+                self.say(f"    | {line}")
+        elif name == "warning":
+            self.say(f"  warning: {data.get('message')}")
+        if self.tty:
+            self._draw()
+
+    def _lines(self) -> list[str]:
+        elapsed = _duration(time.monotonic() - self.started)
+        lines = [f"kimi-mode: switching to {self.target or '...'}  ({elapsed})"]
+        if self.steps or self.current:
+            steps = ", ".join(self.steps[-4:])
+            lines.append(f"  teardown: {steps}" + (f" > {self.current}..." if self.current else ""))
+        lines.extend(f"  {k}" for k in self.kills[-5:])
+        for d in self.gpus:
+            used, base = d["used_mib"], d["baseline_mib"]
+            top = max(used, base, 1)
+            width = 30
+            fill = (
+                min(width, round(width * (used - base) / max(top - base, 1))) if used > base else 0
+            )
+            lines.append(
+                f"  GPU {d['index']} [{'#' * fill}{'.' * (width - fill)}] "
+                f"{used} MiB (baseline {base})"
+            )
+        if self.vllm:
+            lines.append(f"  vLLM: {self.vllm}")
+        return lines
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+
+    def _draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        self._clear()
+        lines = self._lines()
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()
+        self._drawn = len(lines)
+
+    def finish(self) -> None:
+        if self.tty:
+            self._draw(force=True)
+
+
+# ------------------------------------------------------------------------------ commands
+def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
+    req = {"cmd": "switch", "mode": args.mode, "follow": not args.no_wait, "force": args.force}
+    out = sys.stdout
+    tty = out.isatty() and not args.json
+    follower = Follower(out, tty)
+    try:
+        for raw, msg in exchange(sock, req, timeout_s=args.timeout):
+            if args.json:
+                out.write(raw.decode() + "\n")
+                out.flush()
+            kind = msg.get("type")
+            if kind == "reply":
+                if not msg["ok"]:
+                    if not args.json:
+                        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+                    return EXIT_FAILED if msg["code"] == "busy" else EXIT_UNREACHABLE
+                if not args.json:
+                    follower.say(msg["message"])
+                if msg["code"] == "already" or args.no_wait:
+                    return EXIT_OK
+            elif kind == "event" and not args.json:
+                follower.on_event(msg)
+            elif kind == "end":
+                if not args.json:
+                    follower.finish()
+                    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=out)
+                return EXIT_OK if msg["ok"] else EXIT_FAILED
+    except TimedOut:
+        print(
+            f"\nkimi-mode: timed out after {args.timeout:g} s waiting; the switch to {args.mode} "
+            "goes on (`kimi-mode status`)",
+            file=sys.stderr,
+        )
+        return EXIT_TIMEOUT
+    except KeyboardInterrupt:
+        print(
+            f"\nkimi-mode: stopped following; the switch to {args.mode} goes on "
+            "(`kimi-mode status` shows where it is)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    print(
+        "kimi-mode: the daemon closed the connection before the switch ended (`kimi-mode status`)",
+        file=sys.stderr,
+    )
+    return EXIT_UNREACHABLE
+
+
+def _one_reply(
+    sock: Path, req: dict[str, Any], timeout_s: float = 10.0
+) -> tuple[bytes, dict[str, Any]]:
+    try:
+        for raw, msg in exchange(sock, req, timeout_s=timeout_s):
+            return raw, msg
+    except TimedOut:
+        raise Unreachable(f"the daemon did not answer within {timeout_s:g} s") from None
+    raise Unreachable("the daemon closed the connection without answering")
+
+
+def cmd_status(args: argparse.Namespace, sock: Path) -> int:
+    _raw, msg = _one_reply(sock, {"cmd": "status"})
+    if not msg["ok"]:
+        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if args.json:
+        print(json.dumps(msg["data"], indent=2))
+    else:
+        print(format_status(msg["data"]))
+    return EXIT_OK
+
+
+def cmd_history(args: argparse.Namespace, sock: Path) -> int:
+    _raw, msg = _one_reply(sock, {"cmd": "history", "n": args.n})
+    if not msg["ok"]:
+        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    entries = msg["data"]["entries"]
+    if args.json:
+        for e in entries:
+            print(json.dumps(e))
+    else:
+        print(format_history(entries))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--socket", help="the daemon's control socket (or KIMI_SUPERVISOR_SOCKET)")
+    common.add_argument("--config", help="find the socket in this config file")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    p = argparse.ArgumentParser(
+        prog="kimi-mode",
+        description="Switch vLLM between production and profile mode, and see what it is doing.",
+        epilog="exit codes: 0 done, 1 failed or STUCK, 2 usage, 3 daemon unreachable or "
+        "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{production,profile,status,history}")
+    for mode in ("production", "profile"):
+        c = sub.add_parser(mode, parents=[common], help=f"switch to {mode} mode and follow it")
+        c.add_argument("--no-wait", action="store_true", help="ask for the switch and return")
+        c.add_argument(
+            "--timeout",
+            type=float,
+            default=None,
+            metavar="S",
+            help="stop following after S seconds (exit 4; the switch goes on)",
+        )
+        c.add_argument(
+            "--force",
+            action="store_true",
+            help="take over from a switch to the other mode that is in progress",
+        )
+        c.set_defaults(fn=cmd_switch, mode=mode)
+    c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
+    c.set_defaults(fn=cmd_status)
+    c = sub.add_parser("history", parents=[common], help="past switches and teardowns")
+    c.add_argument("-n", type=int, default=20, help="how many records (default 20)")
+    c.set_defaults(fn=cmd_history)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "timeout", None) is not None and args.timeout <= 0:
+        parser.error("--timeout must be positive")
+    if getattr(args, "n", 1) < 1:
+        parser.error("-n must be at least 1")
+    try:
+        sock = socket_path(args)
+        return int(args.fn(args, sock))
+    except UsageError as e:
+        print(f"kimi-mode: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Unreachable as e:
+        print(f"kimi-mode: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Prometheus metrics on a localhost port (prometheus-client, its own registry and thread).
+
+The loop sets them; the exporter thread only reads. Off when metrics.enabled is false.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from supervisor.model import Mode
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        ns = "kimi_supervisor"
+        self.desired_mode = Gauge(
+            f"{ns}_desired_mode", "1 for the desired mode", ["mode"], registry=r
+        )
+        self.mode = Gauge(f"{ns}_mode", "1 for the mode vLLM serves in now", ["mode"], registry=r)
+        self.state = Gauge(f"{ns}_state", "1 for the daemon's current state", ["state"], registry=r)
+        self.gpu_used = Gauge(f"{ns}_gpu_used_mib", "memory used per GPU", ["gpu"], registry=r)
+        self.gpu_baseline = Gauge(
+            f"{ns}_gpu_baseline_mib", "baseline footprint per GPU", ["gpu"], registry=r
+        )
+        self.teardown_seconds = Histogram(
+            f"{ns}_teardown_duration_seconds",
+            "teardown duration",
+            ["outcome"],
+            buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
+        self.kills = Counter(f"{ns}_kills_total", "SIGKILLs sent, by step", ["step"], registry=r)
+        self.transitions = Counter(
+            f"{ns}_transitions_total", "mode transitions, by outcome", ["outcome"], registry=r
+        )
+        self._server: Any = None
+
+    def serve(self, address: str, port: int) -> None:
+        self._server = start_http_server(port, addr=address, registry=self.registry)
+
+    def close(self) -> None:
+        if self._server is not None:
+            server, _thread = self._server
+            server.shutdown()
+            server.server_close()
+            self._server = None
+
+    def set_modes(self, desired: Mode, actual: Mode | None) -> None:
+        for m in Mode:
+            self.desired_mode.labels(m.value).set(1 if m is desired else 0)
+            self.mode.labels(m.value).set(1 if m is actual else 0)
+
+    def set_state(self, state: str, all_states: list[str]) -> None:
+        for s in all_states:
+            self.state.labels(s).set(1 if s == state else 0)
+
+    def set_gpu(self, index: int, used_mib: int, baseline_mib: int) -> None:
+        self.gpu_used.labels(str(index)).set(used_mib)
+        self.gpu_baseline.labels(str(index)).set(baseline_mib)

@@ -1,0 +1,150 @@
+"""Desired mode vs what is observed -> the next action. Pure: no I/O, no clock of its own.
+
+The loop calls `decide` on every tick with what it just observed; the same inputs always give
+the same action, so a daemon restarted at any point (crash, upgrade, reboot) simply decides
+again from what it sees. Read top to bottom:
+
+    FAILED                         -> nothing until an operator asks for a mode
+    STARTING   unit gone           -> START_FAILED
+               /health 200         -> READY
+               past the deadline   -> START_FAILED
+    BACKOFF, STUCK  when due       -> RETRY (teardown to clean, then start)
+    BOOTING, SERVING:
+      desired mode running, healthy           -> ADOPT (or nothing if already serving it)
+      desired mode running, not healthy yet   -> RESUME_START at boot (a load in progress)
+      ... unhealthy for health_grace_s        -> SWITCH (recover: teardown, start again)
+      was serving, unit gone or MainPID new   -> DIED
+      another mode (or an unknown argv) runs  -> SWITCH
+      nothing runs                            -> SWITCH (teardown makes the GPUs clean first)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from supervisor.model import Mode
+
+
+class State(enum.StrEnum):
+    BOOTING = "booting"  # waiting for the GPU driver; the world not yet observed
+    SERVING = "serving"  # the desired mode runs and answers /health
+    TEARING_DOWN = "tearing_down"
+    STARTING = "starting"  # the unit was started; waiting for /health 200
+    BACKOFF = "backoff"  # vLLM failed; waiting before starting it again
+    STUCK = "stuck"  # a teardown could not make the GPUs clean; retried later
+    FAILED = "failed"  # too many failures in the window; waits for an operator
+    STOPPING = "stopping"  # the daemon is stopping: teardown, then exit
+
+
+# States in which a mode switch is under way (a second switch joins it or is refused).
+SWITCHING_STATES = frozenset({State.TEARING_DOWN, State.STARTING})
+# States in which the loop waits for a point in time before trying again.
+WAITING_STATES = frozenset({State.BACKOFF, State.STUCK})
+
+
+@dataclass(frozen=True)
+class Observed:
+    active_state: str  # the unit's ActiveState
+    sub_state: str
+    main_pid: int
+    running_mode: Mode | None  # from MainPID's argv; None: no match (or nothing runs)
+    health: int  # HTTP status of GET /health; 0: no answer; -1: not probed
+    gpus_clean: bool
+    result: str = ""
+    exec_main_status: int = 0
+
+    @property
+    def unit_up(self) -> bool:
+        return self.active_state in ("active", "activating", "reloading")
+
+    @property
+    def healthy(self) -> bool:
+        return self.health == 200
+
+    def describe_unit(self) -> str:
+        out = f"{self.active_state}/{self.sub_state}"
+        if self.result and self.result != "success":
+            out += f", result {self.result}"
+        if self.exec_main_status:
+            out += f", exit status {self.exec_main_status}"
+        return out
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What the loop remembers between ticks (monotonic seconds)."""
+
+    state: State
+    serving_pid: int = 0
+    start_deadline: float | None = None
+    next_attempt_at: float | None = None
+    unhealthy_since: float | None = None
+
+
+class Do(enum.StrEnum):
+    NOTHING = "nothing"
+    ADOPT = "adopt"
+    RESUME_START = "resume_start"
+    READY = "ready"
+    START_FAILED = "start_failed"
+    DIED = "died"
+    SWITCH = "switch"
+    RETRY = "retry"
+
+
+@dataclass(frozen=True)
+class Action:
+    do: Do
+    reason: str = ""
+
+
+def decide(desired: Mode, mem: Memory, obs: Observed, now: float, health_grace_s: float) -> Action:
+    s = mem.state
+    if s is State.FAILED:
+        return Action(Do.NOTHING, "failed: waiting for an operator")
+
+    if s is State.STARTING:
+        # STARTING -> SERVING, or -> teardown (and rollback or backoff)
+        if not obs.unit_up:
+            return Action(Do.START_FAILED, f"the unit stopped during start ({obs.describe_unit()})")
+        if obs.healthy:
+            return Action(Do.READY, "GET /health answered 200")
+        if mem.start_deadline is not None and now >= mem.start_deadline:
+            return Action(Do.START_FAILED, "not ready within daemon.start_timeout_s")
+        return Action(Do.NOTHING, "loading")
+
+    if s in WAITING_STATES:
+        # BACKOFF/STUCK -> TEARING_DOWN when due
+        if mem.next_attempt_at is not None and now < mem.next_attempt_at:
+            return Action(Do.NOTHING, "waiting to retry")
+        return Action(Do.RETRY, f"retrying after {s.value}")
+
+    # BOOTING or SERVING (TEARING_DOWN and STOPPING never reach here: they run to their end)
+    if obs.unit_up and obs.running_mode is desired:
+        if obs.healthy:
+            if s is State.SERVING and obs.main_pid == mem.serving_pid:
+                return Action(Do.NOTHING, "serving")
+            return Action(Do.ADOPT, f"{desired.value} already runs and is healthy")
+        if s is State.BOOTING:
+            return Action(Do.RESUME_START, f"{desired.value} runs and is not ready yet: waiting")
+        if mem.unhealthy_since is not None and now - mem.unhealthy_since >= health_grace_s:
+            return Action(
+                Do.SWITCH, f"/health has failed for {now - mem.unhealthy_since:.0f} s: restarting"
+            )
+        return Action(Do.NOTHING, "unhealthy, within health_grace_s")
+
+    if s is State.SERVING and (not obs.unit_up or obs.main_pid != mem.serving_pid):
+        # SERVING -> TEARING_DOWN (orphans hold the GPUs) -> BACKOFF or FAILED
+        return Action(
+            Do.DIED,
+            f"vLLM (PID {mem.serving_pid}) is gone: unit {obs.describe_unit()}"
+            + (f", MainPID now {obs.main_pid}" if obs.main_pid else ""),
+        )
+
+    if obs.unit_up:
+        running = obs.running_mode.value if obs.running_mode else "an argv matching no mode"
+        return Action(Do.SWITCH, f"vLLM runs {running}; {desired.value} is desired")
+    if not obs.gpus_clean:
+        return Action(Do.SWITCH, "vLLM is not running and the GPUs are not at baseline")
+    return Action(Do.SWITCH, "vLLM is not running")

@@ -1,0 +1,174 @@
+"""The persisted state: desired mode, the transition in progress, the baseline, and when each
+changed, in one file (`state.dir`/state.json).
+
+Writes are atomic: a temporary file in the same directory (created exclusively, never through a
+symlink), fsync, rename over the old file, fsync of the directory. Read-modify-write goes through
+`update`, under an flock, so the daemon and `kimi-supervisor calibrate` never lose each other's
+change. A file that cannot be read as a valid state (truncated, corrupt, a symlink) is moved
+aside with a timestamp and the defaults are used (production); the caller reports the warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from supervisor.model import Mode, utcnow
+
+STATE_VERSION: Literal[1] = 1
+
+
+class StateError(Exception):
+    """The state directory cannot be used (permissions, a full disk); the message says which."""
+
+
+class Baseline(BaseModel):
+    driver_version: str
+    calibrated_at: datetime
+    devices: dict[int, int]  # GPU index -> MiB
+
+
+class TransitionRecord(BaseModel):
+    """A mode switch in progress: from the start of its teardown until the new mode is ready."""
+
+    id: str
+    target: Mode
+    previous: Mode | None = None
+    kind: Literal["switch", "boot", "recover", "rollback", "retry"] = "switch"
+    reason: str = ""
+    requested_by: str = ""
+    started_at: datetime
+    # "teardown", "teardown:<step>" or "starting"
+    step: str = "teardown"
+    step_changed_at: datetime
+    # Set when the unit was started: a daemon restarted mid-load resumes waiting until then.
+    start_deadline_at: datetime | None = None
+
+
+class PersistedState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = STATE_VERSION
+    desired_mode: Mode = Mode.PRODUCTION
+    desired_changed_at: datetime | None = None
+    desired_by: str = "default"
+    transition: TransitionRecord | None = None
+    transition_changed_at: datetime | None = None
+    baseline: Baseline | None = None
+    baseline_changed_at: datetime | None = None
+    # Timed profile mode: when it expires, production is desired again.
+    profile_until: datetime | None = None
+    profile_until_changed_at: datetime | None = None
+
+
+class StateStore:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.path = directory / "state.json"
+        self.lock_path = directory / "state.lock"
+
+    def _ensure_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        except OSError as e:
+            raise StateError(f"cannot create the state directory {self.dir}: {e}") from e
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._ensure_dir()
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def read(self) -> tuple[PersistedState, str | None]:
+        """The state, and a warning if the file was unusable and has been moved aside."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return PersistedState(), None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return PersistedState(), self._move_aside("it is a symlink")
+            raise StateError(f"cannot read {self.path}: {e}") from e
+        try:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise StateError(f"cannot read {self.path}: {e}") from e
+        try:
+            return PersistedState.model_validate(json.loads(raw)), None
+        except (ValueError, ValidationError) as e:
+            first = str(e).splitlines()[0][:200]
+            return PersistedState(), self._move_aside(f"it is not a valid state ({first})")
+
+    def _move_aside(self, why: str) -> str:
+        aside = self.path.with_name(f"state.json.corrupt-{utcnow():%Y%m%dT%H%M%S.%fZ}")
+        os.rename(self.path, aside)  # renames a symlink itself, never its target
+        return (
+            f"{self.path} was unusable: {why}. Moved to {aside}; starting from defaults "
+            "(desired mode: production)"
+        )
+
+    def write(self, state: PersistedState) -> None:
+        self._ensure_dir()
+        data = state.model_dump_json(indent=2).encode() + b"\n"
+        tmp = self.dir / f".state.json.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # left by a crash of this PID's predecessor
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
+            )
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise StateError(f"cannot write {self.path}: {e}") from e
+
+    def update(
+        self, change: Callable[[PersistedState], PersistedState]
+    ) -> tuple[PersistedState, str | None]:
+        """Read, change and write under the lock; returns the new state and any read warning."""
+        with self._locked():
+            current, warning = self.read()
+            new = change(current)
+            self.write(new)
+            return new, warning
+
+
+def with_desired(state: PersistedState, mode: Mode, by: str) -> PersistedState:
+    if state.desired_mode is mode:
+        return state.model_copy(update={"desired_by": by})
+    return state.model_copy(
+        update={"desired_mode": mode, "desired_changed_at": utcnow(), "desired_by": by}
+    )
+
+
+def with_transition(state: PersistedState, tr: TransitionRecord | None) -> PersistedState:
+    return state.model_copy(update={"transition": tr, "transition_changed_at": utcnow()})
+
+
+def with_baseline(state: PersistedState, baseline: Baseline) -> PersistedState:
+    return state.model_copy(update={"baseline": baseline, "baseline_changed_at": utcnow()})

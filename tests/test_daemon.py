@@ -1,0 +1,187 @@
+"""The daemon as systemd runs it: `kimi-supervisor.service` of the sandbox's real user manager,
+owning `vllm-kimi-k25.service` (the fake vLLM) on simulated GPUs."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+import pytest
+
+from supervisor.model import Mode
+from supervisor.ports import processes
+from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
+
+from .conftest import DaemonHelper, SandboxHelper, health, wait_until
+
+pytestmark = pytest.mark.systemd
+
+WORKER_MIB = 90_000
+
+
+def vllm_argv(daemon: DaemonHelper) -> list[str]:
+    return processes.cmdline_of(daemon.vllm_pid())
+
+
+def only_vllm_on_gpus(sandbox: SandboxHelper) -> bool:
+    return all(u == b + WORKER_MIB for u, b in zip(sandbox.used(), sandbox.baseline(), strict=True))
+
+
+def test_boot_brings_up_the_persisted_profile_mode_with_the_profiler_arguments_byte_exact(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.reset_state(desired="profile")
+    daemon.start()
+    status = daemon.wait_serving("profile")
+    expected = sandbox.config.launch_argv(Mode.PROFILE)
+    assert vllm_argv(daemon)[-len(expected) :] == expected
+    assert status["desired_mode"] == "profile"
+    assert status["unit"]["health"] == 200
+    assert only_vllm_on_gpus(sandbox)
+
+
+def test_a_restarted_daemon_adopts_the_healthy_vllm_without_restarting_it(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm, first = daemon.vllm_pid(), daemon.pid()
+    teardowns = len([e for e in daemon.history() if e["kind"] == "teardown"])
+
+    # A crash: systemd restarts the daemon (Restart=on-failure) and it finds vLLM serving.
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.pid() not in (0, first), 20, "systemd to restart the daemon")
+    status = daemon.wait_serving("production")
+    assert daemon.vllm_pid() == vllm == status["unit"]["main_pid"]
+
+    # An upgrade: `systemctl reload` re-executes the daemon in place; vLLM is left alone again.
+    sandbox.sb.manager.systemctl("reload", DAEMON_UNIT)
+    wait_until(lambda: "reexec" in daemon.log(), 10, "the daemon to re-execute")
+    daemon.wait_serving("production")
+    assert daemon.vllm_pid() == vllm
+    assert len([e for e in daemon.history() if e["kind"] == "teardown"]) == teardowns
+    assert '"adopted"' in daemon.log()
+
+
+def test_a_daemon_killed_in_the_middle_of_a_teardown_converges_to_the_desired_mode_when_restarted(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    # vLLM ignores SIGTERM: the teardown spends term_grace_s (2 s) in stop_unit.
+    sandbox.fake(ignore_sigterm=True)
+    r = daemon.kimi_mode("profile", "--no-wait")
+    assert r.returncode == 0, r.stderr
+    status = daemon.wait_state("tearing_down", 10)
+    assert status["desired_mode"] == "profile"
+    first = daemon.pid()
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.pid() not in (0, first), 20, "systemd to restart the daemon")
+    sandbox.fake()
+    status = daemon.wait_serving("profile", 40)
+    assert "--profiler-config" in vllm_argv(daemon)
+    assert only_vllm_on_gpus(sandbox)
+    redone = [t for t in daemon.transitions() if t["reason"].startswith("redoing")]
+    assert redone and redone[-1]["outcome"] == "ready"
+
+
+def test_a_corrupt_state_file_is_moved_aside_and_production_comes_up(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    state_file = sandbox.config.state.dir / "state.json"
+    state_file.write_text('{"version": 1, "desired_mode": "prof')
+    daemon.start()
+    status = daemon.wait_serving("production")
+    aside = list(sandbox.config.state.dir.glob("state.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text().startswith('{"version": 1')
+    assert any("was unusable" in w for w in status["warnings"])
+    assert json.loads(state_file.read_text())["desired_mode"] == "production"
+
+
+def test_a_profile_mode_that_crashes_while_loading_rolls_back_to_production_and_says_why(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
+    r = daemon.kimi_mode("profile")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "rolling back to production" in r.stdout
+    assert "simulated crash while loading at" in r.stdout  # the unit's last lines, shown
+    status = daemon.wait_serving("production")
+    assert status["desired_mode"] == "production"
+    assert "--profiler-config" not in vllm_argv(daemon)
+    outcomes = [(t["target"], t["outcome"]) for t in daemon.transitions()]
+    assert ("profile", "rolled_back") in outcomes
+    failed = next(t for t in daemon.transitions() if t["outcome"] == "rolled_back")
+    assert any("simulated crash" in line for line in failed["output_tail"])
+    assert outcomes[-1] == ("production", "ready")
+
+
+def test_vllm_killed_while_serving_with_a_ghost_left_behind_is_cleaned_up_and_brought_back(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    # Worker 0 starts a ghost that escapes the unit's cgroup and holds memory.
+    sandbox.fake(
+        ghost_title="python3", ghost_mib=4000, ghost_cgroup_procs=sandbox.sb.ghost_cgroup_procs()
+    )
+    daemon.start()
+    daemon.wait_serving("production")
+    sandbox.fake()
+    old = daemon.vllm_pid()
+    # The API server dies. systemd kills what is left in the unit's cgroup (KillMode=mixed, main
+    # process gone); the ghost that escaped the cgroup lives on, holding memory on every GPU.
+    processes.send_signal(processes.ref_of(old), signal.SIGKILL)  # type: ignore[arg-type]
+    wait_until(lambda: daemon.vllm_pid() not in (0, old), 30, "vLLM to be started again")
+    status = daemon.wait_serving("production")
+    assert only_vllm_on_gpus(sandbox)
+    assert status["failures_in_window"] == 1
+    incidents = [e for e in daemon.history() if e["kind"] == "incident"]
+    assert incidents and "is gone" in incidents[-1]["what"]
+    after_death = next(
+        e for e in daemon.history() if e["kind"] == "teardown" and "died" in e["reason"]
+    )
+    assert after_death["outcome"] == "clean"
+    killed = [k["process"]["cmdline"] for k in after_death["kills"] if k["signal"] == "SIGKILL"]
+    assert ["python3"] in killed  # the ghost, outside the unit
+
+
+def test_stopping_the_daemon_leaves_the_unit_inactive_and_the_gpus_at_baseline(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    sandbox.ghost(gpu="1", mib=3000, title="jupyter-kernel")
+    daemon.stop()  # returns when systemd has seen the daemon exit
+    assert sandbox.systemd.status(UNIT).inactive
+    assert sandbox.used() == sandbox.baseline()
+    assert daemon.unit() == "inactive"
+    assert health(sandbox.config.vllm.health_url) == 0
+
+
+def test_a_daemon_whose_loop_is_blocked_is_restarted_by_the_systemd_watchdog(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.override("WatchdogSec=2\nEnvironment=KIMI_SUPERVISOR_FAULTS=wedge-on-sigusr2\n")
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm, first = daemon.vllm_pid(), daemon.pid()
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGUSR2)  # the loop blocks for good
+    wait_until(lambda: "fault_wedge" in daemon.log(), 5, "the loop to block")
+    wait_until(lambda: daemon.pid() not in (0, first), 30, "the watchdog to restart the daemon")
+    daemon.wait_serving("production")
+    assert daemon.vllm_pid() == vllm
+
+
+def test_metrics_are_served_on_localhost(sandbox: SandboxHelper, daemon: DaemonHelper) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    m = sandbox.config.metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    assert 'kimi_supervisor_mode{mode="production"} 1.0' in text
+    assert 'kimi_supervisor_state{state="serving"} 1.0' in text
+    assert 'kimi_supervisor_gpu_baseline_mib{gpu="0"}' in text
+    assert 'kimi_supervisor_transitions_total{outcome="ready"}' in text
+    assert "kimi_supervisor_teardown_duration_seconds_bucket" in text
