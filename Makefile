@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint typecheck pytest bench clean
+.PHONY: setup test lint typecheck pytest bench demo clean
 
 setup: $(VENV)/.installed
 
@@ -26,6 +26,17 @@ pytest: setup
 
 # The whole suite: lint, types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest
+
+# Every benchmark, each writing its section of docs/performance.md (about 10 minutes).
+bench: setup
+	$(BIN)/python -m bench.teardown_bench --runs 5 --gpus 8 --write docs/performance.md
+	$(BIN)/python -m bench.practice_bench --runs 3 --write docs/performance.md
+	$(BIN)/python -m bench.scale_bench --runs 5 --write docs/performance.md
+	$(BIN)/python -m bench.daemon_bench --idle-s 60 --runs 5 --write docs/performance.md
+
+# The main job: the sandbox demo (a real systemd user manager, 8 simulated GPUs, the daemon).
+demo: setup
+	bash scripts/demo.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

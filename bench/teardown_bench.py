@@ -12,16 +12,14 @@ The figures are medians with the min-max spread; the doc section is written by t
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import signal
 import statistics
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
+from bench.common import fmt_ms, machine, poll, write_section
 from supervisor import baseline
 from supervisor.launcher import write_argv_file
 from supervisor.model import Mode, Outcome
@@ -32,16 +30,6 @@ from supervisor.sandbox import simgpu
 from supervisor.sandbox.fake_vllm import FakeOptions
 from supervisor.sandbox.sandbox import UNIT, Sandbox
 from supervisor.teardown import Teardown
-
-BEGIN, END = "<!-- teardown-bench:begin -->", "<!-- teardown-bench:end -->"
-
-
-def poll(cond: Callable[[], object], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError("benchmark condition not reached")
-        time.sleep(0.005)
 
 
 class Bench:
@@ -126,17 +114,12 @@ def _health(url: str) -> int:
         return 0
 
 
-def fmt(xs: list[float]) -> str:
-    ms = [x * 1000 for x in xs]
-    return f"{statistics.median(ms):.0f} ({min(ms):.0f}–{max(ms):.0f})"
-
-
 SCENARIOS = ["well-behaved", "ignores SIGTERM", "ghost outside the unit", "stray VLLM::Worker_TP3"]
 
 
 def run(runs: int, gpus: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-bench-"))
-    sb = Sandbox.up(root, gpus=gpus)
+    sb = Sandbox.up(root, gpus=gpus, daemon=False)  # the benchmark drives the unit itself
     try:
         b = Bench(sb, gpus)
         grace = b.config.teardown.term_grace_s
@@ -160,12 +143,11 @@ def run(runs: int, gpus: int) -> str:
                 target_text = f"term_grace_s ({grace:g} s) + 300 ms"
             met = "met" if med_td <= target else f"MISSED by {(med_td - target) * 1000:.0f} ms"
             rows.append(
-                f"| {scenario} | {fmt(floor)} | {fmt(own) if own else 'never'} | "
-                f"{fmt(td)} | {med_td / med_floor:.1f}× | {target_text}: {met} |"
+                f"| {scenario} | {fmt_ms(floor)} | {fmt_ms(own) if own else 'never'} | "
+                f"{fmt_ms(td)} | {med_td / med_floor:.1f}× | {target_text}: {met} |"
             )
         head = (
-            f"Measured {datetime.date.today()} on {platform.node()} ({platform.machine()}, "
-            f"{_cpus()} CPUs), sandbox with {gpus} simulated GPUs, {runs} runs per cell; "
+            f"Measured {machine()}, sandbox with {gpus} simulated GPUs, {runs} runs per cell; "
             "milliseconds, median (min–max).\n\n"
             "| scenario | floor: SIGKILL all → baseline | own exit (systemctl stop) | "
             "teardown → CLEAN | teardown / floor | target |\n|---|---|---|---|---|---|\n"
@@ -173,22 +155,6 @@ def run(runs: int, gpus: int) -> str:
         return head + "\n".join(rows) + "\n"
     finally:
         sb.down()
-
-
-def _cpus() -> int:
-    import os
-
-    return os.cpu_count() or 0
-
-
-def write_section(doc: Path, body: str) -> None:
-    text = doc.read_text() if doc.exists() else ""
-    section = f"{BEGIN}\n{body}{END}"
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END) :]
-    else:
-        text += f"\n{section}\n"
-    doc.write_text(text)
 
 
 def main() -> None:
@@ -200,7 +166,7 @@ def main() -> None:
     body = run(args.runs, args.gpus)
     print(body)
     if args.write:
-        write_section(args.write, body)
+        write_section(args.write, "teardown-bench", body)
 
 
 if __name__ == "__main__":

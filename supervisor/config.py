@@ -127,13 +127,16 @@ class StateConfig(_Strict):
 
 
 class DaemonConfig(_Strict):
-    # How often the loop compares desired with observed while vLLM serves (and when idle).
-    tick_s: Annotated[float, Field(gt=0, le=60)] = 2.0
+    # How often the loop compares desired with observed while vLLM serves (and when idle):
+    # the unit's state every tick, /health and the GPUs every health_interval_s.
+    tick_s: Annotated[float, Field(gt=0, le=60)] = 5.0
     # While vLLM loads: how often /health and the unit's output are read.
     start_poll_s: Annotated[float, Field(gt=0, le=10)] = 0.25
     # Loading Kimi-K2.5 takes over 30 minutes; this may be hours.
     start_timeout_s: PositiveSeconds = 3 * 3600.0
     health_timeout_s: PositiveSeconds = 2.0
+    # While serving, /health and the GPUs are read this often (the unit's state every tick).
+    health_interval_s: PositiveSeconds = 10.0
     # /health failing for this long while serving counts as unhealthy (a busy server may be
     # slow to answer; a 30-minute reload is not started over one missed probe).
     health_grace_s: Annotated[float, Field(ge=0)] = 60.0

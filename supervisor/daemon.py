@@ -151,6 +151,10 @@ class Daemon:
         self.preempt: tuple[Mode, str] | None = None
         self._last_watchdog = 0.0
         self._last_status_line = ""
+        self._mode_of_pid: tuple[int, Mode | None] = (0, None)
+        self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
+        self._gpus_at: float | None = None  # when the GPUs were last sampled (monotonic)
+        self._titles: dict[int, str] = {}
 
     # ---------------------------------------------------------------- state and publication
     def _set_state(self, state: State, why: str = "") -> None:
@@ -188,10 +192,13 @@ class Daemon:
     def snapshot(self) -> dict[str, Any]:
         with self._snapshot_lock:
             snap = dict(self._snapshot)
+        now = self.clock.monotonic()
         snap["daemon"] = {
             **snap.get("daemon", {}),
-            "loop_heartbeat_age_s": round(self.clock.monotonic() - self.heartbeat, 3),
+            "loop_heartbeat_age_s": round(now - self.heartbeat, 3),
         }
+        gpus_at = self._gpus_at
+        snap["gpus_age_s"] = round(now - gpus_at, 1) if gpus_at is not None else None
         return snap
 
     def _publish(self) -> None:
@@ -248,10 +255,14 @@ class Daemon:
                 self.metrics.set_gpu(d["index"], d["used_mib"], d["baseline_mib"])
 
     def _warn(self, message: str) -> None:
-        self.log("warning", level="warning", message=message)
+        """Logged once while it lasts (a failing read repeats every tick); shown in status."""
         if message not in self.warnings:
+            self.log("warning", level="warning", message=message)
             self.warnings.append(message)
             del self.warnings[:-10]
+
+    def _unwarn(self, prefix: str) -> None:
+        self.warnings = [w for w in self.warnings if not w.startswith(prefix)]
 
     # ---------------------------------------------------------------- the command queue
     def submit(self, kind: str, **args: Any) -> Future[Reply]:
@@ -397,7 +408,7 @@ class Daemon:
                 n = self.gpu.device_count()
                 self.indices = list(self.config.gpus.managed) or list(range(n))
                 self.gpu.sample(self.indices)
-                self.warnings = [w for w in self.warnings if "GPU driver" not in w]
+                self._unwarn("waiting for the GPU driver")
                 return True
             except GpuUnavailable as e:
                 msg = f"waiting for the GPU driver: {e}"
@@ -441,7 +452,7 @@ class Daemon:
         self._persist(lambda st: with_baseline(st, b))
         self.baselines = {s.index: fixed.get(str(s.index), s.used_mib) for s in samples}
         self.baseline_provisional = False
-        self.warnings = [w for w in self.warnings if "no baseline" not in w]
+        self._unwarn("no baseline")
         self.log("baseline_calibrated", devices=b.devices, driver=b.driver_version)
         return True
 
@@ -452,14 +463,22 @@ class Daemon:
         except SystemdError as e:
             self._warn(f"cannot read {self.unit}: {e}")
             return None
+        self._unwarn(f"cannot read {self.unit}")
         up = st.active_state in ("active", "activating", "reloading")
-        mode = launcher.running_mode(self.config, st.main_pid) if up else None
+        mode = self._running_mode(st.main_pid) if up else None
         health = -1
         if up:
-            health = http_request(
-                self.config.vllm.health_url, timeout_s=self.config.daemon.health_timeout_s
-            ).status
-        clean = self._sample_gpus()
+            health = self._probe_health(st.main_pid)
+        now = self.clock.monotonic()
+        steady = self.state is State.SERVING and st.main_pid == self.serving_pid
+        if (
+            steady
+            and self._gpus_at is not None
+            and now - self._gpus_at < (self.config.daemon.health_interval_s)
+        ):
+            clean = all(d["clean"] for d in self.devices)
+        else:
+            clean = self._sample_gpus()
         obs = Observed(
             active_state=st.active_state,
             sub_state=st.sub_state,
@@ -470,13 +489,34 @@ class Daemon:
             result=st.result,
             exec_main_status=st.exec_main_status,
         )
-        now = self.clock.monotonic()
         if obs.healthy or not up:
             self.unhealthy_since = None
         elif self.unhealthy_since is None:
             self.unhealthy_since = now
         self.observed = obs
         return obs
+
+    def _probe_health(self, main_pid: int) -> int:
+        """GET /health; while serving the same MainPID, at most every health_interval_s."""
+        d, now = self.config.daemon, self.clock.monotonic()
+        last, at = self._health
+        fresh = now - at < d.health_interval_s and last != -1
+        if self.state is State.SERVING and main_pid == self.serving_pid and fresh:
+            return last
+        status = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s).status
+        self._health = (status, now)
+        return status
+
+    def _running_mode(self, main_pid: int) -> Mode | None:
+        """The mode MainPID was started in; read once per MainPID (its argv does not change)."""
+        if self._mode_of_pid[0] != main_pid or self._mode_of_pid[1] is None:
+            self._mode_of_pid = (main_pid, launcher.running_mode(self.config, main_pid))
+        return self._mode_of_pid[1]
+
+    def _title(self, pid: int) -> str:
+        if pid not in self._titles:
+            self._titles[pid] = _title(pid)
+        return self._titles[pid]
 
     def _sample_gpus(self) -> bool:
         tol = self.config.gpus.tolerance_mib
@@ -485,7 +525,11 @@ class Daemon:
         except GpuUnavailable as e:
             self._warn(f"cannot read the GPUs: {e}")
             return False
+        self._unwarn("cannot read the GPUs")
+        self._gpus_at = self.clock.monotonic()
         devices = []
+        holders = {p.pid for s in samples for p in s.processes}
+        self._titles = {pid: t for pid, t in self._titles.items() if pid in holders}
         for s in samples:
             base = self.baselines.get(s.index, PROVISIONAL_BASELINE_MIB)
             devices.append(
@@ -497,7 +541,7 @@ class Daemon:
                     "total_mib": s.total_mib,
                     "clean": s.used_mib <= base + tol and not s.processes,
                     "holders": [
-                        {"pid": p.pid, "name": _title(p.pid), "used_mib": p.used_mib}
+                        {"pid": p.pid, "name": self._title(p.pid), "used_mib": p.used_mib}
                         for p in s.processes
                     ],
                 }
@@ -900,7 +944,7 @@ class Daemon:
                 "baseline_mib": d["baseline_mib"],
                 "tolerance_mib": tol,
                 "clean": d["used_mib"] <= d["baseline_mib"] + tol and not d["processes"],
-                "holders": [{"pid": p, "name": _title(p)} for p in d["processes"]],
+                "holders": [{"pid": p, "name": self._title(p)} for p in d["processes"]],
             }
             for d in devices
         ]

@@ -84,17 +84,28 @@ def has_vllm_signature(pid: int, extra: list[re.Pattern[str]]) -> bool:
     return bool(VLLM_CMDLINE.search(line)) or any(p.search(line) for p in extra)
 
 
-def listeners(port: int) -> list[int]:
-    """PIDs holding a socket that listens on TCP `port`. Free unless something listens."""
+def listeners(port: int, likely: Iterable[int] = ()) -> list[int]:
+    """PIDs holding a socket that listens on TCP `port`. Free unless something listens; then the
+    `likely` PIDs (vLLM's tree) are looked at first, and the whole host only if the listening
+    sockets are not all found there."""
     inodes = processes.listening_inodes(port)
     if not inodes:
         return []
     wanted = {f"socket:[{i}]" for i in inodes}
-    return [
-        pid
-        for pid in processes.all_pids()
-        if any(t in wanted for _fd, t in processes.open_paths(pid))
-    ]
+
+    def holders(pids: Iterable[int]) -> tuple[list[int], set[str]]:
+        found, seen = [], set()
+        for pid in pids:
+            held = {t for _fd, t in processes.open_paths(pid) if t in wanted}
+            if held:
+                found.append(pid)
+                seen |= held
+        return found, seen
+
+    found, seen = holders(likely)
+    if seen == wanted:
+        return found
+    return holders(processes.all_pids())[0]
 
 
 def fd_holders(paths: Iterable[str], pids: Iterable[int] | None = None) -> dict[int, set[str]]:

@@ -84,6 +84,7 @@ class Teardown:
         self._device_paths = {i: self.gpu.device_path(i) for i in self.indices}
         self._last_drain: dict[int, int] = {}
         self._ppids: dict[ProcessRef, int] = {}
+        self._snapshot: list[ProcessRef] = []
 
     # -- observation --
     def _sample(self) -> list[DeviceSample]:
@@ -118,7 +119,15 @@ class Teardown:
         return not self._unit_active
 
     def _clean(self) -> bool:
-        return self._unit_inactive() and self._gpus_clean() and not listeners(self.config.vllm.port)
+        return (
+            self._unit_inactive()
+            and self._gpus_clean()
+            and not listeners(self.config.vllm.port, self._likely())
+        )
+
+    def _likely(self) -> list[int]:
+        """Where vLLM's listening socket would be: its tree, and what NVML lists."""
+        return [r.pid for r in self._snapshot] + [p for d in self._devices for p in d.processes]
 
     def _poll_until(self, cond: Callable[[], bool], timeout_s: float) -> bool:
         deadline = self.clock.monotonic() + timeout_s
@@ -237,7 +246,7 @@ class Teardown:
         for ref in snapshot:
             if processes.is_alive(ref):
                 targets[ref] = _Target(ref, Evidence.ESCAPED_UNIT, "escaped the unit's cgroup")
-        for pid in listeners(self.config.vllm.port):
+        for pid in listeners(self.config.vllm.port, self._likely()):
             lref = processes.ref_of(pid)
             if lref and lref not in targets:
                 targets[lref] = _Target(
@@ -381,7 +390,7 @@ class Teardown:
     def run(self) -> TeardownReport:
         start = self.clock.monotonic()
         self.on_event("teardown_started", {"unit": self.unit})
-        snapshot = self._snapshot_tree()
+        snapshot = self._snapshot = self._snapshot_tree()
         self._sample()
         steps: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.STOP_UNIT, self._step_stop_unit, False),
@@ -475,7 +484,7 @@ class Teardown:
                     why=reason,
                 )
             )
-        for pid in listeners(self.config.vllm.port):
+        for pid in listeners(self.config.vllm.port, self._likely()):
             lines.append(f"PID {pid} still listens on port {self.config.vllm.port}")
         killed_alive = any(h.why.startswith("got SIGKILL") for h in r.remaining)
         listed = [h for h in r.remaining if h.devices]

@@ -35,7 +35,7 @@ def test_the_unit_runs_the_fake_vllm_whose_workers_fill_the_gpus_and_stopping_re
     main_pid = sandbox.start_vllm("production")
     status = sandbox.systemd.status(UNIT)
     assert status.active_state == "active" and status.main_pid == main_pid
-    assert status.control_group.endswith(f"/app.slice/{UNIT}")
+    assert processes.cgroup_of(main_pid).endswith(f"/app.slice/{UNIT}")
     titles = {processes.cmdline_of(p)[0] for p in sandbox.systemd.cgroup_pids(UNIT)}
     assert {"VLLM::EngineCore", *(f"VLLM::Worker_TP{i}" for i in range(4))} <= titles
     assert [u - b for u, b in zip(sandbox.used(), sandbox.baseline(), strict=True)] == [90_000] * 4

@@ -158,13 +158,44 @@ def children_map() -> dict[int, list[int]]:
     return tree
 
 
+def children_of(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children (cost: the size of the tree, not of the
+    host); None if the kernel does not provide the file (CONFIG_PROC_CHILDREN)."""
+    try:
+        tasks = os.listdir(PROC / str(pid) / "task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tasks:
+        try:
+            out += [
+                int(c) for c in (PROC / str(pid) / "task" / tid / "children").read_text().split()
+            ]
+        except FileNotFoundError:
+            if not (PROC / str(pid) / "task" / tid).exists():
+                continue  # the thread ended
+            return None
+        except OSError:
+            continue
+    return out
+
+
 def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int]:
-    tree = tree if tree is not None else children_map()
-    out, todo = [], list(tree.get(root, []))
+    if tree is None and children_of(root) is not None:
+
+        def kids(pid: int) -> list[int]:
+            return children_of(pid) or []
+    else:
+        full = tree if tree is not None else children_map()
+
+        def kids(pid: int) -> list[int]:
+            return full.get(pid, [])
+
+    out, todo = [], kids(root)
     while todo:
         pid = todo.pop()
         out.append(pid)
-        todo.extend(tree.get(pid, []))
+        todo.extend(kids(pid))
     return out
 
 

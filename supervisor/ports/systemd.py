@@ -26,7 +26,6 @@ class UnitStatus:
     active_state: str
     sub_state: str
     main_pid: int
-    control_group: str
     exec_main_status: int
     result: str
 
@@ -57,6 +56,9 @@ class PystemdSystemd:
         self.scope = scope
         self.bus_address = bus_address
         self._bus: Any = None
+        # Loaded proxies ("" is the manager), by unit name. Loading introspects the object (an
+        # XML parse, most of a call's cost); properties are still read fresh on every call.
+        self._units: dict[str, Any] = {}
 
     # -- connection --
     def _connect(self) -> Any:
@@ -82,6 +84,7 @@ class PystemdSystemd:
         return bus
 
     def close(self) -> None:
+        self._units.clear()
         if self._bus is not None:
             try:
                 self._bus.close()
@@ -91,9 +94,12 @@ class PystemdSystemd:
     def _unit(self, unit: str) -> Any:
         from pystemd.systemd1 import Unit
 
+        if unit in self._units:
+            return self._units[unit]
         try:
             u = Unit(unit.encode(), bus=self._connect())
             u.load()
+            self._units[unit] = u
             return u
         except SystemdError:
             raise
@@ -109,22 +115,44 @@ class PystemdSystemd:
             self.close()
             raise SystemdError(f"{what} failed: {e}") from e
 
+    def _manager(self) -> Any:
+        if "" in self._units:
+            return self._units[""]
+        from pystemd.systemd1 import Manager
+
+        m = Manager(bus=self._connect())
+        try:
+            m.load()
+        except Exception as e:
+            self.close()
+            raise SystemdError(f"cannot reach the {self.scope} manager: {e}") from e
+        self._units[""] = m
+        return m
+
     # -- the port --
     def status(self, unit: str) -> UnitStatus:
-        u = self._unit(unit)
+        """Two round trips while the unit runs (ListUnitsByNames, MainPID): the daemon calls this
+        on every tick, and every blocking round trip costs a wake-up."""
+        m = self._manager()
 
         def read() -> UnitStatus:
-            load_state = _s(u.Unit.LoadState)
-            service = u.Service if load_state == "loaded" else None
+            rows = m.Manager.ListUnitsByNames([unit.encode()])
+            _name, _desc, load, active, sub, *_rest = rows[0]
+            load_state, active_state = _s(load), _s(active)
+            main_pid, exec_status, result = 0, 0, ""
+            if load_state == "loaded":
+                service = self._unit(unit).Service
+                main_pid = int(service.MainPID)
+                if active_state in ("inactive", "failed"):
+                    exec_status, result = int(service.ExecMainStatus), _s(service.Result)
             return UnitStatus(
                 unit=unit,
                 load_state=load_state,
-                active_state=_s(u.Unit.ActiveState),
-                sub_state=_s(u.Unit.SubState),
-                main_pid=int(service.MainPID) if service else 0,
-                control_group=_s(service.ControlGroup) if service else "",
-                exec_main_status=int(service.ExecMainStatus) if service else 0,
-                result=_s(service.Result) if service else "",
+                active_state=active_state,
+                sub_state=_s(sub),
+                main_pid=main_pid,
+                exec_main_status=exec_status,
+                result=result,
             )
 
         return self._call(f"reading {unit}", read)  # type: ignore[no-any-return]
@@ -155,15 +183,7 @@ class PystemdSystemd:
         return sorted({int(pid) for _path, pid, _cmd in rows})
 
     def daemon_reload(self) -> None:
-        from pystemd.systemd1 import Manager
-
-        m = Manager(bus=self._connect())
-        try:
-            m.load()
-        except Exception as e:
-            self.close()
-            raise SystemdError(f"cannot reach the {self.scope} manager: {e}") from e
-        self._call("daemon-reload", m.Manager.Reload)
+        self._call("daemon-reload", self._manager().Manager.Reload)
 
 
 class NoSystemd:
@@ -172,7 +192,7 @@ class NoSystemd:
     unit's processes started by the caller."""
 
     def status(self, unit: str) -> UnitStatus:
-        return UnitStatus(unit, "not-found", "inactive", "dead", 0, "", 0, "")
+        return UnitStatus(unit, "not-found", "inactive", "dead", 0, 0, "")
 
     def start(self, unit: str) -> None:
         raise SystemdError(f"cannot start {unit}: no systemd on this host")

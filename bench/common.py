@@ -1,0 +1,44 @@
+"""What every benchmark shares: polling, formatting, the machine line and the doc sections
+(each benchmark owns the part of docs/performance.md between its two markers)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def poll(cond: Callable[[], object], timeout_s: float = 30.0, every_s: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError("benchmark condition not reached")
+        time.sleep(every_s)
+
+
+def fmt_ms(xs: list[float]) -> str:
+    """Seconds -> 'median (min–max)' in milliseconds."""
+    ms = [x * 1000 for x in xs]
+    return f"{statistics.median(ms):.0f} ({min(ms):.0f}–{max(ms):.0f})"
+
+
+def machine() -> str:
+    return (
+        f"{datetime.date.today()} on {platform.node()} ({platform.machine()}, "
+        f"{os.cpu_count() or 0} CPUs)"
+    )
+
+
+def write_section(doc: Path, name: str, body: str) -> None:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    text = doc.read_text() if doc.exists() else ""
+    section = f"{begin}\n{body}{end}"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
+    else:
+        text += f"\n{section}\n"
+    doc.write_text(text)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The sandbox demo (`make demo`): a real isolated systemd user manager running the project's own
+# units, 8 simulated GPUs and a fake vLLM; kimi-supervisor.service owns vLLM's unit.
+# production -> profile with a ghost planted in between -> production, then status and history.
+# Everything it starts is stopped at the end, also on failure or Ctrl-C.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="${VENV:-.venv}/bin"
+DIR="$(mktemp -d /tmp/kimi-demo.XXXXXX)"
+
+step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+cleanup() {
+  step "cleaning up: kimi-supervisor sandbox down --dir $DIR"
+  "$BIN/kimi-supervisor" sandbox down --dir "$DIR" || true
+  rm -rf "$DIR"
+}
+trap cleanup EXIT
+
+step "sandbox up: systemd --user, 8 simulated GPUs, kimi-supervisor.service started"
+"$BIN/kimi-supervisor" sandbox up --dir "$DIR" --gpus 8 > "$DIR.env"
+# shellcheck disable=SC1090
+. "$DIR.env"
+rm -f "$DIR.env"
+systemctl --user status kimi-supervisor.service --no-pager --lines=0 || true
+
+step "kimi-mode production: the daemon brought production up at boot"
+"$BIN/kimi-mode" production
+
+step "a ghost outside the unit, innocuous title, holding 30 GiB on GPUs 0-3 and the uvm device"
+"$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu 0,1,2,3 --mib 30720 --title "python3 train.py"
+"$BIN/kimi-mode" status
+
+step "kimi-mode profile: teardown (the ghost is found and killed), then vLLM in profile mode"
+"$BIN/kimi-mode" profile
+
+step "kimi-mode production: back again"
+"$BIN/kimi-mode" production
+
+step "kimi-mode status"
+"$BIN/kimi-mode" status
+
+step "kimi-mode history -n 6"
+"$BIN/kimi-mode" history -n 6

@@ -1,0 +1,67 @@
+"""The unit files in units/ pass `systemd-analyze verify`, as installed on a host.
+
+verify checks that every Exec*= binary exists, so it runs against a root directory holding the
+units in /etc/systemd/system, the system's own units (targets) and a stand-in for each binary
+the units name; nothing is installed on this machine."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+UNITS = sorted((Path(__file__).resolve().parents[1] / "units").glob("*.service"))
+SYSTEM_UNITS = next(
+    (p for p in (Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")) if p.is_dir()), None
+)
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None or SYSTEM_UNITS is None,
+    reason="systemd-analyze and the system's unit directory are needed (install systemd)",
+)
+
+
+def verify(root: Path, units: list[Path]) -> subprocess.CompletedProcess[str]:
+    etc = root / "etc" / "systemd" / "system"
+    etc.mkdir(parents=True, exist_ok=True)
+    assert SYSTEM_UNITS is not None
+    shutil.copytree(SYSTEM_UNITS, root / "lib" / "systemd" / "system", symlinks=True)
+    for unit in units:
+        text = unit.read_text()
+        (etc / unit.name).write_text(text)
+        for exe in re.findall(r"^Exec\w+=[-@:+!]*(/\S+)", text, flags=re.M):
+            stub = root / exe.lstrip("/")
+            stub.parent.mkdir(parents=True, exist_ok=True)
+            stub.write_text("#!/bin/sh\n")
+            stub.chmod(0o755)
+    return subprocess.run(
+        ["systemd-analyze", "verify", f"--root={root}", *(str(etc / u.name) for u in units)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_every_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    assert {u.name for u in UNITS} == {"kimi-supervisor.service", "vllm-kimi-k25.service"}
+    r = verify(tmp_path, UNITS)
+    assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_the_verification_catches_a_broken_unit(tmp_path: Path) -> None:
+    broken = tmp_path / "src" / "kimi-supervisor.service"
+    broken.parent.mkdir()
+    broken.write_text(UNITS[0].read_text().replace("Type=notify", "Type=notifyy"))
+    r = verify(tmp_path / "root", [broken])
+    assert "Failed to parse service type" in r.stderr
+
+
+def test_the_vllm_unit_cannot_be_enabled_on_its_own() -> None:
+    vllm = next(u for u in UNITS if u.name == "vllm-kimi-k25.service").read_text()
+    assert not re.search(r"^\[Install\]", vllm, flags=re.M)
+    daemon = next(u for u in UNITS if u.name == "kimi-supervisor.service").read_text()
+    assert re.search(r"^\[Install\]\nWantedBy=multi-user.target", daemon, flags=re.M)
+    assert "After=nvidia-persistenced.service" in daemon
