@@ -128,15 +128,16 @@ class StateConfig(_Strict):
 
 class DaemonConfig(_Strict):
     # How often the loop compares desired with observed while vLLM serves (and when idle):
-    # the unit's state every tick, /health and the GPUs every health_interval_s.
-    tick_s: Annotated[float, Field(gt=0, le=60)] = 5.0
+    # the unit's state every tick, /health and the GPUs every health_interval_s. A vLLM that
+    # dies is noticed within tick_s; every wake-up costs CPU on an idle host.
+    tick_s: Annotated[float, Field(gt=0, le=60)] = 10.0
     # While vLLM loads: how often /health and the unit's output are read.
     start_poll_s: Annotated[float, Field(gt=0, le=10)] = 0.25
     # Loading Kimi-K2.5 takes over 30 minutes; this may be hours.
     start_timeout_s: PositiveSeconds = 3 * 3600.0
     health_timeout_s: PositiveSeconds = 2.0
     # While serving, /health and the GPUs are read this often (the unit's state every tick).
-    health_interval_s: PositiveSeconds = 10.0
+    health_interval_s: PositiveSeconds = 30.0
     # /health failing for this long while serving counts as unhealthy (a busy server may be
     # slow to answer; a 30-minute reload is not started over one missed probe).
     health_grace_s: Annotated[float, Field(ge=0)] = 60.0
@@ -166,6 +167,26 @@ class ControlConfig(_Strict):
     idle_timeout_s: PositiveSeconds = 10.0
 
 
+class ProfilingConfig(_Strict):
+    # `kimi-mode profile` without --for: go back to production after this (0: stay until asked).
+    default_duration_s: Annotated[float, Field(ge=0)] = 0.0
+    # The longest --for accepted (0: no limit).
+    max_duration_s: Annotated[float, Field(ge=0)] = 24 * 3600.0
+    # Each capture goes into its own timestamped folder here.
+    captures_dir: Path = Path("/var/lib/kimi-supervisor/captures")
+    # Where vLLM writes its traces; empty: torch_profiler_dir of the profile mode's
+    # --profiler-config.
+    vllm_trace_dir: Path | None = None
+    # Retention, applied after each capture: keep the newest N captures, and at most this many
+    # GB in all (0: no limit).
+    keep_captures: Annotated[int, Field(ge=1)] = 10
+    max_total_gb: Annotated[float, Field(ge=0)] = 200.0
+    start_timeout_s: PositiveSeconds = 60.0
+    # POST /stop_profile returns when the traces are written, many minutes on big models.
+    # 0: wait as long as it takes.
+    flush_timeout_s: Annotated[float, Field(ge=0)] = 0.0
+
+
 class MetricsConfig(_Strict):
     enabled: bool = True
     address: str = "127.0.0.1"
@@ -183,6 +204,27 @@ class Config(_Strict):
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+
+    def vllm_trace_dir(self) -> Path | None:
+        """Where vLLM in profile mode writes traces: profiling.vllm_trace_dir, else the
+        torch_profiler_dir of the profile args' --profiler-config."""
+        if self.profiling.vllm_trace_dir is not None:
+            return self.profiling.vllm_trace_dir
+        args = self.modes.profile.args
+        for i, a in enumerate(args):
+            value = None
+            if a == "--profiler-config" and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith("--profiler-config="):
+                value = a.split("=", 1)[1]
+            if value:
+                try:
+                    d = json.loads(value).get("torch_profiler_dir")
+                except (ValueError, AttributeError):
+                    return None
+                return Path(d) if d else None
+        return None
 
     def launch_argv(self, mode: Mode) -> list[str]:
         """The exact argv vLLM must be started with in `mode`."""

@@ -27,9 +27,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from supervisor import history, launcher
+from supervisor.capture import Capture, CaptureSpec
 from supervisor.config import Config
 from supervisor.control.protocol import End, Event, Reply
 from supervisor.events import EventBus
@@ -149,6 +151,9 @@ class Daemon:
         self.stop_requested = False
         self.reexec_requested = False
         self.preempt: tuple[Mode, str] | None = None
+        self.preempt_force = False
+        self.profile_until: datetime | None = None
+        self.capture: Capture | None = None
         self._last_watchdog = 0.0
         self._last_status_line = ""
         self._mode_of_pid: tuple[int, Mode | None] = (0, None)
@@ -199,6 +204,13 @@ class Daemon:
         }
         gpus_at = self._gpus_at
         snap["gpus_age_s"] = round(now - gpus_at, 1) if gpus_at is not None else None
+        until = self.profile_until
+        snap["profile_left_s"] = (
+            max(round((until - utcnow()).total_seconds()), 0) if until is not None else None
+        )
+        c = self.capture
+        if c is not None:
+            snap["capture"] = c.describe()
         return snap
 
     def _publish(self) -> None:
@@ -240,6 +252,8 @@ class Daemon:
                 else None
             ),
             "warnings": list(self.warnings),
+            "profile_until": self.profile_until.isoformat() if self.profile_until else None,
+            "capture": self.capture.describe() if self.capture else None,
             "daemon": {"pid": os.getpid(), "started_at": self.started_at.isoformat()},
         }
         with self._snapshot_lock:
@@ -271,10 +285,12 @@ class Daemon:
         return cmd.reply
 
     def _feed_watchdog(self) -> None:
+        """Called on every wake-up of the loop: pings when half the interval has passed, so the
+        pings ride on the ticks instead of waking the loop on their own."""
         now = self.clock.monotonic()
         self.heartbeat = now
         interval = self.notifier.watchdog_interval_s
-        if interval and now - self._last_watchdog >= interval:
+        if interval and now - self._last_watchdog >= interval / 2:
             self.notifier.watchdog()
             self._last_watchdog = now
 
@@ -301,7 +317,7 @@ class Daemon:
                 cmd.reply.set_result(reply)
             if self.stop_requested and not busy:
                 return
-            if cmd.kind == "switch" and reply.code == "accepted" and not busy:
+            if cmd.kind in ("switch", "capture_done") and reply.code == "accepted" and not busy:
                 return  # act on it now
 
     def _handle(self, cmd: Command, busy: bool) -> Reply:
@@ -320,10 +336,34 @@ class Daemon:
                 cmd.args.get("force", False),
                 cmd.args.get("by", "kimi-mode"),
                 busy,
+                cmd.args.get("for_s"),
             )
+        if cmd.kind == "capture_start":
+            return self._on_capture(cmd.args)
+        if cmd.kind == "capture_stop":
+            c = self.capture
+            if c is None or c.phase not in ("starting", "recording"):
+                return Reply(ok=False, code="no_capture", message="no capture is recording")
+            c.stop.set()
+            return Reply(ok=True, code="accepted", message=f"capture {c.id}: stopping, flushing")
+        if cmd.kind == "capture_done":
+            self._capture_done(cmd.args["capture"])
+            return Reply(ok=True, code="accepted")
         return Reply(ok=False, code="bad_request", message=f"unknown command {cmd.kind}")
 
-    def _on_switch(self, mode: Mode, force: bool, by: str, busy: bool) -> Reply:
+    def _on_switch(
+        self, mode: Mode, force: bool, by: str, busy: bool, for_s: float | None = None
+    ) -> Reply:
+        if for_s is not None and mode is not Mode.PROFILE:
+            return Reply(ok=False, code="bad_request", message="--for applies to profile mode only")
+        reply = self._switch_reply(mode, force, by, busy)
+        if reply.ok:
+            expiry = self._set_expiry(mode, for_s, by)
+            if expiry:
+                reply = reply.model_copy(update={"message": f"{reply.message}; {expiry}"})
+        return reply
+
+    def _switch_reply(self, mode: Mode, force: bool, by: str, busy: bool) -> Reply:
         if self.stop_requested or self.state is State.STOPPING:
             return Reply(ok=False, code="stopping", message="the daemon is shutting down")
         if self.state is State.BOOTING:
@@ -354,6 +394,7 @@ class Daemon:
                 )
             self._desire(mode, by)
             self.preempt = (mode, by)
+            self.preempt_force = True
             return Reply(
                 ok=True,
                 code="accepted",
@@ -376,7 +417,138 @@ class Daemon:
         self._desire(mode, by)
         self.failures.clear()  # an operator's request starts a fresh count
         self.preempt = (mode, by)
+        self.preempt_force = force
+        c = self.capture
+        if c is not None and c.active and not force:
+            return Reply(
+                ok=True,
+                code="accepted",
+                message=f"switch to {mode.value} accepted: it waits for capture {c.id} "
+                f"({c.phase}) to finish flushing; --force cuts the capture short",
+            )
         return Reply(ok=True, code="accepted", message=f"switch to {mode.value} accepted")
+
+    # ---------------------------------------------------------------- timed profile mode
+    def _set_expiry(self, mode: Mode, for_s: float | None, by: str) -> str:
+        """Persist when profile mode ends (or that it does not); returns words for the reply."""
+        p = self.config.profiling
+        until: datetime | None = None
+        if mode is Mode.PROFILE:
+            seconds = for_s or p.default_duration_s or None
+            if seconds and p.max_duration_s and seconds > p.max_duration_s:
+                seconds = p.max_duration_s
+            until = utcnow() + timedelta(seconds=seconds) if seconds else None
+        if until == self.profile_until:
+            return ""
+        self.profile_until = until
+        self._persist(
+            lambda st: st.model_copy(
+                update={"profile_until": until, "profile_until_changed_at": utcnow()}
+            )
+        )
+        self._publish()
+        if until is None:
+            return ""
+        self.log("profile_expiry_set", until=until.isoformat(), by=by)
+        capped = for_s is not None and p.max_duration_s and for_s > p.max_duration_s
+        return f"back to production at {until:%Y-%m-%d %H:%M:%S} UTC" + (
+            f" (capped at profiling.max_duration_s = {p.max_duration_s:g} s)" if capped else ""
+        )
+
+    def _check_expiry(self) -> None:
+        """Timed profile mode: once it has expired, production is desired again."""
+        until = self.profile_until
+        if until is None or self.desired is not Mode.PROFILE or utcnow() < until:
+            return
+        self.log("profile_expired", until=until.isoformat())
+        history.append(
+            self.config.state.dir,
+            "incident",
+            {"at": utcnow().isoformat(), "what": f"profile mode expired at {until.isoformat()}"},
+        )
+        self.profile_until = None
+        self._persist(
+            lambda st: st.model_copy(
+                update={"profile_until": None, "profile_until_changed_at": utcnow()}
+            )
+        )
+        self._desire(Mode.PRODUCTION, "profile expiry")
+
+    # ---------------------------------------------------------------- captures
+    def _on_capture(self, args: dict[str, Any]) -> Reply:
+        if self.capture is not None and self.capture.active:
+            c = self.capture
+            return Reply(
+                ok=False,
+                code="busy",
+                message=f"capture {c.id} is {c.phase} (since {c.started_at:%H:%M:%S})",
+                data={"capture": c.describe()},
+            )
+        if self.transition is not None or self.preempt is not None:
+            return Reply(
+                ok=False, code="busy", message=f"a switch is in progress: {self._status_line()}"
+            )
+        if self.state is not State.SERVING or self.serving_mode is not Mode.PROFILE:
+            return Reply(
+                ok=False,
+                code="wrong_mode",
+                message=f"vLLM is not serving in profile mode ({self._status_line()}): switch "
+                "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
+            )
+        out = Path(args["out"]) if args.get("out") else None
+        if out is not None and not out.is_absolute():
+            return Reply(
+                ok=False, code="bad_request", message=f"--out {out}: give an absolute path"
+            )
+        spec = CaptureSpec(args.get("seconds"), args.get("then", "production"), out, args["by"])
+        self.capture = Capture(
+            self.config,
+            spec,
+            self.bus.publish,
+            lambda c: self.commands.put(Command("capture_done", {"capture": c})),
+            self.log,
+        )
+        self.capture.start()
+        self.log("capture_started", **self.capture.describe())
+        self._publish()
+        return Reply(
+            ok=True,
+            code="accepted",
+            message=f"capture {self.capture.id} starting"
+            + (f" for {spec.seconds:g} s" if spec.seconds else " until stopped"),
+            data={"capture": self.capture.describe()},
+        )
+
+    def _capture_done(self, c: Capture) -> None:
+        history.append(
+            self.config.state.dir,
+            "capture",
+            {
+                **c.describe(),
+                "finished_at": utcnow().isoformat(),
+                "ok": c.ok,
+                "message": c.message,
+                "folder": str(c.folder) if c.folder else None,
+            },
+        )
+        if self.capture is c:
+            self.capture = None
+        if c.spec.then == "production" and self.desired is Mode.PROFILE:
+            self._desire(Mode.PRODUCTION, f"capture {c.id} (--then production)")
+            self._set_expiry(Mode.PRODUCTION, None, "capture")
+            self.preempt = (Mode.PRODUCTION, f"capture {c.id} (--then production)")
+        self._publish()
+
+    def _capture_blocks_switch(self) -> bool:
+        """A capture in progress holds switches back until its traces are flushed (a cut-off
+        trace is useless); recording is stopped so that the flush begins. --force overrides."""
+        c = self.capture
+        if c is None or not c.active or self.preempt_force:
+            return False
+        if c.phase in ("starting", "recording") and not c.stop.is_set():
+            self.log("capture_stopped_for_switch", capture=c.id)
+            c.stop.set()
+        return True
 
     def _desire(self, mode: Mode, by: str) -> None:
         """Persist the desired mode: always before anything is torn down for it."""
@@ -397,6 +569,8 @@ class Daemon:
             )
             self.store.write(st)
         self.desired = st.desired_mode
+        self.profile_until = st.profile_until
+        self._check_expiry()
         self.interrupted = st.transition
         if st.transition is not None:
             self.log("transition_interrupted", transition=st.transition.model_dump(mode="json"))
@@ -562,8 +736,12 @@ class Daemon:
     def _tick(self) -> None:
         if self.state is State.STARTING:
             self._follow_output()
+        self._check_expiry()
         obs = self._observe()
         if obs is None:
+            self._publish()
+            return
+        if self.preempt is not None and self._capture_blocks_switch():
             self._publish()
             return
         if self.preempt is not None:
@@ -571,6 +749,7 @@ class Daemon:
             self.preempt = None
             if self.transition is not None:
                 self._end_transition(False, "preempted", f"superseded by a switch to {mode.value}")
+            self.preempt_force = False
             self._run_transition(mode, "switch", f"asked by {by}", by)
             return
         action = decide(
@@ -580,6 +759,9 @@ class Daemon:
             self.clock.monotonic(),
             self.config.daemon.health_grace_s,
         )
+        if action.do in (Do.SWITCH, Do.RETRY) and self._capture_blocks_switch():
+            self._publish()
+            return
         self._act(action, obs)
         self._publish()
 
@@ -685,7 +867,7 @@ class Daemon:
             return
         if self.preempt is not None:
             mode, by2 = self.preempt
-            self.preempt = None
+            self.preempt, self.preempt_force = None, False
             self._end_transition(False, "preempted", f"superseded by a switch to {mode.value}")
             self._run_transition(mode, "switch", f"asked by {by2} (took over)", by2)
             return

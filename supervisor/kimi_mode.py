@@ -38,6 +38,26 @@ class UsageError(Exception):
     pass
 
 
+def parse_duration(text: str) -> float:
+    """'2h', '90m', '1h30m', '45s', '1d' or plain seconds -> seconds."""
+    import re
+
+    t = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", t):
+        seconds = float(t)
+    else:
+        parts = re.findall(r"(\d+(?:\.\d+)?)([dhms])", t)
+        if not parts or "".join(n + u for n, u in parts) != t:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a duration: use e.g. 2h, 90m, 1h30m, 45s"
+            )
+        unit = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+        seconds = sum(float(n) * unit[u] for n, u in parts)
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError("the duration must be positive")
+    return seconds
+
+
 def socket_path(args: argparse.Namespace) -> Path:
     """--socket, then KIMI_SUPERVISOR_SOCKET, then the config's control.socket, then default."""
     if args.socket:
@@ -108,6 +128,17 @@ def format_status(s: dict[str, Any]) -> str:
         )
     if s.get("progress"):
         lines.append(f"progress:      {s['progress']['text']}")
+    if s.get("profile_until"):
+        lines.append(
+            f"profile ends:  {_hhmmss(s['profile_until'])} "
+            f"(in {_duration(s.get('profile_left_s') or 0)}), then production"
+        )
+    c = s.get("capture")
+    if c:
+        lines.append(
+            f"capture:       {c['capture']} {c['phase']} since {_hhmmss(c['started_at'])}, "
+            f"{c['bytes'] / 1e6:.1f} MB written, then {c['then']}"
+        )
     health = unit.get("health", -1)
     lines.append(
         f"unit:          {unit.get('name')} {unit.get('active_state')}/{unit.get('sub_state')}, "
@@ -171,6 +202,9 @@ def format_history(entries: list[dict[str, Any]]) -> str:
                 p = k["process"]
                 title = " ".join(p.get("cmdline", []))[:60] or p.get("comm", "")
                 lines.append(f"{'':21}killed PID {p['pid']} {title} ({k['step']}: {k['evidence']})")
+        elif kind == "capture":
+            state = "OK" if e.get("ok") else "FAILED"
+            lines.append(f"{_hhmmss(e.get('started_at'))}  capture  {state}: {e.get('message')}")
         elif kind == "incident":
             lines.append(f"{_hhmmss(e.get('at'))}  incident {e.get('what')}")
         else:
@@ -308,7 +342,14 @@ class Follower:
 
 # ------------------------------------------------------------------------------ commands
 def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
-    req = {"cmd": "switch", "mode": args.mode, "follow": not args.no_wait, "force": args.force}
+    req: dict[str, Any] = {
+        "cmd": "switch",
+        "mode": args.mode,
+        "follow": not args.no_wait,
+        "force": args.force,
+    }
+    if getattr(args, "for_s", None):
+        req["for_s"] = args.for_s
     out = sys.stdout
     tty = out.isatty() and not args.json
     follower = Follower(out, tty)
@@ -353,6 +394,128 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
         file=sys.stderr,
     )
     return EXIT_UNREACHABLE
+
+
+def _stop_capture(sock: Path) -> None:
+    try:
+        for _raw, msg in exchange(sock, {"cmd": "capture_stop"}, timeout_s=10):
+            if not msg.get("ok"):
+                print(f"kimi-mode: {msg.get('message')}", file=sys.stderr)
+            return
+    except (Unreachable, TimedOut) as e:
+        print(f"kimi-mode: could not stop the recording: {e}", file=sys.stderr)
+
+
+def format_capture(data: dict[str, Any]) -> str:
+    lines = [f"traces in {data['folder']}:"]
+    for f in data.get("files", []):
+        rank = "-" if f["rank"] is None else str(f["rank"])
+        lines.append(f"  rank {rank:>3}  {f['bytes'] / 1e6:10.1f} MB  {f['name']}")
+    for old in data.get("removed", []):
+        lines.append(f"  removed by retention: {old}")
+    return "\n".join(lines)
+
+
+def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
+    import threading
+
+    if args.switch:
+        sw = argparse.Namespace(
+            mode="profile", no_wait=False, timeout=None, force=False, json=args.json, for_s=None
+        )
+        rc = cmd_switch(sw, sock)
+        if rc != EXIT_OK:
+            return rc
+    out = str(Path(args.out).resolve()) if args.out else None
+    req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
+    stop_sent = threading.Event()
+
+    def stop() -> None:
+        if not stop_sent.is_set():
+            stop_sent.set()
+            _stop_capture(sock)
+
+    def enter_stops() -> None:
+        if sys.stdin.readline():  # Enter; end of input (a script's closed stdin) is not a stop
+            stop()
+
+    ended: dict[str, Any] | None = None
+    try:
+        for raw, msg in exchange(sock, req):
+            if args.json:
+                print(raw.decode(), flush=True)
+            kind = msg.get("type")
+            if kind == "reply":
+                if not msg["ok"]:
+                    if not args.json:
+                        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+                    return (
+                        EXIT_FAILED if msg["code"] in ("busy", "wrong_mode") else EXIT_UNREACHABLE
+                    )
+                if not args.json:
+                    print(msg["message"], flush=True)
+            elif kind == "event":
+                name, data = msg["event"], msg["data"]
+                if name == "capture_recording" and not args.json:
+                    if data.get("seconds"):
+                        print(
+                            f"recording for {data['seconds']:g} s; drive your load now", flush=True
+                        )
+                    else:
+                        print("recording; drive your load now, press Enter to stop", flush=True)
+                if name == "capture_recording" and not data.get("seconds"):
+                    threading.Thread(target=enter_stops, daemon=True).start()
+                elif name == "capture_flushing" and not args.json:
+                    print(
+                        "stopping the profiler; flushing traces (this can take minutes)", flush=True
+                    )
+                elif name == "capture_progress" and not args.json:
+                    print(
+                        f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
+                        f"after {data['flushing_s']:.0f} s",
+                        flush=True,
+                    )
+            elif kind == "end":
+                ended = msg
+                break
+    except KeyboardInterrupt:
+        if not stop_sent.is_set():
+            stop()
+            print(
+                "\nkimi-mode: recording stopped; the flush goes on in the daemon "
+                "(`kimi-mode status`; `kimi-mode history` lists the files when done)",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+        print(
+            "\nkimi-mode: stopped following; the capture goes on (`kimi-mode status`)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    if ended is None:
+        print(
+            "kimi-mode: the daemon closed the connection before the capture ended", file=sys.stderr
+        )
+        return EXIT_UNREACHABLE
+    if not args.json:
+        print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
+        if ended["ok"]:
+            print(format_capture(ended["data"]))
+    if args.then == "production":
+        if not args.json:
+            print("going back to production")
+        back = argparse.Namespace(
+            mode="production",
+            no_wait=False,
+            timeout=None,
+            force=False,
+            json=args.json,
+            for_s=None,
+        )
+        rc = cmd_switch(back, sock)
+        if rc != EXIT_OK:
+            return rc
+    return EXIT_OK if ended["ok"] else EXIT_FAILED
 
 
 def _one_reply(
@@ -403,7 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 done, 1 failed or STUCK, 2 usage, 3 daemon unreachable or "
         "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
     )
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{production,profile,status,history}")
+    sub = p.add_subparsers(
+        dest="cmd", required=True, metavar="{production,profile,capture,status,history}"
+    )
     for mode in ("production", "profile"):
         c = sub.add_parser(mode, parents=[common], help=f"switch to {mode} mode and follow it")
         c.add_argument("--no-wait", action="store_true", help="ask for the switch and return")
@@ -417,9 +582,45 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument(
             "--force",
             action="store_true",
-            help="take over from a switch to the other mode that is in progress",
+            help="take over from a switch to the other mode that is in progress, "
+            "or cut a capture's flush short",
         )
+        if mode == "profile":
+            c.add_argument(
+                "--for",
+                dest="for_s",
+                type=parse_duration,
+                metavar="DURATION",
+                help="go back to production after this long (2h, 90m, 1h30m); "
+                "asking again extends it",
+            )
         c.set_defaults(fn=cmd_switch, mode=mode)
+    c = sub.add_parser("capture", parents=[common], help="take a torch profiler trace")
+    c.add_argument(
+        "--seconds",
+        type=parse_duration,
+        default=None,
+        metavar="S",
+        help="record this long (default: until Enter is pressed)",
+    )
+    c.add_argument(
+        "--then",
+        choices=["production", "stay"],
+        default="production",
+        help="afterwards: back to production (default), or stay in profile mode",
+    )
+    c.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="put the traces here (default: a new folder under profiling.captures_dir)",
+    )
+    c.add_argument(
+        "--switch",
+        action="store_true",
+        help="switch to profile mode first if vLLM is in production",
+    )
+    c.set_defaults(fn=cmd_capture)
     c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
     c.set_defaults(fn=cmd_status)
     c = sub.add_parser("history", parents=[common], help="past switches and teardowns")

@@ -12,6 +12,7 @@ again from what it sees. Read top to bottom:
     BOOTING, SERVING:
       desired mode running, healthy           -> ADOPT (or nothing if already serving it)
       desired mode running, not healthy yet   -> RESUME_START at boot (a load in progress)
+      ... a new MainPID while serving         -> DIED (restarted outside the supervisor)
       ... unhealthy for health_grace_s        -> SWITCH (recover: teardown, start again)
       was serving, unit gone or MainPID new   -> DIED
       another mode (or an unknown argv) runs  -> SWITCH
@@ -128,6 +129,12 @@ def decide(desired: Mode, mem: Memory, obs: Observed, now: float, health_grace_s
             return Action(Do.ADOPT, f"{desired.value} already runs and is healthy")
         if s is State.BOOTING:
             return Action(Do.RESUME_START, f"{desired.value} runs and is not ready yet: waiting")
+        if s is State.SERVING and obs.main_pid != mem.serving_pid:
+            return Action(
+                Do.DIED,
+                f"vLLM (PID {mem.serving_pid}) was replaced by PID {obs.main_pid} outside the "
+                "supervisor, not healthy",
+            )
         if mem.unhealthy_since is not None and now - mem.unhealthy_since >= health_grace_s:
             return Action(
                 Do.SWITCH, f"/health has failed for {now - mem.unhealthy_since:.0f} s: restarting"

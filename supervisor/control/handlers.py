@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from supervisor import history
 from supervisor.control.protocol import (
+    CaptureRequest,
+    CaptureStopRequest,
     End,
     Event,
     HistoryRequest,
@@ -61,23 +63,54 @@ class Handlers:
                 sub.close()
         elif isinstance(request, SwitchRequest):
             self._switch(request, conn)
+        elif isinstance(request, CaptureRequest):
+            self._capture(request, conn)
+        elif isinstance(request, CaptureStopRequest):
+            conn.send(self._ask(conn, "capture_stop"))
+
+    def _ask(self, conn: Connection, kind: str, **args: Any) -> Reply:
+        """Hand a command to the loop and wait for its answer."""
+        future = self.daemon.submit(kind, by=_who(conn), **args)
+        try:
+            return future.result(timeout=LOOP_REPLY_TIMEOUT_S)
+        except FutureTimeout:
+            return Reply(
+                ok=False,
+                code="internal",
+                message=f"the daemon's loop did not answer within {LOOP_REPLY_TIMEOUT_S:g} s "
+                "(see `journalctl -u kimi-supervisor`)",
+            )
+
+    def _capture(self, request: CaptureRequest, conn: Connection) -> None:
+        sub = self.daemon.bus.subscribe()
+        try:
+            reply = self._ask(
+                conn, "capture_start", seconds=request.seconds, then=request.then, out=request.out
+            )
+            conn.send(reply)
+            if not reply.ok:
+                return
+            cid = reply.data["capture"]["capture"]
+            while conn.alive and not sub.overflowed:
+                msg = sub.get(1.0)
+                if msg is None:
+                    if conn.hung_up():
+                        return  # the capture goes on without its follower
+                    continue
+                if msg.data.get("capture") == cid:
+                    conn.send(msg)
+                    if isinstance(msg, End):
+                        return
+        finally:
+            sub.close()
 
     def _switch(self, request: SwitchRequest, conn: Connection) -> None:
         # Subscribe before asking, so no event of the switch is missed.
         sub = self.daemon.bus.subscribe() if request.follow else None
         try:
-            future = self.daemon.submit(
-                "switch", mode=request.mode, force=request.force, by=_who(conn)
+            reply = self._ask(
+                conn, "switch", mode=request.mode, force=request.force, for_s=request.for_s
             )
-            try:
-                reply = future.result(timeout=LOOP_REPLY_TIMEOUT_S)
-            except FutureTimeout:
-                reply = Reply(
-                    ok=False,
-                    code="internal",
-                    message=f"the daemon's loop did not answer within {LOOP_REPLY_TIMEOUT_S:g} s "
-                    "(see `journalctl -u kimi-supervisor`)",
-                )
             conn.send(reply)
             if sub is None or not reply.ok or reply.code not in ("accepted", "joined"):
                 return

@@ -6,6 +6,8 @@ Requests (client -> daemon):
     {"v": 1, "cmd": "history", "n": 20}
     {"v": 1, "cmd": "switch", "mode": "profile", "follow": true, "force": false}
     {"v": 1, "cmd": "subscribe"}
+    {"v": 1, "cmd": "capture", "seconds": 30, "then": "production"}
+    {"v": 1, "cmd": "capture_stop"}
 
 Answers (daemon -> client), each one line:
     {"v": 1, "type": "reply", "ok": true, "code": "accepted", "message": "...", "data": {...}}
@@ -61,8 +63,21 @@ class SwitchRequest(_Msg):
     cmd: Literal["switch"] = "switch"
     mode: Literal["production", "profile"]
     follow: bool = True
-    # Take over from a switch in progress instead of being refused.
+    # Take over from a switch in progress instead of being refused; cut a capture's flush short.
     force: bool = False
+    # profile only: go back to production after this long (asking again extends it).
+    for_s: float | None = Field(default=None, gt=0)
+
+
+class CaptureRequest(_Msg):
+    cmd: Literal["capture"] = "capture"
+    seconds: float | None = Field(default=None, gt=0)  # None: until capture_stop
+    then: Literal["production", "stay"] = "production"
+    out: str | None = None  # an absolute directory for this capture's files
+
+
+class CaptureStopRequest(_Msg):
+    cmd: Literal["capture_stop"] = "capture_stop"
 
 
 class SubscribeRequest(_Msg):
@@ -70,7 +85,13 @@ class SubscribeRequest(_Msg):
 
 
 Request = Annotated[
-    StatusRequest | HistoryRequest | SwitchRequest | SubscribeRequest, Field(discriminator="cmd")
+    StatusRequest
+    | HistoryRequest
+    | SwitchRequest
+    | SubscribeRequest
+    | CaptureRequest
+    | CaptureStopRequest,
+    Field(discriminator="cmd"),
 ]
 _REQUEST = TypeAdapter(Request)
 
@@ -105,7 +126,16 @@ class ProtocolError(Exception):
         self.code = code
 
 
-def parse_request(line: bytes) -> StatusRequest | HistoryRequest | SwitchRequest | SubscribeRequest:
+def parse_request(
+    line: bytes,
+) -> (
+    StatusRequest
+    | HistoryRequest
+    | SwitchRequest
+    | SubscribeRequest
+    | CaptureRequest
+    | CaptureStopRequest
+):
     try:
         raw = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:

@@ -19,7 +19,8 @@ class HttpResult:
         return 200 <= self.status < 300
 
 
-def request(url: str, method: str = "GET", timeout_s: float = 2.0) -> HttpResult:
+def request(url: str, method: str = "GET", timeout_s: float | None = 2.0) -> HttpResult:
+    """`timeout_s` None waits as long as the server takes (a profiler flush)."""
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

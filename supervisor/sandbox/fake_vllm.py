@@ -49,6 +49,8 @@ class FakeOptions:
     ghost_mib: int = 0
     ghost_cgroup_procs: list[str] = field(default_factory=list)
     profile_flush_s: float = 0.5
+    # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).
+    profiler_fault: str | None = None
     devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i
 
     @classmethod
@@ -154,20 +156,30 @@ class Server:
         self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
         self.lock = threading.Lock()
 
-    def start_profile(self) -> tuple[int, dict[str, Any]]:
-        if self.profiler is None:
+    def _fault(self) -> tuple[int, dict[str, Any]] | None:
+        fault = FakeOptions.load().profiler_fault
+        if fault == "hang":
+            time.sleep(60)
+        if fault == "404" or self.profiler is None:
             return 404, {"detail": "Not Found"}
+        if fault == "500":
+            return 500, {"detail": "CUDA error: an illegal memory access was encountered"}
+        return None
+
+    def start_profile(self) -> tuple[int, dict[str, Any]]:
+        if (fault := self._fault()) is not None:
+            return fault
         with self.lock:
             self.profiling = True
         log("Profiler started.")
         return 200, {}
 
     def stop_profile(self) -> tuple[int, dict[str, Any]]:
-        if self.profiler is None:
-            return 404, {"detail": "Not Found"}
+        if (fault := self._fault()) is not None:
+            return fault
         with self.lock:
             was, self.profiling = self.profiling, False
-        if not was:
+        if not was or self.profiler is None:
             return 200, {}
         out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
         out.mkdir(parents=True, exist_ok=True)
@@ -177,12 +189,12 @@ class Server:
             for r in range(self.args.tensor_parallel_size)
         ]
         # Flushing takes a while and the files grow as it goes, as torch's exporter does.
-        steps = 5
+        steps = max(5, int(FakeOptions.load().profile_flush_s * 4))
         for i in range(steps):
             for p in paths:
                 with gzip.open(p, "ab") as f:
                     f.write(json.dumps({"traceEvents": [], "part": i}).encode() * 200)
-            time.sleep(self.opts.profile_flush_s / steps)
+            time.sleep(FakeOptions.load().profile_flush_s / steps)
         log(f"Profiler stopped; traces written to {out}")
         return 200, {}
 

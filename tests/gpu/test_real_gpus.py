@@ -168,6 +168,22 @@ dir = "{tmp}/state"
             time.sleep(0.005)
         return time.monotonic() - t0
 
+    def cleanup_children(self) -> None:
+        """End what earlier steps left (an EngineCore without GPU memory, say), keep the NVML
+        handle, and wait until the GPUs read baseline again."""
+        tree = processes.descendants(os.getpid())
+        refs = [ref for ref, _p in self.started] + [r for r in map(processes.ref_of, tree) if r]
+        for ref in refs:
+            processes.send_signal(ref, signal.SIGCONT)
+            processes.send_signal(ref, signal.SIGKILL)
+        for ref in refs:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(ref.pid, 0)
+        self.started.clear()
+        deadline = time.monotonic() + 60
+        while not self.clean() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def cleanup(self) -> None:
         # We are a child subreaper: everything our trees left behind (an orphaned EngineCore
         # that holds no GPU memory, say) is our descendant, and only that is ended here.
@@ -253,3 +269,69 @@ def test_calibration_refuses_while_a_compute_process_runs(host: Host) -> None:
     with pytest.raises(baseline.BaselineError, match="refusing to calibrate"):
         baseline.calibrate(host.gpu, host.indices)
     print(f"\nBASELINE {host.baselines} driver {host.gpu.driver_version()}")
+
+
+def test_floor_and_teardown_for_each_scenario_measured_in_one_run(host: Host) -> None:
+    """Per scenario, from the same starting state: the floor (SIGKILL of every holder until NVML
+    reads baseline) and the teardown (until verified CLEAN), two runs each. No grace period is
+    inside either figure: there is no unit to stop here, so the teardown starts at its stray step.
+    The figures go to stdout and, with KIMI_GPU_RESULTS set, to that JSON file."""
+
+    def tree(**fake: object) -> list[ProcessRef]:
+        api = host.vllm(load_s=0.2, shards=4, **fake)
+        return [r for r in map(processes.ref_of, [api.pid, *processes.descendants(api.pid)]) if r]
+
+    def seed() -> list[ProcessRef]:
+        api = host.vllm(mib_per_worker=96 * GIB, load_s=0.2, shards=4)
+        ghost = host.ghost("python", 20 * GIB)
+        host.ghost("nvidia-persistenced", 0)
+        processes.send_signal(api, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while processes.is_alive(api) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return [ghost]
+
+    scenarios = {
+        "well-behaved tree (2 workers x 96 GiB)": lambda: tree(mib_per_worker=96 * GIB),
+        "tree ignoring SIGTERM (2 workers x 96 GiB)": lambda: tree(
+            mib_per_worker=96 * GIB, ignore_sigterm=True
+        ),
+        "ghost (20 GiB on each GPU)": lambda: [host.ghost("python", 20 * GIB)],
+        "seed incident (tree stopped, ghost left)": seed,
+    }
+    results = {}
+    for name, setup in scenarios.items():
+        floors, teardowns = [], []
+        for _ in range(2):
+            floors.append(host.floor(setup()))
+            host.cleanup_children()
+            setup()
+            seconds, report = host.teardown()
+            assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
+            teardowns.append(seconds)
+            host.cleanup_children()
+        f, t = sum(floors) / 2, sum(teardowns) / 2
+        results[name] = {"floor_ms": floors, "teardown_ms": teardowns, "ratio": t / f}
+        print(
+            f"\nSCENARIO {name}: floor {f * 1000:.0f} ms, teardown {t * 1000:.0f} ms, "
+            f"ratio {t / f:.2f}"
+        )
+    out = os.environ.get("KIMI_GPU_RESULTS")
+    if out:
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "driver": host.gpu.driver_version(),
+                    "gpus": len(host.indices),
+                    "baseline_mib": host.baselines,
+                    "scenarios": {
+                        n: {
+                            k: (v if k == "ratio" else [round(x * 1000) for x in v])
+                            for k, v in r.items()
+                        }
+                        for n, r in results.items()
+                    },
+                },
+                indent=2,
+            )
+        )

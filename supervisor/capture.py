@@ -1,0 +1,234 @@
+"""One profiler capture, in a thread of its own (a flush can take many minutes):
+
+    POST /start_profile -> record (S seconds, or until stopped) -> POST /stop_profile, waiting for
+    the flush while the trace files grow -> the new files moved into the capture's own folder ->
+    retention of older captures.
+
+It reports through the event bus (events carry `capture`: its id) and hands its end to the loop
+(`on_done`), which then goes back to production unless told to stay. It changes no daemon state.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from supervisor.config import Config
+from supervisor.control.protocol import End, Event, now
+from supervisor.ports.http import HttpResult, request
+
+RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    seconds: float | None  # None: until stopped
+    then: str  # "production" or "stay"
+    out: Path | None
+    by: str
+
+
+def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
+    if r.status == 404:
+        return (
+            f"vLLM answered 404 to {endpoint}: its profiler is not configured (is it running with "
+            "--profiler-config? `kimi-mode status` shows the mode)"
+        )
+    if r.status >= 500:
+        return f"vLLM failed {endpoint} with HTTP {r.status}: {r.body.strip()[:300] or r.error}"
+    if r.status == 0:
+        limit = f" within {timeout_s:g} s" if timeout_s else ""
+        return f"no answer from vLLM to {endpoint}{limit} ({r.error})"
+    return f"vLLM answered HTTP {r.status} to {endpoint}: {r.body.strip()[:300]}"
+
+
+def _files(d: Path) -> dict[str, int]:
+    out = {}
+    try:
+        for p in d.iterdir():
+            if p.is_file():
+                out[p.name] = p.stat().st_size
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def captures(captures_dir: Path) -> list[Path]:
+    """Capture folders, oldest first (their names start with the UTC time they began)."""
+    try:
+        return sorted(p for p in captures_dir.iterdir() if p.is_dir() and p.name[:1].isdigit())
+    except FileNotFoundError:
+        return []
+
+
+def _size(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def retention(captures_dir: Path, keep: int, max_total_gb: float) -> list[str]:
+    """Remove the oldest captures beyond `keep`, then beyond `max_total_gb`; returns what went."""
+    removed = []
+    folders = captures(captures_dir)
+    while len(folders) > keep:
+        old = folders.pop(0)
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(str(old))
+    if max_total_gb > 0:
+        sizes = {f: _size(f) for f in folders}
+        while len(folders) > 1 and sum(sizes[f] for f in folders) > max_total_gb * 1e9:
+            old = folders.pop(0)
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(str(old))
+    return removed
+
+
+class Capture:
+    def __init__(
+        self,
+        config: Config,
+        spec: CaptureSpec,
+        publish: Callable[[Event | End], None],
+        on_done: Callable[[Capture], None],
+        log: Callable[..., None],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.publish = publish
+        self.on_done = on_done
+        self.log = log
+        self.started_at = now()
+        # The UTC start to the millisecond: folders sort by time and two quick captures differ.
+        self.id = f"{self.started_at:%Y%m%dT%H%M%S}.{self.started_at.microsecond // 1000:03d}Z"
+        self.phase = "starting"  # starting, recording, flushing, done, failed
+        self.stop = threading.Event()
+        self.ok = False
+        self.message = ""
+        self.bytes_written = 0
+        self.folder: Path | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.phase in ("starting", "recording", "flushing")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "capture": self.id,
+            "phase": self.phase,
+            "started_at": self.started_at.isoformat(),
+            "seconds": self.spec.seconds,
+            "then": self.spec.then,
+            "bytes": self.bytes_written,
+            "by": self.spec.by,
+        }
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name=f"capture-{self.id}").start()
+
+    def _event(self, name: str, **data: Any) -> None:
+        self.publish(Event(event=name, at=now(), data={"capture": self.id, **data}))
+
+    def _end(self, ok: bool, message: str, **data: Any) -> None:
+        self.ok, self.message = ok, message
+        self.phase = "done" if ok else "failed"
+        self.log(
+            "capture_finished",
+            level="info" if ok else "warning",
+            capture=self.id,
+            ok=ok,
+            message=message,
+            **data,
+        )
+        self.publish(
+            End(
+                ok=ok,
+                outcome="captured" if ok else "capture_failed",
+                message=message,
+                data={"capture": self.id, "then": self.spec.then, **data},
+            )
+        )
+        self.on_done(self)
+
+    def _run(self) -> None:
+        try:
+            self._capture()
+        except Exception as e:  # a bug here must not leave the daemon waiting for a flush
+            self._end(False, f"the capture failed: {e!r}")
+
+    def _capture(self) -> None:
+        p, base = self.config.profiling, self.config.vllm
+        trace_dir = self.config.vllm_trace_dir()
+        if trace_dir is None:
+            self._end(
+                False,
+                "the profile mode's --profiler-config names no torch_profiler_dir: set "
+                "profiling.vllm_trace_dir to where vLLM writes its traces",
+            )
+            return
+        before = _files(trace_dir)
+        url = f"http://{base.host}:{base.port}"
+        r = request(f"{url}/start_profile", "POST", p.start_timeout_s)
+        if not r.ok:
+            self._end(False, explain(r, "/start_profile", p.start_timeout_s))
+            return
+        self.phase = "recording"
+        self._event("capture_recording", seconds=self.spec.seconds)
+        self.stop.wait(self.spec.seconds)
+        self.phase = "flushing"
+        t0 = time.monotonic()
+        self._event("capture_flushing")
+        result: list[HttpResult] = []
+        flush_timeout = p.flush_timeout_s or None
+        stopper = threading.Thread(
+            target=lambda: result.append(request(f"{url}/stop_profile", "POST", flush_timeout)),
+            daemon=True,
+        )
+        stopper.start()
+        last = -1
+        while stopper.is_alive():
+            stopper.join(1.0)
+            new = self._new_files(trace_dir, before)
+            self.bytes_written = sum(new.values())
+            if self.bytes_written != last:
+                last = self.bytes_written
+                self._event(
+                    "capture_progress",
+                    files=len(new),
+                    bytes=self.bytes_written,
+                    flushing_s=round(time.monotonic() - t0, 1),
+                )
+        if not result[0].ok:
+            self._end(False, explain(result[0], "/stop_profile", flush_timeout))
+            return
+        new = self._new_files(trace_dir, before)
+        folder = self.spec.out or (p.captures_dir / self.id)
+        folder.mkdir(parents=True, exist_ok=self.spec.out is not None)
+        files: list[dict[str, Any]] = []
+        for name in sorted(new):
+            shutil.move(str(trace_dir / name), str(folder / name))
+            m = RANK.search(name)
+            files.append({"name": name, "rank": int(m.group(1)) if m else None, "bytes": new[name]})
+        self.folder = folder
+        removed = retention(p.captures_dir, p.keep_captures, p.max_total_gb)
+        for old in removed:
+            self.log("capture_removed", folder=old, why="retention")
+        took = time.monotonic() - t0
+        total = sum(new.values())
+        self._end(
+            True,
+            f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
+            f"(flush took {took:.1f} s)",
+            folder=str(folder),
+            files=files,
+            removed=removed,
+            flush_s=round(took, 1),
+        )
+
+    @staticmethod
+    def _new_files(trace_dir: Path, before: dict[str, int]) -> dict[str, int]:
+        return {n: s for n, s in _files(trace_dir).items() if before.get(n) != s}

@@ -1,0 +1,161 @@
+"""The pure logic above the ports, driven directly: reconcile's decisions, the state file, the
+protocol's parsing, vLLM's start-up progress, durations and capture retention."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from supervisor.capture import retention
+from supervisor.control.protocol import ProtocolError, SwitchRequest, parse_request
+from supervisor.kimi_mode import parse_duration
+from supervisor.model import Mode
+from supervisor.progress import Progress, advance
+from supervisor.reconcile import Do, Memory, Observed, State, decide
+from supervisor.state import PersistedState, StateStore, with_desired
+
+P, R = Mode.PRODUCTION, Mode.PROFILE
+
+
+def obs(
+    active: str = "active", mode: Mode | None = P, health: int = 200, pid: int = 10
+) -> Observed:
+    return Observed(active, "running", pid if active == "active" else 0, mode, health, True)
+
+
+@pytest.mark.parametrize(
+    ("desired", "mem", "seen", "now", "expect"),
+    [
+        # a restarted daemon finds the desired mode healthy: adopt, never restart
+        (P, Memory(State.BOOTING), obs(), 0, Do.ADOPT),
+        (P, Memory(State.SERVING, serving_pid=10), obs(), 0, Do.NOTHING),
+        # found loading at boot: wait for it
+        (R, Memory(State.BOOTING), obs(mode=R, health=503), 0, Do.RESUME_START),
+        # the other mode runs, or an argv that matches no mode, or nothing
+        (R, Memory(State.SERVING, serving_pid=10), obs(mode=P), 0, Do.SWITCH),
+        (P, Memory(State.BOOTING), obs(mode=None), 0, Do.SWITCH),
+        (P, Memory(State.BOOTING), obs(active="inactive", mode=None, health=-1), 0, Do.SWITCH),
+        # vLLM died while serving, or was replaced behind our back
+        (P, Memory(State.SERVING, serving_pid=10), obs(active="failed", health=-1), 0, Do.DIED),
+        (P, Memory(State.SERVING, serving_pid=10), obs(pid=11, health=503), 0, Do.DIED),
+        # ... replaced and healthy in the desired mode: adopted (level-triggered)
+        (P, Memory(State.SERVING, serving_pid=10), obs(pid=11), 0, Do.ADOPT),
+        # unhealthy: tolerated within the grace, then restarted
+        (P, Memory(State.SERVING, serving_pid=10, unhealthy_since=0), obs(health=0), 30, Do.NOTHING),
+        (P, Memory(State.SERVING, serving_pid=10, unhealthy_since=0), obs(health=0), 61, Do.SWITCH),
+        # starting: exited, ready, timed out, still loading
+        (P, Memory(State.STARTING, start_deadline=100), obs(active="failed"), 0, Do.START_FAILED),
+        (P, Memory(State.STARTING, start_deadline=100), obs(), 0, Do.READY),
+        (P, Memory(State.STARTING, start_deadline=100), obs(health=503), 100, Do.START_FAILED),
+        (P, Memory(State.STARTING, start_deadline=100), obs(health=503), 99, Do.NOTHING),
+        # waiting states retry when due; FAILED waits for an operator
+        (P, Memory(State.BACKOFF, next_attempt_at=5), obs(active="inactive"), 4, Do.NOTHING),
+        (P, Memory(State.STUCK, next_attempt_at=5), obs(active="inactive"), 5, Do.RETRY),
+        (P, Memory(State.FAILED), obs(active="inactive"), 1e9, Do.NOTHING),
+    ],
+)
+def test_reconcile_decides_from_desired_and_observed_alone(
+    desired: Mode, mem: Memory, seen: Observed, now: float, expect: Do
+) -> None:
+    assert decide(desired, mem, seen, now, health_grace_s=60).do is expect
+
+
+def test_the_state_file_round_trips_and_a_corrupt_one_is_moved_aside_loudly(
+    tmp_path: Path,
+) -> None:
+    store = StateStore(tmp_path)
+    assert store.read() == (PersistedState(), None)
+    store.update(lambda st: with_desired(st, R, "alice"))
+    st, warning = store.read()
+    assert st.desired_mode is R and st.desired_by == "alice" and warning is None
+    assert not list(tmp_path.glob(".state.json.*"))  # no temporary file left behind
+
+    (tmp_path / "state.json").write_text('{"version": 1, "desired_mo')
+    st, warning = store.read()
+    assert st.desired_mode is P
+    assert warning is not None and "Moved to" in warning
+    (aside,) = tmp_path.glob("state.json.corrupt-*")
+    assert aside.read_text() == '{"version": 1, "desired_mo'
+
+
+def test_a_state_file_that_is_a_symlink_is_never_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere.json"
+    target.write_text(json.dumps({"version": 1, "desired_mode": "profile"}))
+    os.symlink(target, tmp_path / "state.json")
+    st, warning = StateStore(tmp_path).read()
+    assert st.desired_mode is P and warning is not None and "symlink" in warning
+    assert target.exists()  # the link was moved aside, its target untouched
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (b"{", "bad_json"),
+        (b'"status"', "bad_request"),
+        (b'{"cmd": "reboot"}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "turbo"}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "profile", "surprise": 1}', "bad_request"),
+        (b'{"v": 2, "cmd": "status"}', "unsupported_version"),
+    ],
+)
+def test_malformed_requests_are_named_precisely(line: bytes, code: str) -> None:
+    with pytest.raises(ProtocolError) as e:
+        parse_request(line)
+    assert e.value.code == code
+
+
+def test_a_switch_request_is_parsed_with_its_defaults() -> None:
+    r = parse_request(b'{"v": 1, "cmd": "switch", "mode": "profile", "for_s": 7200}')
+    assert r == SwitchRequest(mode="profile", follow=True, force=False, for_s=7200)
+
+
+def test_progress_follows_shards_then_graphs_and_never_goes_back() -> None:
+    p = Progress()
+    lines = [
+        "Loading safetensors checkpoint shards:  25% Completed | 16/64 [00:10<00:30]",
+        "Loading safetensors checkpoint shards:  50% Completed | 32/64\r"
+        "Loading safetensors checkpoint shards:  75% Completed | 48/64",
+        "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 40%|####      | 27/67",
+        "Loading safetensors checkpoint shards: 100% Completed | 64/64",  # late line: ignored
+        "INFO:     Application startup complete.",
+    ]
+    seen = []
+    for line in lines:
+        p = advance(p, line)
+        seen.append(p.describe())
+    assert seen == [
+        "loading safetensors shards 25%",
+        "loading safetensors shards 75%",
+        "capturing CUDA graphs 40%",
+        "capturing CUDA graphs 40%",
+        "starting the API server",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("2h", 7200), ("90m", 5400), ("1h30m", 5400), ("45s", 45), ("600", 600)]
+)
+def test_durations_read_like_an_operator_writes_them(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["2 hours", "h", "-5", "0", "1x"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration(text)
+
+
+def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_path: Path) -> None:
+    for i in range(5):
+        d = tmp_path / f"20261130T10000{i}.000Z"
+        d.mkdir()
+        (d / "rank0.pt.trace.json.gz").write_bytes(b"x" * 1000 * (i + 1))
+    removed = retention(tmp_path, keep=3, max_total_gb=0)
+    assert [Path(r).name[:15] for r in removed] == ["20261130T100000", "20261130T100001"]
+    removed = retention(tmp_path, keep=3, max_total_gb=9e-6)  # 9 kB: only the newest two fit
+    assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]
+    assert len(list(tmp_path.iterdir())) == 2

@@ -1,0 +1,223 @@
+"""The profiling workflow: timed profile mode and captures, against the daemon in the sandbox
+and the fake vLLM's profiler endpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.sandbox.sandbox import DAEMON_UNIT
+
+from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, wait_until
+
+pytestmark = pytest.mark.systemd
+
+
+@pytest.fixture
+def profiling(sandbox: SandboxHelper, daemon: DaemonHelper) -> DaemonHelper:
+    """The daemon serving profile mode (no expiry), with an empty captures folder."""
+    for folder in sandbox.config.profiling.captures_dir.glob("*"):
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+    daemon.reset_state(desired="profile")
+    daemon.start()
+    daemon.wait_serving("profile")
+    return daemon
+
+
+def captures(sandbox: SandboxHelper) -> list[Path]:
+    return sorted(p for p in sandbox.config.profiling.captures_dir.glob("*") if p.is_dir())
+
+
+def state_file(sandbox: SandboxHelper) -> dict[str, Any]:
+    return json.loads((sandbox.config.state.dir / "state.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_timed_profile_mode_goes_back_to_production_by_itself(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    r = daemon.kimi_mode("profile", "--for", "4s")
+    assert r.returncode == 0, r.stderr
+    assert "back to production at" in r.stdout
+    status = daemon.status()
+    assert status["mode"] == "profile" and 0 < status["profile_left_s"] <= 4
+    assert "profile ends:" in daemon.kimi_mode("status").stdout
+    daemon.wait_serving("production", 30)
+    assert any("profile mode expired" in e.get("what", "") for e in daemon.history())
+    assert state_file(sandbox)["profile_until"] is None
+
+
+def test_the_expiry_holds_across_a_daemon_restart_and_asking_again_extends_it(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    assert daemon.kimi_mode("profile", "--for", "1h").returncode == 0
+    first = state_file(sandbox)["profile_until"]
+    r = daemon.kimi_mode("profile", "--for", "2h")
+    assert "already running" in r.stdout and "back to production at" in r.stdout
+    second = state_file(sandbox)["profile_until"]
+    assert datetime.fromisoformat(second) - datetime.fromisoformat(first) > timedelta(minutes=59)
+    pid = daemon.pid()
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.pid() not in (0, pid), 20, "the daemon to be restarted")
+    status = daemon.wait_serving("profile")
+    assert status["profile_until"] == datetime.fromisoformat(second).isoformat()
+    assert status["profile_left_s"] > 3600
+
+
+def test_a_profile_mode_that_expired_while_the_daemon_was_down_is_production_at_start(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.reset_state(desired="profile")
+    path = sandbox.config.state.dir / "state.json"
+    st = json.loads(path.read_text())
+    st["profile_until"] = (datetime.now(UTC) - timedelta(minutes=5)).isoformat()
+    path.write_text(json.dumps(st))
+    daemon.start()
+    status = daemon.wait_serving("production")
+    assert status["desired_mode"] == "production" and status["profile_until"] is None
+
+
+def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_production(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    sandbox.fake(profile_flush_s=1.0)
+    r = profiling.kimi_mode("capture", "--seconds", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (folder,) = captures(sandbox)
+    files = sorted(folder.iterdir())
+    assert [f.name.split(".")[1] for f in files] == ["rank0", "rank1", "rank2", "rank3"]
+    assert f"traces in {folder}:" in r.stdout
+    for rank in range(4):
+        assert f"rank   {rank}" in r.stdout
+    assert "flushing:" in r.stdout  # progress while the files grew
+    assert "going back to production" in r.stdout
+    profiling.wait_serving("production")
+    (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
+    assert rec["ok"] and rec["folder"] == str(folder)
+
+
+def test_a_capture_in_production_mode_is_refused_with_the_hint_to_switch_first(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    before = len(captures(sandbox))
+    r = daemon.kimi_mode("capture", "--seconds", "1")
+    assert r.returncode == 1
+    assert "not serving in profile mode" in r.stderr and "kimi-mode profile" in r.stderr
+    r = daemon.kimi_mode("capture", "--switch", "--seconds", "1", "--then", "stay")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert daemon.status()["mode"] == "profile"
+    assert len(captures(sandbox)) == before + 1
+
+
+def test_a_switch_asked_for_during_a_flush_waits_for_it_and_force_cuts_it_short(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    sandbox.fake(profile_flush_s=3.0)
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
+    t = threading.Thread(
+        target=lambda: done.setdefault(
+            "c", profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
+        )
+    )
+    t.start()
+    wait_until(
+        lambda: (profiling.status().get("capture") or {}).get("phase") == "flushing",
+        10,
+        "the flush",
+    )
+    r = profiling.kimi_mode("production")
+    t.join(30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "waits for capture" in r.stdout
+    assert done["c"].returncode == 0, done["c"].stdout + done["c"].stderr
+    capture = next(e for e in profiling.history() if e["kind"] == "capture")
+    switch = next(e for e in profiling.transitions() if e["target"] == "production")
+    assert capture["ok"] and switch["started_at"] >= capture["finished_at"]
+
+    # Now with --force: the flush is cut short and the capture says so.
+    profiling.kimi_mode("profile")
+    t = threading.Thread(
+        target=lambda: done.__setitem__(
+            "c", profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
+        )
+    )
+    t.start()
+    wait_until(
+        lambda: (profiling.status().get("capture") or {}).get("phase") == "flushing",
+        10,
+        "the flush",
+    )
+    assert profiling.kimi_mode("production", "--force").returncode == 0
+    t.join(30)
+    assert done["c"].returncode == 1
+    assert "FAILED: no answer from vLLM to /stop_profile" in done["c"].stdout
+
+
+def test_retention_keeps_the_newest_captures_and_logs_what_it_removed(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    sandbox.fake(profile_flush_s=0.1)
+    made = []
+    for _ in range(4):  # profiling.keep_captures = 3 in the sandbox
+        r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay")
+        assert r.returncode == 0, r.stdout + r.stderr
+        made.append(captures(sandbox)[-1])
+    assert captures(sandbox) == made[1:]
+    assert f"removed by retention: {made[0]}" in r.stdout
+    assert '"capture_removed"' in profiling.log()
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ("404", "its profiler is not configured"),
+        ("500", "HTTP 500: "),
+        ("hang", "no answer from vLLM to /start_profile within 2 s"),
+    ],
+)
+def test_profiler_endpoint_failures_give_clear_errors(
+    sandbox: SandboxHelper, profiling: DaemonHelper, fault: str, says: str
+) -> None:
+    sandbox.fake(profiler_fault=fault)
+    r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay")
+    assert r.returncode == 1
+    assert says in r.stdout
+    sandbox.fake()
+    assert profiling.status()["state"] == "serving"
+
+
+def test_ctrl_c_while_recording_stops_the_recording_and_the_flush_completes(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    proc = subprocess.Popen(
+        [KIMI_MODE, "capture", "--then", "stay"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **profiling.sb.env},
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("recording"):
+            break
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    assert "recording stopped; the flush goes on" in err
+    wait_until(
+        lambda: len(captures(sandbox)) == 1 and not profiling.status()["capture"], 20, "flush"
+    )
