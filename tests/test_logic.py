@@ -45,7 +45,13 @@ def obs(
         # ... replaced and healthy in the desired mode: adopted (level-triggered)
         (P, Memory(State.SERVING, serving_pid=10), obs(pid=11), 0, Do.ADOPT),
         # unhealthy: tolerated within the grace, then restarted
-        (P, Memory(State.SERVING, serving_pid=10, unhealthy_since=0), obs(health=0), 30, Do.NOTHING),
+        (
+            P,
+            Memory(State.SERVING, serving_pid=10, unhealthy_since=0),
+            obs(health=0),
+            30,
+            Do.NOTHING,
+        ),
         (P, Memory(State.SERVING, serving_pid=10, unhealthy_since=0), obs(health=0), 61, Do.SWITCH),
         # starting: exited, ready, timed out, still loading
         (P, Memory(State.STARTING, start_deadline=100), obs(active="failed"), 0, Do.START_FAILED),
