@@ -214,11 +214,16 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     root = Path(args.dir)
     if args.sandbox_cmd == "up":
         sb = Sandbox.up(
-            root, gpus=args.gpus, release_delay_s=args.release_delay, daemon=not args.no_daemon
+            root,
+            gpus=args.gpus,
+            release_delay_s=args.release_delay,
+            daemon=not args.no_daemon,
+            real_gpus=args.real_gpus,
         )
         print(
             f"# sandbox up in {sb.root}: systemd --user PID {sb.manager.pid}, "
-            f"{args.gpus} simulated GPU(s), config {sb.config_path}"
+            f"{len(sb.config().gpus.managed) if sb.real_gpus else args.gpus} "
+            f"{'real' if sb.real_gpus else 'simulated'} GPU(s), config {sb.config_path}"
             + ("" if args.no_daemon else f", daemon {sb.socket_path}"),
             file=sys.stderr,
         )
@@ -272,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--no-daemon", action="store_true", help="do not start kimi-supervisor.service in it"
+    )
+    up.add_argument(
+        "--real-gpus",
+        action="store_true",
+        help="use this host's NVIDIA GPUs (NVML; the fake vLLM allocates with CUDA) instead of "
+        "simulated ones; --gpus caps how many",
     )
     gh = sbs.add_parser("ghost", help="start a detached process outside every unit holding memory")
     gh.add_argument("--dir", required=True)

@@ -34,6 +34,7 @@ from typing import Any
 from supervisor import baseline
 from supervisor.config import Config, load_config, parse_config
 from supervisor.ports import processes
+from supervisor.ports.gpu import make_gpu
 from supervisor.ports.processes import ProcessRef
 from supervisor.sandbox import simgpu
 from supervisor.sandbox.fake_vllm import FakeOptions
@@ -64,6 +65,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _extra_paths() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
 def _fill(value: Any, sandbox: str) -> Any:
     if isinstance(value, str):
         return value.replace("{sandbox}", sandbox)
@@ -74,9 +79,14 @@ def _fill(value: Any, sandbox: str) -> Any:
     return value
 
 
-def render_config(root: Path, gpus: int, port: int, bus_address: str) -> Config:
+def render_config(
+    root: Path, gpus: int, port: int, bus_address: str, real_gpus: bool = False
+) -> Config:
     raw = tomllib.loads(project_file("config", "sandbox.toml").read_text())
     raw = _fill(raw, str(root))
+    if real_gpus:
+        # The host's own GPUs through NVML; the fake vLLM and ghosts allocate with CUDA.
+        raw["gpus"] = {"backend": "nvml", "managed": list(range(gpus)), "tolerance_mib": 256}
     raw.setdefault("vllm", {})["port"] = port
     raw.setdefault("metrics", {})["port"] = _free_port()
     raw["systemd"]["bus_address"] = bus_address
@@ -105,6 +115,10 @@ class Sandbox:
         return self.root / "logs" / "vllm.log"
 
     @property
+    def real_gpus(self) -> bool:
+        return (self.root / "real-gpus").exists()
+
+    @property
     def daemon_log(self) -> Path:
         return self.root / "logs" / "kimi-supervisor.log"
 
@@ -123,7 +137,11 @@ class Sandbox:
     def env(self) -> dict[str, str]:
         return {
             **self.manager.env,
-            "KIMI_SIM_GPU_DIR": str(self.gpu_dir),
+            **(
+                {"KIMI_FAKE_CUDA": "1"}
+                if self.real_gpus
+                else {"KIMI_SIM_GPU_DIR": str(self.gpu_dir)}
+            ),
             "KIMI_SUPERVISOR_CONFIG": str(self.config_path),
             "KIMI_SUPERVISOR_SOCKET": str(self.socket_path),
         }
@@ -134,7 +152,12 @@ class Sandbox:
     # -- lifecycle --
     @classmethod
     def up(
-        cls, root: Path, gpus: int = 8, release_delay_s: float = 0.0, daemon: bool = True
+        cls,
+        root: Path,
+        gpus: int = 8,
+        release_delay_s: float = 0.0,
+        daemon: bool = True,
+        real_gpus: bool = False,
     ) -> Sandbox:
         root = root.resolve()
         existing = UserManager.attach(root)
@@ -147,7 +170,17 @@ class Sandbox:
             raise SandboxError("--gpus must be at least 1")
         for d in ("logs", "bin", "state", "shm"):
             (root / d).mkdir(parents=True, exist_ok=True)
-        simgpu.create_host(root / "gpu", gpus, release_delay_s=release_delay_s)
+        if real_gpus:
+            from supervisor.ports.gpu import NvmlGpu
+
+            nvml = NvmlGpu()
+            try:
+                gpus = min(gpus, nvml.device_count())
+            finally:
+                nvml.close()
+            (root / "real-gpus").write_text("the fake vLLM and ghosts use the host's GPUs\n")
+        else:
+            simgpu.create_host(root / "gpu", gpus, release_delay_s=release_delay_s)
         manager = UserManager.start(root)
         sb = cls(root, manager)
         try:
@@ -170,7 +203,9 @@ class Sandbox:
         return cls(root.resolve(), manager)
 
     def _install(self, gpus: int) -> None:
-        config = render_config(self.root, gpus, _free_port(), self.manager.bus_address)
+        config = render_config(
+            self.root, gpus, _free_port(), self.manager.bus_address, self.real_gpus
+        )
         # Other users must reach the control socket for the permission tests (the socket itself
         # is 0660 and checked per connection).
         self.root.chmod(0o755)
@@ -178,26 +213,41 @@ class Sandbox:
         self.config_path.write_text(config.effective_toml())
         parse_config(self.config_path.read_text(), str(self.config_path))  # round-trips
         FakeOptions().save(self.fake_options_path)
+        # Units do not inherit this shell's PYTHONPATH: the entry points carry it.
+        prelude = f"import sys\nsys.path[:0] = {_extra_paths()!r}\n"
         entry = self.root / "bin" / "vllm"
         entry.write_text(
             f"#!{sys.executable}\n"
             "# The sandbox's vllm: the fake from kimi-supervisor, with vLLM's CLI shape.\n"
-            "from supervisor.sandbox.fake_vllm import main\nmain()\n"
+            f"{prelude}from supervisor.sandbox.fake_vllm import main\nmain()\n"
         )
         entry.chmod(0o755)
+        launcher = self.root / "bin" / "kimi-supervisor"
+        launcher.write_text(
+            f"#!{sys.executable}\n"
+            "# The sandbox's kimi-supervisor (this checkout's package).\n"
+            f"{prelude}from supervisor.cli import main\nsys.exit(main())\n"
+        )
+        launcher.chmod(0o755)
+        gpu_env = (
+            "Environment=KIMI_FAKE_CUDA=1\n"
+            if self.real_gpus
+            else f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
+        )
+        if _extra_paths():  # the fake's children are started with `python -m`
+            gpu_env += f"Environment=PYTHONPATH={os.pathsep.join(_extra_paths())}\n"
         unit_dir = self.manager.unit_dir
         for unit in project_file("units").glob("*.service"):
             (unit_dir / unit.name).write_text(unit.read_text())
         dropin = unit_dir / f"{UNIT}.d"
         dropin.mkdir(exist_ok=True)
-        launcher = Path(sys.executable).with_name("kimi-supervisor")
         (dropin / "sandbox.conf").write_text(
             "# Written by `kimi-supervisor sandbox up`: vLLM is the fake, GPUs are simulated.\n"
             "[Service]\n"
             "ExecStart=\n"
             f"ExecStart={launcher} launch-vllm --argv-file %t/kimi-supervisor/vllm-argv.json\n"
-            f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
-            f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
+            + gpu_env
+            + f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
             f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"
         )
@@ -208,14 +258,14 @@ class Sandbox:
             "[Service]\n"
             "ExecStart=\n"
             f"ExecStart={launcher} run --config {self.config_path}\n"
-            f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
-            f"StandardOutput=append:{self.daemon_log}\n"
+            + gpu_env
+            + f"StandardOutput=append:{self.daemon_log}\n"
             f"StandardError=append:{self.daemon_log}\n"
         )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())
-        # The simulated GPUs are idle now: calibrate their baseline, as the daemon does at boot.
-        gpu = simgpu.SimGpu(self.gpu_dir)
+        # The GPUs are idle now: calibrate their baseline, as the daemon does at boot.
+        gpu = make_gpu(config.gpus.backend, config.gpus.sim_dir)
         try:
             baseline.save(config.state.dir, baseline.calibrate(gpu, list(range(gpus))))
         finally:

@@ -33,11 +33,66 @@ for hierarchy in $KIMI_CGROUP_DIRS; do
   mkdir -p "$hierarchy"
   echo $$ > "$hierarchy/cgroup.procs"
 done
-dbus-daemon --session --address="unix:path=$XDG_RUNTIME_DIR/bus" --nofork --nopidfile \
-  --syslog-only &
-echo $! > "$KIMI_SANDBOX_STATE/dbus.pid"
-exec "$KIMI_SYSTEMD" --user
+if [ -n "$KIMI_DBUS_DAEMON" ]; then
+  $KIMI_DBUS_DAEMON --address="unix:path=$XDG_RUNTIME_DIR/bus" --nofork --nopidfile \
+    --syslog-only &
+  echo $! > "$KIMI_SANDBOX_STATE/dbus.pid"
+fi
+exec $KIMI_SYSTEMD --user
 """
+
+# A host without systemd (the lent GPU host) can run one carried from a Debian machine: a folder
+# with bin/{systemd,systemctl,dbus-daemon}, lib/ (their libraries and Debian's loader, so nothing
+# of the host's userspace is mixed in), share/dbus-1/session.conf, user-units/ (the targets and
+# slices a user manager expects) and wrap/systemctl. Named by KIMI_SANDBOX_SYSTEMD_DIR.
+CARRIED_ENV = "KIMI_SANDBOX_SYSTEMD_DIR"
+
+
+def carried_systemd() -> Path | None:
+    d = os.environ.get(CARRIED_ENV, "")
+    if not d:
+        return None
+    root = Path(d).resolve()
+    need = ["bin/systemd", "bin/dbus-daemon", "lib/ld-linux-x86-64.so.2", "wrap/systemctl"]
+    missing = [n for n in need if not (root / n).exists()]
+    if missing:
+        raise ManagerUnavailable(f"{CARRIED_ENV}={d} lacks {', '.join(missing)}")
+    return root
+
+
+def _carried_cmd(root: Path, binary: str) -> str:
+    return f"{root}/lib/ld-linux-x86-64.so.2 --library-path {root}/lib {root}/bin/{binary}"
+
+
+def _install_carried_units(carried: Path, unit_dir: Path) -> None:
+    """The targets and slices a user manager expects, and a socket-activated session bus from
+    the carried dbus-daemon, where the host has none of them."""
+    for unit in (carried / "user-units").iterdir():
+        target = unit_dir / unit.name
+        if not target.exists():
+            target.write_text(unit.read_text())
+    (unit_dir / "dbus.socket").write_text(
+        "[Unit]\nDescription=D-Bus user message bus socket (carried)\n\n"
+        "[Socket]\nListenStream=%t/bus\n"
+    )
+    (unit_dir / "dbus.service").write_text(
+        "[Unit]\nDescription=D-Bus user message bus (carried)\nRequires=dbus.socket\n\n"
+        "[Service]\n"
+        f"ExecStart={_carried_cmd(carried, 'dbus-daemon')} "
+        f"--config-file={carried}/share/dbus-1/session.conf --address=systemd: --nofork "
+        "--nopidfile --systemd-activation --syslog-only\n"
+    )
+    wants = unit_dir / "sockets.target.wants"
+    wants.mkdir(exist_ok=True)
+    link = wants / "dbus.socket"
+    if not link.is_symlink():
+        link.symlink_to("../dbus.socket")
+
+
+def _path_with_systemctl() -> str:
+    path = os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
+    carried = carried_systemd()
+    return f"{carried}/wrap:{path}" if carried else path
 
 
 class ManagerUnavailable(Exception):
@@ -66,9 +121,13 @@ def cgroup_hierarchies() -> list[Path]:
 def unavailable_reason() -> str | None:
     if os.geteuid() != 0 or not _cap_sys_admin():
         return "an isolated systemd user manager needs root with CAP_SYS_ADMIN"
-    if systemd_binary() is None:
+    try:
+        carried = carried_systemd()
+    except ManagerUnavailable as e:
+        return str(e)
+    if carried is None and systemd_binary() is None:
         return "no systemd binary (install the systemd package)"
-    for tool in ("dbus-daemon", "unshare", "mount"):
+    for tool in (() if carried else ("dbus-daemon",)) + ("unshare", "mount"):
         if shutil.which(tool) is None:
             return f"{tool} is missing (install the dbus-daemon and util-linux packages)"
     if not cgroup_hierarchies():
@@ -114,7 +173,7 @@ class UserManager:
     def systemctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["systemctl", "--user", *args],
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env, "PATH": _path_with_systemctl()},
             capture_output=True,
             text=True,
             check=check,
@@ -137,16 +196,26 @@ class UserManager:
         (root / "config" / "systemd" / "user.conf").write_text(
             "[Manager]\nDefaultTimeoutStopSec=5s\n"
         )
-        systemd = systemd_binary()
-        assert systemd is not None
+        carried = carried_systemd()
+        if carried is not None:
+            systemd = _carried_cmd(carried, "systemd")
+            # A user manager talks on the bus only once its own dbus.socket and dbus.service
+            # run, so the bus is socket-activated by the manager here, as on a desktop.
+            dbus_cmd = ""
+            _install_carried_units(carried, root / "config" / "systemd" / "user")
+        else:
+            found = systemd_binary()
+            assert found is not None
+            systemd, dbus_cmd = found, "dbus-daemon --session"
         env = {
-            "PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"),
+            "PATH": _path_with_systemctl(),
             "HOME": str(root),
             "XDG_RUNTIME_DIR": str(root / "run"),
             "XDG_CONFIG_HOME": str(root / "config"),
             "KIMI_CGROUP_DIRS": " ".join(str(h / name) for h in cgroup_hierarchies()),
             "KIMI_SANDBOX_STATE": str(state),
             "KIMI_SYSTEMD": systemd,
+            "KIMI_DBUS_DAEMON": dbus_cmd,
             "LANG": "C.UTF-8",
         }
         log = open(state / "manager.log", "ab")  # noqa: SIM115 - handed to the child
@@ -212,7 +281,10 @@ class UserManager:
                 except Exception as e:  # the bus is up before the manager has its name
                     last = str(e)
             time.sleep(0.05)
-        raise ManagerUnavailable(f"systemd --user did not come up in {timeout_s} s ({last})")
+        log = (self.root / "manager" / "manager.log").read_text(errors="replace")
+        raise ManagerUnavailable(
+            f"systemd --user did not come up in {timeout_s} s ({last}): {log.strip()[-1500:]}"
+        )
 
     def pids_in_cgroup(self) -> list[int]:
         pids: set[int] = set()
