@@ -20,6 +20,13 @@ def poll(cond: Callable[[], object], timeout_s: float = 30.0, every_s: float = 0
         time.sleep(every_s)
 
 
+def health(url: str) -> int:
+    """GET /health through the product's own HTTP port: the status code, 0 for no answer."""
+    from supervisor.ports.http import request
+
+    return request(url, timeout_s=1).status
+
+
 def fmt_ms(xs: list[float]) -> str:
     """Seconds -> 'median (min–max)' in milliseconds."""
     ms = [x * 1000 for x in xs]
@@ -31,6 +38,24 @@ def machine() -> str:
         f"{datetime.date.today()} on {platform.node()} ({platform.machine()}, "
         f"{os.cpu_count() or 0} CPUs)"
     )
+
+
+def main(section: str, run: Callable[..., str], runs: int, **options: tuple[type, object]) -> None:
+    """A benchmark's command line: --runs, its own options (name -> (type, default)) and
+    --write DOC, which replaces the benchmark's section of DOC with the table it printed."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--runs", type=int, default=runs)
+    for name, (kind, default) in options.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
+    p.add_argument("--write", type=Path, default=None)
+    args = vars(p.parse_args())
+    doc = args.pop("write")
+    body = run(**args)
+    print(body)
+    if doc:
+        write_section(doc, section, body)
 
 
 def write_section(doc: Path, name: str, body: str) -> None:

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import statistics
@@ -21,11 +20,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.common import fmt_ms, machine, poll, write_section
+from bench.common import fmt_ms, health, machine, poll
+from bench.common import main as bench_main
 from supervisor.config import DaemonConfig
 from supervisor.control.client import exchange
 from supervisor.ports.systemd import PystemdSystemd
@@ -67,16 +66,6 @@ def cold_wakeup_factor() -> float:
         time.sleep(2)
         cold.append(work())
     return statistics.median(cold) / hot
-
-
-def health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
 
 
 class Bench:
@@ -222,17 +211,5 @@ def run(idle_s: float, runs: int) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--idle-s", type=float, default=60.0)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--write", type=Path, default=None)
-    args = p.parse_args()
-    body = run(args.idle_s, args.runs)
-    print(body)
-    if args.write:
-        write_section(args.write, "daemon-bench", body)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main("daemon-bench", run, 5, idle_s=(float, 60.0))

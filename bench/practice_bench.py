@@ -21,7 +21,6 @@ Three ways down:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -34,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, poll, write_section
+from bench.common import health, machine, poll
+from bench.common import main as bench_main
 from supervisor import baseline
 from supervisor.launcher import write_argv_file
 from supervisor.model import Mode
@@ -114,7 +114,7 @@ class Scenario:
         self.sb.set_fake_options(FakeOptions(load_s=0.2))
         write_argv_file(self.config, Mode.PRODUCTION)
         self.systemd.start(UNIT)
-        poll(lambda: _health(self.config.vllm.health_url) == 200, 60, 0.02)
+        poll(lambda: health(self.config.vllm.health_url) == 200, 60, 0.02)
         return {
             "protected": self.sb.start_ghost("all", 0, "nvidia-persistenced"),
             "supervisor": self.sb.start_ghost("all", 0, SUPERVISOR_TITLE),
@@ -221,16 +221,6 @@ class Scenario:
         }
 
 
-def _health(url: str) -> int:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return int(r.status)
-    except OSError:
-        return 0
-
-
 def summarize(name: str, runs: list[dict[str, Any]]) -> str:
     secs = [r["seconds"] for r in runs]
     reached = [s for s in secs if s is not None]
@@ -275,16 +265,5 @@ def run(runs: int) -> str:
     return head + "\n".join(rows) + "\n"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--write", type=Path, default=None)
-    args = p.parse_args()
-    body = run(args.runs)
-    print(body)
-    if args.write:
-        write_section(args.write, "practice-bench", body)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main("practice-bench", run, 3)

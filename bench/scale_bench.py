@@ -8,7 +8,6 @@ The idle processes are `sleep` children of this benchmark, reaped at the end (al
 
 from __future__ import annotations
 
-import argparse
 import signal
 import statistics
 import subprocess
@@ -17,7 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import fmt_ms, machine, write_section
+from bench.common import fmt_ms, machine
+from bench.common import main as bench_main
 from bench.teardown_bench import Bench
 from supervisor.ports import processes
 from supervisor.sandbox import simgpu
@@ -129,16 +129,5 @@ def run(runs: int) -> str:
     )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--write", type=Path, default=None)
-    args = p.parse_args()
-    body = run(args.runs)
-    print(body)
-    if args.write:
-        write_section(args.write, "scale-bench", body)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main("scale-bench", run, 5)

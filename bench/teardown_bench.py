@@ -11,15 +11,14 @@ The figures are medians with the min-max spread; the doc section is written by t
 
 from __future__ import annotations
 
-import argparse
 import signal
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from bench.common import fmt_ms, machine, poll, write_section
+from bench.common import fmt_ms, health, machine, poll
+from bench.common import main as bench_main
 from supervisor import baseline
 from supervisor.launcher import write_argv_file
 from supervisor.model import Mode, Outcome
@@ -56,7 +55,7 @@ class Bench:
         self.sb.set_fake_options(opts)
         write_argv_file(self.config, Mode.PRODUCTION)
         self.systemd.start(UNIT)
-        poll(lambda: _health(self.config.vllm.health_url) == 200)
+        poll(lambda: health(self.config.vllm.health_url) == 200)
         ghosts = []
         if scenario == "ghost outside the unit":
             ghosts.append(self.sb.start_ghost("all", 8_000, "python"))
@@ -106,14 +105,6 @@ class Bench:
         return elapsed
 
 
-def _health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return int(r.status)
-    except OSError:
-        return 0
-
-
 SCENARIOS = ["well-behaved", "ignores SIGTERM", "ghost outside the unit", "stray VLLM::Worker_TP3"]
 
 
@@ -157,17 +148,5 @@ def run(runs: int, gpus: int) -> str:
         sb.down()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--gpus", type=int, default=8)
-    p.add_argument("--write", type=Path, default=None)
-    args = p.parse_args()
-    body = run(args.runs, args.gpus)
-    print(body)
-    if args.write:
-        write_section(args.write, "teardown-bench", body)
-
-
 if __name__ == "__main__":
-    main()
+    bench_main("teardown-bench", run, 5, gpus=(int, 8))

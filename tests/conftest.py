@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import pytest
 
 from supervisor.ports import processes
+from supervisor.ports.http import request
 from supervisor.ports.processes import ProcessRef
 from supervisor.ports.systemd import PystemdSystemd
 from supervisor.sandbox import simgpu
@@ -41,13 +41,8 @@ def wait_until(
 
 
 def health(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
+    """GET /health: the status code, 0 for no answer."""
+    return request(url, timeout_s=1).status
 
 
 @pytest.fixture(scope="session")
@@ -239,26 +234,10 @@ class DaemonHelper:
             timeout=timeout,
         )
 
-    def wait_serving(self, mode: str, timeout_s: float = 30) -> dict[str, Any]:
-        last: dict[str, Any] = {}
-
-        def serving() -> bool:
-            nonlocal last
-            try:
-                last = self.status()
-            except Exception:
-                return False
-            return last["state"] == "serving" and last["mode"] == mode
-
-        try:
-            wait_until(serving, timeout_s, f"the daemon to serve {mode}")
-        except AssertionError:
-            raise AssertionError(
-                f"not serving {mode}: {last.get('status_line')}\n{self.log()[-3000:]}"
-            ) from None
-        return last
-
-    def wait_state(self, state: str, timeout_s: float = 30) -> dict[str, Any]:
+    def wait_status(
+        self, done: Callable[[dict[str, Any]], bool], timeout_s: float, what: str
+    ) -> dict[str, Any]:
+        """Poll status until `done` holds; the daemon's log tail is in the failure message."""
         last: dict[str, Any] = {}
 
         def reached() -> bool:
@@ -267,10 +246,25 @@ class DaemonHelper:
                 last = self.status()
             except Exception:
                 return False
-            return last["state"] == state
+            return done(last)
 
-        wait_until(reached, timeout_s, f"state {state}")
+        try:
+            wait_until(reached, timeout_s, what)
+        except AssertionError:
+            raise AssertionError(
+                f"{what}: last {last.get('status_line')}\n{self.log()[-3000:]}"
+            ) from None
         return last
+
+    def wait_serving(self, mode: str, timeout_s: float = 30) -> dict[str, Any]:
+        return self.wait_status(
+            lambda s: s["state"] == "serving" and s["mode"] == mode,
+            timeout_s,
+            f"the daemon to serve {mode}",
+        )
+
+    def wait_state(self, state: str, timeout_s: float = 30) -> dict[str, Any]:
+        return self.wait_status(lambda s: s["state"] == state, timeout_s, f"state {state}")
 
 
 @pytest.fixture

@@ -122,22 +122,28 @@ def test_a_capture_in_production_mode_is_refused_with_the_hint_to_switch_first(
     assert len(captures(sandbox)) == before + 1
 
 
+def capture_until_flushing(
+    daemon: DaemonHelper,
+) -> tuple[dict[str, subprocess.CompletedProcess[str]], threading.Thread]:
+    """A capture (0.5 s, then stay) followed in a thread; returns once it is flushing."""
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
+    t = threading.Thread(
+        target=lambda: done.__setitem__(
+            "c", daemon.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
+        )
+    )
+    t.start()
+    daemon.wait_status(
+        lambda s: (s.get("capture") or {}).get("phase") == "flushing", 10, "the flush"
+    )
+    return done, t
+
+
 def test_a_switch_asked_for_during_a_flush_waits_for_it_and_force_cuts_it_short(
     sandbox: SandboxHelper, profiling: DaemonHelper
 ) -> None:
     sandbox.fake(profile_flush_s=3.0)
-    done: dict[str, subprocess.CompletedProcess[str]] = {}
-    t = threading.Thread(
-        target=lambda: done.setdefault(
-            "c", profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
-        )
-    )
-    t.start()
-    wait_until(
-        lambda: (profiling.status().get("capture") or {}).get("phase") == "flushing",
-        10,
-        "the flush",
-    )
+    done, t = capture_until_flushing(profiling)
     r = profiling.kimi_mode("production")
     t.join(30)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -149,17 +155,7 @@ def test_a_switch_asked_for_during_a_flush_waits_for_it_and_force_cuts_it_short(
 
     # Now with --force: the flush is cut short and the capture says so.
     profiling.kimi_mode("profile")
-    t = threading.Thread(
-        target=lambda: done.__setitem__(
-            "c", profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
-        )
-    )
-    t.start()
-    wait_until(
-        lambda: (profiling.status().get("capture") or {}).get("phase") == "flushing",
-        10,
-        "the flush",
-    )
+    done, t = capture_until_flushing(profiling)
     assert profiling.kimi_mode("production", "--force").returncode == 0
     t.join(30)
     assert done["c"].returncode == 1

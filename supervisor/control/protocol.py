@@ -84,15 +84,15 @@ class SubscribeRequest(_Msg):
     cmd: Literal["subscribe"] = "subscribe"
 
 
-Request = Annotated[
+AnyRequest = (
     StatusRequest
     | HistoryRequest
     | SwitchRequest
     | SubscribeRequest
     | CaptureRequest
-    | CaptureStopRequest,
-    Field(discriminator="cmd"),
-]
+    | CaptureStopRequest
+)
+Request = Annotated[AnyRequest, Field(discriminator="cmd")]
 _REQUEST = TypeAdapter(Request)
 
 
@@ -126,16 +126,7 @@ class ProtocolError(Exception):
         self.code = code
 
 
-def parse_request(
-    line: bytes,
-) -> (
-    StatusRequest
-    | HistoryRequest
-    | SwitchRequest
-    | SubscribeRequest
-    | CaptureRequest
-    | CaptureStopRequest
-):
+def parse_request(line: bytes) -> AnyRequest:
     try:
         raw = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:

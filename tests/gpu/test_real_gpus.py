@@ -187,17 +187,7 @@ dir = "{tmp}/state"
     def cleanup(self) -> None:
         # We are a child subreaper: everything our trees left behind (an orphaned EngineCore
         # that holds no GPU memory, say) is our descendant, and only that is ended here.
-        tree = processes.descendants(os.getpid())
-        refs = [ref for ref, _p in self.started] + [r for r in map(processes.ref_of, tree) if r]
-        for ref in refs:
-            processes.send_signal(ref, signal.SIGCONT)
-            processes.send_signal(ref, signal.SIGKILL)
-        for ref in refs:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(ref.pid, 0)
-        deadline = time.monotonic() + 60
-        while not self.clean() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        self.cleanup_children()
         self.gpu.close()
 
 
