@@ -159,6 +159,7 @@ class Daemon:
         self._mode_of_pid: tuple[int, Mode | None] = (0, None)
         self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
         self._gpus_at: float | None = None  # when the GPUs were last sampled (monotonic)
+        self._publish()  # a status asked for before boot has begun is complete, too
         self._titles: dict[int, str] = {}
 
     # ---------------------------------------------------------------- state and publication
@@ -587,6 +588,7 @@ class Daemon:
             except GpuUnavailable as e:
                 msg = f"waiting for the GPU driver: {e}"
                 self._warn(msg)
+                self._publish()
                 self.notifier.status(msg)
             self._serve_until(self.clock.monotonic() + delay)
             delay = min(delay * 2, self.config.daemon.driver_retry_max_s)

@@ -187,8 +187,8 @@ class DaemonHelper:
         self.dropin.write_text("[Service]\n" + text)
         self.sb.manager.systemctl("daemon-reload")
 
-    def start(self) -> None:
-        self.sb.start_daemon()
+    def start(self, wait: bool = True) -> None:
+        self.sb.start_daemon(wait)
 
     def stop(self) -> None:
         self.sb.stop_daemon()

@@ -185,3 +185,40 @@ def test_metrics_are_served_on_localhost(sandbox: SandboxHelper, daemon: DaemonH
     assert 'kimi_supervisor_gpu_baseline_mib{gpu="0"}' in text
     assert 'kimi_supervisor_transitions_total{outcome="ready"}' in text
     assert "kimi_supervisor_teardown_duration_seconds_bucket" in text
+
+
+def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_asked_again(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    sandbox.fake(crash_during_load_at=30)  # every start crashes, production included
+    daemon.start()
+    status = daemon.wait_state("failed", 60)
+    assert status["failures_in_window"] == 3  # max_failures in the sandbox
+    assert "kimi-mode production" in status["status_line"]
+    outcomes = [t["outcome"] for t in daemon.transitions()]
+    assert outcomes.count("failed") == 3
+    assert sandbox.used() == sandbox.baseline()  # torn down after each failure
+    sandbox.fake()
+    r = daemon.kimi_mode("production")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert daemon.wait_serving("production")["failures_in_window"] == 0
+
+
+def test_at_boot_the_daemon_waits_for_the_gpu_driver_and_answers_status_meanwhile(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    host = sandbox.sb.gpu_dir / "host.json"
+    hidden = host.with_name("host.json.away")
+    host.rename(hidden)  # the "driver" is not loaded yet
+    try:
+        daemon.start(wait=False)  # READY comes only once the world is known
+        status = daemon.wait_status(
+            lambda s: any("waiting for the GPU driver" in w for w in s["warnings"]), 20, "booting"
+        )
+        assert status["state"] == "booting"
+        assert sandbox.systemd.status(DAEMON_UNIT).active_state == "activating"
+    finally:
+        hidden.rename(host)
+    status = daemon.wait_serving("production", 30)
+    assert not any("GPU driver" in w for w in status["warnings"])
+    assert sandbox.systemd.status(DAEMON_UNIT).active_state == "active"

@@ -335,3 +335,21 @@ def test_a_socket_left_by_a_killed_daemon_is_replaced(
     wait_until(lambda: serving.pid() not in (0, first), 20, "systemd to restart the daemon")
     serving.wait_serving("production")
     assert '"control_socket_stale_replaced"' in serving.log()
+
+
+def test_kimi_mode_loads_neither_pystemd_nor_pynvml(serving: DaemonHelper) -> None:
+    code = (
+        "import sys\n"
+        "from supervisor.kimi_mode import main\n"
+        "rc = main(['status', '--json'])\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'pystemd', 'pynvml', 'psutil'})\n"
+        "print('HEAVY', heavy, rc, file=sys.stderr)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **serving.sb.env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "HEAVY [] 0" in r.stderr, r.stderr

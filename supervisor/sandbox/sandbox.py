@@ -271,9 +271,12 @@ class Sandbox:
         finally:
             gpu.close()
 
-    def start_daemon(self) -> None:
-        """Start the daemon as a service of the sandbox's manager; returns once it is READY."""
-        r = self.manager.systemctl("start", DAEMON_UNIT, check=False)
+    def start_daemon(self, wait: bool = True) -> None:
+        """Start the daemon as a service of the sandbox's manager; returns once it is READY
+        (or at once, with wait=False)."""
+        r = self.manager.systemctl(
+            "start", *(() if wait else ("--no-block",)), DAEMON_UNIT, check=False
+        )
         if r.returncode != 0:
             tail = (
                 self.daemon_log.read_text(errors="replace")[-1500:]

@@ -135,6 +135,17 @@ class SimGpu:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root)
+        self._loaded: list[_Device] | None = None
+        self._driver = "sim"
+        self._delay, self._delay_mtime = 0.0, -1
+        self._held: list[int] = []
+
+    @property
+    def _devices(self) -> list[_Device]:
+        """Opened on first use, as NVML is: a host that is not there yet (the driver not loaded)
+        is GpuUnavailable then, and found once it appears."""
+        if self._loaded is not None:
+            return self._loaded
         try:
             host = json.loads((self.root / "host.json").read_text())
         except (OSError, ValueError) as e:
@@ -142,15 +153,14 @@ class SimGpu:
                 f"no simulated GPU host at {self.root} ({e}): create it with "
                 "`kimi-supervisor sandbox up`"
             ) from e
-        self._devices = [
-            _Device(d["index"], d["total_mib"], d["baseline_mib"]) for d in host["devices"]
-        ]
+        devices = [_Device(d["index"], d["total_mib"], d["baseline_mib"]) for d in host["devices"]]
         self._driver = str(host.get("driver_version", "sim"))
-        self._delay, self._delay_mtime = 0.0, -1
         # Like an NVML client, keep every device file open while we are a client.
         self._held = hold_files(
-            [device_file(self.root, d.index) for d in self._devices] + shared_files(self.root)
+            [device_file(self.root, d.index) for d in devices] + shared_files(self.root)
         )
+        self._loaded = devices
+        return devices
 
     def _release_delay(self) -> float:
         # Re-read only when host.json changed (tests change the delay at run time); a teardown
@@ -217,12 +227,14 @@ class SimGpu:
         return str(device_file(self.root, self._device(index).index))
 
     def driver_version(self) -> str:
+        self._devices  # noqa: B018 - loads the host
         return self._driver
 
     def baseline_of(self, index: int) -> int:
         return self._device(index).baseline_mib
 
     def close(self) -> None:
+        self._loaded = None
         for fd in self._held:
             os.close(fd)
         self._held = []
