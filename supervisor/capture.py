@@ -206,8 +206,8 @@ class Capture:
             self._end(False, explain(result[0], "/stop_profile", flush_timeout))
             return
         new = self._new_files(trace_dir, before)
-        folder = self.spec.out or (p.captures_dir / self.id)
-        folder.mkdir(parents=True, exist_ok=self.spec.out is not None)
+        folder = self.spec.out / self.id if self.spec.out else p.captures_dir / self.id
+        folder.mkdir(parents=True)
         files: list[dict[str, Any]] = []
         for name in sorted(new):
             shutil.move(str(trace_dir / name), str(folder / name))

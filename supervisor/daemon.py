@@ -20,6 +20,7 @@ import contextlib
 import os
 import queue
 import signal
+import stat
 import sys
 import threading
 import uuid
@@ -497,10 +498,10 @@ class Daemon:
                 "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
             )
         out = Path(args["out"]) if args.get("out") else None
-        if out is not None and not out.is_absolute():
-            return Reply(
-                ok=False, code="bad_request", message=f"--out {out}: give an absolute path"
-            )
+        if out is not None:
+            problem = _unusable_out(out, int(args.get("uid", 0)))
+            if problem:
+                return Reply(ok=False, code="bad_request", message=f"--out {out}: {problem}")
         spec = CaptureSpec(args.get("seconds"), args.get("then", "production"), out, args["by"])
         self.capture = Capture(
             self.config,
@@ -1193,6 +1194,22 @@ class Daemon:
 
     def request_from_signal(self, kind: str) -> None:
         self.commands.put(Command(kind))
+
+
+def _unusable_out(out: Path, uid: int) -> str | None:
+    """The daemon runs as root and moves trace files into --out: only into a directory that
+    the asking user owns (root may use any), never through a symlink."""
+    if not out.is_absolute():
+        return "give an absolute path"
+    try:
+        st = os.lstat(out)
+    except FileNotFoundError:
+        return "no such directory: create it first"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        return "not a directory (symlinks are not followed)"
+    if uid != 0 and st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by you (uid {uid}): use a directory of your own"
+    return None
 
 
 def _title(pid: int) -> str:

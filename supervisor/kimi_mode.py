@@ -363,7 +363,7 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
                 if not msg["ok"]:
                     if not args.json:
                         print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-                    return EXIT_FAILED if msg["code"] == "busy" else EXIT_UNREACHABLE
+                    return _refusal_exit(msg["code"])
                 if not args.json:
                     follower.say(msg["message"])
                 if msg["code"] == "already" or args.no_wait:
@@ -393,6 +393,16 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
         "kimi-mode: the daemon closed the connection before the switch ended (`kimi-mode status`)",
         file=sys.stderr,
     )
+    return EXIT_UNREACHABLE
+
+
+def _refusal_exit(code: str) -> int:
+    """A refused request: the request was wrong (2), the host is busy or in the wrong mode (1),
+    or the daemon refused the caller or failed (3)."""
+    if code in ("bad_request", "bad_json", "too_long", "unsupported_version"):
+        return EXIT_USAGE
+    if code in ("busy", "wrong_mode", "stopping", "no_capture"):
+        return EXIT_FAILED
     return EXIT_UNREACHABLE
 
 
@@ -426,7 +436,7 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
         rc = cmd_switch(sw, sock)
         if rc != EXIT_OK:
             return rc
-    out = str(Path(args.out).resolve()) if args.out else None
+    out = str(Path(args.out).absolute()) if args.out else None  # symlinks: the daemon judges
     req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
     stop_sent = threading.Event()
 
@@ -449,9 +459,7 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
                 if not msg["ok"]:
                     if not args.json:
                         print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-                    return (
-                        EXIT_FAILED if msg["code"] in ("busy", "wrong_mode") else EXIT_UNREACHABLE
-                    )
+                    return _refusal_exit(msg["code"])
                 if not args.json:
                     print(msg["message"], flush=True)
             elif kind == "event":

@@ -217,3 +217,20 @@ def test_ctrl_c_while_recording_stops_the_recording_and_the_flush_completes(
     wait_until(
         lambda: len(captures(sandbox)) == 1 and not profiling.status()["capture"], 20, "flush"
     )
+
+
+def test_a_capture_with_out_goes_into_its_own_folder_there_and_bad_out_paths_are_refused(
+    sandbox: SandboxHelper, profiling: DaemonHelper, tmp_path: Path
+) -> None:
+    sandbox.fake(profile_flush_s=0.1)
+    missing = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
+    (tmp_path / "link").symlink_to(tmp_path)
+    linked = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(tmp_path / "link"))
+    assert linked.returncode == 2 and "symlinks are not followed" in linked.stderr
+    out = tmp_path / "traces"
+    out.mkdir()
+    r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay", "--out", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (folder,) = out.iterdir()
+    assert len(list(folder.glob("*rank*"))) == 4

@@ -85,7 +85,12 @@ class Handlers:
         sub = self.daemon.bus.subscribe()
         try:
             reply = self._ask(
-                conn, "capture_start", seconds=request.seconds, then=request.then, out=request.out
+                conn,
+                "capture_start",
+                seconds=request.seconds,
+                then=request.then,
+                out=request.out,
+                uid=conn.peer.uid,
             )
             conn.send(reply)
             if not reply.ok:
