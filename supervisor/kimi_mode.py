@@ -360,10 +360,8 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
                 out.flush()
             kind = msg.get("type")
             if kind == "reply":
-                if not msg["ok"]:
-                    if not args.json:
-                        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-                    return _refusal_exit(msg["code"])
+                if (refused := _refused(msg, args.json)) is not None:
+                    return refused
                 if not args.json:
                     follower.say(msg["message"])
                 if msg["code"] == "already" or args.no_wait:
@@ -394,6 +392,15 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
         file=sys.stderr,
     )
     return EXIT_UNREACHABLE
+
+
+def _refused(msg: dict[str, Any], as_json: bool) -> int | None:
+    """The exit code for a reply that refuses the request (said on stderr), else None."""
+    if msg["ok"]:
+        return None
+    if not as_json:
+        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+    return _refusal_exit(msg["code"])
 
 
 def _refusal_exit(code: str) -> int:
@@ -456,10 +463,8 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
                 print(raw.decode(), flush=True)
             kind = msg.get("type")
             if kind == "reply":
-                if not msg["ok"]:
-                    if not args.json:
-                        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-                    return _refusal_exit(msg["code"])
+                if (refused := _refused(msg, args.json)) is not None:
+                    return refused
                 if not args.json:
                     print(msg["message"], flush=True)
             elif kind == "event":
