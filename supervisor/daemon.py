@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from supervisor import history, launcher
+from supervisor import baseline, history, launcher
 from supervisor.capture import Capture, CaptureSpec
 from supervisor.config import Config
 from supervisor.control.protocol import End, Event, Reply
@@ -56,11 +56,9 @@ from supervisor.reconcile import (
     decide,
 )
 from supervisor.state import (
-    Baseline,
     PersistedState,
     StateStore,
     TransitionRecord,
-    with_baseline,
     with_desired,
     with_transition,
 )
@@ -596,42 +594,24 @@ class Daemon:
         return False
 
     def _resolve_baseline(self) -> None:
+        """Config, then the state file (same driver), else calibrated now (baseline.resolve);
+        with processes on the GPUs and nothing stored, a provisional baseline until they are
+        next seen idle (after a CLEAN teardown)."""
         fixed = self.config.gpus.baseline_mib
-        out = {i: fixed[str(i)] for i in self.indices if str(i) in fixed}
-        missing = [i for i in self.indices if i not in out]
-        st, _ = self.store.read()
-        stored = st.baseline
-        if missing and stored and stored.driver_version == self.gpu.driver_version():
-            out |= {i: stored.devices[i] for i in missing if i in stored.devices}
-            missing = [i for i in missing if i not in out]
-        if missing and self._calibrate():
-            return
-        for i in missing:
-            out[i] = PROVISIONAL_BASELINE_MIB
-        self.baselines = out
-        self.baseline_provisional = bool(missing)
-        if missing:
+        try:
+            self.baselines = baseline.resolve(self.gpu, self.indices, fixed, self.config.state.dir)
+        except baseline.BaselineError as e:
+            self.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in self.indices}
+            self.baseline_provisional = True
             self._warn(
-                f"no baseline for GPU(s) {missing} and processes are on the GPUs: using "
-                f"{PROVISIONAL_BASELINE_MIB} MiB until they are next idle, then calibrating"
+                f"no baseline, and it cannot be measured now ({e}): using "
+                f"{PROVISIONAL_BASELINE_MIB} MiB until the GPUs are next idle, then calibrating"
             )
-
-    def _calibrate(self) -> bool:
-        samples = self.gpu.sample(self.indices)
-        if any(s.processes for s in samples):
-            return False
-        fixed = self.config.gpus.baseline_mib
-        b = Baseline(
-            driver_version=self.gpu.driver_version(),
-            calibrated_at=utcnow(),
-            devices={s.index: s.used_mib for s in samples},
-        )
-        self._persist(lambda st: with_baseline(st, b))
-        self.baselines = {s.index: fixed.get(str(s.index), s.used_mib) for s in samples}
+            return
+        if self.baseline_provisional:
+            self.log("baseline_calibrated", devices=self.baselines)
         self.baseline_provisional = False
         self._unwarn("no baseline")
-        self.log("baseline_calibrated", devices=b.devices, driver=b.driver_version)
-        return True
 
     # ---------------------------------------------------------------- observation
     def _observe(self) -> Observed | None:
@@ -1115,7 +1095,7 @@ class Daemon:
         if self.metrics:
             self.metrics.teardown_seconds.labels(report.outcome.value).observe(report.duration_s)
         if report.outcome is Outcome.CLEAN and self.baseline_provisional:
-            self._calibrate()
+            self._resolve_baseline()
         self._sample_gpus()
         self._publish()
         return report

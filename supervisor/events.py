@@ -51,7 +51,3 @@ class EventBus:
                 # The reader sees this at its next poll (at most a second later) and ends.
                 sub.overflowed = True
                 self.unsubscribe(sub)
-
-    def count(self) -> int:
-        with self._lock:
-            return len(self._subs)

@@ -12,6 +12,7 @@ import pytest
 from supervisor.model import Mode
 from supervisor.ports import processes
 from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
+from supervisor.state import StateStore
 
 from .conftest import DaemonHelper, SandboxHelper, health, wait_until
 
@@ -222,3 +223,23 @@ def test_at_boot_the_daemon_waits_for_the_gpu_driver_and_answers_status_meanwhil
     status = daemon.wait_serving("production", 30)
     assert not any("GPU driver" in w for w in status["warnings"])
     assert sandbox.systemd.status(DAEMON_UNIT).active_state == "active"
+
+
+def test_without_a_stored_baseline_and_busy_gpus_a_provisional_one_is_used_until_calibrated(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    # (A daemon that finds the GPUs idle calibrates at boot, so a failure here heals itself.)
+    store = StateStore(sandbox.config.state.dir)
+    store.update(lambda st: st.model_copy(update={"baseline": None}))
+    sandbox.start_vllm("production")  # the GPUs are busy when the daemon starts
+    daemon.start()
+    status = daemon.wait_serving("production")
+    assert status["baseline_provisional"]
+    assert any("no baseline" in w for w in status["warnings"])
+    assert store.read()[0].baseline is None
+    daemon.kimi_mode("profile")  # its teardown leaves the GPUs idle: calibrated then
+    status = daemon.wait_serving("profile")
+    assert not status["baseline_provisional"]
+    assert [g["baseline_mib"] for g in status["gpus"]] == sandbox.baseline()
+    calibrated = store.read()[0].baseline
+    assert calibrated is not None and calibrated.devices == dict(enumerate(sandbox.baseline()))

@@ -21,10 +21,6 @@ class Notifier:
         # Ping at a third of the interval: two missed pings still leave time for a third.
         self.watchdog_interval_s = int(usec) / 1e6 / 3 if on else 0.0
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.address)
-
     def send(self, **fields: str | int) -> None:
         if not self.address:
             return
