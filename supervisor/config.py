@@ -108,7 +108,9 @@ class TeardownConfig(_Strict):
     strays_timeout_s: PositiveSeconds = 10.0
     holders_timeout_s: PositiveSeconds = 10.0
     release_timeout_s: PositiveSeconds = 60.0
-    poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.02
+    # How often a teardown re-reads the GPUs and the processes it waits for: a freed GPU is
+    # seen at most this late (docs/performance.md has the cost of one NVML read).
+    poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.01
     # After killing a GPU holder whose parent lives on, how long to watch for a respawn.
     respawn_watch_s: Annotated[float, Field(ge=0)] = 1.0
     # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
