@@ -304,6 +304,8 @@ class Follower:
             steps = ", ".join(self.steps[-4:])
             lines.append(f"  teardown: {steps}" + (f" > {self.current}..." if self.current else ""))
         lines.extend(f"  {k}" for k in self.kills[-5:])
+        if self.gpus:
+            lines.append("  GPU memory, draining to baseline during the teardown:")
         for d in self.gpus:
             used, base = d["used_mib"], d["baseline_mib"]
             top = max(used, base, 1)
