@@ -22,6 +22,7 @@ WRAP
 chmod +x .sd/wrap/systemctl
 grep -qx '/.sd/' .git/info/exclude || echo '/.sd/' >> .git/info/exclude
 if command -v python3.12 >/dev/null; then
+  grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
   python3.12 -m pip wheel -q --no-deps pystemd -w .whl/
 fi
 du -sh .sd
