@@ -21,8 +21,13 @@ exec "$d/lib/ld-linux-x86-64.so.2" --library-path "$d/lib" "$d/bin/systemctl" "$
 WRAP
 chmod +x .sd/wrap/systemctl
 grep -qx '/.sd/' .git/info/exclude || echo '/.sd/' >> .git/info/exclude
-if command -v python3.12 >/dev/null; then
+# pystemd for the GPU host's CPython 3.12 (there is no binary wheel on PyPI): built here with a
+# python3.12 (PY312=... to name one), against this machine's libsystemd-dev.
+py312="${PY312:-python3.12}"
+if "$py312" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
   grep -qx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
-  python3.12 -m pip wheel -q --no-deps pystemd -w .whl/
+  "$py312" -m pip wheel -q --no-deps pystemd -w .whl/
+else
+  echo "no python3.12 here (set PY312): pystemd for CPython 3.12 not built" >&2
 fi
 du -sh .sd
