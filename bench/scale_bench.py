@@ -22,7 +22,7 @@ from bench.teardown_bench import Bench
 from supervisor.ports import processes
 from supervisor.sandbox import simgpu
 from supervisor.sandbox.sandbox import UNIT, Sandbox
-from supervisor.scan import fd_holders, has_vllm_signature, listeners
+from supervisor.scan import device_users, has_vllm_signature, listeners
 
 
 def teardown_by_gpus(runs: int) -> list[str]:
@@ -78,7 +78,7 @@ def scans(runs: int) -> list[str]:
                 listed = [p.pid for s in gpu.sample(indices) for p in s.processes]
                 for pid in listed:
                     has_vllm_signature(pid, [])
-                listeners(config.vllm.port, tree + listed)
+                listeners(config.vllm.port, config.vllm.host, tree + listed)
 
             def tree_only() -> None:
                 processes.descendants(main_pid)
@@ -89,7 +89,9 @@ def scans(runs: int) -> list[str]:
             normal = timed(normal_path, runs)
             tree = timed(tree_only, runs)
             nvml = timed(nvml_only, runs)
-            full = timed(lambda: fd_holders(paths), runs)
+            # Rung 2: who has a managed device file open, with what they map of the GPUs' files.
+            files = paths + [str(p) for p in simgpu.shared_files(sb.gpu_dir)]
+            full = timed(lambda f=files: device_users(f, paths), runs)
             target = "met" if statistics.median(normal) < 0.1 else "MISSED"
             rows.append(
                 f"| {extra:,} ({total:,} processes in all) | {fmt_ms(normal)} | {fmt_ms(tree)} | "
@@ -122,8 +124,9 @@ def run(runs: int) -> str:
         "(vLLM's tree serving on 8 simulated GPUs). *Normal path*: the unit's process tree "
         "(from /proc/PID/task/*/children), the GPUs' process lists, vLLM's signature of the "
         "listed processes and the listeners of vLLM's port (its tree looked at first). *Full "
-        "descriptor scan*: every process's descriptors, which a teardown reads only when the "
-        "lists do not explain the memory.\n\n"
+        "descriptor scan*: every process's descriptors, and the maps of those holding a managed "
+        "device file (rung 2 of the evidence ladder), which a teardown reads only when no live "
+        "listed process explains a GPU's memory.\n\n"
         "| extra idle processes | normal path | of which process tree | of which GPU lists | "
         "full descriptor scan | target |\n|---|---|---|---|---|---|\n" + "\n".join(scan) + "\n"
     )

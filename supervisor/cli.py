@@ -111,11 +111,10 @@ def format_report(report: TeardownReport) -> str:
         lines.append(f"  removed from /dev/shm: {', '.join(report.shm_removed)}")
     if report.outcome.value != "clean":
         lines.append(f"  diagnosis: {report.diagnosis}")
-        for h in report.remaining:
-            lines.append(
-                f"  still there: PID {h.process.pid} [{h.process.state}] "
-                f"{' '.join(h.process.cmdline)[:60]} ({h.unit or 'no unit'}): {h.why}"
-            )
+        from supervisor.kimi_mode import format_remaining
+
+        remaining = report.model_dump(mode="json")["remaining"]
+        lines += ["  " + x for x in format_remaining(remaining)]
         lines.append(f"  next: {report.next_action}")
     return "\n".join(lines)
 
@@ -209,6 +208,7 @@ def cmd_launch_vllm(args: argparse.Namespace) -> int:
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
+    from supervisor.sandbox import simgpu
     from supervisor.sandbox.sandbox import Sandbox
 
     root = Path(args.dir)
@@ -216,7 +216,9 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         sb = Sandbox.up(
             root,
             gpus=args.gpus,
-            release_delay_s=args.release_delay,
+            release_delay_s=(
+                simgpu.DRIVER_RELEASE_S if args.release_delay is None else args.release_delay
+            ),
             daemon=not args.no_daemon,
             real_gpus=args.real_gpus,
         )
@@ -272,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--release-delay",
         type=float,
-        default=0.0,
-        help="seconds the simulated driver takes to free a dead process's memory",
+        default=None,
+        help="seconds the simulated driver takes to free a dead process's memory "
+        "(default: 0.15, as measured on an H200)",
     )
     up.add_argument(
         "--no-daemon", action="store_true", help="do not start kimi-supervisor.service in it"

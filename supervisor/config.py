@@ -111,11 +111,15 @@ class TeardownConfig(_Strict):
     # How often a teardown re-reads the GPUs and the processes it waits for: a freed GPU is
     # seen at most this late (docs/performance.md has the cost of one NVML read).
     poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.01
-    # After killing a GPU holder whose parent lives on, how long to watch for a respawn.
-    respawn_watch_s: Annotated[float, Field(ge=0)] = 1.0
+    # After killing a GPU holder whose parent lives on, how long to watch for that parent
+    # putting a new holder on a managed GPU before calling the GPUs clean. It must cover a CUDA
+    # start: on an H200 a respawned child was listed 3.6-4.4 s after its predecessor's SIGKILL
+    # (bench/results/h200x2-2026-11-30-cuda-probe.json, `respawn_gap_s`).
+    respawn_watch_s: Annotated[float, Field(ge=0)] = 6.0
     # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
     stray_patterns: list[str] = Field(default_factory=list)
-    # Never signalled, in addition to the built-in list (matched against comm and argv[0] name).
+    # Never signalled, in addition to the built-in list: executable names, matched against the
+    # executable's and argv[0]'s basename and against comm (the name cut to 15 characters).
     protected_names: list[str] = Field(default_factory=list)
     protected_units: list[str] = Field(default_factory=list)
     # /dev/shm entries the service may leak (fnmatch patterns).

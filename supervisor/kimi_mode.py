@@ -168,7 +168,11 @@ def format_status(s: dict[str, Any]) -> str:
             )
         if td["outcome"] != "clean":
             lines.append(f"                 {td['diagnosis']}")
+            lines += ["                 " + x for x in format_remaining(td.get("remaining", []))]
             lines.append(f"                 next: {td['next_action']}")
+    intrusion = s.get("last_intrusion")
+    if intrusion:
+        lines.append(f"last intrusion: {_hhmmss(intrusion['at'])} {intrusion['what']}")
     if s.get("next_attempt_in_s") is not None:
         lines.append(
             f"next attempt:  in {s['next_attempt_in_s']:.0f} s "
@@ -179,6 +183,30 @@ def format_status(s: dict[str, Any]) -> str:
     d = s.get("daemon", {})
     lines.append(f"daemon:        PID {d.get('pid')}, up {_ago(d.get('started_at'))}")
     return "\n".join(lines)
+
+
+ROLE_HEADINGS = {
+    "suspect": "suspects (hold a managed GPU, not cleared):",
+    "candidate": "candidates (might hold it; never killed on that evidence):",
+    "bystander": "bystanders (not the holder; never killed):",
+}
+
+
+def format_remaining(remaining: list[dict[str, Any]]) -> list[str]:
+    """A STUCK teardown's processes, suspects first, then candidates, then bystanders. Entries
+    are the status summary's or a history report's (`process` nested there)."""
+    lines: list[str] = []
+    for role, heading in ROLE_HEADINGS.items():
+        group = [h for h in remaining if h.get("role", "suspect") == role]
+        if group:
+            lines.append(heading)
+        for h in group:
+            p = h.get("process", h)
+            name = h.get("name") or " ".join(p.get("cmdline", []))[:80] or p.get("comm", "")
+            lines.append(f"  PID {p['pid']} {name}: {h['why']}")
+            if h.get("check"):
+                lines.append(f"    check: {h['check']}")
+    return lines
 
 
 def format_history(entries: list[dict[str, Any]]) -> str:
@@ -202,6 +230,9 @@ def format_history(entries: list[dict[str, Any]]) -> str:
                 p = k["process"]
                 title = " ".join(p.get("cmdline", []))[:60] or p.get("comm", "")
                 lines.append(f"{'':21}killed PID {p['pid']} {title} ({k['step']}: {k['evidence']})")
+            if e["outcome"] != "clean":
+                lines.append(f"{'':21}{e.get('diagnosis', '')}")
+                lines += [f"{'':21}{x}" for x in format_remaining(e.get("remaining", []))]
         elif kind == "capture":
             state = "OK" if e.get("ok") else "FAILED"
             lines.append(f"{_hhmmss(e.get('started_at'))}  capture  {state}: {e.get('message')}")

@@ -34,15 +34,28 @@ class Outcome(enum.StrEnum):
 
 
 class Evidence(enum.StrEnum):
-    """Why a process was judged to belong to the teardown's targets, strongest first."""
+    """Why a process was judged to belong to the teardown's targets, strongest first. The last
+    two are the GPU evidence ladder's rungs 1 and 2 (supervisor/ownership.py); rung 3 (a
+    device file only open, or only mapped) is never a reason to kill."""
 
     UNIT_CGROUP = "in the unit's cgroup"
     ESCAPED_UNIT = "was in the unit's process tree when the teardown began"
-    LISTENS_ON_PORT = "listens on vLLM's port"
+    LISTENS_ON_PORT = "listens where vLLM binds, and is vLLM or uses a managed GPU"
     VLLM_SIGNATURE = "carries vLLM's signature and uses a managed GPU"
-    NVML_LISTED = "NVML lists it as a process on a managed GPU"
     RESPAWNS = "its children came back on a managed GPU after being killed"
-    DEVICE_FD = "holds a managed /dev/nvidiaN open while memory is unexplained"
+    NVML_LISTED = "NVML lists it, alive, on a managed GPU whose device file it has open"
+    OPEN_AND_MAPPED = (
+        "has a managed GPU's device file open and mapped, and no live listed process explains "
+        "that GPU's memory"
+    )
+
+
+class Role(enum.StrEnum):
+    """What a process that still touches a managed GPU's device files is to an operator."""
+
+    SUSPECT = "suspect"  # rung 1 or 2: it holds the memory, but was not cleared (see why)
+    CANDIDATE = "candidate"  # rung 3: might hold it; never killed on that; check by hand
+    BYSTANDER = "bystander"  # protected, another GPU's job, or a monitor: not the holder
 
 
 def utcnow() -> datetime:
@@ -92,11 +105,16 @@ class StepReport(BaseModel):
 
 
 class RemainingHolder(BaseModel):
+    """A process left touching a managed GPU when a teardown ends STUCK, and what it is."""
+
     process: ProcessDescription
     unit: str = ""
     devices: list[int] = Field(default_factory=list)
     not_cleared_by: Step
     why: str
+    role: Role = Role.SUSPECT
+    seen: str = Field(default="", description="what was seen: listed, open, mapped")
+    check: str = Field(default="", description="what an operator should check")
 
 
 class TeardownReport(BaseModel):

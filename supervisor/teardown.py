@@ -4,14 +4,19 @@
               -> HOST_LEFTOVERS -> VERIFY
 
 Clean means: the unit is inactive, every managed GPU's memory.used is within tolerance of its
-baseline with no process listed on it, and nothing listens on vLLM's port. It is checked after
-every step; the kill steps are skipped the moment it holds. Each step polls (every
+baseline with no process listed on it, and nothing listens where vLLM binds its port. It is
+checked after every step; the kill steps are skipped the moment it holds. Each step polls (every
 `poll_interval_s`) against its own deadline, so a STUCK teardown ends within the sum of them.
+
+GPU holders are judged by the evidence ladder of supervisor/ownership.py: a live process NVML
+lists on a managed GPU (rung 1), else a process that has a managed device file open and mapped
+where no live listed process explains the memory (rung 2). An open descriptor alone, or a
+mapping alone (rung 3), is never a reason to kill: such processes are named in the diagnosis.
 
 Safety: targets are signalled through pidfds checked against their start time (a recycled PID is
 never hit); a set of targets is SIGSTOPped before it is SIGKILLed (no respawn in between); the
-supervisor, its ancestors, PID 1 and protected processes are never signalled; an open device
-descriptor alone is used as evidence only when NVML's lists do not explain the memory.
+supervisor, its ancestors, PID 1 and protected processes are never signalled, and each spared
+process is recorded once per teardown.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from supervisor.config import Config
+from supervisor.diagnosis import Scene, diagnose
+from supervisor.holders import GpuView, Target
 from supervisor.model import (
     DeviceReading,
     Evidence,
     KillRecord,
     Outcome,
     ProcessDescription,
-    RemainingHolder,
     Step,
     StepReport,
     TeardownReport,
@@ -39,24 +45,17 @@ from supervisor.model import (
 )
 from supervisor.ports import processes
 from supervisor.ports.clock import Clock
-from supervisor.ports.gpu import DeviceSample, GpuPort
+from supervisor.ports.gpu import GpuPort
 from supervisor.ports.processes import PidHandle, ProcessRef
 from supervisor.ports.systemd import SystemdError, SystemdPort
-from supervisor.scan import Protection, fd_holders, has_vllm_signature, listeners, shm_in_use
+from supervisor.scan import Protection, device_users, has_vllm_signature, listeners, shm_in_use
 
 EventSink = Callable[[str, dict[str, Any]], None]
-
-# Memory that no listed process explains is attributed to descriptor holders only once it has
-# stopped draining for this long: a dying process's memory is freed by the driver within
-# ~0.3 s on an H200, and an NVML client must not be killed for memory that is on its way out.
-FD_FALLBACK_SETTLE_S = 0.5
-
-
-@dataclass
-class _Target:
-    ref: ProcessRef
-    evidence: Evidence
-    reason: str
+KILL_WORDS = {
+    Evidence.NVML_LISTED: "NVML-listed holder(s)",
+    Evidence.OPEN_AND_MAPPED: "open-and-mapped holder(s)",
+    Evidence.RESPAWNS: "respawning parent(s)",
+}
 
 
 @dataclass
@@ -79,36 +78,21 @@ class Teardown:
         self.patterns = [re.compile(p) for p in t.stray_patterns]
         self.killed: dict[ProcessRef, KillRecord] = {}
         self.report = TeardownReport(unit=self.unit, started_at=utcnow())
-        self._devices: list[DeviceReading] = []
+        self.view = GpuView(
+            self.gpu, self.clock, self.baselines, self.config.gpus.tolerance_mib, self.on_event
+        )
         self._unit_active = True
-        self._device_paths = {i: self.gpu.device_path(i) for i in self.indices}
-        self._last_drain: dict[int, int] = {}
         self._ppids: dict[ProcessRef, int] = {}
         self._snapshot: list[ProcessRef] = []
+        self._spared: set[ProcessRef] = set()
+        self._waited = 0  # how many of `killed` the last _wait_dead covered
 
-    # -- observation --
-    def _sample(self) -> list[DeviceSample]:
-        samples = self.gpu.sample(self.indices)
-        tol = self.config.gpus.tolerance_mib
-        self._devices = [
-            DeviceReading(
-                index=s.index,
-                used_mib=s.used_mib,
-                baseline_mib=self.baselines[s.index],
-                tolerance_mib=tol,
-                processes=sorted({p.pid for p in s.processes}),
-            )
-            for s in samples
-        ]
-        drain = {d.index: d.used_mib for d in self._devices}
-        if drain != self._last_drain:
-            self._last_drain = drain
-            self.on_event("gpus", {"devices": [d.model_dump() for d in self._devices]})
-        return samples
+    @property
+    def _devices(self) -> list[DeviceReading]:
+        return self.view.devices
 
     def _gpus_clean(self) -> bool:
-        self._sample()
-        return all(d.clean for d in self._devices)
+        return self.view.clean()
 
     def _unit_inactive(self) -> bool:
         try:
@@ -118,12 +102,12 @@ class Teardown:
             self._unit_active = False
         return not self._unit_active
 
+    def _listeners(self) -> dict[int, set[str]]:
+        v = self.config.vllm
+        return listeners(v.port, v.host, self._likely())
+
     def _clean(self) -> bool:
-        return (
-            self._unit_inactive()
-            and self._gpus_clean()
-            and not listeners(self.config.vllm.port, self._likely())
-        )
+        return self._unit_inactive() and self._gpus_clean() and not self._listeners()
 
     def _likely(self) -> list[int]:
         """Where vLLM's listening socket would be: its tree, and what NVML lists."""
@@ -144,7 +128,7 @@ class Teardown:
         ref: ProcessRef,
         sig: str,
         step: Step,
-        target: _Target,
+        target: Target,
         result: str,
         desc: ProcessDescription | None = None,
     ) -> KillRecord:
@@ -161,15 +145,17 @@ class Teardown:
         self.on_event("kill", rec.model_dump(mode="json"))
         return rec
 
-    def _kill_set(self, step: Step, targets: list[_Target]) -> int:
-        """SIGSTOP every target, then SIGKILL every target; returns how many were signalled."""
+    def _kill_set(self, step: Step, targets: list[Target]) -> int:
+        """SIGSTOP every target, then SIGKILL every target; returns how many were signalled.
+        A protected target is recorded as spared once per teardown, never signalled."""
         assert self.protection is not None
-        handles: list[tuple[_Target, PidHandle, ProcessDescription]] = []
+        handles: list[tuple[Target, PidHandle, ProcessDescription]] = []
         for t in targets:
-            if t.ref in self.killed:
-                continue  # already got SIGKILL: waited for, never signalled again
+            if t.ref in self.killed or t.ref in self._spared:
+                continue  # already got SIGKILL (waited for), or already spared
             why = self.protection.why_protected(t.ref.pid)
             if why:
+                self._spared.add(t.ref)
                 self.on_event("spared", {"pid": t.ref.pid, "why": why, "step": step.value})
                 continue
             h = PidHandle.open(t.ref)
@@ -192,9 +178,15 @@ class Teardown:
         return len(handles)
 
     def _wait_dead(self, timeout_s: float) -> bool:
-        return self._poll_until(
+        """Wait for everything killed so far to exit. If anything was killed since the last
+        wait, its death starts the driver's release grace (GpuView.draining)."""
+        done = self._poll_until(
             lambda: not any(processes.is_alive(r) for r in self.killed), timeout_s
         )
+        if done and len(self.killed) > self._waited:
+            self.view.last_death = self.clock.monotonic()
+        self._waited = len(self.killed)
+        return done
 
     # -- the steps --
     def _snapshot_tree(self) -> list[ProcessRef]:
@@ -230,7 +222,7 @@ class Teardown:
         if not pids and self._unit_inactive():
             return "cgroup empty"
         for ref in filter(None, map(processes.ref_of, pids)):
-            target = _Target(ref, Evidence.UNIT_CGROUP, f"left in {self.unit} after SIGTERM")
+            target = Target(ref, Evidence.UNIT_CGROUP, f"left in {self.unit} after SIGTERM")
             self.killed[ref] = self._record(
                 ref, "SIGKILL", Step.KILL_CGROUP, target, "sent by systemd (KillUnit, whom=all)"
             )
@@ -242,118 +234,97 @@ class Teardown:
         return f"SIGKILL to {len(pids)} process(es)" + ("" if ok else "; unit still not inactive")
 
     def _step_kill_strays(self, snapshot: list[ProcessRef]) -> str:
-        targets: dict[ProcessRef, _Target] = {}
+        targets: dict[ProcessRef, Target] = {}
         for ref in snapshot:
             if processes.is_alive(ref):
-                targets[ref] = _Target(ref, Evidence.ESCAPED_UNIT, "escaped the unit's cgroup")
-        for pid in listeners(self.config.vllm.port, self._likely()):
+                targets[ref] = Target(ref, Evidence.ESCAPED_UNIT, "escaped the unit's cgroup")
+        # A listener is a target only where vLLM binds (its address or the wildcard), and only
+        # if it is vLLM or uses a managed GPU: a port alone is no evidence.
+        port = self.config.vllm.port
+        for pid, addrs in self._listeners().items():
             lref = processes.ref_of(pid)
-            if lref and lref not in targets:
-                targets[lref] = _Target(
-                    lref, Evidence.LISTENS_ON_PORT, f"listens on port {self.config.vllm.port}"
+            if lref is None or lref in targets:
+                continue
+            where = f"listens on {', '.join(sorted(addrs))} port {port}, where vLLM binds"
+            if has_vllm_signature(pid, self.patterns):
+                targets[lref] = Target(lref, Evidence.LISTENS_ON_PORT, f"{where}; vLLM")
+            elif self.view.uses_managed_gpu(pid):
+                targets[lref] = Target(
+                    lref, Evidence.LISTENS_ON_PORT, f"{where}; uses a managed GPU"
                 )
-        # vLLM's signature counts only on processes that use a managed GPU (NVML lists them
-        # there): a vLLM serving other GPUs of this host is not ours.
-        for d in self._devices:
-            for pid in d.processes:
-                vref = processes.ref_of(pid)
-                if vref and vref not in targets and has_vllm_signature(pid, self.patterns):
-                    targets[vref] = _Target(
-                        vref, Evidence.VLLM_SIGNATURE, f"vLLM process on managed GPU {d.index}"
-                    )
+        # vLLM's signature counts only on live processes NVML lists on a managed GPU: a vLLM
+        # serving other GPUs of this host is not ours.
+        for pid, gpus in self.view.live_listed().items():
+            vref = self.view.alive_listed[pid]
+            if vref not in targets and has_vllm_signature(pid, self.patterns):
+                targets[vref] = Target(
+                    vref, Evidence.VLLM_SIGNATURE, f"vLLM process on managed GPU {min(gpus)}"
+                )
         n = self._kill_set(Step.KILL_STRAYS, list(targets.values()))
         self._wait_dead(self.config.teardown.strays_timeout_s)
         return f"{n} stray(s) killed"
 
-    def _listed_targets(self) -> list[_Target]:
-        """NVML-listed processes on managed GPUs not yet killed, plus the parent of any that
-        reappeared after its sibling was killed (a respawner: kill it and its children together)."""
-        # Parents of what we killed, as seen when we chose it (a dead process has no parent).
+    def _with_respawners(self, targets: dict[ProcessRef, Target]) -> list[Target]:
+        """The targets not yet killed or spared, plus the parent of any whose sibling we
+        already killed: a respawner, killed with its children."""
         killed_ppids = {self._ppids[r] for r in self.killed if r in self._ppids}
-        targets: dict[ProcessRef, _Target] = {}
-        for d in self._devices:
-            for pid in d.processes:
-                ref = processes.ref_of(pid)
-                if ref is None or ref in self.killed or ref in targets:
-                    continue
-                self._ppids[ref] = ppid = processes.ppid_of(pid)
-                targets[ref] = _Target(
-                    ref, Evidence.NVML_LISTED, f"listed on managed GPU {d.index}"
+        for ref, t in list(targets.items()):
+            self._ppids[ref] = ppid = processes.ppid_of(ref.pid)
+            parent = processes.ref_of(ppid) if ppid in killed_ppids and ppid > 1 else None
+            if parent is not None and parent not in targets:
+                targets[parent] = Target(
+                    parent, Evidence.RESPAWNS, f"started PID {ref.pid} ({t.reason}) again"
                 )
-                parent = processes.ref_of(ppid) if ppid in killed_ppids and ppid > 1 else None
-                if parent is not None and parent not in targets:
-                    targets[parent] = _Target(
-                        parent, Evidence.RESPAWNS, f"started PID {pid} on GPU {d.index} again"
-                    )
-        return list(targets.values())
+        return [t for r, t in targets.items() if r not in self.killed and r not in self._spared]
 
     def _step_kill_gpu_holders(self) -> str:
+        assert self.protection is not None
         t = self.config.teardown
         deadline = self.clock.monotonic() + t.holders_timeout_s
-        n = 0
-        # Loop while new holders appear (a respawner replaces what we kill), within the deadline.
-        while self.clock.monotonic() < deadline:
-            targets = self._listed_targets()
-            if not targets:
-                break
-            n += self._kill_set(Step.KILL_GPU_HOLDERS, targets)
-            self._wait_dead(max(deadline - self.clock.monotonic(), t.poll_interval_s))
-            if self._gpus_clean() and not self._respawned(targets):
-                return f"{n} NVML-listed holder(s) killed"
-        # Memory that no listed process explains: look at who holds the device files, once
-        # the memory has stopped draining.
-        if self._gpus_clean() or any(d.processes for d in self._devices):
-            return f"{n} NVML-listed holder(s) killed"
-        if not self._settled(deadline):
-            return f"{n} NVML-listed holder(s) killed; memory returned"
-        dirty = [d.index for d in self._devices if not d.clean]
-        paths = [self._device_paths[i] for i in dirty]
-        holders = fd_holders(paths)
-        fd_targets = [
-            _Target(
-                ref,
-                Evidence.DEVICE_FD,
-                f"holds {', '.join(sorted(held))} while memory on GPU(s) "
-                f"{', '.join(map(str, dirty))} is unexplained",
+        counts = dict.fromkeys(KILL_WORDS, 0)
+        unwatched: list[Target] = []
+        while True:
+            targets = self._with_respawners(self.view.listed_targets()) or self._with_respawners(
+                self.view.mapped_targets(self.protection.never)
             )
-            for pid, held in holders.items()
-            if (ref := processes.ref_of(pid)) is not None
-        ]
-        m = self._kill_set(Step.KILL_GPU_HOLDERS, fd_targets)
-        self._wait_dead(max(deadline - self.clock.monotonic(), t.poll_interval_s))
-        return f"{n} NVML-listed holder(s), {m} descriptor holder(s) killed"
+            n = self._kill_set(Step.KILL_GPU_HOLDERS, targets)
+            for x in targets:
+                if x.ref in self.killed:
+                    counts[x.evidence] += 1
+                    unwatched.append(x)
+            if n:
+                self._wait_dead(max(deadline - self.clock.monotonic(), t.poll_interval_s))
+            note = ", ".join(f"{c} {KILL_WORDS[e]}" for e, c in counts.items() if c)
+            note = f"{note} killed" if note else "no holder on rung 1 or 2 evidence"
+            if self._gpus_clean():
+                watched, unwatched = unwatched, []
+                if watched and self._respawned(watched):
+                    continue  # a parent put a holder back: the next round kills it and the parent
+                return note
+            if not n and not self.view.draining():
+                return note  # no more evidence: WAIT_RELEASE waits, VERIFY diagnoses
+            if self.clock.monotonic() >= deadline:
+                return f"{note}; holders_timeout_s={t.holders_timeout_s} s reached"
+            self.clock.sleep(t.poll_interval_s)
 
-    def _respawned(self, killed: list[_Target]) -> bool:
+    def _respawned(self, killed: list[Target]) -> bool:
         """After killing holders whose parent lives on (not PID 1, not us, not protected), watch
-        for `respawn_watch_s` whether that parent puts a new process on a managed GPU."""
+        for `respawn_watch_s` (long enough to cover a CUDA start) whether a new holder appears."""
         assert self.protection is not None
         parents = {self._ppids.get(t.ref, 0) for t in killed}
         live = [
             p
             for p in parents
-            if p > 1 and processes.ref_of(p) is not None and not self.protection.why_protected(p)
+            if p > 1
+            and (ref := processes.ref_of(p)) is not None
+            and processes.is_alive(ref)  # a killed parent not yet reaped is a zombie: done
+            and not self.protection.why_protected(p)
         ]
         if not live:
             return False
-        return self._poll_until(
-            lambda: not self._gpus_clean() or any(d.processes for d in self._devices),
-            self.config.teardown.respawn_watch_s,
-        )
-
-    def _settled(self, deadline: float) -> bool:
-        """Wait until memory stops falling for FD_FALLBACK_SETTLE_S; False if it came clean."""
-        last = [d.used_mib for d in self._devices]
-        quiet_since = self.clock.monotonic()
-        while self.clock.monotonic() < deadline:
-            if self._gpus_clean():
-                return False
-            now = [d.used_mib for d in self._devices]
-            if now != last:
-                last, quiet_since = now, self.clock.monotonic()
-            elif self.clock.monotonic() - quiet_since >= FD_FALLBACK_SETTLE_S:
-                return True
-            self.clock.sleep(self.config.teardown.poll_interval_s)
-        return True
+        watch_s = self.config.teardown.respawn_watch_s
+        self.on_event("respawn_watch", {"parents": sorted(live), "seconds": watch_s})
+        return self._poll_until(lambda: not self._gpus_clean(), watch_s)
 
     def _step_wait_release(self) -> str:
         ok = self._poll_until(self._gpus_clean, self.config.teardown.release_timeout_s)
@@ -391,7 +362,7 @@ class Teardown:
         start = self.clock.monotonic()
         self.on_event("teardown_started", {"unit": self.unit})
         snapshot = self._snapshot = self._snapshot_tree()
-        self._sample()
+        self.view.sample()
         steps: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.STOP_UNIT, self._step_stop_unit, False),
             (Step.KILL_CGROUP, self._step_kill_cgroup, True),
@@ -445,66 +416,20 @@ class Teardown:
 
     def _diagnose(self) -> None:
         assert self.protection is not None
+        dirty = [self.view.paths[d.index] for d in self._devices if not d.clean]
+        users = device_users(self.view.all_files(), dirty or None, mapped_too=True)
+        scene = Scene(
+            unit=self.unit,
+            unit_active=self._unit_active,
+            devices=self._devices,
+            files=self.view.files(),
+            users=users,
+            listed_alive=self.view.listed_anywhere(),
+            killed=self.killed,
+            why_protected=self.protection.why_protected,
+            never=self.protection.never,
+            port=self.config.vllm.port,
+            port_holders=self._listeners(),
+        )
         r = self.report
-        lines, seen = [], set()
-        if self._unit_active:
-            lines.append(f"{self.unit} is still active")
-        for d in self._devices:
-            if not d.clean:
-                lines.append(
-                    f"GPU {d.index}: {d.used_mib} MiB used, baseline {d.baseline_mib} "
-                    f"(+{d.tolerance_mib} tolerance), processes {d.processes or 'none'}"
-                )
-            for pid in d.processes:
-                seen.add(pid)
-        paths = [self._device_paths[d.index] for d in self._devices if not d.clean]
-        for pid in sorted(seen | set(fd_holders(paths) if paths else {})):
-            ref = processes.ref_of(pid)
-            if ref is None or pid in self.protection.never:
-                continue  # our own NVML handles explain nothing
-            why = self.protection.why_protected(pid)
-            killed = self.killed.get(ref)
-            if killed:
-                step = killed.step
-                reason = (
-                    f"got SIGKILL in {step.value} but has not exited (state "
-                    f"{processes.state_of(pid)}: uninterruptible sleep in the driver?)"
-                )
-            elif why:
-                step, reason = Step.KILL_GPU_HOLDERS, f"not signalled: {why}"
-            else:
-                step, reason = Step.KILL_GPU_HOLDERS, "holds the device; not judged a target"
-            cgroup = processes.cgroup_of(pid)
-            r.remaining.append(
-                RemainingHolder(
-                    process=processes.describe(ref),
-                    unit=cgroup.rsplit("/", 1)[-1],
-                    devices=[d.index for d in self._devices if pid in d.processes],
-                    not_cleared_by=step,
-                    why=reason,
-                )
-            )
-        for pid in listeners(self.config.vllm.port, self._likely()):
-            lines.append(f"PID {pid} still listens on port {self.config.vllm.port}")
-        killed_alive = any(h.why.startswith("got SIGKILL") for h in r.remaining)
-        listed = [h for h in r.remaining if h.devices]
-        r.diagnosis = "; ".join(lines) or "not clean"
-        if self._unit_active:
-            r.next_action = f"check `systemctl status {self.unit}`: the manager did not stop it"
-        elif killed_alive:
-            r.next_action = (
-                "a killed process has not exited: look at its kernel stack "
-                "(cat /proc/PID/stack); if it is stuck in the NVIDIA driver, "
-                "drain the host and reboot (or reset the GPU by hand)"
-            )
-        elif listed:
-            r.next_action = (
-                "processes listed on the GPUs were not signalled (see why): check whether "
-                "they really own the memory (nvidia-smi) and stop them by hand if so"
-            )
-        else:
-            r.next_action = (
-                "memory is held with no process behind it (a driver leak): "
-                "check `nvidia-smi` and dmesg for Xid errors; a GPU reset or a "
-                "reboot frees it"
-            )
+        r.remaining, r.diagnosis, r.next_action = diagnose(scene)

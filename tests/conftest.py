@@ -96,17 +96,41 @@ class SandboxHelper:
         self.started.append(ref)
         return ref
 
-    def spawn(self, args: list[str], title: str | None = None) -> ProcessRef:
-        """A plain child process of the test, outside every unit, ended after the test."""
+    def ghost_tree(self, **kw: object) -> list[ProcessRef]:
+        """A ghost that forked a helper sharing its memory: [ghost, helper]."""
+        refs = self.sb.start_ghost_tree(**kw)  # type: ignore[arg-type]
+        self.started.extend(refs)
+        return refs
+
+    def assert_alive_except(self, killed: set[int]) -> None:
+        """Every process this test started and the teardown did not kill is still alive."""
+        dead = [
+            f"{r.pid} ({processes.comm_of(r.pid) or 'gone'})"
+            for r in self.started
+            if r.pid not in killed and not processes.is_alive(r)
+        ]
+        assert not dead, f"bystanders killed: {dead}"
+
+    def spawn(
+        self, args: list[str], env: dict[str, str] | None = None, wait_ready: bool = False
+    ) -> ProcessRef:
+        """A plain child process of the test, outside every unit, ended after the test. With
+        `wait_ready`, returns once it printed a line starting with "ready"."""
         proc = subprocess.Popen(
             args,
-            env={**os.environ, **self.sb.env},
+            env={**os.environ, **self.sb.env, **(env or {})},
             stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if wait_ready else None,
             start_new_session=True,
         )
         ref = processes.ref_of(proc.pid)
         assert ref is not None
         self.started.append(ref)
+        if wait_ready:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            proc.stdout.close()
+            assert line.startswith(b"ready"), f"{args[:3]} did not start: {line!r}"
         return ref
 
     def reset(self) -> None:
@@ -126,8 +150,17 @@ class SandboxHelper:
         self.started.clear()
         for leak in (self.sb.gpu_dir / "leak").iterdir():
             leak.unlink()
-        simgpu.set_release_delay(self.sb.gpu_dir, 0.0)
+        simgpu.set_release_delay(self.sb.gpu_dir, simgpu.DRIVER_RELEASE_S)
         self.fake()
+        # The driver frees what the killed processes held within its release delay.
+        wait_until(
+            lambda: all(
+                d.used_mib == self.gpu.baseline_of(d.index) and not d.processes
+                for d in self.gpu.sample(self.indices)
+            ),
+            10,
+            "the simulated GPUs to return to baseline",
+        )
         self.gpu.close()
 
 

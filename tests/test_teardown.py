@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from supervisor import baseline
+from supervisor.config import Config
 from supervisor.model import Evidence, Outcome, Step, TeardownReport
 from supervisor.ports import processes
 from supervisor.ports.clock import SystemClock
@@ -44,28 +45,40 @@ class Run:
         return [s.step for s in self.report.steps if not s.skipped]
 
 
-def teardown(sandbox: SandboxHelper) -> Run:
+def teardown(
+    sandbox: SandboxHelper,
+    managed: list[int] | None = None,
+    config: Config | None = None,
+    also_gone: set[int] = frozenset(),  # type: ignore[assignment]
+) -> Run:
+    """One teardown over `managed` GPUs (default: all); then every process the test started
+    that the teardown did not kill (and that is not in `also_gone`) must still be alive."""
     events: list[tuple[str, dict[str, Any]]] = []
     base = baseline.load(sandbox.config.state.dir)
     assert base is not None, "sandbox up calibrates the baseline"
+    baselines = {i: b for i, b in base.devices.items() if managed is None or i in managed}
     gpu = simgpu.SimGpu(sandbox.sb.gpu_dir)
     try:
         report = Teardown(
-            sandbox.config,
+            config or sandbox.config,
             sandbox.systemd,
             gpu,
             SystemClock(),
-            base.devices,
+            baselines,
             on_event=lambda kind, data: events.append((kind, data)),
         ).run()
     finally:
         gpu.close()
-    return Run(report, events)
+    run = Run(report, events)
+    sandbox.assert_alive_except(run.killed() | set(also_gone))
+    return run
 
 
 def assert_clean(sandbox: SandboxHelper, run: Run) -> None:
     assert run.report.outcome is Outcome.CLEAN, run.report.diagnosis
-    assert sandbox.used() == sandbox.baseline()
+    managed = [d.index for d in run.report.devices]
+    used, base = sandbox.used(), sandbox.baseline()
+    assert [used[i] for i in managed] == [base[i] for i in managed]
     assert sandbox.systemd.status(UNIT).inactive
     assert os.getpid() not in run.killed(), "the supervisor never targets itself"
 
@@ -169,7 +182,7 @@ def test_a_stopped_holder_is_killed(sandbox: SandboxHelper) -> None:
     assert run.killed() == {ghost.pid}
 
 
-def test_a_holder_nvml_does_not_list_is_found_by_its_descriptors_and_protected_ones_survive(
+def test_a_holder_nvml_does_not_list_is_found_open_and_mapped_and_protected_ones_survive(
     sandbox: SandboxHelper,
 ) -> None:
     hidden = sandbox.ghost(gpu="2", mib=7_000, title="python", hidden=True)
@@ -183,7 +196,7 @@ def test_a_holder_nvml_does_not_list_is_found_by_its_descriptors_and_protected_o
     run = teardown(sandbox)
     assert_clean(sandbox, run)
     assert run.killed() == {hidden.pid}
-    assert run.report.kills[-1].evidence is Evidence.DEVICE_FD
+    assert run.report.kills[-1].evidence is Evidence.OPEN_AND_MAPPED
     assert "nvidia2" in run.report.kills[-1].reason
     for survivor in (persistenced, dcgm, control_only):
         assert processes.is_alive(survivor)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import signal
 from collections.abc import Iterable, Iterator
@@ -81,6 +82,14 @@ def ppid_of(pid: int) -> int:
 def comm_of(pid: int) -> str:
     try:
         return (PROC / str(pid) / "comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
+
+
+def exe_name(pid: int) -> str:
+    """The basename of the executable (/proc/PID/exe); "" where it cannot be read."""
+    try:
+        return os.path.basename(os.readlink(PROC / str(pid) / "exe").removesuffix(" (deleted)"))
     except OSError:
         return ""
 
@@ -241,9 +250,34 @@ def maps_any(pid: int, prefix: str) -> set[str]:
     return found
 
 
-def listening_inodes(port: int) -> set[int]:
-    """Socket inodes listening on TCP `port` (IPv4 or IPv6) in this network namespace."""
-    inodes: set[int] = set()
+def maps_of(pid: int, wanted: set[str]) -> set[str]:
+    """Which of `wanted` files `pid` has mapped."""
+    found: set[str] = set()
+    try:
+        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0] in wanted:
+                    found.add(path[0])
+    except OSError:
+        pass
+    return found
+
+
+def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """/proc/net/tcp's local address: 32-bit words in host (little-endian) byte order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    addr = ipaddress.ip_address(words)
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped:
+        return addr.ipv4_mapped
+    return addr
+
+
+def listening_inodes(port: int) -> dict[int, ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """Socket inode -> local address, for sockets listening on TCP `port` (IPv4 or IPv6) in
+    this network namespace."""
+    inodes: dict[int, ipaddress.IPv4Address | ipaddress.IPv6Address] = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = (PROC / "net" / table).read_text().splitlines()[1:]
@@ -252,8 +286,9 @@ def listening_inodes(port: int) -> set[int]:
         for line in lines:
             cols = line.split()
             local, state, inode = cols[1], cols[3], int(cols[9])
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
-                inodes.add(inode)
+            addr, _, port_hex = local.rpartition(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
+                inodes[inode] = _address(addr)
     return inodes
 
 

@@ -29,7 +29,8 @@ class Holding:
     """What a process holds; released when the process exits (or by `release`)."""
 
     def __init__(self) -> None:
-        self.sim: list[simgpu.Allocation] = []
+        self.sim: list[simgpu.Context] = []
+        self.runtime: simgpu.Runtime | None = None
         self.fds: list[int] = []
         self.tensors: list[Any] = []
 
@@ -38,8 +39,10 @@ class Holding:
             a.free()
         for fd in self.fds:
             os.close(fd)
+        if self.runtime is not None:
+            self.runtime.close()
         self.tensors.clear()
-        self.sim, self.fds = [], []
+        self.sim, self.fds, self.runtime = [], [], None
 
 
 def hold(devices: Sequence[int], mib: int, hidden: bool = False) -> Holding:
@@ -62,7 +65,8 @@ def hold(devices: Sequence[int], mib: int, hidden: bool = False) -> Holding:
         paths = [simgpu.device_file(root, d) for d in devices] + simgpu.shared_files(root)
         h.fds = simgpu.hold_files(paths)
         return h
-    # A CUDA process also holds the uvm device; the ghost of the incident held it too.
-    h.fds = simgpu.hold_files([simgpu.shared_files(root)[1]])
-    h.sim = [simgpu.Allocation(root, d, mib, hidden) for d in devices]
+    # As a CUDA process does: every device file open, the visible ones mapped, then a context on
+    # each device used (simgpu's rules 1-4).
+    h.runtime = simgpu.Runtime(root, simgpu.visible_devices(root))
+    h.sim = [simgpu.Context(root, d, mib, hidden) for d in devices]
     return h

@@ -155,7 +155,7 @@ class Sandbox:
         cls,
         root: Path,
         gpus: int = 8,
-        release_delay_s: float = 0.0,
+        release_delay_s: float = simgpu.DRIVER_RELEASE_S,
         daemon: bool = True,
         real_gpus: bool = False,
     ) -> Sandbox:
@@ -298,48 +298,51 @@ class Sandbox:
         return [str(d / "cgroup.procs") for d in self.manager.cgroup_dirs]
 
     def start_ghost(
+        self, gpu: str = "all", mib: int = 1024, title: str = "python", **kw: Any
+    ) -> ProcessRef:
+        """A detached process outside every unit holding `mib` MiB on `gpu`; returns it once
+        it holds them. Its parent is not the caller: it is reparented, as an orphan is.
+        Options as for start_ghost_tree."""
+        return self.start_ghost_tree(gpu, mib, title, **kw)[0]
+
+    def start_ghost_tree(
         self,
         gpu: str = "all",
         mib: int = 1024,
         title: str = "python",
         hidden: bool = False,
         ignore_sigterm: bool = False,
-    ) -> ProcessRef:
-        """A detached process outside every unit holding `mib` MiB on `gpu`; returns it once
-        it holds them."""
-        args = [
-            sys.executable,
-            "-m",
-            "supervisor.sandbox.ghost",
-            "--gpu",
-            gpu,
-            "--mib",
-            str(mib),
-            "--title",
-            title,
-        ]
-        if hidden:
-            args.append("--hidden")
-        if ignore_sigterm:
-            args.append("--ignore-sigterm")
+        extra_env: dict[str, str] | None = None,
+        fork_helper: str | None = None,
+        helper_closes_fds: bool = False,
+    ) -> list[ProcessRef]:
+        """start_ghost, and with `fork_helper` the helper it forked: [ghost, helper]."""
+        args = [sys.executable, "-m", "supervisor.sandbox.ghost", "--detach"]
+        args += ["--gpu", gpu, "--mib", str(mib), "--title", title]
+        flags = {"--hidden": hidden, "--ignore-sigterm": ignore_sigterm}
+        flags["--helper-closes-fds"] = helper_closes_fds
+        args += [flag for flag, on in flags.items() if on]
+        if fork_helper:
+            args += ["--fork-helper", fork_helper]
         proc = subprocess.Popen(
             args,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
+            env={**os.environ, **self.env, **(extra_env or {})},
             start_new_session=True,
         )
         assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = proc.stdout.readline().split()
         proc.stdout.close()
-        if line.strip() != b"ready":
-            proc.kill()
-            proc.wait()
-            raise SandboxError(f"the ghost did not start (exit {proc.wait()})")
-        ref = processes.ref_of(proc.pid)
-        assert ref is not None
-        self._record_ghost(ref)
-        return ref
+        proc.wait()  # the starter half of --detach exits at once
+        if not line or line[0] != b"ready":
+            raise SandboxError(f"the ghost did not start (exit {proc.returncode})")
+        refs = [r for r in map(processes.ref_of, map(int, line[1:])) if r is not None]
+        if len(refs) != len(line) - 1:
+            raise SandboxError(f"the ghost {line!r} ended as it started")
+        for ref in refs:
+            self._record_ghost(ref)
+        return refs
 
     def _ghosts_file(self) -> Path:
         return self.root / "ghosts.json"

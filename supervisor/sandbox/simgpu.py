@@ -1,23 +1,53 @@
-"""A simulated GPU host that behaves like the driver where the supervisor can tell.
+"""A simulated GPU host that owns memory the way the NVIDIA driver does, as measured.
 
 Layout of the host's directory:
   host.json            devices (index, total, baseline), release delay, driver version
-  dev/nvidiaN          stand-ins for /dev/nvidiaN; dev/nvidiactl, dev/nvidia-uvm
-  alloc/PID.TICKS.N    one allocation: process identity, device, MiB, hidden from lists or not
-  released/...         when an allocation's holder was first seen gone (for the release delay)
+  dev/nvidiaN          stand-ins for /dev/nvidiaN; dev/nvidiactl, dev/nvidia-uvm (one page each,
+                       so that they can be mapped)
+  alloc/PID.KEY        one context: creator's identity, device, MiB, listed or hidden, its key
+  released/...         when a context was first seen closed (for the release delay)
   leak/N.M             memory held with no process at all (a driver leak)
 
-Memory a process allocated counts only while that process is alive (not a zombie) and still
-holds the device file open, as with the real driver, which frees memory when the last
-descriptor of a dying process closes; `release_delay_s` adds the driver's lag. Readers open
-every device file, as an NVML client does, so descriptor scans find them too.
+The rules, each copying a measurement on 2x H200, driver 580.159.04
+(`bench/results/h200x2-2026-11-30-cuda-probe.json`, made by `bench/cuda_probe.py`; issue 13):
+
+1. Memory belongs to an open device file (the context), not to a PID. A context is an open file
+   description of dev/nvidiaN that holds an OFD byte-range lock at its own KEY; memory counts while
+   that lock exists, that is while any process still has that open file. Measured: a CUDA
+   process with 42,101 MiB used forked a helper and was SIGKILLed; the memory stayed at 42,101
+   MiB as long as the helper lived, and went back to 615 MiB 0.163 s after the helper's SIGKILL.
+2. A fork shares the context (it inherits the open file, so the lock). It is freed when the last
+   process holding it exits or closes it.
+3. NVML lists the PID that created the context for as long as the context exists, even after
+   that PID died. Measured: `listed_after_parent_death` is the dead parent's PID; the helper is
+   listed nowhere.
+4. A CUDA process opens every device file, nvidiactl and nvidia-uvm, and maps the device files
+   of the GPUs it can see, nvidiactl and nvidia-uvm. Measured: a process using GPU 0 with every
+   GPU visible mapped /dev/nvidia0 and /dev/nvidia1; one with CUDA_VISIBLE_DEVICES=1 opened
+   both but mapped only /dev/nvidia1. Its forked helper mapped the device files and nvidiactl but
+   not nvidia-uvm (here: the uvm mapping is MADV_DONTFORK).
+5. An NVML client opens every device file and maps none (`nvml_client`: 6 files open, 0 mapped).
+6. A process that closed its descriptors but keeps its mappings holds no memory. Measured: the
+   forked helper closed every descriptor, its parent was SIGKILLed, and the memory came back at
+   once although the helper still mapped /dev/nvidia0. Here the mappings are made from
+   descriptors other than the context's, so they do not keep the context's open file alive.
+7. The driver frees a context's memory `release_delay_s` after its last holder is gone, and NVML
+   lists the creator until then. Measured: 0.150-0.158 s from SIGKILL to NVML at baseline
+   (`cuda_start`), 0.163 s for the helper; DRIVER_RELEASE_S is the default. On the real host
+   that time is the holder's own exit (the driver tears the context down as the process exits,
+   so memory is back by the time it is reaped: `fork_helper_closed_fds`); a simulated holder
+   exits at once, so the delay runs after it. Seen through NVML the two read the same.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import mmap
 import os
+import secrets
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +58,14 @@ from supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
 
 H200_TOTAL_MIB = 143771
 H200_BASELINE_MIB = 615
+# Rule 7: SIGKILL to NVML at baseline on an H200 (bench/results/h200x2-2026-11-30-cuda-probe.json).
+DRIVER_RELEASE_S = 0.15
+PAGE = 4096
+
+# struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding)
+_FLOCK = "hhqqi4x"
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 
 
 def create_host(
@@ -35,13 +73,13 @@ def create_host(
     gpus: int,
     total_mib: int = H200_TOTAL_MIB,
     baseline_mib: int = H200_BASELINE_MIB,
-    release_delay_s: float = 0.0,
+    release_delay_s: float = DRIVER_RELEASE_S,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("dev", "alloc", "released", "leak"):
         (root / sub).mkdir(exist_ok=True)
     for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
-        (root / "dev" / name).touch()
+        (root / "dev" / name).write_bytes(bytes(PAGE))
     host = {
         "devices": [
             {
@@ -80,20 +118,74 @@ def shared_files(root: Path) -> list[Path]:
     return [root / "dev" / "nvidiactl", root / "dev" / "nvidia-uvm"]
 
 
-class Allocation:
-    """Memory held by this process on one simulated device, like a CUDA context with buffers.
+def _device_indices(root: Path) -> list[int]:
+    return sorted(
+        int(p.name.removeprefix("nvidia"))
+        for p in (root / "dev").iterdir()
+        if p.name.removeprefix("nvidia").isdigit()
+    )
 
-    It lasts while this process lives and keeps the device file open: closing the descriptor or
-    dying frees it (after the host's release delay)."""
+
+def _lock(fd: int, key: int) -> None:
+    fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, key, 1, 0))
+
+
+def _locked(fd: int, key: int) -> bool:
+    """Whether another open file description holds the lock at `key` (rules 1-2)."""
+    probe = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, key, 1, 0)
+    l_type = struct.unpack(_FLOCK, fcntl.fcntl(fd, _F_OFD_GETLK, probe))[0]
+    return bool(l_type != fcntl.F_UNLCK)
+
+
+class Runtime:
+    """What a CUDA process holds besides its contexts (rule 4): every device file, nvidiactl and
+    nvidia-uvm open; the visible GPUs' device files, nvidiactl and nvidia-uvm mapped."""
+
+    def __init__(self, root: Path, visible: Sequence[int] | None = None) -> None:
+        everything = [device_file(root, i) for i in _device_indices(root)] + shared_files(root)
+        self.fds = hold_files(everything)
+        seen = _device_indices(root) if visible is None else list(visible)
+        ctl, uvm = shared_files(root)
+        self.maps: list[mmap.mmap] = []
+        for path in [device_file(root, i) for i in seen] + [ctl, uvm]:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                m = mmap.mmap(fd, PAGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)  # the mapping stays; it keeps no context alive (rule 6)
+            if path == uvm:
+                m.madvise(mmap.MADV_DONTFORK)  # a forked helper does not map nvidia-uvm
+            self.maps.append(m)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        for m in self.maps:
+            m.close()
+        self.fds, self.maps = [], []
+
+
+def visible_devices(root: Path) -> list[int]:
+    """The GPUs a CUDA process sees: CUDA_VISIBLE_DEVICES (physical indices here), else all."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return _device_indices(root)
+    return [int(x) for x in spec.split(",") if x.strip().isdigit()]
+
+
+class Context:
+    """Memory on one simulated GPU, owned by an open file of its device file (rules 1-3)."""
 
     def __init__(self, root: Path, index: int, mib: int, hidden: bool = False) -> None:
         path = device_file(root, index)
         if not path.exists():
             raise GpuUnavailable(f"simulated GPU {index} does not exist under {root}")
         self.fd = os.open(path, os.O_RDWR)
+        key = secrets.randbits(40) + 1
+        _lock(self.fd, key)  # before the record: a reader never sees a record without its lock
         ref = processes.ref_of(os.getpid())
         assert ref is not None
-        self.record = root / "alloc" / f"{ref.pid}.{ref.start_ticks}.{index}"
+        self.record = root / "alloc" / f"{ref.pid}.{key}"
         _write_json(
             self.record,
             {
@@ -102,6 +194,7 @@ class Allocation:
                 "device": index,
                 "mib": mib,
                 "hidden": hidden,
+                "key": key,
             },
         )
 
@@ -139,6 +232,7 @@ class SimGpu:
         self._driver = "sim"
         self._delay, self._delay_mtime = 0.0, -1
         self._held: list[int] = []
+        self._device_fd: dict[int, int] = {}
 
     @property
     def _devices(self) -> list[_Device]:
@@ -155,16 +249,17 @@ class SimGpu:
             ) from e
         devices = [_Device(d["index"], d["total_mib"], d["baseline_mib"]) for d in host["devices"]]
         self._driver = str(host.get("driver_version", "sim"))
-        # Like an NVML client, keep every device file open while we are a client.
+        # Like an NVML client (rule 5), keep every device file open, mapping none.
         self._held = hold_files(
             [device_file(self.root, d.index) for d in devices] + shared_files(self.root)
         )
+        self._device_fd = {d.index: fd for d, fd in zip(devices, self._held, strict=False)}
         self._loaded = devices
         return devices
 
     def _release_delay(self) -> float:
         # Re-read only when host.json changed (tests change the delay at run time); a teardown
-        # samples every 20 ms and should not parse it each time.
+        # samples every 10 ms and should not parse it each time.
         path = self.root / "host.json"
         try:
             mtime = path.stat().st_mtime_ns
@@ -189,25 +284,25 @@ class SimGpu:
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
         devices = [self._device(i) for i in indices]
         used = {d.index: d.baseline_mib for d in devices}
-        procs: dict[int, list[GpuProcess]] = {d.index: [] for d in devices}
+        listed: dict[int, dict[int, int]] = {d.index: {} for d in devices}
         delay = self._release_delay()
         now = time.monotonic()
         for entry in os.scandir(self.root / "alloc"):
             rec = _read(entry.path)
-            if rec is None or rec["device"] not in used:
+            if rec is None or rec.get("device") not in used or "key" not in rec:
                 continue
-            ref = processes.ProcessRef(rec["pid"], rec["start_ticks"])
-            dev_path = str(device_file(self.root, rec["device"]))
-            if processes.is_alive(ref) and processes.holds_any(ref.pid, [dev_path]):
-                used[rec["device"]] += rec["mib"]
-                if not rec["hidden"]:
-                    procs[rec["device"]].append(GpuProcess(ref.pid, rec["mib"]))
+            dev = rec["device"]
+            if _locked(self._device_fd[dev], rec["key"]):
+                used[dev] += rec["mib"]
+                if not rec["hidden"]:  # rule 3: the creator, alive or not
+                    listed[dev][rec["pid"]] = listed[dev].get(rec["pid"], 0) + rec["mib"]
                 continue
-            # The holder is gone: the driver frees its memory after the release delay.
+            # The context's last holder is gone: the driver frees it after the delay (rule 7).
             marker = self.root / "released" / entry.name
-            released_at = _released_at(marker, now)
-            if now - released_at < delay:
-                used[rec["device"]] += rec["mib"]
+            if now - _released_at(marker, now) < delay:
+                used[dev] += rec["mib"]
+                if not rec["hidden"]:
+                    listed[dev][rec["pid"]] = listed[dev].get(rec["pid"], 0) + rec["mib"]
             else:
                 for p in (Path(entry.path), marker):
                     with contextlib.suppress(FileNotFoundError):
@@ -218,7 +313,10 @@ class SimGpu:
                 used[rec["device"]] += rec["mib"]
         return [
             DeviceSample(
-                d.index, min(used[d.index], d.total_mib), d.total_mib, tuple(procs[d.index])
+                d.index,
+                min(used[d.index], d.total_mib),
+                d.total_mib,
+                tuple(GpuProcess(pid, mib) for pid, mib in sorted(listed[d.index].items())),
             )
             for d in devices
         ]
@@ -237,7 +335,7 @@ class SimGpu:
         self._loaded = None
         for fd in self._held:
             os.close(fd)
-        self._held = []
+        self._held, self._device_fd = [], {}
 
 
 def _read(path: str) -> dict[str, int] | None:

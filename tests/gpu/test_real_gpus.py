@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,6 +85,8 @@ backend = "nvml"
 managed = {self.indices}
 tolerance_mib = 256
 [teardown]
+# The fake's API server is `python -m supervisor.sandbox.fake_vllm`, not `vllm serve`.
+stray_patterns = ["supervisor[.]sandbox[.]fake_vllm"]
 term_grace_s = 3
 holders_timeout_s = 10
 release_timeout_s = 20
@@ -104,6 +106,12 @@ dir = "{tmp}/state"
         return {**os.environ, "KIMI_FAKE_CUDA": "1", "KIMI_FAKE_VLLM_CONFIG": str(path)}
 
     def spawn(self, args: list[str], env: dict[str, str], wait_ready: bool = False) -> ProcessRef:
+        return self.spawn_tree(args, env, wait_ready)[0]
+
+    def spawn_tree(
+        self, args: list[str], env: dict[str, str], wait_ready: bool = False
+    ) -> list[ProcessRef]:
+        """The process, and the others its "ready PID..." line names (a forked helper)."""
         proc = subprocess.Popen(
             args,
             env=env,
@@ -114,12 +122,27 @@ dir = "{tmp}/state"
         ref = processes.ref_of(proc.pid)
         assert ref is not None
         self.started.append((ref, proc))
+        refs = [ref]
         if wait_ready:
             assert proc.stdout is not None
-            assert proc.stdout.readline().strip() == b"ready"
-        return ref
+            line = proc.stdout.readline().split()
+            assert line[:1] == [b"ready"], line
+            refs += [r for r in map(processes.ref_of, map(int, line[2:])) if r is not None]
+        return refs
 
-    def ghost(self, title: str, mib: int, gpus: str = "all", **kw: bool) -> ProcessRef:
+    def ghost(self, title: str, mib: int, gpus: str = "all", **kw: Any) -> ProcessRef:
+        return self.ghost_tree(title, mib, gpus, **kw)[0]
+
+    def ghost_tree(
+        self,
+        title: str,
+        mib: int,
+        gpus: str = "all",
+        env: dict[str, str] | None = None,
+        fork_helper: str = "",
+        **kw: bool,
+    ) -> list[ProcessRef]:
+        """A ghost (and, with `fork_helper`, the helper it forked after taking the memory)."""
         args = [
             sys.executable,
             "-m",
@@ -131,7 +154,9 @@ dir = "{tmp}/state"
             "--gpu",
             gpus,
         ] + [f"--{k.replace('_', '-')}" for k, v in kw.items() if v]
-        return self.spawn(args, self.env(), wait_ready=True)
+        if fork_helper:
+            args += ["--fork-helper", fork_helper]
+        return self.spawn_tree(args, {**self.env(), **(env or {})}, wait_ready=True)
 
     def vllm(self, **fake: object) -> ProcessRef:
         ref = self.spawn([*self.config.vllm.command, "--port", str(self.port)], self.env(**fake))
@@ -189,15 +214,6 @@ dir = "{tmp}/state"
         # that holds no GPU memory, say) is our descendant, and only that is ended here.
         self.cleanup_children()
         self.gpu.close()
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path)
-    try:
-        yield h
-    finally:
-        h.cleanup()
 
 
 def killed(report: object) -> set[int]:
