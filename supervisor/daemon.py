@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from supervisor import baseline, history, launcher
+from supervisor import baseline, history, intrusion, launcher
 from supervisor.capture import Capture, CaptureSpec
 from supervisor.config import Config
 from supervisor.control.protocol import End, Event, Reply
@@ -158,6 +158,9 @@ class Daemon:
         self._mode_of_pid: tuple[int, Mode | None] = (0, None)
         self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
         self._gpus_at: float | None = None  # when the GPUs were last sampled (monotonic)
+        self._listed: dict[int, list[int]] = {}  # GPU -> PIDs NVML listed at the last sample
+        self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
+        self.last_intrusion: dict[str, Any] | None = None
         self._publish()  # a status asked for before boot has begun is complete, too
         self._titles: dict[int, str] = {}
 
@@ -252,6 +255,7 @@ class Daemon:
                 else None
             ),
             "warnings": list(self.warnings),
+            "last_intrusion": self.last_intrusion,
             "profile_until": self.profile_until.isoformat() if self.profile_until else None,
             "capture": self.capture.describe() if self.capture else None,
             "daemon": {"pid": os.getpid(), "started_at": self.started_at.isoformat()},
@@ -684,6 +688,7 @@ class Daemon:
             return False
         self._unwarn("cannot read the GPUs")
         self._gpus_at = self.clock.monotonic()
+        self._listed = {s.index: [p.pid for p in s.processes] for s in samples}
         devices = []
         holders = {p.pid for s in samples for p in s.processes}
         self._titles = {pid: t for pid, t in self._titles.items() if pid in holders}
@@ -722,6 +727,9 @@ class Daemon:
         self._check_expiry()
         obs = self._observe()
         if obs is None:
+            self._publish()
+            return
+        if self.state is State.STARTING and obs.unit_up and self._intruders():
             self._publish()
             return
         if self.preempt is not None and self._capture_blocks_switch():
@@ -968,6 +976,55 @@ class Daemon:
             return
         self._failure(f"{tr.target.value} did not become ready: {reason}", detail)
 
+    def _intruders(self) -> bool:
+        """While vLLM loads: a live process outside its unit and its tree that NVML lists on a
+        managed GPU is noticed (history, event, metric, status) and dealt with: a teardown (which
+        kills it on NVML's evidence, with vLLM's partial load), then the load again after the
+        failure backoff."""
+        if all(pid in self._unit_pids for pids in self._listed.values() for pid in pids):
+            return False
+        try:
+            self._unit_pids = set(self.systemd.cgroup_pids(self.unit))
+        except SystemdError:
+            return False
+        main = self.observed.main_pid if self.observed else 0
+        if main:  # vLLM's own tree is vLLM's, even where a child left the unit's cgroup
+            self._unit_pids |= {main, *processes.descendants(main)}
+        paths = {i: self.gpu.device_path(i) for i in self._listed}
+        found = intrusion.foreign(self._listed, self._unit_pids, paths)
+        if not found:
+            return False
+        tr = self.transition
+        assert tr is not None
+        who = "; ".join(f"PID {f.pid} ({f.name}) on GPU {f.gpu}" for f in found)
+        reason = (
+            f"a process outside {self.unit} took a managed GPU while {tr.target.value} was "
+            f"loading: {who}"
+        )
+        record = {
+            "at": utcnow().isoformat(),
+            "what": reason,
+            "incident": "gpu_intrusion",
+            "processes": [{"pid": f.pid, "gpu": f.gpu, "name": f.name} for f in found],
+        }
+        self.last_intrusion = record
+        history.append(self.config.state.dir, "incident", record)
+        self.log("gpu_intrusion", level="warning", **record)
+        self._event("gpu_intrusion", record)
+        if self.metrics:
+            for f in found:
+                self.metrics.intrusions.labels(str(f.gpu)).inc()
+        self.transition = tr.model_copy(update={"step": "teardown"})
+        self._set_state(State.TEARING_DOWN, reason)
+        report = self._teardown(reason)
+        if report.outcome is Outcome.STUCK:
+            self._stuck(report, {"intrusion": record})
+        elif self.stop_requested:
+            self._end_transition(False, "stopped", "the daemon is stopping", {"intrusion": record})
+        else:
+            self._failure(f"{reason}; torn down", {"intrusion": record}, outcome="intruded")
+        return True
+
     def _died(self, reason: str) -> None:
         self.log(
             "vllm_died",
@@ -987,7 +1044,7 @@ class Daemon:
             return
         self._failure(reason, {})
 
-    def _failure(self, reason: str, detail: dict[str, Any]) -> None:
+    def _failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
         d = self.config.daemon
         now = self.clock.monotonic()
         self.failures.append(now)
@@ -1009,7 +1066,7 @@ class Daemon:
             f"{reason}; starting {self.desired.value} again in {wait:g} s (failure {n} of "
             f"{d.max_failures})"
         )
-        self._end_transition(False, "failed", msg, detail)
+        self._end_transition(False, outcome, msg, detail)
         self._set_state(State.BACKOFF, msg)
 
     def _stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
@@ -1222,6 +1279,17 @@ def _teardown_summary(r: TeardownReport) -> dict[str, Any]:
         ],
         "diagnosis": r.diagnosis,
         "next_action": r.next_action,
+        "remaining": [
+            {
+                "pid": h.process.pid,
+                "name": " ".join(h.process.cmdline)[:80] or h.process.comm,
+                "role": h.role.value,
+                "devices": h.devices,
+                "why": h.why,
+                "check": h.check,
+            }
+            for h in r.remaining
+        ],
     }
 
 

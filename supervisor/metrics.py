@@ -38,6 +38,12 @@ class Metrics:
             registry=r,
         )
         self.kills = Counter(f"{ns}_kills_total", "SIGKILLs sent, by step", ["step"], registry=r)
+        self.intrusions = Counter(
+            f"{ns}_gpu_intrusions_total",
+            "processes outside vLLM's unit found on a managed GPU while vLLM loaded, by GPU",
+            ["gpu"],
+            registry=r,
+        )
         self.transitions = Counter(
             f"{ns}_transitions_total", "mode transitions, by outcome", ["outcome"], registry=r
         )

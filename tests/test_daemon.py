@@ -243,3 +243,37 @@ def test_without_a_stored_baseline_and_busy_gpus_a_provisional_one_is_used_until
     assert [g["baseline_mib"] for g in status["gpus"]] == sandbox.baseline()
     calibrated = store.read()[0].baseline
     assert calibrated is not None and calibrated.devices == dict(enumerate(sandbox.baseline()))
+
+
+def test_a_process_that_takes_a_managed_gpu_while_vllm_loads_is_noticed_killed_and_the_load_redone(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    sandbox.fake(load_s=4.0)
+    r = daemon.kimi_mode("profile", "--no-wait")
+    assert r.returncode == 0, r.stderr
+    daemon.wait_state("starting", 15)
+    monitor = sandbox.ghost(gpu="all", mib=0, title="nvtop")  # an NVML client: a bystander
+    intruder = sandbox.ghost(gpu="1", mib=30_000, title="python train.py")
+    status = daemon.wait_serving("profile", 60)
+    assert not processes.is_alive(intruder)
+    assert processes.is_alive(monitor)
+    assert only_vllm_on_gpus(sandbox), "vLLM loaded again, onto GPUs with nothing else on them"
+    seen = status["last_intrusion"]
+    assert seen["processes"] == [{"pid": intruder.pid, "gpu": 1, "name": "python train.py"}]
+    history = daemon.history()
+    assert any(e.get("incident") == "gpu_intrusion" for e in history)
+    outcomes = [t["outcome"] for t in daemon.transitions()]
+    assert outcomes[-2:] == ["intruded", "ready"]
+    killed = [
+        k["process"]["pid"]
+        for e in history
+        if e["kind"] == "teardown"
+        for k in e["kills"]
+        if k["signal"] == "SIGKILL" and k["evidence"].startswith("NVML lists it")
+    ]
+    assert killed == [intruder.pid]
+    m = sandbox.config.metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as resp:
+        assert 'kimi_supervisor_gpu_intrusions_total{gpu="1"} 1.0' in resp.read().decode()
