@@ -16,6 +16,7 @@ from pathlib import Path
 
 from supervisor.ownership import DeviceUse
 from supervisor.ports import processes
+from supervisor.ports.sockets import Address, listening_inodes
 
 # Never signalled, whatever they hold: the driver's helpers, the DCGM stack and the managers.
 # These are executable names; `comm` holds at most COMM_LEN characters of them, and the cut forms
@@ -96,9 +97,6 @@ def has_vllm_signature(pid: int, extra: list[re.Pattern[str]]) -> bool:
     return bool(VLLM_CMDLINE.search(line)) or any(p.search(line) for p in extra)
 
 
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
-
-
 def bind_conflicts(vllm_host: str, addr: Address) -> bool:
     """Whether a listener on `addr` stands where vLLM, configured to bind `vllm_host`, must
     listen: the same address, or either side the wildcard. A name (not an address) is taken as
@@ -121,7 +119,7 @@ def listeners(port: int, host: str, likely: Iterable[int] = ()) -> dict[int, set
     first, and the whole host only if the listening sockets are not all found there."""
     sockets = {
         f"socket:[{inode}]": addr
-        for inode, addr in processes.listening_inodes(port).items()
+        for inode, addr in listening_inodes(port).items()
         if bind_conflicts(host, addr)
     }
     if not sockets:

@@ -177,11 +177,17 @@ class Teardown:
                 h.close()
         return len(handles)
 
-    def _wait_dead(self, timeout_s: float) -> bool:
-        """Wait for everything killed so far to exit. If anything was killed since the last
-        wait, its death starts the driver's release grace (GpuView.draining)."""
+    def _wait_dead(self, timeout_s: float, or_gpus_clean: bool = False) -> bool:
+        """Wait for everything killed so far to exit (or, with `or_gpus_clean`, for the GPUs to
+        read clean: a killed holder's memory is back before its exit has finished unmapping a
+        large address space, and nothing is gained by waiting for that). If anything was killed
+        since the last wait, its death starts the driver's release grace (GpuView.draining)."""
+
+        def dead() -> bool:
+            return not any(processes.is_alive(r) for r in self.killed)
+
         done = self._poll_until(
-            lambda: not any(processes.is_alive(r) for r in self.killed), timeout_s
+            (lambda: dead() or self._gpus_clean()) if or_gpus_clean else dead, timeout_s
         )
         if done and len(self.killed) > self._waited:
             self.view.last_death = self.clock.monotonic()
@@ -293,7 +299,9 @@ class Teardown:
                     counts[x.evidence] += 1
                     unwatched.append(x)
             if n:
-                self._wait_dead(max(deadline - self.clock.monotonic(), t.poll_interval_s))
+                self._wait_dead(
+                    max(deadline - self.clock.monotonic(), t.poll_interval_s), or_gpus_clean=True
+                )
             note = ", ".join(f"{c} {KILL_WORDS[e]}" for e, c in counts.items() if c)
             note = f"{note} killed" if note else "no holder on rung 1 or 2 evidence"
             if self._gpus_clean():

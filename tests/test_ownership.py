@@ -150,6 +150,28 @@ def test_a_listener_counts_only_where_vllm_binds(
     assert bind_conflicts(vllm_host, ipaddress.ip_address(listener)) is conflicts
 
 
+def test_listening_sockets_read_through_netlink_match_proc_net_tcp() -> None:
+    import socket as so
+
+    from supervisor.ports import sockets
+
+    with so.socket() as v4, so.socket(so.AF_INET6) as v6:
+        v4.bind(("127.0.0.2", 0))
+        port = v4.getsockname()[1]
+        v4.listen()
+        expected = ["127.0.0.2"]
+        try:  # where the host has IPv6 loopback
+            v6.setsockopt(so.IPPROTO_IPV6, so.IPV6_V6ONLY, 1)
+            v6.bind(("::1", port))
+            v6.listen()
+            expected.append("::1")
+        except OSError:
+            pass
+        found = sockets.listening_inodes(port)
+        assert sorted(map(str, found.values())) == expected
+        assert found == sockets._from_proc(port)
+
+
 # -- the sandbox: real processes on the simulated driver --
 
 

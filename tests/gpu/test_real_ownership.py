@@ -107,6 +107,7 @@ def test_case_1_the_forked_helper_nvml_does_not_name_is_the_only_process_killed(
         "floor_ms": [round(x * 1000) for x in floors],
         "teardown_ms": [round(x * 1000) for x in teardowns],
         "ratio": t / f,
+        "last_steps_ms": {s.step.value: round(s.duration_s * 1000, 1) for s in report.steps},
     }
     _write_results(host)
 
