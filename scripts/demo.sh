@@ -26,12 +26,21 @@ systemctl --user status kimi-supervisor.service --no-pager --lines=0 || true
 step "kimi-mode production: the daemon brought production up at boot"
 "$BIN/kimi-mode" production
 
-step "a ghost outside the unit, innocuous title, holding 30 GiB on GPUs 0-3 and the uvm device"
-"$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu 0,1,2,3 --mib 30720 --title "python3 train.py"
+step "the incident's ghost: python3 train.py took 30 GiB on GPUs 0-3, forked a helper and died"
+# NVML keeps listing the dead PID; the helper, named like nothing, holds the memory.
+"$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu 0,1,2,3 --mib 30720 \
+  --title "python3 train.py" --helper "pt_data_worker"
+step "bystanders: nvtop and nvidia-persistenced have every device file open, as NVML clients do"
+NVTOP=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu all --mib 0 --title nvtop)
+PERSISTENCED=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu all --mib 0 \
+  --title nvidia-persistenced)
 "$BIN/kimi-mode" status
 
-step "kimi-mode profile: teardown (the ghost is found and killed), then vLLM in profile mode"
+step "kimi-mode profile: teardown (the helper is found open-and-mapped and killed), then profile"
 "$BIN/kimi-mode" profile
+for pid in "$NVTOP" "$PERSISTENCED"; do
+  kill -0 "$pid" && echo "bystander PID $pid ($(cat "/proc/$pid/comm")) is still running"
+done
 
 step "kimi-mode production: back again"
 "$BIN/kimi-mode" production

@@ -233,8 +233,17 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         print(sb.exports(), end="")
     elif args.sandbox_cmd == "ghost":
         sb = Sandbox.attach(root)
-        ref = sb.start_ghost(args.gpu, args.mib, args.title, hidden=args.hidden)
-        print(ref.pid)
+        refs = sb.start_ghost_tree(
+            args.gpu, args.mib, args.title, hidden=args.hidden, fork_helper=args.helper
+        )
+        if args.helper:
+            import signal
+
+            from supervisor.ports import processes
+
+            # The incident: the process that took the memory dies; its forked helper keeps it.
+            processes.send_signal(refs[0], signal.SIGKILL)
+        print(refs[-1].pid)
     elif args.sandbox_cmd == "down":
         Sandbox.attach(root).down()
         print(f"# sandbox in {root} is down", file=sys.stderr)
@@ -293,6 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
     gh.add_argument("--mib", type=int, default=1024, help="MiB per GPU; 0 holds the files only")
     gh.add_argument("--title", default="python")
     gh.add_argument("--hidden", action="store_true", help="hide it from the GPU process lists")
+    gh.add_argument(
+        "--helper",
+        metavar="TITLE",
+        help="fork a helper titled TITLE that inherits the memory, then kill the ghost: NVML "
+        "lists the dead PID and the helper holds the GPUs (the seed's incident); prints the "
+        "helper's PID",
+    )
     dn = sbs.add_parser("down", help="stop everything the sandbox started")
     dn.add_argument("--dir", required=True)
     sb.set_defaults(fn=cmd_sandbox)

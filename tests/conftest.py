@@ -306,6 +306,18 @@ def daemon(sandbox: SandboxHelper) -> Iterator[DaemonHelper]:
     helper.reset_state()
     try:
         yield helper
+        # Whatever the test planted and the daemon's teardowns did not kill still lives.
+        from supervisor import history as audit
+
+        history = audit.read(helper.config.state.dir)
+        killed = {
+            k["process"]["pid"]
+            for e in history
+            if e["kind"] == "teardown"
+            for k in e["kills"]
+            if k["signal"] == "SIGKILL"
+        }
+        sandbox.assert_alive_except(killed)
     finally:
         helper.stop()
         if helper.dropin.exists():

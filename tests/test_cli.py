@@ -63,3 +63,26 @@ def test_teardown_command_exits_1_with_a_diagnosis_when_stuck(sandbox: SandboxHe
     report = json.loads(r.stdout)
     assert report["outcome"] == "stuck"
     assert "GPU 2: 1615 MiB used" in report["diagnosis"]
+
+
+def test_the_incidents_ghost_planted_from_the_cli_is_cleared_and_the_monitor_left_running(
+    sandbox: SandboxHelper,
+) -> None:
+    from supervisor.ports import processes
+
+    r = cli(
+        sandbox, "sandbox", "ghost", "--dir", str(sandbox.sb.root), "--gpu", "1", "--mib",
+        "5000", "--title", "python3 train.py", "--helper", "pt_data_worker",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    helper = processes.ref_of(int(r.stdout))
+    assert helper is not None and processes.comm_of(helper.pid) == "pt_data_worker"
+    sandbox.started.append(helper)
+    (gpu1,) = sandbox.gpu.sample([1])
+    assert gpu1.used_mib == 5_615 and helper.pid not in [p.pid for p in gpu1.processes]
+    monitor = sandbox.ghost(gpu="all", mib=0, title="nvtop")
+    r = cli(sandbox, "teardown")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"killed PID {helper.pid} (pt_data_worker) in kill_gpu_holders" in r.stdout
+    assert "open and mapped" in r.stdout
+    assert processes.is_alive(monitor)

@@ -165,3 +165,42 @@ def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_pa
     removed = retention(tmp_path, keep=3, max_total_gb=9e-6)  # 9 kB: only the newest two fit
     assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_last_intrusion() -> (
+    None
+):
+    from supervisor.kimi_mode import format_status
+
+    def holder(pid: int, role: str, why: str, check: str = "") -> dict[str, object]:
+        return {"pid": pid, "name": f"p{pid}", "role": role, "devices": [0], "why": why,
+                "check": check}  # fmt: skip
+
+    text = format_status(
+        {
+            "desired_mode": "profile",
+            "state": "stuck",
+            "status_line": "STUCK",
+            "gpus": [],
+            "last_teardown": {
+                "outcome": "stuck",
+                "started_at": "2026-11-30T10:00:00+00:00",
+                "duration_s": 12.5,
+                "kills": [],
+                "diagnosis": "GPU 0: 5615 MiB used",
+                "next_action": "check the candidates",
+                "remaining": [
+                    holder(30, "bystander", "a monitor: maps no device file"),
+                    holder(20, "candidate", "maps /dev/nvidia0 with no descriptor", "grep maps"),
+                    holder(10, "suspect", "not signalled: protected process name"),
+                ],
+            },
+            "last_intrusion": {"at": "2026-11-30T09:59:00+00:00", "what": "PID 7 took GPU 1"},
+        }
+    )
+    lines = text.splitlines()
+    order = [next(i for i, line in enumerate(lines) if w in line) for w in
+             ("suspects", "PID 10", "candidates", "PID 20", "check: grep maps", "bystanders",
+              "PID 30")]  # fmt: skip
+    assert order == sorted(order)
+    assert any("last intrusion" in line and "PID 7 took GPU 1" in line for line in lines)

@@ -377,3 +377,16 @@ def test_the_holder_step_says_what_it_killed_on_which_rung(sandbox: SandboxHelpe
     assert run.killed() == {listed.pid, helper.pid}
     note = next(s.note for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS)
     assert "1 NVML-listed" in note and "1 open-and-mapped" in note
+
+
+def test_a_reader_that_looks_long_after_the_holder_died_sees_the_memory_already_back(
+    sandbox: SandboxHelper,
+) -> None:
+    from supervisor.sandbox import simgpu
+
+    ghost = sandbox.ghost(gpu="2", mib=3_000)
+    assert sandbox.used()[2] == 3_615
+    processes.send_signal(ghost, signal.SIGKILL)
+    wait_until(lambda: not processes.is_alive(ghost), 5, "the ghost to die")
+    time.sleep(simgpu.DRIVER_RELEASE_S * 2)  # nobody looks meanwhile
+    assert sandbox.used()[2] == 615

@@ -6,6 +6,7 @@ Layout of the host's directory:
                        so that they can be mapped)
   alloc/PID.KEY        one context: creator's identity, device, MiB, listed or hidden, its key
   released/...         when a context was first seen closed (for the release delay)
+  last_sample          when a reader last looked (monotonic seconds)
   leak/N.M             memory held with no process at all (a driver leak)
 
 The rules, each copying a measurement on 2x H200, driver 580.159.04
@@ -36,7 +37,9 @@ The rules, each copying a measurement on 2x H200, driver 580.159.04
    (`cuda_start`), 0.163 s for the helper; DRIVER_RELEASE_S is the default. On the real host
    that time is the holder's own exit (the driver tears the context down as the process exits,
    so memory is back by the time it is reaped: `fork_helper_closed_fds`); a simulated holder
-   exits at once, so the delay runs after it. Seen through NVML the two read the same.
+   exits at once, so the delay runs after it, counted from the last look (by any reader) before
+   the context was seen closed. Seen through NVML the two read the same, for a reader that polls
+   and for one that looks once, long after.
 """
 
 from __future__ import annotations
@@ -287,6 +290,10 @@ class SimGpu:
         listed: dict[int, dict[int, int]] = {d.index: {} for d in devices}
         delay = self._release_delay()
         now = time.monotonic()
+        # A context found closed was closed after the last look by any reader: count its delay
+        # from then, so that a reader that looks rarely sees what the driver would show by now.
+        previous = _read_time(self.root / "last_sample", now)
+        _write_time(self.root / "last_sample", now)
         for entry in os.scandir(self.root / "alloc"):
             rec = _read(entry.path)
             if rec is None or rec.get("device") not in used or "key" not in rec:
@@ -299,7 +306,7 @@ class SimGpu:
                 continue
             # The context's last holder is gone: the driver frees it after the delay (rule 7).
             marker = self.root / "released" / entry.name
-            if now - _released_at(marker, now) < delay:
+            if now - _released_at(marker, previous) < delay:
                 used[dev] += rec["mib"]
                 if not rec["hidden"]:
                     listed[dev][rec["pid"]] = listed[dev].get(rec["pid"], 0) + rec["mib"]
@@ -344,6 +351,19 @@ def _read(path: str) -> dict[str, int] | None:
         return data
     except (OSError, ValueError):
         return None  # removed or being replaced: the next sample sees it
+
+
+def _read_time(path: Path, default: float) -> float:
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def _write_time(path: Path, t: float) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(repr(t))
+    os.replace(tmp, path)
 
 
 def _released_at(marker: Path, now: float) -> float:
