@@ -52,7 +52,6 @@ class GpuView:
         # Listed PIDs seen alive with their GPU's device file open (rung 1), and when they died.
         self.alive_listed: dict[int, ProcessRef] = {}
         self._died_at: dict[int, float] = {}
-        self.last_death = float("-inf")
 
     # -- observation --
     def sample(self) -> list[DeviceReading]:
@@ -91,7 +90,7 @@ class GpuView:
         now = self.clock.monotonic()
         for pid, ref in self.alive_listed.items():
             if pid not in self._died_at and not processes.is_alive(ref):
-                self._died_at[pid] = self.last_death = now
+                self._died_at[pid] = now
 
     def live_listed(self) -> dict[int, set[int]]:
         """PID -> the managed GPUs NVML lists it on, for live holders only."""
@@ -142,19 +141,28 @@ class GpuView:
         return bool(held & processes.maps_of(pid, held))
 
     # -- the ladder --
-    def draining(self) -> bool:
-        return self.clock.monotonic() - self.last_death < DRIVER_RELEASE_GRACE_S
+    def draining(self, gpu: int | None = None) -> bool:
+        """Whether NVML still lists, on `gpu` (default: any managed GPU), a holder seen alive in
+        this teardown that died less than DRIVER_RELEASE_GRACE_S ago: its memory is on its way
+        out. A PID listed dead from the start (a ghost's creator) drains nothing."""
+        now = self.clock.monotonic()
+        return any(
+            now - self._died_at.get(pid, float("-inf")) < DRIVER_RELEASE_GRACE_S
+            for d in self.devices
+            if gpu is None or d.index == gpu
+            for pid in d.processes
+        )
 
     def unexplained(self) -> set[int]:
         """Managed GPUs above baseline that no live listed process explains, once the memory of
-        any holder that just died has had time to come back."""
-        if self.draining():
-            return set()
+        any listed holder that just died there has had time to come back."""
         live = self.live_listed()
         return {
             d.index
             for d in self.devices
-            if not d.clean and not any(d.index in gpus for gpus in live.values())
+            if not d.clean
+            and not any(d.index in gpus for gpus in live.values())
+            and not self.draining(d.index)
         }
 
     def listed_targets(self) -> dict[ProcessRef, Target]:

@@ -85,7 +85,6 @@ class Teardown:
         self._ppids: dict[ProcessRef, int] = {}
         self._snapshot: list[ProcessRef] = []
         self._spared: set[ProcessRef] = set()
-        self._waited = 0  # how many of `killed` the last _wait_dead covered
 
     @property
     def _devices(self) -> list[DeviceReading]:
@@ -180,19 +179,14 @@ class Teardown:
     def _wait_dead(self, timeout_s: float, or_gpus_clean: bool = False) -> bool:
         """Wait for everything killed so far to exit (or, with `or_gpus_clean`, for the GPUs to
         read clean: a killed holder's memory is back before its exit has finished unmapping a
-        large address space, and nothing is gained by waiting for that). If anything was killed
-        since the last wait, its death starts the driver's release grace (GpuView.draining)."""
+        large address space, and nothing is gained by waiting for that)."""
 
         def dead() -> bool:
             return not any(processes.is_alive(r) for r in self.killed)
 
-        done = self._poll_until(
+        return self._poll_until(
             (lambda: dead() or self._gpus_clean()) if or_gpus_clean else dead, timeout_s
         )
-        if done and len(self.killed) > self._waited:
-            self.view.last_death = self.clock.monotonic()
-        self._waited = len(self.killed)
-        return done
 
     # -- the steps --
     def _snapshot_tree(self) -> list[ProcessRef]:

@@ -390,3 +390,22 @@ def test_a_reader_that_looks_long_after_the_holder_died_sees_the_memory_already_
     wait_until(lambda: not processes.is_alive(ghost), 5, "the ghost to die")
     time.sleep(simgpu.DRIVER_RELEASE_S * 2)  # nobody looks meanwhile
     assert sandbox.used()[2] == 615
+
+
+def test_the_incident_vllm_stopped_and_a_helper_left_is_cleared_without_waiting_out_a_grace(
+    sandbox: SandboxHelper,
+) -> None:
+    """vLLM's workers die in stop_unit and their memory drains; the helper's memory, charged to a
+    PID that was dead before the teardown began, drains nothing and is acted on at once."""
+    from supervisor.holders import DRIVER_RELEASE_GRACE_S
+
+    sandbox.start_vllm()
+    ghost, helper = sandbox.ghost_tree(gpu="0,1", mib=30_000, title="python3 train.py",
+                                       fork_helper="pt_data_worker")  # fmt: skip
+    processes.send_signal(ghost, signal.SIGKILL)
+    wait_until(lambda: not processes.is_alive(ghost), 5, "the ghost to die")
+    run = teardown(sandbox, also_gone={ghost.pid})
+    assert_clean(sandbox, run)
+    assert run.killed() == {helper.pid}
+    holders = next(s for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS)
+    assert holders.duration_s < DRIVER_RELEASE_GRACE_S
