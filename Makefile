@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 lint: setup
 	$(BIN)/ruff check supervisor tests bench
 	$(BIN)/ruff format --check supervisor tests bench
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy supervisor
@@ -24,7 +25,7 @@ typecheck: setup
 pytest: setup
 	$(BIN)/pytest -q
 
-# The whole suite: lint, types, tests (real systemd user manager, real processes, simulated GPUs).
+# The whole suite: lint (with the import layers), types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest
 
 # Every benchmark, each writing its section of docs/performance.md (about 10 minutes).

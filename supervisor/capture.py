@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.config import Config
-from supervisor.control.protocol import End, Event, now
+from supervisor.messages import End, Event
+from supervisor.model import utcnow
 from supervisor.ports.http import HttpResult, request
 
 RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -102,7 +103,7 @@ class Capture:
         self.publish = publish
         self.on_done = on_done
         self.log = log
-        self.started_at = now()
+        self.started_at = utcnow()
         # The UTC start to the millisecond: folders sort by time and two quick captures differ.
         self.id = f"{self.started_at:%Y%m%dT%H%M%S}.{self.started_at.microsecond // 1000:03d}Z"
         self.phase = "starting"  # starting, recording, flushing, done, failed
@@ -131,7 +132,7 @@ class Capture:
         threading.Thread(target=self._run, daemon=True, name=f"capture-{self.id}").start()
 
     def _event(self, name: str, **data: Any) -> None:
-        self.publish(Event(event=name, at=now(), data={"capture": self.id, **data}))
+        self.publish(Event(event=name, at=utcnow(), data={"capture": self.id, **data}))
 
     def _end(self, ok: bool, message: str, **data: Any) -> None:
         self.ok, self.message = ok, message

@@ -35,13 +35,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _ports(config: Config) -> tuple[PystemdSystemd, GpuPort]:
-    from supervisor.ports.gpu import make_gpu
+    """The composition root: the systemd manager and the GPU backend the config names."""
+    from supervisor.ports.gpu_backend import open_gpu
     from supervisor.ports.systemd import PystemdSystemd
 
-    return (
-        PystemdSystemd(config.systemd.scope, config.systemd.bus_address),
-        make_gpu(config.gpus.backend, config.gpus.sim_dir),
-    )
+    systemd = PystemdSystemd(config.systemd.scope, config.systemd.bus_address)
+    return systemd, open_gpu(config.gpus)
 
 
 def managed_indices(config: Config, gpu: GpuPort) -> list[int]:

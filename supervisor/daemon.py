@@ -34,8 +34,8 @@ from typing import Any
 from supervisor import baseline, history, intrusion, launcher
 from supervisor.capture import Capture, CaptureSpec
 from supervisor.config import Config
-from supervisor.control.protocol import End, Event, Reply
 from supervisor.events import EventBus
+from supervisor.messages import End, Event, Reply
 from supervisor.metrics import Metrics
 from supervisor.model import Mode, Outcome, TeardownReport, utcnow
 from supervisor.ports import processes

@@ -6,7 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 
-from supervisor.control.protocol import End, Event
+from supervisor.messages import End, Event
 
 
 class Subscription:

@@ -23,12 +23,14 @@ ERROR_CODES. This module imports only pydantic: the client stays light.
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
-PROTOCOL_VERSION: Literal[1] = 1
+from supervisor.messages import PROTOCOL_VERSION, End, Event, Reply, _Msg
+
+__all__ = ["PROTOCOL_VERSION", "End", "Event", "ProtocolError", "Reply", "encode", "parse_request"]
+
 
 # Reply codes. ok: accepted, joined, already, status, history, subscribed.
 ERROR_CODES = {
@@ -43,11 +45,6 @@ ERROR_CODES = {
     "stopping": "the daemon is shutting down",
     "internal": "the daemon failed to answer; see its log",
 }
-
-
-class _Msg(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    v: Literal[1] = PROTOCOL_VERSION
 
 
 class StatusRequest(_Msg):
@@ -96,30 +93,6 @@ Request = Annotated[AnyRequest, Field(discriminator="cmd")]
 _REQUEST = TypeAdapter(Request)
 
 
-class Reply(_Msg):
-    type: Literal["reply"] = "reply"
-    ok: bool
-    code: str
-    message: str = ""
-    data: dict[str, Any] = Field(default_factory=dict)
-
-
-class Event(_Msg):
-    type: Literal["event"] = "event"
-    event: str
-    at: datetime
-    transition: str | None = None
-    data: dict[str, Any] = Field(default_factory=dict)
-
-
-class End(_Msg):
-    type: Literal["end"] = "end"
-    ok: bool
-    outcome: str
-    message: str = ""
-    data: dict[str, Any] = Field(default_factory=dict)
-
-
 class ProtocolError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -150,7 +123,3 @@ def parse_request(line: bytes) -> AnyRequest:
 
 def encode(msg: BaseModel) -> bytes:
     return msg.model_dump_json().encode() + b"\n"
-
-
-def now() -> datetime:
-    return datetime.now(UTC)

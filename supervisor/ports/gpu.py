@@ -119,11 +119,3 @@ def _mib(value: int | None) -> int | None:
     if value is None or value >= 2**63:
         return None
     return int(value) // MIB
-
-
-def make_gpu(backend: str, sim_dir: Any = None) -> GpuPort:
-    if backend == "nvml":
-        return NvmlGpu()
-    from supervisor.sandbox.simgpu import SimGpu
-
-    return SimGpu(sim_dir)

@@ -34,7 +34,7 @@ from typing import Any
 from supervisor import baseline
 from supervisor.config import Config, load_config, parse_config
 from supervisor.ports import processes
-from supervisor.ports.gpu import make_gpu
+from supervisor.ports.gpu_backend import open_gpu
 from supervisor.ports.processes import ProcessRef
 from supervisor.sandbox import simgpu
 from supervisor.sandbox.fake_vllm import FakeOptions
@@ -265,7 +265,7 @@ class Sandbox:
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())
         # The GPUs are idle now: calibrate their baseline, as the daemon does at boot.
-        gpu = make_gpu(config.gpus.backend, config.gpus.sim_dir)
+        gpu = open_gpu(config.gpus)
         try:
             baseline.save(config.state.dir, baseline.calibrate(gpu, list(range(gpus))))
         finally:
