@@ -63,6 +63,7 @@ from supervisor.state import (
     with_transition,
 )
 from supervisor.teardown import Teardown
+from supervisor.wakeup import Wakeup
 
 # Without a stored baseline (state lost while vLLM ran), teardowns judge "clean" against this
 # until the GPUs are next seen idle and calibrated. An idle H200 with persistence mode reads
@@ -90,6 +91,10 @@ class _BusyClock:
 
     def sleep(self, seconds: float) -> None:
         self.daemon._serve_until(self.daemon.clock.monotonic() + seconds, busy=True)
+
+
+# After vLLM's MainPID exits, how long to wait for systemd to reflect it before acting.
+MAIN_EXIT_SETTLE_S = 0.5
 
 
 def _new_id() -> str:
@@ -120,6 +125,7 @@ class Daemon:
         self.store = StateStore(config.state.dir)
         self.bus = EventBus()
         self.commands: queue.Queue[Command] = queue.Queue()
+        self.wakeup = Wakeup()
         self.faults = set(os.environ.get("KIMI_SUPERVISOR_FAULTS", "").split(","))
         self._snapshot: dict[str, Any] = {}
         self._snapshot_lock = threading.Lock()
@@ -286,6 +292,7 @@ class Daemon:
     def submit(self, kind: str, **args: Any) -> Future[Reply]:
         cmd = Command(kind, args)
         self.commands.put(cmd)
+        self.wakeup.ring()
         return cmd.reply
 
     def _feed_watchdog(self) -> None:
@@ -309,8 +316,14 @@ class Daemon:
             if self.notifier.watchdog_interval_s:
                 wait = min(wait, self.notifier.watchdog_interval_s)
             try:
-                cmd = self.commands.get(timeout=wait)
+                cmd = self.commands.get_nowait()
             except queue.Empty:
+                # Sleep until a command rings, vLLM's MainPID exits (not while busy: the
+                # teardown owns the GPUs then), or the wait runs out.
+                exited = self.wakeup.wait(wait, watch=not busy)
+                if exited:
+                    self._main_exited(exited)
+                    return  # act on it now
                 continue
             try:
                 reply = self._handle(cmd, busy)
@@ -976,6 +989,23 @@ class Daemon:
             return
         self._failure(f"{tr.target.value} did not become ready: {reason}", detail)
 
+    def _main_exited(self, pid: int) -> None:
+        """vLLM's MainPID exited (its pidfd said so). Told at once; then the unit is read until
+        systemd has seen it too (at most main_exit_settle_s), so that the tick that follows
+        observes the death instead of a unit that still names the dead MainPID."""
+        self.log("vllm_main_exited", level="warning", main_pid=pid)
+        self._event("vllm_main_exited", {"main_pid": pid})
+        self._health = (-1, 0.0)
+        deadline = self.clock.monotonic() + MAIN_EXIT_SETTLE_S
+        while self.clock.monotonic() < deadline:
+            try:
+                st = self.systemd.status(self.unit)
+            except SystemdError:
+                return
+            if st.main_pid != pid or st.active_state not in ("active", "reloading"):
+                return
+            self.clock.sleep(0.01)
+
     def _intruders(self) -> bool:
         """While vLLM loads: a live process outside its unit and its tree that NVML lists on a
         managed GPU is noticed (history, event, metric, status) and dealt with: a teardown (which
@@ -1202,6 +1232,7 @@ class Daemon:
             if self.stop_requested or self.reexec_requested:
                 break
             self._tick()
+            self.wakeup.watch(self.serving_pid if self.state is State.SERVING else 0)
             next_tick = self.clock.monotonic() + self._next_tick_in()
 
     def shutdown(self) -> bool:
@@ -1231,6 +1262,7 @@ class Daemon:
 
     def request_from_signal(self, kind: str) -> None:
         self.commands.put(Command(kind))
+        self.wakeup.ring()
 
 
 def _unusable_out(out: Path, uid: int) -> str | None:

@@ -277,3 +277,26 @@ def test_a_process_that_takes_a_managed_gpu_while_vllm_loads_is_noticed_killed_a
     m = sandbox.config.metrics
     with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as resp:
         assert 'kimi_supervisor_gpu_intrusions_total{gpu="1"} 1.0' in resp.read().decode()
+
+
+def test_vllms_death_while_serving_wakes_the_daemon_through_its_pidfd_not_at_the_next_tick(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    old = daemon.vllm_pid()
+    processes.send_signal(processes.ref_of(old), signal.SIGKILL)  # type: ignore[arg-type]
+
+    def lines() -> list[dict[str, object]]:
+        return [json.loads(x) for x in daemon.log().splitlines() if x.startswith("{")]
+
+    wait_until(
+        lambda: any(e["event"] == "vllm_main_exited" and e["main_pid"] == old for e in lines()),
+        10,
+        "the daemon to log vLLM's MainPID exit",
+    )
+    exited = next(i for i, e in enumerate(lines()) if e["event"] == "vllm_main_exited")
+    died = next(i for i, e in enumerate(lines()) if e["event"] == "vllm_died")
+    assert exited < died, "the pidfd woke the loop before any tick observed the death"
+    daemon.wait_serving("production", 30)
+    assert daemon.vllm_pid() != old
