@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from supervisor import baseline, history, intrusion, launcher
+from supervisor import baseline, history, intrusion, launcher, policy
 from supervisor.capture import Capture, CaptureSpec
 from supervisor.config import Config
 from supervisor.events import EventBus
@@ -381,50 +381,58 @@ class Daemon:
         return reply
 
     def _switch_reply(self, mode: Mode, force: bool, by: str, busy: bool) -> Reply:
-        if self.stop_requested or self.state is State.STOPPING:
+        """Admission (policy.admit decides; this applies it and words the reply)."""
+        tr = self.transition
+        switching = tr is not None and self.state in SWITCHING_STATES
+        obs = self.observed
+        view = policy.AdmissionView(
+            stopping=self.stop_requested or self.state is State.STOPPING,
+            booting=self.state is State.BOOTING,
+            running=(
+                policy.Running(
+                    tr.target, tr.started_at, tr.step, tr.requested_by, self.preempt is not None
+                )
+                if tr is not None and switching
+                else None
+            ),
+            serving_healthy=(
+                self.serving_mode
+                if self.state is State.SERVING and obs is not None and obs.healthy
+                else None
+            ),
+            desired=self.desired,
+            capture_active=self.capture is not None and self.capture.active,
+        )
+        verdict = policy.admit(mode, force, view)
+        info = {"transition": tr.model_dump(mode="json")} if tr is not None and switching else {}
+        if verdict is policy.Admit.REFUSE_STOPPING:
             return Reply(ok=False, code="stopping", message="the daemon is shutting down")
-        if self.state is State.BOOTING:
+        if verdict is policy.Admit.REFUSE_BOOTING:
             return Reply(
                 ok=False,
                 code="busy",
                 message=f"the daemon is booting ({self._status_line()}); ask again in a moment",
             )
-        tr = self.transition
-        if tr is not None and self.state in SWITCHING_STATES:
-            info = {"transition": tr.model_dump(mode="json")}
-            if tr.target is mode and self.preempt is None:
-                return Reply(
-                    ok=True,
-                    code="joined",
-                    message=f"already switching to {mode.value} since "
-                    f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
-                    data=info,
-                )
-            if not force:
-                return Reply(
-                    ok=False,
-                    code="busy",
-                    message=f"a switch to {tr.target.value} is in progress since "
-                    f"{tr.started_at.isoformat(timespec='seconds')} (step {tr.step}, asked by "
-                    f"{tr.requested_by or 'the daemon'}); wait for it, or use --force to take over",
-                    data=info,
-                )
-            self._desire(mode, by)
-            self.preempt = (mode, by)
-            self.preempt_force = True
+        if verdict is policy.Admit.JOIN:
+            assert tr is not None
             return Reply(
                 ok=True,
-                code="accepted",
-                message=f"taking over from the switch to {tr.target.value}",
+                code="joined",
+                message=f"already switching to {mode.value} since "
+                f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
                 data=info,
             )
-        if (
-            self.state is State.SERVING
-            and self.serving_mode is mode
-            and self.desired is mode
-            and self.observed is not None
-            and self.observed.healthy
-        ):
+        if verdict is policy.Admit.REFUSE_BUSY:
+            assert tr is not None
+            return Reply(
+                ok=False,
+                code="busy",
+                message=f"a switch to {tr.target.value} is in progress since "
+                f"{tr.started_at.isoformat(timespec='seconds')} (step {tr.step}, asked by "
+                f"{tr.requested_by or 'the daemon'}); wait for it, or use --force to take over",
+                data=info,
+            )
+        if verdict is policy.Admit.ALREADY:
             return Reply(
                 ok=True,
                 code="already",
@@ -432,11 +440,20 @@ class Daemon:
                 f"{self.serving_pid}); nothing to do",
             )
         self._desire(mode, by)
-        self.failures.clear()  # an operator's request starts a fresh count
         self.preempt = (mode, by)
+        if verdict is policy.Admit.TAKE_OVER:
+            assert tr is not None
+            self.preempt_force = True
+            return Reply(
+                ok=True,
+                code="accepted",
+                message=f"taking over from the switch to {tr.target.value}",
+                data=info,
+            )
+        self.failures.clear()  # an operator's request starts a fresh count
         self.preempt_force = force
         c = self.capture
-        if c is not None and c.active and not force:
+        if verdict is policy.Admit.ACCEPT_AFTER_CAPTURE and c is not None:
             return Reply(
                 ok=True,
                 code="accepted",
@@ -560,7 +577,10 @@ class Daemon:
         """A capture in progress holds switches back until its traces are flushed (a cut-off
         trace is useless); recording is stopped so that the flush begins. --force overrides."""
         c = self.capture
-        if c is None or not c.active or self.preempt_force:
+        # Until the loop has handled the capture's end (capture_done clears self.capture): the
+        # capture thread marks itself done a moment before, and a switch started in between
+        # would begin before the capture is recorded as finished.
+        if c is None or self.preempt_force:
             return False
         if c.phase in ("starting", "recording") and not c.stop.is_set():
             self.log("capture_stopped_for_switch", capture=c.id)
@@ -963,7 +983,7 @@ class Daemon:
         self.transition = tr = tr.model_copy(update={"step": "teardown"})
         self._set_state(State.TEARING_DOWN, reason)
         report = self._teardown(f"start of {tr.target.value} failed: {reason}")
-        back = _rollback_target(tr)
+        back = policy.rollback_target(tr.target, tr.previous)
         detail = {"reason": reason, "output_tail": tail}
         if report.outcome is Outcome.STUCK:
             self._stuck(report, detail)
@@ -979,7 +999,10 @@ class Daemon:
             )
             self._run_transition(mode, "switch", f"asked by {by} (took over)", by)
             return
-        if self.config.daemon.rollback and back is not None and tr.kind != "rollback":
+        decided = policy.after_failed_start(
+            self.config.daemon.rollback, tr.kind == "rollback", back
+        )
+        if decided is policy.AfterFailedStart.ROLLBACK and back is not None:
             why = f"{tr.target.value} did not become ready ({reason})"
             self._end_transition(
                 False, "rolled_back", f"{why}; rolling back to {back.value}", detail
@@ -1077,11 +1100,17 @@ class Daemon:
     def _failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
         d = self.config.daemon
         now = self.clock.monotonic()
-        self.failures.append(now)
-        while self.failures and now - self.failures[0] > d.failure_window_s:
-            self.failures.popleft()
-        n = len(self.failures)
-        if n >= d.max_failures:
+        v = policy.after_failure(
+            self.failures,
+            now,
+            d.failure_window_s,
+            d.max_failures,
+            d.restart_backoff_initial_s,
+            d.restart_backoff_max_s,
+        )
+        self.failures = collections.deque(v.failures)
+        n = len(v.failures)
+        if v.failed:
             msg = (
                 f"{reason}; {n} failures within {d.failure_window_s:g} s: not retrying. "
                 f"Fix the cause, then `kimi-mode {self.desired.value}`"
@@ -1090,20 +1119,17 @@ class Daemon:
             self.log("failed", level="error", message=msg)
             self._set_state(State.FAILED, msg)
             return
-        wait = min(d.restart_backoff_initial_s * 2 ** (n - 1), d.restart_backoff_max_s)
-        self.next_attempt_at = now + wait
+        self.next_attempt_at = now + v.backoff_s
         msg = (
-            f"{reason}; starting {self.desired.value} again in {wait:g} s (failure {n} of "
-            f"{d.max_failures})"
+            f"{reason}; starting {self.desired.value} again in {v.backoff_s:g} s (failure {n} "
+            f"of {d.max_failures})"
         )
         self._end_transition(False, outcome, msg, detail)
         self._set_state(State.BACKOFF, msg)
 
     def _stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
         d = self.config.daemon
-        wait = min(
-            d.stuck_retry_s * 2**self.stuck_retries, max(d.restart_backoff_max_s, d.stuck_retry_s)
-        )
+        wait = policy.stuck_retry_s(self.stuck_retries, d.stuck_retry_s, d.restart_backoff_max_s)
         self.stuck_retries += 1
         self.next_attempt_at = self.clock.monotonic() + wait
         msg = (
@@ -1284,12 +1310,6 @@ def _unusable_out(out: Path, uid: int) -> str | None:
 def _title(pid: int) -> str:
     """What an operator recognises a process by: its (possibly retitled) command line."""
     return " ".join(processes.cmdline_of(pid))[:48] or processes.comm_of(pid)
-
-
-def _rollback_target(tr: TransitionRecord) -> Mode | None:
-    if tr.previous is not None and tr.previous is not tr.target:
-        return tr.previous
-    return Mode.PRODUCTION if tr.target is Mode.PROFILE else None
 
 
 def _teardown_summary(r: TeardownReport) -> dict[str, Any]:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
+from supervisor import policy
 from supervisor.capture import retention
 from supervisor.control.protocol import ProtocolError, SwitchRequest, parse_request
 from supervisor.kimi_mode import parse_duration
@@ -204,3 +206,97 @@ def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_l
               "PID 30")]  # fmt: skip
     assert order == sorted(order)
     assert any("last intrusion" in line and "PID 7 took GPU 1" in line for line in lines)
+
+
+# -- policy: what the daemon chooses, as tables --
+
+_T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+def _view(**kw: object) -> policy.AdmissionView:
+    base: dict[str, object] = {
+        "stopping": False,
+        "booting": False,
+        "running": None,
+        "serving_healthy": None,
+        "desired": P,
+        "capture_active": False,
+    }
+    return policy.AdmissionView(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _running(target: Mode, queued: bool = False) -> policy.Running:
+    return policy.Running(target, _T0, "teardown:stop_unit", "root", queued)
+
+
+@pytest.mark.parametrize(
+    ("case", "mode", "force", "view", "verdict"),
+    [
+        ("stopping beats everything", R, True, _view(stopping=True, booting=True),
+         policy.Admit.REFUSE_STOPPING),
+        ("booting", R, False, _view(booting=True), policy.Admit.REFUSE_BOOTING),
+        ("same target running: join", R, False, _view(running=_running(R)), policy.Admit.JOIN),
+        ("same target, but a take-over queued", R, False,
+         _view(running=_running(R, queued=True)), policy.Admit.REFUSE_BUSY),
+        ("other target running", P, False, _view(running=_running(R)), policy.Admit.REFUSE_BUSY),
+        ("other target running, --force", P, True, _view(running=_running(R)),
+         policy.Admit.TAKE_OVER),
+        ("serving healthy and desired", P, False, _view(serving_healthy=P),
+         policy.Admit.ALREADY),
+        ("serving healthy but another mode desired", P, False,
+         _view(serving_healthy=P, desired=R), policy.Admit.ACCEPT),
+        ("a capture is flushing", P, False, _view(serving_healthy=R, capture_active=True),
+         policy.Admit.ACCEPT_AFTER_CAPTURE),
+        ("a capture is flushing, --force", P, True, _view(capture_active=True),
+         policy.Admit.ACCEPT),
+        ("idle", R, False, _view(), policy.Admit.ACCEPT),
+    ],
+)  # fmt: skip
+def test_admission_of_a_switch_request_follows_its_table(
+    case: str, mode: Mode, force: bool, view: policy.AdmissionView, verdict: policy.Admit
+) -> None:
+    assert policy.admit(mode, force, view) is verdict, case
+
+
+@pytest.mark.parametrize(
+    ("target", "previous", "rollback", "was_rollback", "back", "then"),
+    [
+        (R, P, True, False, P, policy.AfterFailedStart.ROLLBACK),
+        (R, None, True, False, P, policy.AfterFailedStart.ROLLBACK),  # profile -> production
+        (P, None, True, False, None, policy.AfterFailedStart.FAILURE),  # nowhere to go
+        (P, R, True, False, R, policy.AfterFailedStart.ROLLBACK),
+        (R, P, False, False, P, policy.AfterFailedStart.FAILURE),  # rollback switched off
+        (P, R, True, True, R, policy.AfterFailedStart.FAILURE),  # a rollback that failed
+    ],
+)
+def test_a_failed_start_rolls_back_once_or_counts_a_failure(
+    target: Mode,
+    previous: Mode | None,
+    rollback: bool,
+    was_rollback: bool,
+    back: Mode | None,
+    then: policy.AfterFailedStart,
+) -> None:
+    assert policy.rollback_target(target, previous) is back
+    assert policy.after_failed_start(rollback, was_rollback, back) is then
+
+
+def test_failures_back_off_doubling_within_the_window_then_fail() -> None:
+    clock, seen, waits = 1000.0, (), []  # a fake clock: seconds, advanced by hand
+    for _ in range(3):
+        v = policy.after_failure(seen, clock, 60, 4, 5, 300)
+        assert not v.failed
+        waits.append(v.backoff_s)
+        seen, clock = v.failures, clock + 10
+    assert waits == [5, 10, 20]
+    assert policy.after_failure(seen, clock, 60, 4, 5, 300).failed
+    # Failures older than the window are forgotten: the count starts again.
+    fresh = policy.after_failure(seen, clock + 61 + 30, 60, 4, 5, 300)
+    assert not fresh.failed and fresh.failures == (clock + 91,) and fresh.backoff_s == 5
+    assert policy.after_failure((), 0, 60, 10, 5, 12).backoff_s == 5
+    assert policy.after_failure(tuple(range(5)), 5, 60, 10, 5, 12).backoff_s == 12  # capped
+
+
+def test_a_stuck_teardown_is_retried_doubling_up_to_the_cap() -> None:
+    assert [policy.stuck_retry_s(k, 2, 30) for k in range(6)] == [2, 4, 8, 16, 30, 30]
+    assert policy.stuck_retry_s(3, 60, 30) == 60  # never below stuck_retry_s itself
