@@ -37,7 +37,7 @@ def listening_inodes(port: int) -> dict[int, Address]:
         for family in (socket.AF_INET, socket.AF_INET6):
             out.update(_diag(family, port))
         return out
-    except OSError:
+    except (OSError, struct.error, ValueError):  # refused (some sandboxes) or not understood
         return _from_proc(port)
 
 
