@@ -105,9 +105,9 @@ class Bench:
             "hwm_mb": mem_kb(pid, "VmHWM") / 1024,
         }
 
-    def ready_latency(self, mode: str) -> float:
-        """Switch to `mode`; seconds from the new vLLM's first /health 200 to the ready event."""
-        url = self.config.vllm.health_url
+    def watch_events(self, names: set[str], last: str) -> tuple[threading.Thread, dict[str, float]]:
+        """A subscriber that notes when each of `names` first arrives, until `last` does;
+        returns once it is subscribed."""
         got: dict[str, float] = {}
         subscribed = threading.Event()
 
@@ -115,40 +115,33 @@ class Bench:
             for _raw, msg in exchange(self.socket, {"cmd": "subscribe"}, timeout_s=60):
                 if msg.get("type") == "reply":
                     subscribed.set()
-                elif msg.get("event") == "ready":
-                    got["ready"] = time.monotonic()
-                    return
-
-        t = threading.Thread(target=subscriber, daemon=True)
-        t.start()
-        subscribed.wait(10)
-        for _ in exchange(self.socket, {"cmd": "switch", "mode": mode, "follow": False}, 10):
-            pass
-        poll(lambda: health(url) != 200, 30, 0.002)  # the old vLLM is gone
-        poll(lambda: health(url) == 200, 60, 0.002)  # the new one answers
-        got["health"] = time.monotonic()
-        t.join(30)
-        return got["ready"] - got["health"]
-
-    def death_noticed(self, mode: str) -> tuple[float, float]:
-        """SIGKILL vLLM's MainPID (the sandbox's own process); seconds until the daemon's
-        `vllm_main_exited` and `vllm_died` events reach a subscriber. Waits for it to serve
-        again."""
-        got: dict[str, float] = {}
-        subscribed = threading.Event()
-
-        def subscriber() -> None:
-            for _raw, msg in exchange(self.socket, {"cmd": "subscribe"}, timeout_s=60):
-                if msg.get("type") == "reply":
-                    subscribed.set()
-                elif msg.get("event") in ("vllm_main_exited", "vllm_died"):
+                elif msg.get("event") in names:
                     got.setdefault(str(msg["event"]), time.monotonic())
-                    if "vllm_died" in got:
+                    if last in got:
                         return
 
         t = threading.Thread(target=subscriber, daemon=True)
         t.start()
         subscribed.wait(10)
+        return t, got
+
+    def ready_latency(self, mode: str) -> float:
+        """Switch to `mode`; seconds from the new vLLM's first /health 200 to the ready event."""
+        url = self.config.vllm.health_url
+        t, got = self.watch_events({"ready"}, "ready")
+        for _ in exchange(self.socket, {"cmd": "switch", "mode": mode, "follow": False}, 10):
+            pass
+        poll(lambda: health(url) != 200, 30, 0.002)  # the old vLLM is gone
+        poll(lambda: health(url) == 200, 60, 0.002)  # the new one answers
+        healthy = time.monotonic()
+        t.join(30)
+        return got["ready"] - healthy
+
+    def death_noticed(self, mode: str) -> tuple[float, float]:
+        """SIGKILL vLLM's MainPID (the sandbox's own process); seconds until the daemon's
+        `vllm_main_exited` and `vllm_died` events reach a subscriber. Waits for it to serve
+        again."""
+        t, got = self.watch_events({"vllm_main_exited", "vllm_died"}, "vllm_died")
         main_pid = self.status()["unit"]["main_pid"]
         t0 = time.monotonic()
         os.kill(main_pid, 9)

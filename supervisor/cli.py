@@ -110,7 +110,7 @@ def format_report(report: TeardownReport) -> str:
         lines.append(f"  removed from /dev/shm: {', '.join(report.shm_removed)}")
     if report.outcome.value != "clean":
         lines.append(f"  diagnosis: {report.diagnosis}")
-        from supervisor.kimi_mode import format_remaining
+        from supervisor.control.render import format_remaining
 
         remaining = report.model_dump(mode="json")["remaining"]
         lines += ["  " + x for x in format_remaining(remaining)]

@@ -142,17 +142,16 @@ def listeners(port: int, host: str, likely: Iterable[int] = ()) -> dict[int, set
 def device_users(
     files: Iterable[str],
     holding: Iterable[str] | None = None,
-    pids: Iterable[int] | None = None,
     mapped_too: bool = False,
 ) -> dict[int, DeviceUse]:
-    """How processes (default: every process) use `files`, the GPUs' device files with nvidiactl
+    """How the host's processes use `files`, the GPUs' device files with nvidiactl
     and nvidia-uvm: those holding any of `holding` (default: any of `files`) open, with what they
     have open and mapped of `files`. With `mapped_too`, also those that only map one: that reads
     every process's maps, so it is for a STUCK diagnosis, not for the teardown's fast path."""
     wanted = set(files)
     select = set(holding) if holding is not None else wanted
     out: dict[int, DeviceUse] = {}
-    for pid in processes.all_pids() if pids is None else pids:
+    for pid in processes.all_pids():
         held = processes.holds_any(pid, wanted)
         if held & select or mapped_too:
             mapped = processes.maps_of(pid, wanted)

@@ -172,7 +172,7 @@ def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_pa
 def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_last_intrusion() -> (
     None
 ):
-    from supervisor.kimi_mode import format_status
+    from supervisor.control.render import format_status
 
     def holder(pid: int, role: str, why: str, check: str = "") -> dict[str, object]:
         return {"pid": pid, "name": f"p{pid}", "role": role, "devices": [0], "why": why,
