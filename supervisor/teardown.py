@@ -5,8 +5,10 @@
 
 Clean means: the unit is inactive, every managed GPU's memory.used is within tolerance of its
 baseline with no process listed on it, and nothing listens where vLLM binds its port. It is
-checked after every step; the kill steps are skipped the moment it holds. Each step polls (every
-`poll_interval_s`) against its own deadline, so a STUCK teardown ends within the sum of them.
+checked after every step; the kill steps are skipped the moment it holds. A holder NVML lists
+during WAIT_RELEASE that was not there to kill sends the teardown back to KILL_GPU_HOLDERS.
+Each step polls (every `poll_interval_s`) against its own deadline, so a STUCK teardown ends
+within the sum of them.
 
 GPU holders are judged by the evidence ladder of supervisor/ownership.py: a live process NVML
 lists on a managed GPU (rung 1), else a process that has a managed device file open and mapped
@@ -51,6 +53,9 @@ from supervisor.ports.systemd import SystemdError, SystemdPort
 from supervisor.scan import Protection, device_users, has_vllm_signature, listeners, shm_in_use
 
 EventSink = Callable[[str, dict[str, Any]], None]
+# How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
+# a respawner outside every unit is killed with its child in the second round (issue 13).
+LATE_ROUNDS = 3
 KILL_WORDS = {
     Evidence.NVML_LISTED: "NVML-listed holder(s)",
     Evidence.OPEN_AND_MAPPED: "open-and-mapped holder(s)",
@@ -85,6 +90,8 @@ class Teardown:
         self._ppids: dict[ProcessRef, int] = {}
         self._snapshot: list[ProcessRef] = []
         self._spared: set[ProcessRef] = set()
+        self._late = False  # a holder appeared during WAIT_RELEASE
+        self._rounds = 1  # of KILL_GPU_HOLDERS and WAIT_RELEASE
 
     @property
     def _devices(self) -> list[DeviceReading]:
@@ -328,8 +335,24 @@ class Teardown:
         self.on_event("respawn_watch", {"parents": sorted(live), "seconds": watch_s})
         return self._poll_until(lambda: not self._gpus_clean(), watch_s)
 
+    def _late_holders(self) -> list[ProcessRef]:
+        """Live processes NVML lists on a managed GPU that were not there to kill: a respawner's
+        child that started after the respawn watch ended (a loaded host starts slower)."""
+        done = self.killed.keys() | self._spared
+        return [r for r in self.view.listed_targets() if r not in done]
+
     def _step_wait_release(self) -> str:
-        ok = self._poll_until(self._gpus_clean, self.config.teardown.release_timeout_s)
+        again = self._rounds < LATE_ROUNDS
+        self._poll_until(
+            lambda: self._gpus_clean() or (again and bool(self._late_holders())),
+            self.config.teardown.release_timeout_s,
+        )
+        ok = all(d.clean for d in self._devices)
+        late = [] if ok or not again else self._late_holders()
+        if late:
+            self._late = True
+            pids = ", ".join(str(r.pid) for r in late)
+            return f"new holder(s) listed after the kills ({pids}): killing again"
         alive = [r for r in self.killed if processes.is_alive(r)]
         note = "memory back at baseline" if ok else "memory still above baseline"
         if alive:
@@ -365,15 +388,19 @@ class Teardown:
         self.on_event("teardown_started", {"unit": self.unit})
         snapshot = self._snapshot = self._snapshot_tree()
         self.view.sample()
+        holders: list[tuple[Step, Callable[[], str], bool]] = [
+            (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),
+            (Step.WAIT_RELEASE, self._step_wait_release, True),
+        ]
         steps: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.STOP_UNIT, self._step_stop_unit, False),
             (Step.KILL_CGROUP, self._step_kill_cgroup, True),
             (Step.KILL_STRAYS, lambda: self._step_kill_strays(snapshot), True),
-            (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),
-            (Step.WAIT_RELEASE, self._step_wait_release, True),
+            *holders,
             (Step.HOST_LEFTOVERS, self._step_host_leftovers, False),
         ]
-        for step, action, skippable in steps:
+        while steps:
+            step, action, skippable = steps.pop(0)
             began, t0 = utcnow(), self.clock.monotonic()
             if skippable and self._clean():
                 note, skipped = "skipped: GPUs clean", True
@@ -393,6 +420,10 @@ class Teardown:
             )
             self.report.steps.append(rep)
             self.on_event("step_finished", rep.model_dump(mode="json"))
+            if self._late:
+                # A holder appeared while waiting for the release: escalate again.
+                self._late, self._rounds = False, self._rounds + 1
+                steps[:0] = holders
         self._verify(start)
         return self.report
 

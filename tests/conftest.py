@@ -29,6 +29,22 @@ from supervisor.sandbox.usermanager import unavailable_reason
 SANDBOX_GPUS = 4
 
 
+def _session_members(leader: ProcessRef) -> list[ProcessRef]:
+    """Live processes in the session `leader` created, started no earlier than it (a session
+    ID outlives its leader, so this also finds a dead leader's orphans)."""
+    out = []
+    for pid in processes.all_pids():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        ref = processes.ref_of(pid)
+        if int(fields[3]) == leader.pid and ref and ref.start_ticks >= leader.start_ticks:
+            out.append(ref)
+    return out
+
+
 def wait_until(
     cond: Callable[[], object], timeout_s: float = 10.0, what: str = "condition"
 ) -> None:
@@ -70,6 +86,7 @@ class SandboxHelper:
         self.systemd = PystemdSystemd("user", self.config.systemd.bus_address)
         self.gpu = simgpu.SimGpu(sb.gpu_dir)
         self.started: list[ProcessRef] = []
+        self.sessions: list[ProcessRef] = []  # spawned session leaders
         self.indices = list(range(SANDBOX_GPUS))
 
     def fake(self, **options: object) -> None:
@@ -126,6 +143,7 @@ class SandboxHelper:
         ref = processes.ref_of(proc.pid)
         assert ref is not None
         self.started.append(ref)
+        self.sessions.append(ref)
         if wait_ready:
             assert proc.stdout is not None
             line = proc.stdout.readline()
@@ -140,14 +158,18 @@ class SandboxHelper:
         wait_until(lambda: self.systemd.status(UNIT).inactive, 15, "the unit to stop")
         if self.systemd.status(UNIT).active_state == "failed":
             self.systemd.reset_failed(UNIT)
-        for ref in self.started:
+        # What a test's own processes started (a respawner's child) went with them: the
+        # members of the sessions it spawned, started after their leader.
+        leftovers = [r for leader in self.sessions for r in _session_members(leader)]
+        for ref in [*self.started, *leftovers]:
             processes.send_signal(ref, signal.SIGCONT)
             processes.send_signal(ref, signal.SIGKILL)
-        for ref in self.started:
+        for ref in [*self.started, *leftovers]:
             wait_until(lambda r=ref: not processes.is_alive(r), 10, f"PID {ref.pid} to end")
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(ref.pid, 0)
         self.started.clear()
+        self.sessions.clear()
         for leak in (self.sb.gpu_dir / "leak").iterdir():
             leak.unlink()
         simgpu.set_release_delay(self.sb.gpu_dir, simgpu.DRIVER_RELEASE_S)

@@ -173,6 +173,26 @@ def test_a_respawning_parent_outside_the_unit_leaves_no_child_alive(
     assert sandbox.used() == sandbox.baseline()
 
 
+def test_a_child_respawned_while_the_memory_drains_is_killed_with_its_parent(
+    sandbox: SandboxHelper,
+) -> None:
+    """A loaded host starts the next child later than `respawn_watch_s`: it shows up while the
+    teardown waits for the driver to release the first child's memory, and the teardown goes
+    back to killing instead of waiting out `release_timeout_s`."""
+    late_respawner = RESPAWNER.replace("child.wait()", "child.wait(); time.sleep(1.5)")
+    parent = sandbox.spawn([sys.executable, "-c", "import time\n" + late_respawner])
+    wait_until(lambda: any(d.processes for d in sandbox.gpu.sample([1])), 10, "the first child")
+    simgpu.set_release_delay(sandbox.sb.gpu_dir, 3.0)  # the first child's memory drains slowly
+    t = sandbox.config.teardown.model_copy(update={"respawn_watch_s": 0.3})
+    run = teardown(sandbox, config=sandbox.config.model_copy(update={"teardown": t}))
+    assert_clean(sandbox, run)
+    assert not processes.is_alive(parent)
+    assert run.ran().count(Step.KILL_GPU_HOLDERS) == 2, run.ran()
+    assert Evidence.RESPAWNS in {k.evidence for k in run.report.kills if k.signal == "SIGKILL"}
+    time.sleep(2)  # a surviving parent would have started a new child by now
+    assert sandbox.used() == sandbox.baseline()
+
+
 def test_a_stopped_holder_is_killed(sandbox: SandboxHelper) -> None:
     ghost = sandbox.ghost(gpu="0", mib=5_000, title="python")
     os.kill(ghost.pid, signal.SIGSTOP)
