@@ -175,10 +175,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         config=str(_config_path(args.config)),
         socket=str(c.socket),
     )
-    clean = True
     try:
-        if daemon.boot():
-            daemon.loop()
+        daemon.boot()
+        daemon.loop()
         if daemon.reexec_requested and not daemon.stop_requested:
             emit("reexec", message="re-executing; vLLM keeps running and is adopted")
             server.close()
@@ -186,13 +185,12 @@ def cmd_run(args: argparse.Namespace) -> int:
                 metrics.close()
             output.close()
             reexec()
-        clean = daemon.shutdown()
     finally:
         server.close()
         if metrics is not None:
             metrics.close()
         output.close()
-    return EXIT_OK if clean else EXIT_FAILED
+    return EXIT_OK if daemon.s.stopped_clean else EXIT_FAILED
 
 
 def cmd_launch_vllm(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Plain data only; nothing here has side effects.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sized
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
@@ -83,6 +84,12 @@ class KillRecord(BaseModel):
     result: str = Field(description="delivered, already gone, or why it was not sent")
 
 
+def at_baseline(used_mib: int, baseline_mib: int, tolerance_mib: int, holders: Sized) -> bool:
+    """What "clean" means for one GPU, everywhere: memory within tolerance of its baseline, and
+    no process listed on it."""
+    return used_mib <= baseline_mib + tolerance_mib and not len(holders)
+
+
 class DeviceReading(BaseModel):
     index: int
     used_mib: int
@@ -92,7 +99,7 @@ class DeviceReading(BaseModel):
 
     @property
     def clean(self) -> bool:
-        return self.used_mib <= self.baseline_mib + self.tolerance_mib and not self.processes
+        return at_baseline(self.used_mib, self.baseline_mib, self.tolerance_mib, self.processes)
 
 
 class StepReport(BaseModel):

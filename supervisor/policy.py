@@ -17,6 +17,22 @@ After a start that did not become ready (`after_failed_start`): roll back to the
 (or to production from profile) when rollback is on and this was not itself a rollback;
 otherwise count a failure.
 
+What follows a teardown (`after_teardown`), first match wins:
+
+| the teardown was for | outcome | situation | next |
+|---|---|---|---|
+| the daemon's stop | CLEAN, or STUCK on the last attempt | | EXIT |
+| the daemon's stop | STUCK | | SHUTDOWN_AGAIN |
+| anything else | STUCK | | STUCK (retried later; nothing started on busy GPUs) |
+| | CLEAN | the daemon is stopping | STOPPED |
+| | CLEAN | a switch was accepted meanwhile | TAKE_OVER |
+| a switch | CLEAN | | START its target |
+| a start that failed | CLEAN | `after_failed_start` says roll back | ROLLBACK |
+| a start that failed, vLLM's death, an intrusion | CLEAN | | FAILURE |
+
+Timed profile mode (`profile_until`, `profile_expired`): `--for`, else
+`profiling.default_duration_s`, capped at `profiling.max_duration_s` (0: no cap, no default).
+
 A failure (`after_failure`): the failures within `failure_window_s`, this one included; at
 `max_failures` or more: FAILED (wait for an operator); else BACKOFF for
 `initial * 2^(n-1)`, at most `max`. A STUCK teardown is retried after `stuck_retry_s * 2^k`.
@@ -27,7 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from supervisor.model import Mode
 
@@ -125,3 +141,71 @@ def after_failure(
 
 def stuck_retry_s(retries_so_far: int, stuck_retry: float, backoff_max_s: float) -> float:
     return float(min(stuck_retry * 2**retries_so_far, max(backoff_max_s, stuck_retry)))
+
+
+class Purpose(enum.StrEnum):
+    SWITCH = "switch"
+    START_FAILED = "start_failed"
+    DIED = "died"
+    INTRUSION = "intrusion"
+    SHUTDOWN = "shutdown"
+
+
+class Next(enum.StrEnum):
+    EXIT = "exit"
+    SHUTDOWN_AGAIN = "shutdown_again"
+    STUCK = "stuck"
+    STOPPED = "stopped"
+    TAKE_OVER = "take_over"
+    START = "start"
+    ROLLBACK = "rollback"
+    FAILURE = "failure"
+
+
+# A stopping daemon tries this many teardowns before it exits unclean.
+SHUTDOWN_ATTEMPTS = 3
+
+
+def after_teardown(
+    purpose: Purpose,
+    clean: bool,
+    stopping: bool,
+    intent_pending: bool,
+    then: AfterFailedStart = AfterFailedStart.FAILURE,
+    attempt: int = 1,
+) -> Next:
+    if purpose is Purpose.SHUTDOWN:
+        return Next.EXIT if clean or attempt >= SHUTDOWN_ATTEMPTS else Next.SHUTDOWN_AGAIN
+    if not clean:
+        return Next.STUCK
+    if stopping:
+        return Next.STOPPED
+    if intent_pending:
+        return Next.TAKE_OVER
+    if purpose is Purpose.SWITCH:
+        return Next.START
+    if purpose is Purpose.START_FAILED and then is AfterFailedStart.ROLLBACK:
+        return Next.ROLLBACK
+    return Next.FAILURE
+
+
+@dataclass(frozen=True)
+class Expiry:
+    until: datetime | None  # None: profile mode does not end by itself
+    capped: bool = False  # --for was longer than profiling.max_duration_s
+
+
+def profile_until(
+    mode: Mode, for_s: float | None, default_s: float, max_s: float, now: datetime
+) -> Expiry:
+    if mode is not Mode.PROFILE:
+        return Expiry(None)
+    seconds = for_s or default_s or None
+    capped = bool(seconds and max_s and seconds > max_s)
+    if capped:
+        seconds = max_s
+    return Expiry(now + timedelta(seconds=seconds) if seconds else None, capped)
+
+
+def profile_expired(desired: Mode, until: datetime | None, now: datetime) -> bool:
+    return desired is Mode.PROFILE and until is not None and now >= until

@@ -4,6 +4,8 @@ The loop calls `decide` on every tick with what it just observed; the same input
 the same action, so a daemon restarted at any point (crash, upgrade, reboot) simply decides
 again from what it sees. Read top to bottom:
 
+    an operator's switch, while a capture flushes, no --force -> HOLD_FOR_CAPTURE
+    an operator's switch                                      -> SWITCH (ends a load under way)
     FAILED                         -> nothing until an operator asks for a mode
     STARTING   unit gone           -> START_FAILED
                /health 200         -> READY
@@ -17,6 +19,10 @@ again from what it sees. Read top to bottom:
       was serving, unit gone or MainPID new   -> DIED
       another mode (or an unknown argv) runs  -> SWITCH
       nothing runs                            -> SWITCH (teardown makes the GPUs clean first)
+    a SWITCH or RETRY while a capture flushes -> HOLD_FOR_CAPTURE (stop recording, wait)
+
+The loop asks only when no teardown runs: a switch accepted meanwhile is its `intent`, and
+policy.after_teardown hands it over when the teardown ends.
 """
 
 from __future__ import annotations
@@ -73,6 +79,15 @@ class Observed:
 
 
 @dataclass(frozen=True)
+class Intent:
+    """A switch an operator asked for (persisted as the desired mode when it was accepted)."""
+
+    mode: Mode
+    by: str
+    force: bool = False
+
+
+@dataclass(frozen=True)
 class Memory:
     """What the loop remembers between ticks (monotonic seconds)."""
 
@@ -92,6 +107,7 @@ class Do(enum.StrEnum):
     DIED = "died"
     SWITCH = "switch"
     RETRY = "retry"
+    HOLD_FOR_CAPTURE = "hold_for_capture"
 
 
 @dataclass(frozen=True)
@@ -100,7 +116,33 @@ class Action:
     reason: str = ""
 
 
-def decide(desired: Mode, mem: Memory, obs: Observed, now: float, health_grace_s: float) -> Action:
+def decide(
+    desired: Mode,
+    mem: Memory,
+    obs: Observed,
+    now: float,
+    health_grace_s: float,
+    intent: Intent | None = None,
+    capture: bool = False,
+) -> Action:
+    """`intent`: a switch an operator asked for, not yet begun; `capture`: a profiler capture
+    is recording or flushing its traces."""
+    action = _decide(desired, mem, obs, now, health_grace_s, intent)
+    if action.do in (Do.SWITCH, Do.RETRY) and capture and not (intent and intent.force):
+        return Action(Do.HOLD_FOR_CAPTURE, "a capture is flushing its traces; the switch waits")
+    return action
+
+
+def _decide(
+    desired: Mode,
+    mem: Memory,
+    obs: Observed,
+    now: float,
+    health_grace_s: float,
+    intent: Intent | None,
+) -> Action:
+    if intent is not None:
+        return Action(Do.SWITCH, f"asked by {intent.by}")
     s = mem.state
     if s is State.FAILED:
         return Action(Do.NOTHING, "failed: waiting for an operator")

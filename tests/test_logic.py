@@ -17,7 +17,7 @@ from supervisor.control.protocol import ProtocolError, SwitchRequest, parse_requ
 from supervisor.kimi_mode import parse_duration
 from supervisor.model import Mode
 from supervisor.progress import Progress, advance
-from supervisor.reconcile import Do, Memory, Observed, State, decide
+from supervisor.reconcile import Do, Intent, Memory, Observed, State, decide
 from supervisor.state import PersistedState, StateStore, with_desired
 
 P, R = Mode.PRODUCTION, Mode.PROFILE
@@ -182,7 +182,10 @@ def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_l
         {
             "desired_mode": "profile",
             "state": "stuck",
+            "state_since": "2026-11-30T10:00:00+00:00",
             "status_line": "STUCK",
+            "unit": {"name": "vllm-kimi-k25.service"},
+            "daemon": {"pid": 1, "started_at": "2026-11-30T09:00:00+00:00"},
             "gpus": [],
             "last_teardown": {
                 "outcome": "stuck",
@@ -300,3 +303,97 @@ def test_failures_back_off_doubling_within_the_window_then_fail() -> None:
 def test_a_stuck_teardown_is_retried_doubling_up_to_the_cap() -> None:
     assert [policy.stuck_retry_s(k, 2, 30) for k in range(6)] == [2, 4, 8, 16, 30, 30]
     assert policy.stuck_retry_s(3, 60, 30) == 60  # never below stuck_retry_s itself
+
+
+@pytest.mark.parametrize(
+    ("case", "mem", "seen", "intent", "capture", "expect"),
+    [
+        ("an operator's switch while serving", Memory(State.SERVING, serving_pid=10), obs(),
+         Intent(R, "root"), False, Do.SWITCH),
+        ("an operator's switch ends a load under way", Memory(State.STARTING, start_deadline=9),
+         obs(health=0), Intent(R, "root"), False, Do.SWITCH),
+        ("an operator's switch waits for a capture's flush", Memory(State.SERVING,
+         serving_pid=10), obs(), Intent(P, "root"), True, Do.HOLD_FOR_CAPTURE),
+        ("... unless --force", Memory(State.SERVING, serving_pid=10), obs(),
+         Intent(P, "root", force=True), True, Do.SWITCH),
+        ("the daemon's own retry waits for a capture too", Memory(State.STUCK, next_attempt_at=0),
+         obs(active="inactive"), None, True, Do.HOLD_FOR_CAPTURE),
+        ("a capture never holds back a healthy mode", Memory(State.SERVING, serving_pid=10),
+         obs(mode=R), None, True, Do.NOTHING),
+    ],
+)  # fmt: skip
+def test_reconcile_is_asked_for_an_operators_switch_and_reads_force_as_data(
+    case: str, mem: Memory, seen: Observed, intent: Intent | None, capture: bool, expect: Do
+) -> None:
+    desired = intent.mode if intent else R
+    assert decide(desired, mem, seen, 1.0, 60, intent, capture).do is expect, case
+
+
+_FS = policy.AfterFailedStart
+
+
+@pytest.mark.parametrize(
+    ("case", "purpose", "clean", "stopping", "intent", "then", "attempt", "next_"),
+    [
+        ("stop: clean", policy.Purpose.SHUTDOWN, True, True, False, _FS.FAILURE, 1,
+         policy.Next.EXIT),
+        ("stop: stuck, tries again", policy.Purpose.SHUTDOWN, False, True, False, _FS.FAILURE, 1,
+         policy.Next.SHUTDOWN_AGAIN),
+        ("stop: stuck on the last attempt", policy.Purpose.SHUTDOWN, False, True, False,
+         _FS.FAILURE, policy.SHUTDOWN_ATTEMPTS, policy.Next.EXIT),
+        ("stuck beats everything else", policy.Purpose.SWITCH, False, True, True, _FS.ROLLBACK, 1,
+         policy.Next.STUCK),
+        ("stopping", policy.Purpose.SWITCH, True, True, True, _FS.FAILURE, 1, policy.Next.STOPPED),
+        ("a switch accepted meanwhile", policy.Purpose.START_FAILED, True, False, True,
+         _FS.ROLLBACK, 1, policy.Next.TAKE_OVER),
+        ("a switch", policy.Purpose.SWITCH, True, False, False, _FS.FAILURE, 1, policy.Next.START),
+        ("a failed start, rollback on", policy.Purpose.START_FAILED, True, False, False,
+         _FS.ROLLBACK, 1, policy.Next.ROLLBACK),
+        ("a failed start, no rollback", policy.Purpose.START_FAILED, True, False, False,
+         _FS.FAILURE, 1, policy.Next.FAILURE),
+        ("vLLM died", policy.Purpose.DIED, True, False, False, _FS.ROLLBACK, 1,
+         policy.Next.FAILURE),
+        ("an intrusion", policy.Purpose.INTRUSION, True, False, False, _FS.FAILURE, 1,
+         policy.Next.FAILURE),
+    ],
+)  # fmt: skip
+def test_what_follows_a_teardown_follows_its_table(
+    case: str,
+    purpose: policy.Purpose,
+    clean: bool,
+    stopping: bool,
+    intent: bool,
+    then: policy.AfterFailedStart,
+    attempt: int,
+    next_: policy.Next,
+) -> None:
+    assert policy.after_teardown(purpose, clean, stopping, intent, then, attempt) is next_, case
+
+
+@pytest.mark.parametrize(
+    ("case", "mode", "for_s", "default_s", "max_s", "hours", "capped"),
+    [
+        ("production never expires", P, None, 3600, 7200, None, False),
+        ("--for", R, 1800, 3600, 7200, 0.5, False),
+        ("the default", R, None, 3600, 7200, 1, False),
+        ("capped", R, 3 * 3600, 3600, 7200, 2, True),
+        ("no default, no --for: no end", R, None, 0, 7200, None, False),
+        ("no cap (max 0)", R, 300 * 86400, 0, 0, 300 * 24, False),
+    ],
+)
+def test_timed_profile_mode_ends_as_its_table_says(
+    case: str,
+    mode: Mode,
+    for_s: float | None,
+    default_s: float,
+    max_s: float,
+    hours: float | None,
+    capped: bool,
+) -> None:
+    e = policy.profile_until(mode, for_s, default_s, max_s, _T0)
+    got = (e.until - _T0).total_seconds() / 3600 if e.until else None
+    assert (got, e.capped) == (hours, capped), case
+    if e.until is not None:
+        assert not policy.profile_expired(R, e.until, _T0)
+        assert policy.profile_expired(R, e.until, e.until)
+        assert not policy.profile_expired(P, e.until, e.until)

@@ -1,14 +1,17 @@
 """What each request does, run in the connection's thread. Reads come from the daemon's
-published snapshot and the history file; anything that changes state goes through the loop's
-queue (`Daemon.submit`) and waits for the loop's reply."""
+published snapshot and the history file; anything that changes state becomes a typed command
+(supervisor/commands.py) in the loop's inbox, and waits for the loop's reply."""
 
 from __future__ import annotations
 
 import pwd
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from supervisor import history
+from supervisor.commands import CaptureStart, CaptureStop, Request
+from supervisor.commands import Switch as SwitchCommand
 from supervisor.control.protocol import (
     CaptureRequest,
     CaptureStopRequest,
@@ -21,6 +24,7 @@ from supervisor.control.protocol import (
     SwitchRequest,
 )
 from supervisor.control.server import Connection
+from supervisor.model import Mode
 
 if TYPE_CHECKING:
     from supervisor.daemon import Daemon
@@ -66,13 +70,13 @@ class Handlers:
         elif isinstance(request, CaptureRequest):
             self._capture(request, conn)
         elif isinstance(request, CaptureStopRequest):
-            conn.send(self._ask(conn, "capture_stop"))
+            conn.send(self._ask(CaptureStop(by=_who(conn))))
 
-    def _ask(self, conn: Connection, kind: str, **args: Any) -> Reply:
+    def _ask(self, command: Request) -> Reply:
         """Hand a command to the loop and wait for its answer."""
-        future = self.daemon.submit(kind, by=_who(conn), **args)
+        self.daemon.ask(command)  # type: ignore[arg-type]
         try:
-            return future.result(timeout=LOOP_REPLY_TIMEOUT_S)
+            return command.reply.result(timeout=LOOP_REPLY_TIMEOUT_S)
         except FutureTimeout:
             return Reply(
                 ok=False,
@@ -85,12 +89,13 @@ class Handlers:
         sub = self.daemon.bus.subscribe()
         try:
             reply = self._ask(
-                conn,
-                "capture_start",
-                seconds=request.seconds,
-                then=request.then,
-                out=request.out,
-                uid=conn.peer.uid,
+                CaptureStart(
+                    by=_who(conn),
+                    seconds=request.seconds,
+                    then=request.then,
+                    out=Path(request.out) if request.out else None,
+                    uid=conn.peer.uid,
+                )
             )
             conn.send(reply)
             if not reply.ok:
@@ -114,7 +119,12 @@ class Handlers:
         sub = self.daemon.bus.subscribe() if request.follow else None
         try:
             reply = self._ask(
-                conn, "switch", mode=request.mode, force=request.force, for_s=request.for_s
+                SwitchCommand(
+                    mode=Mode(request.mode),
+                    by=_who(conn),
+                    force=request.force,
+                    for_s=request.for_s,
+                )
             )
             conn.send(reply)
             if sub is None or not reply.ok or reply.code not in ("accepted", "joined"):

@@ -10,6 +10,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from supervisor.status import Status
+
 
 def _ago(iso: str | None) -> str:
     if not iso:
@@ -38,55 +40,52 @@ def _hhmmss(iso: str | None) -> str:
     return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
-def format_status(s: dict[str, Any]) -> str:
-    unit = s.get("unit", {})
-    mode = s.get("mode")
+def format_status(data: dict[str, Any]) -> str:
+    s = Status.model_validate(data)
+    unit, mode = s.unit, s.mode
+    since = s.mode_since
     lines = [
-        f"desired mode:  {s['desired_mode']}",
+        f"desired mode:  {s.desired_mode}",
         f"actual mode:   {mode or '-'}"
-        + (
-            f"  (for {_ago(s.get('mode_since'))}, since {_hhmmss(s.get('mode_since'))})"
-            if mode
-            else ""
-        ),
-        f"state:         {s['state']}: {s.get('status_line', '')}",
+        + (f"  (for {_ago(since)}, since {_hhmmss(since)})" if mode else ""),
+        f"state:         {s.state}: {s.status_line}",
     ]
-    tr = s.get("transition")
+    tr = s.transition
     if tr:
         lines.append(
             f"transition:    {tr['id']} to {tr['target']} ({tr['kind']}), step {tr['step']}, "
             f"since {_hhmmss(tr['started_at'])}; {tr['reason']}"
         )
-    if s.get("progress"):
-        lines.append(f"progress:      {s['progress']['text']}")
-    if s.get("profile_until"):
+    if s.progress:
+        lines.append(f"progress:      {s.progress.text}")
+    if s.profile_until:
         lines.append(
-            f"profile ends:  {_hhmmss(s['profile_until'])} "
-            f"(in {_duration(s.get('profile_left_s') or 0)}), then production"
+            f"profile ends:  {_hhmmss(s.profile_until)} "
+            f"(in {_duration(s.profile_left_s or 0)}), then production"
         )
-    c = s.get("capture")
+    c = s.capture
     if c:
         lines.append(
             f"capture:       {c['capture']} {c['phase']} since {_hhmmss(c['started_at'])}, "
             f"{c['bytes'] / 1e6:.1f} MB written, then {c['then']}"
         )
-    health = unit.get("health", -1)
+    health = unit.health
     lines.append(
-        f"unit:          {unit.get('name')} {unit.get('active_state')}/{unit.get('sub_state')}, "
-        f"MainPID {unit.get('main_pid') or '-'}, /health "
+        f"unit:          {unit.name} {unit.active_state}/{unit.sub_state}, "
+        f"MainPID {unit.main_pid or '-'}, /health "
         + ("-" if health == -1 else ("no answer" if health == 0 else str(health)))
     )
     lines.append("GPUs:          index  used MiB  baseline MiB  state  holders")
-    for g in s.get("gpus", []):
-        holders = ", ".join(f"{h['pid']} ({h['name']})" for h in g.get("holders", [])) or "-"
-        state = "clean" if g["clean"] else "in use"
+    for g in s.gpus:
+        holders = ", ".join(f"{h.pid} ({h.name})" for h in g.holders) or "-"
+        state = "clean" if g.clean else "in use"
         lines.append(
-            f"               {g['index']:>5}  {g['used_mib']:>8}  {g['baseline_mib']:>12}  "
+            f"               {g.index:>5}  {g.used_mib:>8}  {g.baseline_mib:>12}  "
             f"{state:<6} {holders}"
         )
-    if s.get("baseline_provisional"):
+    if s.baseline_provisional:
         lines.append("               (baseline provisional: calibrated when the GPUs are idle)")
-    td = s.get("last_teardown")
+    td = s.last_teardown
     if td:
         lines.append(
             f"last teardown: {td['outcome'].upper()} in {td['duration_s']:.2f} s, "
@@ -101,18 +100,17 @@ def format_status(s: dict[str, Any]) -> str:
             lines.append(f"                 {td['diagnosis']}")
             lines += ["                 " + x for x in format_remaining(td.get("remaining", []))]
             lines.append(f"                 next: {td['next_action']}")
-    intrusion = s.get("last_intrusion")
-    if intrusion:
-        lines.append(f"last intrusion: {_hhmmss(intrusion['at'])} {intrusion['what']}")
-    if s.get("next_attempt_in_s") is not None:
+    if s.last_intrusion:
+        i = s.last_intrusion
+        lines.append(f"last intrusion: {_hhmmss(i['at'])} {i['what']}")
+    if s.next_attempt_in_s is not None:
         lines.append(
-            f"next attempt:  in {s['next_attempt_in_s']:.0f} s "
-            f"({s.get('failures_in_window', 0)} failure(s) in the window)"
+            f"next attempt:  in {s.next_attempt_in_s:.0f} s "
+            f"({s.failures_in_window} failure(s) in the window)"
         )
-    for w in s.get("warnings", []):
+    for w in s.warnings:
         lines.append(f"warning:       {w}")
-    d = s.get("daemon", {})
-    lines.append(f"daemon:        PID {d.get('pid')}, up {_ago(d.get('started_at'))}")
+    lines.append(f"daemon:        PID {s.daemon.pid}, up {_ago(s.daemon.started_at)}")
     return "\n".join(lines)
 
 
