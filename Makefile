@@ -34,6 +34,7 @@ bench: setup
 	$(BIN)/python -m bench.practice_bench --runs 3 --write docs/performance.md
 	$(BIN)/python -m bench.scale_bench --runs 5 --write docs/performance.md
 	$(BIN)/python -m bench.daemon_bench --idle-s 60 --runs 5 --write docs/performance.md
+	$(BIN)/python -m bench.faults_bench --runs 200 --write docs/performance.md
 
 # The main job: the sandbox demo (a real systemd user manager, 8 simulated GPUs, the daemon).
 demo: setup

@@ -18,6 +18,7 @@ def load_state(ctx: Context) -> None:
     corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used."""
     s = ctx.s
     st, warning = ctx.store.read()
+    ctx.saved, ctx.saved_stamp = st, ctx.stamp()
     if warning:
         ctx.warn(warning)
         ctx.log("state_file_corrupt", level="error", message=warning)

@@ -10,6 +10,8 @@ It reports through the event bus (events carry `capture`: its id) and hands its 
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 import shutil
 import threading
@@ -33,6 +35,54 @@ class CaptureSpec:
     then: str  # "production" or "stay"
     out: Path | None
     by: str
+    # --out, opened once when the capture was asked for (O_DIRECTORY|O_NOFOLLOW): files are
+    # created relative to it, so swapping the path for a link later changes nothing.
+    out_fd: int | None = None
+    # Who asked (the socket's peer credentials): the folder and the traces are handed to them.
+    uid: int = 0
+    gid: int = 0
+
+
+def open_out(out: Path, uid: int) -> int | str:
+    """The --out directory opened for this capture, or why it cannot be used. The daemon runs
+    as root and creates files in it: only a directory the asking user owns (root may use any),
+    never through a symlink (its last component, checked on the opened directory itself)."""
+    if not out.is_absolute():
+        return "give an absolute path"
+    try:
+        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "no such directory: create it first"
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            return "not a directory (symlinks are not followed)"
+        return f"cannot open it: {e.strerror}"
+    owner = os.fstat(fd).st_uid
+    if uid != 0 and owner != uid:
+        os.close(fd)
+        return f"owned by uid {owner}, not by you (uid {uid}): use a directory of your own"
+    return fd
+
+
+def _move_into(src: Path, name: str, dir_fd: int, uid: int, gid: int) -> None:
+    """`src` becomes `name` in the directory `dir_fd`, owned by uid:gid: renamed when on the same
+    file system, else copied (created exclusively, never through a link) and removed."""
+    try:
+        os.rename(src, name, dst_dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(name, flags, 0o640, dir_fd=dir_fd)
+        try:
+            with open(src, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    os.write(out, chunk)
+            os.fsync(out)
+        finally:
+            os.close(out)
+        src.unlink()
+    os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
 
 
 def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
@@ -160,6 +210,9 @@ class Capture:
             self._capture()
         except Exception as e:  # a bug here must not leave the daemon waiting for a flush
             self._end(False, f"the capture failed: {e!r}")
+        finally:
+            if self.spec.out_fd is not None:
+                os.close(self.spec.out_fd)
 
     def _capture(self) -> None:
         p, base = self.config.profiling, self.config.vllm
@@ -207,13 +260,29 @@ class Capture:
             self._end(False, explain(result[0], "/stop_profile", flush_timeout))
             return
         new = self._new_files(trace_dir, before)
-        folder = self.spec.out / self.id if self.spec.out else p.captures_dir / self.id
-        folder.mkdir(parents=True)
+        spec = self.spec
+        if spec.out is not None and spec.out_fd is not None:
+            folder, parent_fd = spec.out / self.id, os.dup(spec.out_fd)
+        else:
+            p.captures_dir.mkdir(parents=True, exist_ok=True)
+            folder = p.captures_dir / self.id
+            parent_fd = os.open(p.captures_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.mkdir(self.id, 0o750, dir_fd=parent_fd)
+            fd = os.open(self.id, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
         files: list[dict[str, Any]] = []
-        for name in sorted(new):
-            shutil.move(str(trace_dir / name), str(folder / name))
-            m = RANK.search(name)
-            files.append({"name": name, "rank": int(m.group(1)) if m else None, "bytes": new[name]})
+        try:
+            for name in sorted(new):
+                _move_into(trace_dir / name, name, fd, spec.uid, spec.gid)
+                m = RANK.search(name)
+                files.append(
+                    {"name": name, "rank": int(m.group(1)) if m else None, "bytes": new[name]}
+                )
+            os.fchown(fd, spec.uid, spec.gid)
+        finally:
+            os.close(fd)
         self.folder = folder
         removed = retention(p.captures_dir, p.keep_captures, p.max_total_gb)
         for old in removed:

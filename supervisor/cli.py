@@ -123,12 +123,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     from supervisor import log
     from supervisor.control.handlers import Handlers
     from supervisor.control.server import ControlError, ControlServer
-    from supervisor.daemon import Daemon, install_signal_handlers, reexec
+    from supervisor.daemon import Daemon, block_signals, install_signal_handlers, reexec
     from supervisor.metrics import Metrics
     from supervisor.ports.notify import Notifier
     from supervisor.ports.output import FileOutput, JournalOutput, OutputPort
+    from supervisor.state import StateError, StateStore
 
+    block_signals()  # before any thread starts (see supervisor/daemon.py, HANDLED)
     config = load_config(_config_path(args.config))
+    try:
+        StateStore(config.state.dir).check()  # trust only what the daemon's user owns
+    except StateError as e:
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        return EXIT_USAGE
     log.configure()
     logger = log.get()
 
@@ -143,7 +150,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         else JournalOutput(config.service.unit, config.systemd.scope, keep)
     )
     metrics = Metrics() if config.metrics.enabled else None
-    daemon = Daemon(config, systemd, gpu, output, Notifier(), emit, metrics=metrics)
+    notifier = Notifier()
+    daemon = Daemon(config, systemd, gpu, output, notifier, emit, metrics=metrics)
     c = config.control
     server = ControlServer(
         c.socket,
@@ -184,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 metrics.close()
             output.close()
-            reexec()
+            reexec(notifier)
     finally:
         server.close()
         if metrics is not None:

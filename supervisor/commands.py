@@ -61,7 +61,8 @@ class CaptureStart(Request):
     seconds: float | None = None
     then: str = "production"
     out: Path | None = None
-    uid: int = 0
+    uid: int = 0  # the asker's, from the socket's peer credentials
+    gid: int = 0
 
 
 @dataclass

@@ -7,6 +7,7 @@ the host before `load_config` has returned, so a bad file never leaves half-done
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,7 +16,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from supervisor.model import Mode
 
-PositiveSeconds = Annotated[float, Field(gt=0)]
+# Every number is finite (allow_inf_nan=False below) and bounded: a duration beyond these is a
+# typo, and an unbounded one overflows the dates and deadlines computed from it.
+DAY_S = 86400.0
+MAX_SECONDS = 30 * DAY_S  # any timeout, interval or window
+MAX_PROFILE_S = 366 * DAY_S  # how long profile mode may be asked for
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 
 
 class ConfigError(Exception):
@@ -23,7 +30,7 @@ class ConfigError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class ServiceConfig(_Strict):
@@ -84,11 +91,11 @@ class ModesConfig(_Strict):
 class GpusConfig(_Strict):
     backend: Literal["nvml", "sim"] = "nvml"
     # Indices of the GPUs this supervisor owns; empty means every GPU NVML reports.
-    managed: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    managed: list[Annotated[int, Field(ge=0, le=1023)]] = Field(default_factory=list)
     # A device counts as clean when used <= baseline + tolerance.
-    tolerance_mib: int = Field(default=256, ge=0)
+    tolerance_mib: int = Field(default=256, ge=0, le=1 << 20)
     # Fixed baselines (MiB) per GPU index; a GPU missing here is calibrated and persisted.
-    baseline_mib: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    baseline_mib: dict[str, Annotated[int, Field(ge=0, le=1 << 24)]] = Field(default_factory=dict)
     # Only for backend = "sim": the simulated host's directory.
     sim_dir: Path | None = None
 
@@ -115,9 +122,20 @@ class TeardownConfig(_Strict):
     # putting a new holder on a managed GPU before calling the GPUs clean. It must cover a CUDA
     # start: on an H200 a respawned child was listed 3.6-4.4 s after its predecessor's SIGKILL
     # (bench/results/h200x2-2026-11-30-cuda-probe.json, `respawn_gap_s`).
-    respawn_watch_s: Annotated[float, Field(ge=0)] = 6.0
+    respawn_watch_s: Annotated[float, Field(ge=0, le=600)] = 6.0
     # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
     stray_patterns: list[str] = Field(default_factory=list)
+
+    @field_validator("stray_patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"{p!r} is not a valid regular expression: {e}") from None
+        return patterns
+
     # Never signalled, in addition to the built-in list: executable names, matched against the
     # executable's and argv[0]'s basename and against comm (the name cut to 15 characters).
     protected_names: list[str] = Field(default_factory=list)
@@ -130,6 +148,10 @@ class TeardownConfig(_Strict):
 class StateConfig(_Strict):
     # Holds state.json (desired mode, transition, baseline) and history.jsonl.
     dir: Path = Path("/var/lib/kimi-supervisor")
+    # history.jsonl is rotated once it is this large (to history.jsonl.1, .2, ...), keeping
+    # this many rotated files; `kimi-mode history` reads across them.
+    history_max_mb: Annotated[float, Field(gt=0, le=100_000)] = 64.0
+    history_keep: Annotated[int, Field(ge=1, le=100)] = 5
 
 
 class DaemonConfig(_Strict):
@@ -146,14 +168,14 @@ class DaemonConfig(_Strict):
     health_interval_s: PositiveSeconds = 30.0
     # /health failing for this long while serving counts as unhealthy (a busy server may be
     # slow to answer; a 30-minute reload is not started over one missed probe).
-    health_grace_s: Annotated[float, Field(ge=0)] = 60.0
+    health_grace_s: Seconds = 60.0
     # A mode that does not become ready sends the host back to the mode before it.
     rollback: bool = True
     # After vLLM dies or fails to start: wait initial, doubling up to max, before starting again.
-    restart_backoff_initial_s: Annotated[float, Field(ge=0)] = 5.0
-    restart_backoff_max_s: Annotated[float, Field(ge=0)] = 300.0
+    restart_backoff_initial_s: Seconds = 5.0
+    restart_backoff_max_s: Seconds = 300.0
     # This many failures within the window: stop retrying and report FAILED.
-    max_failures: Annotated[int, Field(ge=1)] = 3
+    max_failures: Annotated[int, Field(ge=1, le=1_000_000)] = 3
     failure_window_s: PositiveSeconds = 1800.0
     # A teardown that ends STUCK is retried after this, doubling up to restart_backoff_max_s.
     stuck_retry_s: PositiveSeconds = 30.0
@@ -175,9 +197,9 @@ class ControlConfig(_Strict):
 
 class ProfilingConfig(_Strict):
     # `kimi-mode profile` without --for: go back to production after this (0: stay until asked).
-    default_duration_s: Annotated[float, Field(ge=0)] = 0.0
+    default_duration_s: Annotated[float, Field(ge=0, le=MAX_PROFILE_S)] = 0.0
     # The longest --for accepted (0: no limit).
-    max_duration_s: Annotated[float, Field(ge=0)] = 24 * 3600.0
+    max_duration_s: Annotated[float, Field(ge=0, le=MAX_PROFILE_S)] = 24 * 3600.0
     # Each capture goes into its own timestamped folder here.
     captures_dir: Path = Path("/var/lib/kimi-supervisor/captures")
     # Where vLLM writes its traces; empty: torch_profiler_dir of the profile mode's
@@ -185,12 +207,12 @@ class ProfilingConfig(_Strict):
     vllm_trace_dir: Path | None = None
     # Retention, applied after each capture: keep the newest N captures, and at most this many
     # GB in all (0: no limit).
-    keep_captures: Annotated[int, Field(ge=1)] = 10
-    max_total_gb: Annotated[float, Field(ge=0)] = 200.0
+    keep_captures: Annotated[int, Field(ge=1, le=10_000)] = 10
+    max_total_gb: Annotated[float, Field(ge=0, le=1_000_000)] = 200.0
     start_timeout_s: PositiveSeconds = 60.0
     # POST /stop_profile returns when the traces are written, many minutes on big models.
     # 0: wait as long as it takes.
-    flush_timeout_s: Annotated[float, Field(ge=0)] = 0.0
+    flush_timeout_s: Seconds = 0.0
 
 
 class MetricsConfig(_Strict):

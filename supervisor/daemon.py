@@ -28,7 +28,7 @@ import sys
 import threading
 from typing import Any
 
-from supervisor import boot, history
+from supervisor import boot
 from supervisor.capture import Capture
 from supervisor.commands import (
     CaptureDone,
@@ -194,6 +194,7 @@ class Daemon:
             if s.stopped_clean is not None:
                 return
             if s.reexec_requested and not s.stop_requested and not s.busy:
+                self.ctx.verify_state()  # the new image must read what this one knows
                 return
             if not s.busy:
                 if s.stop_requested and s.state is not State.STOPPING:
@@ -294,6 +295,8 @@ class Daemon:
     def _step(self) -> None:
         """Observe, decide, act: only while no teardown runs."""
         s, life = self.s, self.life
+        self.ctx.flush()  # what a full disk kept from being written
+        self.ctx.verify_state()
         if not s.driver_ready and (
             self.ctx.clock.monotonic() < s.driver_retry_at or not self._driver_up()
         ):
@@ -336,7 +339,7 @@ class Daemon:
             "message": c.message,
             "folder": str(c.folder) if c.folder else None,
         }
-        history.append(self.config.state.dir, "capture", record)
+        self.ctx.record("capture", record)
         if s.capture is c:
             s.capture = None
         if c.spec.then == "production" and s.desired is Mode.PROFILE:
@@ -364,14 +367,30 @@ class Daemon:
             ctx.clock.sleep(0.01)
 
 
+# The signals the daemon handles. They stay blocked from the start of `kimi-supervisor run` (so
+# every thread it starts blocks them too, and they reach the main thread, whose select they wake)
+# until the handlers are installed; and again across a re-exec, whose new image inherits the mask
+# and the pending signals: between execv and the new handlers, SIGHUP's and SIGTERM's default
+# actions would kill the daemon, and systemd counts a death by SIGHUP as a clean exit.
+HANDLED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2}
+
+
+def block_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
 def install_signal_handlers(daemon: Daemon) -> None:
     signal.signal(signal.SIGTERM, lambda *_: daemon.request_from_signal("stop"))
     signal.signal(signal.SIGINT, lambda *_: daemon.request_from_signal("stop"))
     signal.signal(signal.SIGHUP, lambda *_: daemon.request_from_signal("reexec"))
     signal.signal(signal.SIGUSR2, lambda *_: daemon.request_from_signal("wedge"))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # pending ones are handled now
 
 
-def reexec() -> None:
+def reexec(notifier: Notifier) -> None:
     """Replace this process with a fresh copy of itself (upgrades): vLLM is left running and is
-    adopted by the new process. The control socket's lock dies with the old image."""
+    adopted by the new process. The control socket's lock dies with the old image. systemd is
+    told RELOADING=1; the new image's READY=1 ends the reload (`systemctl reload` waits)."""
+    block_signals()
+    notifier.reloading("re-executing: vLLM keeps running and is adopted")
     os.execv(sys.executable, list(sys.orig_argv))

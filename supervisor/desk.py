@@ -8,17 +8,14 @@ applies it when the current step returns (supervisor/lifecycle.py), never in the
 
 from __future__ import annotations
 
-import os
-import stat
-from pathlib import Path
-
 from supervisor import policy
-from supervisor.capture import Capture, CaptureSpec
+from supervisor.capture import Capture, CaptureSpec, open_out
 from supervisor.commands import CaptureDone, CaptureStart, CaptureStop, Switch
 from supervisor.context import Context
 from supervisor.messages import Reply
 from supervisor.model import Mode, utcnow
 from supervisor.reconcile import SWITCHING_STATES, Intent, State
+from supervisor.state import StateError
 from supervisor.status import status_line
 
 
@@ -102,7 +99,15 @@ class Desk:
                     message=f"{r.mode.value} is already running and healthy (vLLM PID "
                     f"{pid}); nothing to do",
                 )
-        self.ctx.desire(r.mode, r.by)
+        try:
+            self.ctx.desire(r.mode, r.by, must=True)
+        except StateError as e:
+            return Reply(
+                ok=False,
+                code="state_error",
+                message=f"not switching: the desired mode cannot be persisted ({e}); nothing "
+                "was changed. Free space or fix the state directory, then ask again",
+            )
         if verdict is policy.Admit.TAKE_OVER:
             assert tr is not None
             s.intent = Intent(r.mode, r.by, force=True)
@@ -181,11 +186,13 @@ class Desk:
                 message=f"vLLM is not serving in profile mode ({self._line()}): switch "
                 "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
             )
+        out_fd = None
         if r.out is not None:
-            problem = unusable_out(r.out, r.uid)
-            if problem:
-                return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {problem}")
-        spec = CaptureSpec(r.seconds, r.then, r.out, r.by)
+            opened = open_out(r.out, r.uid)
+            if isinstance(opened, str):
+                return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {opened}")
+            out_fd = opened
+        spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid)
         put = self._put
         c = s.capture = Capture(
             self.ctx.config,
@@ -225,19 +232,3 @@ class Desk:
             self.ctx.log("capture_stopped_for_switch", capture=c.id)
             c.stop.set()
         return True
-
-
-def unusable_out(out: Path, uid: int) -> str | None:
-    """The daemon runs as root and moves trace files into --out: only into a directory that
-    the asking user owns (root may use any), never through a symlink."""
-    if not out.is_absolute():
-        return "give an absolute path"
-    try:
-        st = os.lstat(out)
-    except FileNotFoundError:
-        return "no such directory: create it first"
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        return "not a directory (symlinks are not followed)"
-    if uid != 0 and st.st_uid != uid:
-        return f"owned by uid {st.st_uid}, not by you (uid {uid}): use a directory of your own"
-    return None

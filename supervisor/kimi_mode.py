@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from supervisor.control.client import TimedOut, Unreachable, exchange
+from supervisor.control.protocol import MAX_PROFILE_S
 from supervisor.control.render import (
     Follower,
     format_capture,
@@ -59,6 +60,10 @@ def parse_duration(text: str) -> float:
         seconds = sum(float(n) * unit[u] for n, u in parts)
     if seconds <= 0:
         raise argparse.ArgumentTypeError("the duration must be positive")
+    if seconds > MAX_PROFILE_S:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is longer than the daemon accepts ({MAX_PROFILE_S / 86400:g}d)"
+        )
     return seconds
 
 

@@ -32,6 +32,9 @@ from supervisor.reconcile import Action, Do, Observed, State
 from supervisor.state import TransitionRecord
 from supervisor.teardown import Teardown
 
+# How many of the newest history records are searched for a transition already recorded.
+RECENT = 200
+
 
 class Lifecycle:
     def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
@@ -331,7 +334,13 @@ class Lifecycle:
             "message": message,
             **(detail or {}),
         }
-        history.append(ctx.config.state.dir, "transition", record)
+        # One record per transition, whatever the moment of a kill: a daemon killed between
+        # this append and clearing the persisted transition finds it here when it ends it again.
+        if not any(
+            e.get("kind") == "transition" and e.get("id") == tr.id
+            for e in history.read(ctx.config.state.dir, RECENT)
+        ):
+            ctx.record("transition", record)
         if ctx.metrics:
             ctx.metrics.transitions.labels(outcome).inc()
         ctx.log("transition_finished", level="info" if ok else "warning", **record)
@@ -423,7 +432,7 @@ class Lifecycle:
         s.last_teardown = report
         tid = s.transition.id if s.transition else None
         body = report.model_dump(mode="json") | {"transition": tid, "reason": job.reason}
-        history.append(ctx.config.state.dir, "teardown", body)
+        ctx.record("teardown", body)
         if ctx.metrics:
             ctx.metrics.teardown_seconds.labels(report.outcome.value).observe(report.duration_s)
         clean = report.outcome is Outcome.CLEAN

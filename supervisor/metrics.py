@@ -47,6 +47,12 @@ class Metrics:
         self.transitions = Counter(
             f"{ns}_transitions_total", "mode transitions, by outcome", ["outcome"], registry=r
         )
+        self.persist_failures = Counter(
+            f"{ns}_persist_failures_total",
+            "writes of state.json or history.jsonl that failed (a full disk, a bad state dir)",
+            ["file"],
+            registry=r,
+        )
         self._server: Any = None
 
     def serve(self, address: str, port: int) -> None:

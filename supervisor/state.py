@@ -15,6 +15,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -70,6 +71,41 @@ class PersistedState(BaseModel):
     profile_until_changed_at: datetime | None = None
 
 
+def untrusted(st: os.stat_result, what: str) -> str | None:
+    """Why a state directory or file must not be trusted, as sshd's StrictModes judges: it is
+    owned by another user than the daemon's, or others (or its group) may write it."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        return (
+            f"{what} is owned by uid {st.st_uid}, not by the daemon's user (uid {me}): "
+            f"`chown {me} {what}`"
+        )
+    if st.st_mode & 0o022:
+        return (
+            f"{what} is writable by its group or by others (mode {st.st_mode & 0o7777:o}): "
+            f"`chmod go-w {what}`"
+        )
+    return None
+
+
+def open_trusted(path: Path, flags: int, mode: int = 0o640) -> int:
+    """Open a state file without following a link, and only if the daemon's user owns it and
+    nobody else may write it (StateError otherwise)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateError(
+                f"{path} is a symlink: remove it (state files are never followed)"
+            ) from None
+        raise
+    problem = untrusted(os.fstat(fd), str(path))
+    if problem:
+        os.close(fd)
+        raise StateError(f"refusing to use {problem}")
+    return fd
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
@@ -79,13 +115,26 @@ class StateStore:
     def _ensure_dir(self) -> None:
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            st = os.lstat(self.dir)
         except OSError as e:
             raise StateError(f"cannot create the state directory {self.dir}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise StateError(f"the state directory {self.dir} is not a directory (or a symlink)")
+        problem = untrusted(st, str(self.dir))
+        if problem:
+            raise StateError(f"refusing the state directory: {problem}")
+
+    def check(self) -> None:
+        """At start: the state directory and its files can be trusted (StateError if not)."""
+        self._ensure_dir()
+        for name in ("state.json", "state.lock", "history.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                os.close(open_trusted(self.dir / name, os.O_RDONLY))
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         self._ensure_dir()
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        fd = open_trusted(self.lock_path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -94,6 +143,7 @@ class StateStore:
 
     def read(self) -> tuple[PersistedState, str | None]:
         """The state, and a warning if the file was unusable and has been moved aside."""
+        self._ensure_dir()
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -102,6 +152,10 @@ class StateStore:
             if e.errno == errno.ELOOP:
                 return PersistedState(), self._move_aside("it is a symlink")
             raise StateError(f"cannot read {self.path}: {e}") from e
+        problem = untrusted(os.fstat(fd), str(self.path))
+        if problem:
+            os.close(fd)
+            return PersistedState(), self._move_aside(f"it cannot be trusted: {problem}")
         try:
             with os.fdopen(fd, "rb") as f:
                 raw = f.read()
@@ -148,11 +202,18 @@ class StateStore:
             raise StateError(f"cannot write {self.path}: {e}") from e
 
     def update(
-        self, change: Callable[[PersistedState], PersistedState]
+        self,
+        change: Callable[[PersistedState], PersistedState],
+        fallback: PersistedState | None = None,
     ) -> tuple[PersistedState, str | None]:
-        """Read, change and write under the lock; returns the new state and any read warning."""
+        """Read, change and write under the lock; returns the new state and any read warning.
+        A file found unusable (moved aside) is replaced by `fallback` changed, when given: the
+        daemon's last known state, so that nothing it holds is lost to a truncated file."""
         with self._locked():
             current, warning = self.read()
+            if warning and fallback is not None:
+                current = fallback
+                warning += "; rewritten from the daemon's state in memory"
             new = change(current)
             self.write(new)
             return new, warning

@@ -149,3 +149,57 @@ def test_json_round_trip_of_the_profile_argument_keeps_quotes_and_spaces() -> No
         "profiler": "torch",
         "torch_profiler_dir": "/var/lib/kimi-supervisor/traces",
     }
+
+
+def _numeric_keys() -> list[tuple[str, str]]:
+    """(section, key) of every number in the configuration, found from the models."""
+    from supervisor.config import Config
+
+    out = []
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        if not isinstance(model, type) or not hasattr(model, "model_fields"):
+            continue
+        for key, f in model.model_fields.items():
+            if isinstance(f.default, int | float) and not isinstance(f.default, bool):
+                out.append((section, key))
+    return out
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e308", "-1e308"])
+@pytest.mark.parametrize(("section", "key"), _numeric_keys())
+def test_an_infinite_or_huge_number_anywhere_in_the_config_is_one_error_naming_the_key(
+    section: str, key: str, value: str
+) -> None:
+    head = f"[{section}]\n"
+    text = (
+        MINIMAL.replace(head, f"{head}{key} = {value}\n")
+        if head in MINIMAL
+        else f"{MINIMAL}{head}{key} = {value}\n"
+    )
+    errs = errors_of(text)
+    assert len(errs) == 1 and errs[0].startswith(f"test.toml: {section}.{key}: "), errs
+
+
+def test_every_number_in_the_config_has_a_stated_range() -> None:
+    assert len(_numeric_keys()) > 30  # the walk above found the fields
+    from supervisor.config import Config
+
+    for section, key in _numeric_keys():
+        model = Config.model_fields[section].annotation
+        meta = model.model_fields[key].metadata  # type: ignore[union-attr]
+        assert any(hasattr(m, "le") or hasattr(m, "lt") for m in meta), f"{section}.{key}"
+
+
+def test_an_invalid_regular_expression_is_refused_by_check_config(tmp_path: Path) -> None:
+    errs = errors_of(MINIMAL + '[teardown]\nstray_patterns = ["vllm(", "ok"]\n')
+    assert len(errs) == 1 and "teardown.stray_patterns" in errs[0], errs
+    assert "'vllm(' is not a valid regular expression" in errs[0]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MINIMAL + "[teardown]\nterm_grace_s = inf\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "check-config", str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "teardown.term_grace_s" in r.stderr, r.stderr

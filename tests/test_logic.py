@@ -108,6 +108,19 @@ def test_a_state_file_that_is_a_symlink_is_never_followed(tmp_path: Path) -> Non
         (b'{"cmd": "switch", "mode": "turbo"}', "bad_request"),
         (b'{"cmd": "switch", "mode": "profile", "surprise": 1}', "bad_request"),
         (b'{"v": 2, "cmd": "status"}', "unsupported_version"),
+        # every number from the wire is finite and bounded
+        (b'{"cmd": "switch", "mode": "profile", "for_s": Infinity}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "profile", "for_s": NaN}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "profile", "for_s": 1e309}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "profile", "for_s": 259200000}', "bad_request"),
+        (b'{"cmd": "switch", "mode": "profile", "for_s": -1}', "bad_request"),
+        (b'{"cmd": "capture", "seconds": Infinity}', "bad_request"),
+        (b'{"cmd": "capture", "seconds": 1e300}', "bad_request"),
+        (b'{"cmd": "history", "n": 1e400}', "bad_request"),
+        (b'{"cmd": "history", "n": 99999999999999999999999}', "bad_request"),
+        (b'{"cmd": "capture", "out": "' + b"a" * 5000 + b'"}', "bad_request"),
+        # pathological JSON: a nesting deep enough to exhaust the parser's recursion
+        (b'{"cmd": "status", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "bad_json"),
     ],
 )
 def test_malformed_requests_are_named_precisely(line: bytes, code: str) -> None:
@@ -151,7 +164,7 @@ def test_durations_read_like_an_operator_writes_them(text: str, seconds: float) 
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["2 hours", "h", "-5", "0", "1x"])
+@pytest.mark.parametrize("text", ["2 hours", "h", "-5", "0", "1x", "3000000d", "367d"])
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)
@@ -397,3 +410,72 @@ def test_timed_profile_mode_ends_as_its_table_says(
         assert not policy.profile_expired(R, e.until, _T0)
         assert policy.profile_expired(R, e.until, e.until)
         assert not policy.profile_expired(P, e.until, e.until)
+
+
+def test_a_torn_history_tail_is_cut_before_the_next_record_and_nothing_is_glued(
+    tmp_path: Path,
+) -> None:
+    from supervisor import history
+
+    tmp_path.chmod(0o750)
+    history.append(tmp_path, "incident", {"what": "first"})
+    with open(tmp_path / "history.jsonl", "ab") as f:
+        f.write(b'{"kind": "incident", "what": "torn by a full di')  # no newline: torn
+    history.append(tmp_path, "incident", {"what": "second"})
+    lines = (tmp_path / "history.jsonl").read_bytes().splitlines()
+    assert [json.loads(x)["what"] for x in lines] == ["first", "second"]
+
+
+def test_history_rotates_at_its_size_keeps_k_files_and_reads_across_them(tmp_path: Path) -> None:
+    from supervisor import history
+
+    tmp_path.chmod(0o750)
+    for i in range(40):
+        history.append(tmp_path, "incident", {"n": i, "pad": "x" * 200}, max_bytes=2000, keep=3)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["history.jsonl", "history.jsonl.1", "history.jsonl.2", "history.jsonl.3"]
+    newest = [e["n"] for e in history.read(tmp_path, 12)]
+    assert newest == list(range(28, 40))  # across the rotation, oldest first
+    everything = [e["n"] for e in history.read(tmp_path)]
+    assert everything == sorted(everything) and everything[-1] == 39
+    assert len(everything) < 40  # the oldest file was dropped
+
+
+def test_a_history_file_owned_by_another_user_or_a_link_is_never_appended_to(
+    tmp_path: Path,
+) -> None:
+    from supervisor import history
+    from supervisor.state import StateError
+
+    tmp_path.chmod(0o750)
+    target = tmp_path / "root-only"
+    target.write_text("secret\n")
+    (tmp_path / "history.jsonl").symlink_to(target)
+    with pytest.raises(StateError, match="symlink"):
+        history.append(tmp_path, "incident", {"what": "x"})
+    assert target.read_text() == "secret\n"
+    (tmp_path / "history.jsonl").unlink()
+    (tmp_path / "history.jsonl").write_text("")
+    os.chown(tmp_path / "history.jsonl", 65534, 65534)
+    with pytest.raises(StateError, match="owned by uid 65534"):
+        history.append(tmp_path, "incident", {"what": "x"})
+
+
+def test_reading_the_newest_lines_of_a_large_history_costs_only_those_lines(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    tmp_path.chmod(0o750)
+    line = json.dumps({"kind": "teardown", "pad": "y" * 1000}) + "\n"
+    with open(tmp_path / "history.jsonl", "w") as f:
+        f.write(line * 30_000)  # about 30 MB
+    code = (
+        "import resource, sys; from pathlib import Path; from supervisor import history\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"assert len(history.read(Path({str(tmp_path)!r}), 20)) == 20\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
+    )
+    grown_kb = int(subprocess.check_output([sys.executable, "-c", code], text=True))
+    assert grown_kb < 5_000, f"RSS grew {grown_kb} KiB reading 20 lines of a 30 MB history"

@@ -95,6 +95,7 @@ class Handlers:
                     then=request.then,
                     out=Path(request.out) if request.out else None,
                     uid=conn.peer.uid,
+                    gid=conn.peer.gid,
                 )
             )
             conn.send(reply)

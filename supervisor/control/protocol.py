@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from supervisor.messages import PROTOCOL_VERSION, End, Event, Reply, _Msg
 
@@ -43,41 +43,52 @@ ERROR_CODES = {
     "busy": "another switch is in progress",
     "too_many_clients": "control.max_clients connections are open",
     "stopping": "the daemon is shutting down",
+    "state_error": "the daemon cannot persist the request (a full disk?); nothing was changed",
     "internal": "the daemon failed to answer; see its log",
 }
 
 
-class StatusRequest(_Msg):
+# Numbers from the wire are finite and bounded (allow_inf_nan=False; JSON's Infinity and NaN,
+# which Python's json accepts, are refused): profile mode for at most 366 days, a capture for a day.
+MAX_PROFILE_S = 366 * 86400.0
+MAX_CAPTURE_S = 86400.0
+
+
+class _Request(_Msg):
+    model_config = ConfigDict(**{**_Msg.model_config, "allow_inf_nan": False})
+
+
+class StatusRequest(_Request):
     cmd: Literal["status"] = "status"
 
 
-class HistoryRequest(_Msg):
+class HistoryRequest(_Request):
     cmd: Literal["history"] = "history"
     n: int = Field(default=20, ge=1, le=10_000)
 
 
-class SwitchRequest(_Msg):
+class SwitchRequest(_Request):
     cmd: Literal["switch"] = "switch"
     mode: Literal["production", "profile"]
     follow: bool = True
     # Take over from a switch in progress instead of being refused; cut a capture's flush short.
     force: bool = False
     # profile only: go back to production after this long (asking again extends it).
-    for_s: float | None = Field(default=None, gt=0)
+    for_s: float | None = Field(default=None, gt=0, le=MAX_PROFILE_S)
 
 
-class CaptureRequest(_Msg):
+class CaptureRequest(_Request):
     cmd: Literal["capture"] = "capture"
-    seconds: float | None = Field(default=None, gt=0)  # None: until capture_stop
+    seconds: float | None = Field(default=None, gt=0, le=MAX_CAPTURE_S)  # None: until stopped
     then: Literal["production", "stay"] = "production"
-    out: str | None = None  # an absolute directory for this capture's files
+    out: str | None = Field(default=None, max_length=4096)  # an absolute directory for the files
 
 
-class CaptureStopRequest(_Msg):
+class CaptureStopRequest(_Request):
     cmd: Literal["capture_stop"] = "capture_stop"
 
 
-class SubscribeRequest(_Msg):
+class SubscribeRequest(_Request):
     cmd: Literal["subscribe"] = "subscribe"
 
 
@@ -104,6 +115,10 @@ def parse_request(line: bytes) -> AnyRequest:
         raw = json.loads(line)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError("bad_json", f"the request is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError(
+            "bad_json", "the request is nested too deeply to be a request"
+        ) from None
     if not isinstance(raw, dict):
         raise ProtocolError("bad_request", "the request must be a JSON object")
     if raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:

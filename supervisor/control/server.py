@@ -4,8 +4,12 @@ Safety first: one daemon per socket (an flock on SOCKET.lock, released by the ke
 daemon dies, so a stale socket from a crash is replaced and a live daemon is never displaced);
 the socket's directory must be writable by its owner only; the socket is 0660 root:GROUP; each
 peer's credentials (SO_PEERCRED) are checked again before anything is read, and refusals are
-logged. Lines are capped, idle clients are dropped, a client that goes away mid-stream only ends
-its own thread. Nothing here changes the daemon's state: requests go to `handle`.
+logged. Lines are capped; a request must arrive whole within `idle_timeout_s` (a total
+deadline, so a client trickling a byte a second is dropped too), and a client that does not read
+what it is sent for that long is dropped. Slots are shared out per user: no user other than root
+(and the daemon's own) may hold more than half of the slots, and the last ROOT_RESERVE slots are
+root's, so group members cannot lock root out. A client that goes away mid-stream only ends its
+own thread. Nothing here changes the daemon's state: requests go to `handle`.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import contextlib
 import fcntl
 import grp
 import os
+import select
 import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,8 +100,10 @@ class Connection:
         if not self.alive:
             return True
         try:
+            if not select.select([self.sock], [], [], 0)[0]:
+                return False  # nothing to read, not even the end: still there
             data = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):
             return False
         except OSError:
             self.alive = False
@@ -103,6 +111,42 @@ class Connection:
         if data == b"":
             self.alive = False
         return not self.alive
+
+
+# Slots that only root (and the daemon's own user) may take.
+ROOT_RESERVE = 8
+
+
+class Slots:
+    """Connections held, in all and per user: who may take one more."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.reserve = min(ROOT_RESERVE, max(total // 4, 1)) if total > 1 else 0
+        self.per_user = max((total - self.reserve) // 2, 1)
+        self._held: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, uid: int) -> str | None:
+        """None if `uid` got a slot; else why not."""
+        with self._lock:
+            n = sum(self._held.values())
+            mine = self._held.get(uid, 0)
+            privileged = uid in (0, os.geteuid())
+            if n >= self.total:
+                return f"all {self.total} connections are in use"
+            if not privileged and n >= self.total - self.reserve:
+                return f"the last {self.reserve} connections are kept for root"
+            if not privileged and mine >= self.per_user:
+                return f"uid {uid} already holds {mine} connections (at most {self.per_user})"
+            self._held[uid] = mine + 1
+            return None
+
+    def give_back(self, uid: int) -> None:
+        with self._lock:
+            self._held[uid] -= 1
+            if not self._held[uid]:
+                del self._held[uid]
 
 
 Handler = Callable[[Any, Connection], None]
@@ -126,7 +170,7 @@ class ControlServer:
         self.log = log
         self.max_line_bytes = max_line_bytes
         self.idle_timeout_s = idle_timeout_s
-        self._slots = threading.BoundedSemaphore(max_clients)
+        self._slots = Slots(max_clients)
         self._sock: socket.socket | None = None
         self._lock_fd: int | None = None
         self.group_gid: int | None = None
@@ -225,18 +269,30 @@ class ControlServer:
                 if self._closing:
                     return
                 continue
-            if not self._slots.acquire(blocking=False):
+            try:
+                peer = peer_of(conn)
+            except OSError:
+                conn.close()
+                continue
+            refused = self._slots.take(peer.uid)
+            if refused:
                 with contextlib.suppress(OSError):
-                    conn.sendall(
-                        encode(Reply(ok=False, code="too_many_clients", message="too many clients"))
+                    conn.setblocking(False)
+                    conn.send(
+                        encode(
+                            Reply(
+                                ok=False,
+                                code="too_many_clients",
+                                message=f"too many clients: {refused}; try again later",
+                            )
+                        )
                     )
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: Peer) -> None:
         try:
-            peer = peer_of(sock)
             conn = Connection(sock, peer)
             if not allowed(peer, self.group_gid):
                 self.log("control_refused", level="warning", peer=peer.describe())
@@ -256,7 +312,9 @@ class ControlServer:
                 self.log("control_bad_request", level="warning", peer=peer.describe(), code=e.code)
                 conn.send(Reply(ok=False, code=e.code, message=str(e)))
                 return
-            sock.settimeout(None)
+            # From here on a client that reads nothing for idle_timeout_s is dropped: sends time
+            # out (Connection.send marks it gone), and its thread ends.
+            sock.settimeout(self.idle_timeout_s)
             try:
                 self.handle(request, conn)
             except Exception as e:
@@ -267,17 +325,18 @@ class ControlServer:
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
-            self._slots.release()
+            self._slots.give_back(peer.uid)
 
     def _read_line(self, sock: socket.socket) -> bytes:
-        sock.settimeout(self.idle_timeout_s)
+        deadline = time.monotonic() + self.idle_timeout_s
         buf = b""
         while b"\n" not in buf:
             try:
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk = sock.recv(65536)
             except TimeoutError:
                 raise ProtocolError(
-                    "idle", f"no request within {self.idle_timeout_s:g} s; closing"
+                    "idle", f"no whole request within {self.idle_timeout_s:g} s; closing"
                 ) from None
             if not chunk:
                 if buf.strip():

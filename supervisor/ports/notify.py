@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 
 class Notifier:
@@ -43,6 +44,11 @@ class Notifier:
 
     def extend_timeout(self, seconds: float) -> None:
         self.send(extend_timeout_usec=int(seconds * 1e6))
+
+    def reloading(self, status: str) -> None:
+        """A reload begins; READY=1 ends it (systemd 253's notify-reload wants MONOTONIC_USEC)."""
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.send(reloading=1, status=status, monotonic_usec=usec)
 
     def stopping(self, status: str) -> None:
         self.send(stopping=1, status=status)
