@@ -4,7 +4,8 @@ slow clients, and reading the newest 20 lines of a 100 MB history.
     .venv/bin/python -m bench.faults_bench [--runs 200] [--write docs/performance.md]
 
 The flood: a process running as uid 65534 (in the sandbox's control group) opens 150
-connections and sends one byte of a request every 0.3 s on each, never a whole line. Meanwhile
+connections and sends one byte of a request every 0.3 s on each, never a whole line; each one
+the daemon drops (refused, or past the request deadline) is opened again at once. Meanwhile
 root asks for status `--runs` times. The history read runs in a fresh process, which reports its
 wall time and how much its peak RSS grew.
 """
@@ -34,11 +35,16 @@ for _ in range(int(sys.argv[2])):
 print("connected", flush=True)
 end = time.monotonic() + float(sys.argv[3])
 while time.monotonic() < end:
-    for s in socks:
+    for i, s in enumerate(socks):  # a byte at a time; a dropped client comes straight back
         try:
             s.send(b" ")
         except OSError:
-            pass
+            s.close()
+            socks[i] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                socks[i].connect(sys.argv[1])
+            except OSError:
+                pass
     time.sleep(0.3)
 """
 

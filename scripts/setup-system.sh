@@ -10,6 +10,13 @@ command -v dbus-daemon >/dev/null 2>&1 || need="$need dbus-daemon"
 command -v unshare >/dev/null 2>&1 || need="$need util-linux"
 command -v gcc >/dev/null 2>&1 || need="$need gcc"
 command -v fuser >/dev/null 2>&1 || need="$need psmisc"
+command -v make >/dev/null 2>&1 || need="$need make"
+# /bin/kill for the units' ExecReload; the user manager joins its session bus through
+# dbus-user-session (without it the manager "did not come up in 30 s").
+[ -x /bin/kill ] || [ -x /usr/bin/kill ] || need="$need procps"
+[ -e /usr/lib/systemd/user/dbus.socket ] || need="$need dbus-user-session"
+command -v setpriv >/dev/null 2>&1 || need="$need util-linux"
+command -v nsenter >/dev/null 2>&1 || need="$need util-linux"
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need="$need python3-venv"
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
   || need="$need python3-dev"

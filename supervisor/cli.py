@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from supervisor.config import Config, ConfigError, load_config
+from supervisor.version import package_version
 
 if TYPE_CHECKING:
     from supervisor.model import TeardownReport
@@ -70,6 +71,17 @@ def cmd_teardown(args: argparse.Namespace) -> int:
     from supervisor.teardown import Teardown
 
     config = load_config(_config_path(args.config))
+    from supervisor.control.server import running_daemon
+
+    pid = running_daemon(config.control.socket)
+    if pid is not None:
+        print(
+            f"kimi-supervisor teardown: the daemon is running (PID {pid}) and would bring vLLM "
+            "back: `systemctl stop kimi-supervisor` tears down by itself; run this only while "
+            "it is stopped",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     systemd, gpu = _ports(config)
     indices = managed_indices(config, gpu)
     base = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
@@ -257,6 +269,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-supervisor", description=__doc__)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("check-config", help="validate a config file and print the effective config")

@@ -53,6 +53,7 @@ from supervisor.lifecycle import Lifecycle
 from supervisor.messages import Reply
 from supervisor.metrics import Metrics
 from supervisor.model import Mode, utcnow
+from supervisor.ports import processes
 from supervisor.ports.clock import Clock, SystemClock
 from supervisor.ports.gpu import GpuPort
 from supervisor.ports.notify import Notifier
@@ -266,6 +267,12 @@ class Daemon:
                 if reply.code == "accepted":
                     self._next_step = 0.0  # act on it now (or when the teardown ends)
                 return reply
+            case Stop() if self._restarting():
+                # `systemctl restart kimi-supervisor` (an upgrade reflex) must not cost a model
+                # load: this daemon exits and the next one adopts vLLM, as after a crash.
+                self.ctx.log("restarting", message="vLLM keeps running and is adopted")
+                s.stopped_clean = True
+                return ok.model_copy(update={"message": "restarting"})
             case Stop():
                 s.stop_requested = True
                 return ok.model_copy(update={"message": "stopping"})
@@ -291,6 +298,14 @@ class Daemon:
                 self._main_exited(pid)
                 self._next_step = 0.0
         return ok
+
+    def _restarting(self) -> bool:
+        """A SIGTERM that is the stop half of a restart job for the daemon's own unit."""
+        unit = processes.unit_of(os.getpid())
+        try:
+            return bool(unit) and self.ctx.systemd.pending_job(unit) == "restart"
+        except SystemdError:
+            return False
 
     def _step(self) -> None:
         """Observe, decide, act: only while no teardown runs."""

@@ -26,6 +26,7 @@ from supervisor.control.render import (
     format_history,
     format_status,
 )
+from supervisor.version import package_version
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_TIMEOUT, EXIT_INTERRUPTED = (
     0,
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 done, 1 failed or STUCK, 2 usage, 3 daemon unreachable or "
         "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(
         dest="cmd", required=True, metavar="{production,profile,capture,status,history}"
     )

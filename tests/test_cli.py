@@ -86,3 +86,18 @@ def test_the_incidents_ghost_planted_from_the_cli_is_cleared_and_the_monitor_lef
     assert f"killed PID {helper.pid} (pt_data_worker) in kill_gpu_holders" in r.stdout
     assert "open and mapped" in r.stdout
     assert processes.is_alive(monitor)
+
+
+def test_both_commands_say_their_version() -> None:
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    for module, prog in (
+        ("supervisor.cli", "kimi-supervisor"),
+        ("supervisor.kimi_mode", "kimi-mode"),
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", module, "--version"], capture_output=True, text=True
+        )
+        assert r.returncode == 0 and r.stdout.strip() == f"{prog} {version('kimi-supervisor')}"

@@ -300,3 +300,35 @@ def test_vllms_death_while_serving_wakes_the_daemon_through_its_pidfd_not_at_the
     assert exited < died, "the pidfd woke the loop before any tick observed the death"
     daemon.wait_serving("production", 30)
     assert daemon.vllm_pid() != old
+
+
+def test_a_manual_teardown_is_refused_while_the_daemon_runs_and_says_how_to_stop_it(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    from .test_cli import cli
+
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm = daemon.vllm_pid()
+    r = cli(sandbox, "teardown")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"the daemon is running (PID {daemon.pid()})" in r.stderr
+    assert "systemctl stop kimi-supervisor" in r.stderr
+    assert daemon.vllm_pid() == vllm and daemon.status()["state"] == "serving"
+
+
+def test_systemctl_restart_of_the_daemon_adopts_vllm_instead_of_tearing_it_down(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm, first = daemon.vllm_pid(), daemon.pid()
+    teardowns = len([e for e in daemon.history() if e["kind"] == "teardown"])
+    sandbox.sb.manager.systemctl("restart", DAEMON_UNIT)
+    wait_until(lambda: daemon.pid() not in (0, first), 20, "the new daemon")
+    status = daemon.wait_serving("production")
+    assert daemon.vllm_pid() == vllm == status["unit"]["main_pid"]  # never reloaded
+    assert len([e for e in daemon.history() if e["kind"] == "teardown"]) == teardowns
+    # A stop still tears down: only a restart leaves vLLM running.
+    daemon.stop()
+    assert sandbox.systemd.status("vllm-kimi-k25.service").inactive

@@ -309,3 +309,38 @@ def test_a_slow_client_flood_from_a_group_member_never_locks_root_out(
     # those let in sent a byte at a time and were dropped at the total deadline (2 s here).
     assert refused == 150 - 60 and idle == 60, out
     assert max(took) < 2.0, took
+
+
+def test_a_transition_recorded_just_before_a_kill_is_not_recorded_again_after_restart(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    assert daemon.kimi_mode("profile").returncode == 0
+    daemon.wait_serving("profile")
+    (last,) = [e for e in daemon.transitions() if e["target"] == "profile"][-1:]
+    # Killed between appending the transition's record and clearing it from state.json: put
+    # the transition back, as that kill would have left it.
+    daemon.override("Restart=no\n")
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to die")
+    path = sandbox.config.state.dir / "state.json"
+    st = json.loads(path.read_text())
+    st["transition"] = {
+        "id": last["id"],
+        "target": "profile",
+        "previous": "production",
+        "kind": "switch",
+        "reason": last["reason"],
+        "requested_by": last["requested_by"],
+        "started_at": last["started_at"],
+        "step": "starting",
+        "step_changed_at": last["started_at"],
+    }
+    path.write_text(json.dumps(st))
+    sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
+    since = len(daemon.log())
+    daemon.start()
+    daemon.wait_serving("profile")  # adopted: the interrupted transition ends "ready" again
+    wait_until(lambda: '"adopted"' in daemon.log()[since:], 10, "the adoption")
+    assert [e["id"] for e in daemon.transitions()].count(last["id"]) == 1

@@ -22,24 +22,44 @@ class TimedOut(Exception):
 
 
 def connect(path: Path, timeout_s: float = 5.0) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout_s)
-    try:
-        sock.connect(str(path))
-    except OSError as e:
-        sock.close()
-        if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
-            raise Unreachable(
-                f"kimi-supervisor is not running (no daemon at {path}): "
-                "`systemctl start kimi-supervisor`, or pass --socket"
-            ) from None
-        if e.errno == errno.EACCES:
-            raise Unreachable(
-                f"permission denied on {path}: be root or a member of the daemon's control "
-                "group (default `kimi`: `sudo usermod -aG kimi $USER`, then log in again)"
-            ) from None
-        raise Unreachable(f"cannot connect to {path}: {e.strerror or e}") from None
-    return sock
+    """Connect within `timeout_s`. A Unix socket whose listen queue is full refuses a
+    non-blocking connect with EAGAIN at once (a flood of other clients): tried again until the
+    deadline, instead of failing."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + pause >= deadline:
+                raise Unreachable(
+                    f"{path}: the daemon's connection queue stayed full for {timeout_s:g} s"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        except OSError as e:
+            sock.close()
+            raise _unreachable(path, e) from None
+
+
+def _unreachable(path: Path, e: OSError) -> Unreachable:
+    if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return Unreachable(
+            f"kimi-supervisor is not running (no daemon at {path}): "
+            "`systemctl start kimi-supervisor`, or pass --socket"
+        )
+    if e.errno == errno.EACCES:
+        return Unreachable(
+            f"permission denied on {path}: be root or a member of the daemon's control "
+            "group (default `kimi`: `sudo usermod -aG kimi $USER`, then log in again)"
+        )
+    return Unreachable(f"cannot connect to {path}: {e.strerror or e}")
 
 
 def exchange(

@@ -113,6 +113,22 @@ class Connection:
         return not self.alive
 
 
+def running_daemon(path: Path) -> int | None:
+    """The PID of the daemon that holds `path`'s lock (SOCKET.lock), or None if none runs."""
+    try:
+        fd = os.open(f"{path}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        text = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        return int(text) if text.isdigit() else -1
+    finally:
+        os.close(fd)
+    return None
+
+
 # Slots that only root (and the daemon's own user) may take.
 ROOT_RESERVE = 8
 
@@ -243,7 +259,7 @@ class ControlServer:
             os.umask(old)
         os.chown(self.path, -1, self.group_gid if self.group_gid is not None else -1)
         os.chmod(self.path, 0o660 if self.group_gid is not None else 0o600)
-        sock.listen(64)
+        sock.listen(512)  # a burst of clients waits in the kernel's queue, not refused
         self._sock = sock
         threading.Thread(target=self._accept_loop, daemon=True, name="control-accept").start()
 

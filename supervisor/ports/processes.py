@@ -127,6 +127,14 @@ def cgroup_of(pid: int) -> str:
     return v1
 
 
+def unit_of(pid: int) -> str:
+    """The systemd service a process runs in (the last `.service` of its cgroup path), or ""."""
+    for part in reversed(cgroup_of(pid).split("/")):
+        if part.endswith(".service"):
+            return part
+    return ""
+
+
 def boot_time() -> float:
     for line in (PROC / "stat").read_text().splitlines():
         if line.startswith("btime "):

@@ -42,6 +42,7 @@ class SystemdPort(Protocol):
     def reset_failed(self, unit: str) -> None: ...
     def cgroup_pids(self, unit: str) -> list[int]: ...
     def daemon_reload(self) -> None: ...
+    def pending_job(self, unit: str) -> str: ...
 
 
 def _s(v: Any) -> str:
@@ -185,6 +186,14 @@ class PystemdSystemd:
     def daemon_reload(self) -> None:
         self._call("daemon-reload", self._manager().Manager.Reload)
 
+    def pending_job(self, unit: str) -> str:
+        """The type of the job queued or running for `unit` ("restart", "stop", ...), or ""."""
+        rows = self._call("listing jobs", self._manager().Manager.ListJobs)
+        for _id, name, kind, *_rest in rows:
+            if _s(name) == unit:
+                return _s(kind)
+        return ""
+
 
 class NoSystemd:
     """For hosts without systemd (the lent GPU test host): the unit is reported not loaded and
@@ -211,3 +220,6 @@ class NoSystemd:
 
     def daemon_reload(self) -> None:
         pass
+
+    def pending_job(self, unit: str) -> str:
+        return ""
