@@ -29,7 +29,6 @@ import threading
 from typing import Any
 
 from supervisor import boot
-from supervisor.capture import Capture
 from supervisor.commands import (
     CaptureDone,
     CaptureStart,
@@ -59,7 +58,7 @@ from supervisor.ports.gpu import GpuPort
 from supervisor.ports.notify import Notifier
 from supervisor.ports.output import OutputPort
 from supervisor.ports.systemd import SystemdError, SystemdPort
-from supervisor.reconcile import Intent, Observed, State, decide
+from supervisor.reconcile import Observed, State, decide
 from supervisor.state import StateStore
 from supervisor.status import Status, build, status_line
 from supervisor.wakeup import Wakeup
@@ -287,7 +286,7 @@ class Daemon:
             case CaptureStop():
                 return self.desk.capture_stop(msg)
             case CaptureDone(capture=c):
-                self._capture_done(c)
+                self.desk.capture_done(c)
                 self._next_step = 0.0
             case JobEvent():
                 self.life.job_event(msg)
@@ -344,24 +343,6 @@ class Daemon:
             elif s.unhealthy_since is None:
                 s.unhealthy_since = now
         return obs
-
-    def _capture_done(self, c: Capture) -> None:
-        s = self.s
-        record = {
-            **c.describe(),
-            "finished_at": utcnow().isoformat(),
-            "ok": c.ok,
-            "message": c.message,
-            "folder": str(c.folder) if c.folder else None,
-        }
-        self.ctx.record("capture", record)
-        if s.capture is c:
-            s.capture = None
-        if c.spec.then == "production" and s.desired is Mode.PROFILE:
-            by = f"capture {c.id} (--then production)"
-            self.ctx.desire(Mode.PRODUCTION, by)
-            self.desk.set_expiry(Mode.PRODUCTION, None, "capture")
-            s.intent = Intent(Mode.PRODUCTION, by)
 
     def _main_exited(self, pid: int) -> None:
         """vLLM's MainPID exited (its pidfd said so). Told at once; then the unit is read until

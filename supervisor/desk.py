@@ -212,6 +212,26 @@ class Desk:
             data={"capture": c.describe()},
         )
 
+    def capture_done(self, c: Capture) -> None:
+        """A capture ended (traces flushed, or it failed): recorded, and with `--then
+        production` production is desired again (the switch waits for nothing now)."""
+        s = self.ctx.s
+        record = {
+            **c.describe(),
+            "finished_at": utcnow().isoformat(),
+            "ok": c.ok,
+            "message": c.message,
+            "folder": str(c.folder) if c.folder else None,
+        }
+        self.ctx.record("capture", record)
+        if s.capture is c:
+            s.capture = None
+        if c.spec.then == "production" and s.desired is Mode.PROFILE:
+            by = f"capture {c.id} (--then production)"
+            self.ctx.desire(Mode.PRODUCTION, by)
+            self.set_expiry(Mode.PRODUCTION, None, "capture")
+            s.intent = Intent(Mode.PRODUCTION, by)
+
     def capture_stop(self, r: CaptureStop) -> Reply:
         c = self.ctx.s.capture
         if c is None or c.phase not in ("starting", "recording"):

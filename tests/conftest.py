@@ -345,3 +345,14 @@ def daemon(sandbox: SandboxHelper) -> Iterator[DaemonHelper]:
         if helper.dropin.exists():
             helper.dropin.unlink()
             helper.sb.manager.systemctl("daemon-reload")
+
+
+@pytest.fixture
+def profiling(sandbox: SandboxHelper, daemon: DaemonHelper) -> DaemonHelper:
+    """The daemon serving profile mode (no expiry), with an empty captures folder."""
+    for folder in sandbox.config.profiling.captures_dir.glob("*"):
+        subprocess.run(["rm", "-rf", str(folder)], check=True)
+    daemon.reset_state(desired="profile")
+    daemon.start()
+    daemon.wait_serving("profile")
+    return daemon

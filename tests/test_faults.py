@@ -10,6 +10,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,3 +346,41 @@ def test_a_transition_recorded_just_before_a_kill_is_not_recorded_again_after_re
     daemon.wait_serving("profile")  # adopted: the interrupted transition ends "ready" again
     wait_until(lambda: '"adopted"' in daemon.log()[since:], 10, "the adoption")
     assert [e["id"] for e in daemon.transitions()].count(last["id"]) == 1
+
+
+def test_traces_go_where_out_was_opened_owned_by_who_asked_even_if_the_path_becomes_a_link(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    base = Path(tempfile.mkdtemp(prefix="kimi-out-"))
+    try:
+        base.chmod(0o755)
+        mine, secret = base / "mine", base / "root-only"
+        mine.mkdir()
+        os.chown(mine, 65534, 65534)
+        secret.mkdir(mode=0o700)
+        sandbox.fake(profile_flush_s=0.5)
+        result: list[subprocess.CompletedProcess[str]] = []
+        asked = threading.Thread(
+            target=lambda: result.append(
+                profiling.kimi_mode(
+                    "capture", "--seconds", "1.5", "--then", "stay", "--out", str(mine),
+                    preexec=["setpriv", "--reuid=65534", "--regid=65534", "--groups=100"],
+                )
+            )
+        )  # fmt: skip
+        asked.start()
+        profiling.wait_status(
+            lambda s: (s.get("capture") or {}).get("phase") == "recording", 20, "recording"
+        )
+        # The asker swaps the directory for a link to a root-only one while it records.
+        mine.rename(base / "moved")
+        mine.symlink_to(secret)
+        asked.join(60)
+        assert result and result[0].returncode == 0, result and result[0].stderr
+        assert list(secret.iterdir()) == []  # nothing created through the link
+        (folder,) = (base / "moved").iterdir()
+        traces = list(folder.iterdir())
+        assert len(traces) == 4
+        assert {p.stat().st_uid for p in [folder, *traces]} == {65534}  # the asker's
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=True)
