@@ -3,7 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint typecheck pytest bench demo clean
+.PHONY: setup test lint typecheck pytest bench demo clean install
+
+# `make install` (as root): the package in its own virtualenv under PREFIX, the commands in
+# BINDIR, the units, sysusers.d and tmpfiles.d, the config (kept if present) and the docs.
+# DESTDIR stages it elsewhere (a package build, or the tests); then nothing is activated.
+PREFIX ?= /opt/kimi-supervisor
+BINDIR ?= /usr/local/bin
+UNITDIR ?= /etc/systemd/system
+SYSCONFDIR ?= /etc
+DESTDIR ?=
 
 setup: $(VENV)/.installed
 
@@ -42,3 +51,6 @@ demo: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+install:
+	sh scripts/install.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" "$(PYTHON)"

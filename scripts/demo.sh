@@ -28,8 +28,9 @@ step "kimi-mode production: the daemon brought production up at boot"
 
 step "the incident's ghost: python3 train.py took 30 GiB on GPUs 0-3, forked a helper and died"
 # NVML keeps listing the dead PID; the helper, named like nothing, holds the memory.
-"$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu 0,1,2,3 --mib 30720 \
-  --title "python3 train.py" --helper "pt_data_worker"
+HELPER=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu 0,1,2,3 --mib 30720 \
+  --title "python3 train.py" --helper "pt_data_worker")
+echo "the helper holding the memory: PID $HELPER ($(cat "/proc/$HELPER/comm"))"
 step "bystanders: nvtop and nvidia-persistenced have every device file open, as NVML clients do"
 NVTOP=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu all --mib 0 --title nvtop)
 PERSISTENCED=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu all --mib 0 \
@@ -38,8 +39,18 @@ PERSISTENCED=$("$BIN/kimi-supervisor" sandbox ghost --dir "$DIR" --gpu all --mib
 
 step "kimi-mode profile: teardown (the helper is found open-and-mapped and killed), then profile"
 "$BIN/kimi-mode" profile
+# The demo fails unless the ghost's helper is gone and every bystander lives.
+if [ -d "/proc/$HELPER" ] && [ "$(cut -d' ' -f3 "/proc/$HELPER/stat")" != Z ]; then
+  echo "DEMO FAILED: the ghost's helper PID $HELPER still runs: the teardown did not kill it" >&2
+  exit 1
+fi
+echo "the ghost's helper PID $HELPER was killed"
 for pid in "$NVTOP" "$PERSISTENCED"; do
-  kill -0 "$pid" && echo "bystander PID $pid ($(cat "/proc/$pid/comm")) is still running"
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "DEMO FAILED: bystander PID $pid was killed" >&2
+    exit 1
+  fi
+  echo "bystander PID $pid ($(cat "/proc/$pid/comm")) is still running"
 done
 
 step "kimi-mode production: back again"

@@ -1,0 +1,80 @@
+"""`make install` as an operator runs it, staged with DESTDIR: the virtualenv, the commands, the
+units, sysusers.d and tmpfiles.d, the config and the docs, and a second install (an upgrade)
+that keeps the operator's config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "/opt/kimi-supervisor"
+
+
+def _install(dest: Path) -> subprocess.CompletedProcess[str]:
+    python = shutil.which("python3") or sys.executable
+    return subprocess.run(
+        ["sh", "scripts/install.sh", str(dest), PREFIX, "/usr/local/bin", "/etc/systemd/system",
+         "/etc", python],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def staged() -> Iterator[Path]:
+    dest = Path(tempfile.mkdtemp(prefix="kimi-install-"))
+    try:
+        r = _install(dest)
+        assert r.returncode == 0, r.stdout + r.stderr
+        yield dest
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def test_make_install_stages_the_package_commands_units_and_config(staged: Path) -> None:
+    from supervisor.version import package_version
+
+    for path in (
+        "etc/systemd/system/kimi-supervisor.service",
+        "etc/systemd/system/vllm-kimi-k25.service",
+        "usr/lib/sysusers.d/kimi-supervisor.conf",
+        "usr/lib/tmpfiles.d/kimi-supervisor.conf",
+        "etc/kimi-supervisor/kimi-supervisor.toml",
+        "opt/kimi-supervisor/docs/operations.md",  # the units' Documentation=
+    ):
+        assert (staged / path).is_file(), path
+    for cmd in ("kimi-supervisor", "kimi-mode"):
+        link = staged / "usr/local/bin" / cmd
+        assert link.is_symlink() and str(link.readlink()) == f"{PREFIX}/bin/{cmd}"
+        script = staged / PREFIX.lstrip("/") / "bin" / cmd
+        assert script.read_text().splitlines()[0].startswith(f"#!{PREFIX}/bin/python")
+    venv_python = staged / PREFIX.lstrip("/") / "bin" / "python3"
+    r = subprocess.run(
+        [str(venv_python), "-m", "supervisor.cli", "--version"], capture_output=True, text=True
+    )
+    assert r.stdout.strip() == f"kimi-supervisor {package_version()}", r.stderr
+    r = subprocess.run(
+        [str(venv_python), "-m", "supervisor.cli", "check-config",
+         str(staged / "etc/kimi-supervisor/kimi-supervisor.toml")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "g kimi" in (staged / "usr/lib/sysusers.d/kimi-supervisor.conf").read_text()
+
+
+def test_an_upgrade_keeps_the_operators_config_and_ships_the_new_one_beside_it(
+    staged: Path,
+) -> None:
+    conf = staged / "etc/kimi-supervisor/kimi-supervisor.toml"
+    conf.write_text(conf.read_text() + "\n# the operator's edit\n")
+    r = _install(staged)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert conf.read_text().endswith("# the operator's edit\n")
+    assert (conf.parent / "kimi-supervisor.toml.dist").is_file()
+    assert "kept your" in r.stdout
