@@ -17,6 +17,9 @@ command -v make >/dev/null 2>&1 || need="$need make"
 [ -e /usr/lib/systemd/user/dbus.socket ] || need="$need dbus-user-session"
 command -v setpriv >/dev/null 2>&1 || need="$need util-linux"
 command -v nsenter >/dev/null 2>&1 || need="$need util-linux"
+# The booted-host tests: a Debian 12 root file system booted under its own systemd.
+command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
+command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need="$need python3-venv"
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
   || need="$need python3-dev"

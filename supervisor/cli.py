@@ -213,6 +213,51 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK if daemon.s.stopped_clean else EXIT_FAILED
 
 
+# How long `kimi-supervisor reload` waits for the new image (a teardown in progress finishes
+# before the daemon re-executes).
+RELOAD_WAIT_S = 900.0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """ExecReload: SIGHUP to the daemon, then wait until the re-executed image answers, so that
+    `systemctl reload` returns with the new daemon up (systemd 252 does not wait for READY=1)."""
+    import signal
+    import time
+
+    from supervisor.control.client import Unreachable, exchange
+    from supervisor.ports import processes
+
+    config = load_config(_config_path(args.config))
+    path = config.control.socket
+
+    def started_at() -> str | None:
+        try:
+            for _raw, msg in exchange(path, {"cmd": "status"}, timeout_s=5):
+                return str(msg.get("data", {}).get("daemon", {}).get("started_at"))
+        except (Unreachable, OSError, TimeoutError):
+            return None
+        return None
+
+    before = started_at()
+    ref = processes.ref_of(args.pid)
+    if ref is None:
+        print(f"kimi-supervisor reload: no process {args.pid}", file=sys.stderr)
+        return EXIT_FAILED
+    processes.send_signal(ref, signal.SIGHUP)
+    deadline = time.monotonic() + RELOAD_WAIT_S
+    while time.monotonic() < deadline:
+        now = started_at()
+        if now is not None and now != before:
+            return EXIT_OK
+        time.sleep(0.05)
+    print(
+        f"kimi-supervisor reload: the daemon did not come back within {RELOAD_WAIT_S:g} s "
+        "(`journalctl -u kimi-supervisor`)",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
 def cmd_launch_vllm(args: argparse.Namespace) -> int:
     from supervisor.launcher import LaunchError, exec_vllm
 
@@ -284,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", default=None)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(fn=cmd_teardown)
+
+    c = sub.add_parser(
+        "reload", help="re-execute the daemon and wait until it is back (the unit's ExecReload)"
+    )
+    c.add_argument("--config", default=None)
+    c.add_argument("--pid", type=int, required=True, help="the daemon's PID ($MAINPID)")
+    c.set_defaults(fn=cmd_reload)
 
     c = sub.add_parser("run", help="the daemon (started by kimi-supervisor.service)")
     c.add_argument("--config", default=None)

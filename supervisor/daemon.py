@@ -266,12 +266,13 @@ class Daemon:
                 if reply.code == "accepted":
                     self._next_step = 0.0  # act on it now (or when the teardown ends)
                 return reply
-            case Stop() if self._restarting():
+            case Stop() if why := self._stop_without_teardown():
                 # `systemctl restart kimi-supervisor` (an upgrade reflex) must not cost a model
-                # load: this daemon exits and the next one adopts vLLM, as after a crash.
-                self.ctx.log("restarting", message="vLLM keeps running and is adopted")
+                # load: the next daemon adopts vLLM, as after a crash. At a system shutdown
+                # systemd stops vLLM itself, gracefully, once this daemon has exited.
+                self.ctx.log("exiting_without_teardown", message=why)
                 s.stopped_clean = True
-                return ok.model_copy(update={"message": "restarting"})
+                return ok.model_copy(update={"message": why})
             case Stop():
                 s.stop_requested = True
                 return ok.model_copy(update={"message": "stopping"})
@@ -298,13 +299,19 @@ class Daemon:
                 self._next_step = 0.0
         return ok
 
-    def _restarting(self) -> bool:
-        """A SIGTERM that is the stop half of a restart job for the daemon's own unit."""
-        unit = processes.unit_of(os.getpid())
+    def _stop_without_teardown(self) -> str:
+        """Why this SIGTERM must not tear vLLM down ("" if it must): the stop half of a restart
+        job for the daemon's own unit, or the system going down (a job for shutdown.target)."""
         try:
-            return bool(unit) and self.ctx.systemd.pending_job(unit) == "restart"
+            jobs = self.ctx.systemd.jobs()
         except SystemdError:
-            return False
+            return ""
+        unit = processes.unit_of(os.getpid())
+        if unit and jobs.get(unit) == "restart":
+            return "restarting: vLLM keeps running and is adopted by the next daemon"
+        if jobs.get("shutdown.target") == "start":
+            return "the system is shutting down: systemd stops vLLM after this daemon"
+        return ""
 
     def _step(self) -> None:
         """Observe, decide, act: only while no teardown runs."""
@@ -335,7 +342,8 @@ class Daemon:
     def _observe(self) -> Observed | None:
         s = self.s
         serving = s.serving.pid if s.serving and s.state is State.SERVING else 0
-        obs = self.ctx.observer.observe(serving, s.indices, s.baselines)
+        starting = s.state is State.STARTING
+        obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting)
         if obs is not None:
             now = self.ctx.clock.monotonic()
             if obs.healthy or not obs.unit_up:

@@ -49,10 +49,23 @@ class Observer:
         self._titles: dict[int, str] = {}
 
     def observe(
-        self, serving_pid: int, indices: list[int], baselines: dict[int, int]
+        self,
+        serving_pid: int,
+        indices: list[int],
+        baselines: dict[int, int],
+        starting: bool = False,
     ) -> Observed | None:
         """The unit, its /health and the GPUs. `serving_pid`: the MainPID the loop serves (0:
-        none); while it is the unit's MainPID, /health and the GPUs are reused for a while."""
+        none); while it is the unit's MainPID, /health and the GPUs are reused for a while.
+        `starting`: the loop started the unit; a unit not up yet is then asked for its job."""
+        job = ""
+        if starting:
+            # Read before the unit's state: a start job seen here and a unit still inactive
+            # below means the job is queued (or has just ended, which the next pass sees).
+            try:
+                job = self.systemd.jobs().get(self.unit, "")
+            except SystemdError:
+                job = ""
         try:
             st = self.systemd.status(self.unit)
         except SystemdError as e:
@@ -79,6 +92,7 @@ class Observer:
             gpus_clean=clean,
             result=st.result,
             exec_main_status=st.exec_main_status,
+            job=job,
         )
 
     def forget_health(self) -> None:

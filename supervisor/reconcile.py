@@ -7,7 +7,8 @@ again from what it sees. Read top to bottom:
     an operator's switch, while a capture flushes, no --force -> HOLD_FOR_CAPTURE
     an operator's switch                                      -> SWITCH (ends a load under way)
     FAILED                         -> nothing until an operator asks for a mode
-    STARTING   unit gone           -> START_FAILED
+    STARTING   start job queued    -> nothing (systemd holds it for the unit's dependencies)
+               unit gone           -> START_FAILED
                /health 200         -> READY
                past the deadline   -> START_FAILED
     BACKOFF, STUCK  when due       -> RETRY (teardown to clean, then start)
@@ -60,6 +61,7 @@ class Observed:
     gpus_clean: bool
     result: str = ""
     exec_main_status: int = 0
+    job: str = ""  # a job systemd holds for the unit ("start": queued behind its dependencies)
 
     @property
     def unit_up(self) -> bool:
@@ -149,6 +151,9 @@ def _decide(
 
     if s is State.STARTING:
         # STARTING -> SERVING, or -> teardown (and rollback or backoff)
+        if not obs.unit_up and obs.job == "start":
+            # At boot the start job waits for the unit's After= dependencies (the network).
+            return Action(Do.NOTHING, "the start job is queued behind the unit's dependencies")
         if not obs.unit_up:
             return Action(Do.START_FAILED, f"the unit stopped during start ({obs.describe_unit()})")
         if obs.healthy:

@@ -172,6 +172,16 @@ def _metrics(daemon: DaemonHelper) -> str:
         return r.read().decode()  # type: ignore[no-any-return]
 
 
+def _refused_start(sandbox: SandboxHelper, daemon: DaemonHelper, expect: str) -> str:
+    """Start the daemon, expecting it to refuse: returns what it printed, once it has exited."""
+    sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
+    since = len(daemon.log())
+    daemon.start(wait=False)
+    wait_until(lambda: expect in daemon.log()[since:], 20, f"the daemon to refuse: {expect}")
+    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to exit")
+    return daemon.log()[since:]
+
+
 def test_a_state_dir_others_can_write_is_refused_at_start_with_what_to_fix(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
@@ -186,17 +196,12 @@ def test_a_state_dir_others_can_write_is_refused_at_start_with_what_to_fix(
         # a 30 GiB ghost look clean.
         (state_dir / "history.jsonl").unlink(missing_ok=True)
         (state_dir / "history.jsonl").symlink_to(secret)
-        daemon.start(wait=False)
-        wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to refuse")
-        assert "writable by its group or by others" in daemon.log()
-        assert f"chmod go-w {state_dir}" in daemon.log()
+        said = _refused_start(sandbox, daemon, "writable by its group or by others")
+        assert f"chmod go-w {state_dir}" in said
         assert secret.read_text() == "root's\n"  # nothing appended through the link
         # Fixed as told, with the planted link still there: the link is refused, never followed.
         state_dir.chmod(mode)
-        sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
-        daemon.start(wait=False)
-        wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to refuse")
-        assert "is a symlink" in daemon.log()
+        _refused_start(sandbox, daemon, "is a symlink")
         assert secret.read_text() == "root's\n"
     finally:
         state_dir.chmod(mode)
@@ -217,10 +222,8 @@ def test_a_planted_state_file_owned_by_another_user_is_refused_and_its_baseline_
     try:
         path.write_text(json.dumps(st))
         os.chown(path, 65534, 65534)
-        daemon.start(wait=False)
-        wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to refuse")
-        assert f"{path} is owned by uid 65534" in daemon.log()
-        assert f"chown 0 {path}" in daemon.log()
+        said = _refused_start(sandbox, daemon, f"{path} is owned by uid 65534")
+        assert f"chown 0 {path}" in said
         # The operator removes the planted file: the daemon starts, and calibrates afresh.
         path.unlink()
         sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)

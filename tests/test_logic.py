@@ -479,3 +479,11 @@ def test_reading_the_newest_lines_of_a_large_history_costs_only_those_lines(
     )
     grown_kb = int(subprocess.check_output([sys.executable, "-c", code], text=True))
     assert grown_kb < 5_000, f"RSS grew {grown_kb} KiB reading 20 lines of a 30 MB history"
+
+
+def test_a_start_job_queued_behind_the_units_dependencies_is_waited_for_not_failed() -> None:
+    queued = Observed("inactive", "dead", 0, None, -1, True, job="start")
+    mem = Memory(State.STARTING, start_deadline=100)
+    assert decide(P, mem, queued, 0, 60).do is Do.NOTHING
+    gone = Observed("inactive", "dead", 0, None, -1, True)
+    assert decide(P, mem, gone, 0, 60).do is Do.START_FAILED

@@ -42,7 +42,7 @@ class SystemdPort(Protocol):
     def reset_failed(self, unit: str) -> None: ...
     def cgroup_pids(self, unit: str) -> list[int]: ...
     def daemon_reload(self) -> None: ...
-    def pending_job(self, unit: str) -> str: ...
+    def jobs(self) -> dict[str, str]: ...
 
 
 def _s(v: Any) -> str:
@@ -186,13 +186,10 @@ class PystemdSystemd:
     def daemon_reload(self) -> None:
         self._call("daemon-reload", self._manager().Manager.Reload)
 
-    def pending_job(self, unit: str) -> str:
-        """The type of the job queued or running for `unit` ("restart", "stop", ...), or ""."""
+    def jobs(self) -> dict[str, str]:
+        """Unit -> the type of the job queued or running for it ("restart", "start", ...)."""
         rows = self._call("listing jobs", self._manager().Manager.ListJobs)
-        for _id, name, kind, *_rest in rows:
-            if _s(name) == unit:
-                return _s(kind)
-        return ""
+        return {_s(name): _s(kind) for _id, name, kind, *_rest in rows}
 
 
 class NoSystemd:
@@ -221,5 +218,5 @@ class NoSystemd:
     def daemon_reload(self) -> None:
         pass
 
-    def pending_job(self, unit: str) -> str:
-        return ""
+    def jobs(self) -> dict[str, str]:
+        return {}

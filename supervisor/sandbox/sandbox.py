@@ -258,6 +258,8 @@ class Sandbox:
             "[Service]\n"
             "ExecStart=\n"
             f"ExecStart={launcher} run --config {self.config_path}\n"
+            "ExecReload=\n"
+            f"ExecReload={launcher} reload --config {self.config_path} --pid $MAINPID\n"
             + gpu_env
             + f"StandardOutput=append:{self.daemon_log}\n"
             f"StandardError=append:{self.daemon_log}\n"

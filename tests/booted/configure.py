@@ -1,0 +1,70 @@
+"""Run inside the booted Debian host, with the installed package's python: make the installed
+kimi-supervisor serve the simulated GPU host and the fake vLLM, through /etc only (the config,
+and drop-ins for both units), as an operator's test host would be set up.
+
+    /opt/kimi-supervisor/bin/python /src/tests/booted/configure.py /src
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+from supervisor import baseline
+from supervisor.config import Config
+from supervisor.ports.gpu_backend import open_gpu
+from supervisor.sandbox import simgpu
+
+SIM = Path("/var/lib/kimi-sim")
+PYTHON = "/opt/kimi-supervisor/bin/python"
+
+
+def _fill(v: object) -> object:
+    if isinstance(v, str):
+        return v.replace("{sandbox}", str(SIM))
+    if isinstance(v, list):
+        return [_fill(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _fill(x) for k, x in v.items()}
+    return v
+
+
+def main(src: Path) -> None:
+    raw = _fill(tomllib.loads((src / "config" / "sandbox.toml").read_text()))
+    assert isinstance(raw, dict)
+    raw["systemd"] = {"scope": "system"}
+    raw["state"] = {"dir": "/var/lib/kimi-supervisor"}
+    raw["control"] = {**raw["control"], "socket": "/run/kimi-supervisor/control.sock",
+                      "group": "kimi"}  # fmt: skip
+    raw["vllm"].pop("log_file", None)  # vLLM's output goes to the journal, as on a real host
+    raw["vllm"]["argv_file"] = "/run/kimi-supervisor/vllm-argv.json"
+    raw["profiling"]["captures_dir"] = "/var/lib/kimi-supervisor/captures"
+    raw["teardown"]["shm_dir"] = "/dev/shm"
+    cmd = raw["vllm"]["command"]
+    cmd[0] = "/usr/local/bin/vllm"
+    cmd[cmd.index("--tensor-parallel-size") + 1] = "4"
+    config = Config.model_validate(raw)
+    Path("/etc/kimi-supervisor/kimi-supervisor.toml").write_text(config.effective_toml())
+    for d in ("logs", "traces"):
+        (SIM / d).mkdir(parents=True, exist_ok=True)
+    simgpu.create_host(SIM / "gpu", 4)
+    vllm = Path("/usr/local/bin/vllm")
+    vllm.write_text(f"#!{PYTHON}\nfrom supervisor.sandbox.fake_vllm import main\nmain()\n")
+    vllm.chmod(0o755)
+    env = f"Environment=KIMI_SIM_GPU_DIR={SIM / 'gpu'}\n"
+    for unit in ("kimi-supervisor.service", "vllm-kimi-k25.service"):
+        d = Path("/etc/systemd/system") / f"{unit}.d"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "test-host.conf").write_text("[Service]\n" + env)
+    gpu = open_gpu(config.gpus)
+    try:
+        baseline.save(config.state.dir, baseline.calibrate(gpu, [0, 1, 2, 3]))
+    finally:
+        gpu.close()
+    print(json.dumps({"config": "/etc/kimi-supervisor/kimi-supervisor.toml", "gpus": 4}))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,239 @@
+"""A Debian 12 host booted under its own systemd (PID 1), in systemd-nspawn, for the tests of
+what only a real system manager does: enable at boot, stop and reboot ordering, restart, the
+journal.
+
+- The root file system comes from debootstrap, once, cached by the hash of its package list in
+  CACHE (about 300 MB; a few minutes from the machine's own Debian mirror, read from its apt
+  sources, so no host is named here).
+- Each session copies it, installs the project with `make install` (the operator's install) and
+  configures it for the simulated GPU host and the fake vLLM through /etc (configure.py).
+- nspawn runs from a cgroup of its own (both the unified and the systemd hierarchies), with
+  `--keep-unit --register=no`: no machined is needed. A reboot inside exits nspawn with 133; the
+  harness boots it again.
+- Commands run inside with `nsenter -t <container PID 1> -a`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE = Path("/var/cache/kimi-supervisor-tests")
+PACKAGES = (
+    "systemd,systemd-sysv,dbus,python3,python3-venv,python3-dev,gcc,libc6-dev,pkg-config,"
+    "libsystemd-dev,make,procps,util-linux,psmisc,ca-certificates"
+)
+
+
+class Unavailable(Exception):
+    pass
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "booting a host needs root"
+    for tool in ("debootstrap", "systemd-nspawn", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt-get install debootstrap systemd-container)"
+    if (
+        not Path("/sys/fs/cgroup/cgroup.controllers").exists()
+        and not Path("/sys/fs/cgroup/unified").exists()
+    ):
+        return "no cgroup v2 hierarchy for nspawn"
+    return None
+
+
+def _mirror() -> str:
+    """The Debian mirror this machine's apt uses (deb822 or one-line sources)."""
+    texts = [p.read_text() for p in Path("/etc/apt/sources.list.d").glob("*.sources")]
+    for text in texts:
+        for line in text.splitlines():
+            if line.startswith("URIs:") and "security" not in line:
+                return line.split()[1]
+    sources = Path("/etc/apt/sources.list")
+    if sources.exists():
+        for line in sources.read_text().splitlines():
+            m = re.match(r"deb\s+(\S+)\s+bookworm\s", line)
+            if m:
+                return m.group(1)
+    raise Unavailable("no Debian mirror in /etc/apt/sources.list(.d)")
+
+
+def rootfs() -> Path:
+    """The cached Debian 12 root file system, built once per package list."""
+    key = hashlib.sha256(PACKAGES.encode()).hexdigest()[:12]
+    done = CACHE / f"bookworm-{key}"
+    if (done / "etc" / "os-release").exists():
+        return done
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = CACHE / f".building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    r = subprocess.run(
+        ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp),
+         _mirror()],
+        capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    if r.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Unavailable(f"debootstrap failed: {r.stdout[-1500:]}{r.stderr[-1500:]}")
+    tmp.rename(done)
+    return done
+
+
+class BootedHost:
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.root = work / "rootfs"
+        self.nspawn: subprocess.Popen[bytes] | None = None
+        self.cgroups: list[Path] = []
+        self.console = work / "console.log"
+
+    # -- set-up --
+    def prepare(self) -> None:
+        subprocess.run(["cp", "-a", "--reflink=auto", str(rootfs()), str(self.root)], check=True)
+        src = self.root / "src"
+        files = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT, capture_output=True, check=True,
+        ).stdout.split(b"\0")  # fmt: skip
+        for name in filter(None, files):
+            rel = name.decode()
+            if not (ROOT / rel).is_file():
+                continue
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, src / rel)
+        pip_cache = Path("/root/.cache/pip")
+        pip_cache.mkdir(parents=True, exist_ok=True)
+        # The machine's CA bundle (a TLS-intercepting proxy's root may be in it) and pip cache.
+        binds = [f"{pip_cache}:/root/.cache/pip"]
+        env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+        ca = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+        if ca and Path(ca).is_file():
+            binds.append(f"{ca}:/etc/kimi-host-ca.crt")
+            env |= {"PIP_CERT": "/etc/kimi-host-ca.crt", "SSL_CERT_FILE": "/etc/kimi-host-ca.crt"}
+        self._run_once(
+            ["sh", "-c", "cd /src && make install PYTHON=/usr/bin/python3 >/install.log 2>&1 "
+             "|| { tail -40 /install.log; exit 1; }"],
+            binds=binds, env=env,
+        )  # fmt: skip
+        self._run_once(
+            ["/opt/kimi-supervisor/bin/python", "/src/tests/booted/configure.py", "/src"]
+        )
+
+    def _run_once(
+        self,
+        cmd: list[str],
+        binds: tuple[str, ...] | list[str] = (),
+        env: dict[str, str] | None = None,
+    ) -> str:
+        """A command in the root file system, not booted (systemd-nspawn --pipe)."""
+        args = ["systemd-nspawn", "-q", "--register=no", "--keep-unit", "--pipe", "-D",
+                str(self.root), *(f"--bind={b}" for b in binds),
+                *(f"--setenv={k}={v}" for k, v in (env or {}).items()), *cmd]  # fmt: skip
+        r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            raise Unavailable(f"{cmd[:3]} in the root file system failed:\n{r.stdout}{r.stderr}")
+        return r.stdout
+
+    # -- booting --
+    def _own_cgroup(self) -> None:
+        """nspawn --keep-unit wants a cgroup of its own: one per boot, on the name=systemd and
+        unified hierarchies of a hybrid host, or on the one of a pure cgroup v2 host."""
+        tops = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified")]
+        tops = [t for t in tops if (t / "cgroup.procs").exists()] or [Path("/sys/fs/cgroup")]
+        name = f"kimi-booted-{os.getpid()}-{time.monotonic_ns()}"
+        self.cgroups = []
+        for top in tops:
+            (top / name).mkdir()
+            self.cgroups.append(top / name)
+
+    def boot(self, timeout_s: float = 60) -> None:
+        self._own_cgroup()
+        cgroups = [str(d / "cgroup.procs") for d in self.cgroups]
+        script = "".join(f"echo $$ > {c}; " for c in cgroups)
+        log = open(self.console, "ab")  # noqa: SIM115 - owned by the Popen
+        self.nspawn = subprocess.Popen(
+            ["sh", "-c", script + f"exec systemd-nspawn -q --register=no --keep-unit --boot "
+             f"-D {self.root}"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.nspawn.poll() is not None:
+                raise Unavailable(f"nspawn exited {self.nspawn.returncode}: {self._tail()}")
+            if self.pid1() and self.sh(
+                "systemctl is-system-running", check=False
+            ).stdout.strip() in ("running", "degraded"):
+                return
+            time.sleep(0.1)
+        raise Unavailable(f"the host did not boot in {timeout_s:g} s: {self._tail()}")
+
+    def pid1(self) -> int:
+        """The container's PID 1 (systemd), as this machine sees it."""
+        if self.nspawn is None:
+            return 0
+        todo = [self.nspawn.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            nspid = next(
+                (ln.split()[1:] for ln in status.splitlines() if ln.startswith("NSpid:")), []
+            )
+            if len(nspid) > 1 and nspid[-1] == "1":
+                return pid
+            todo += [int(k) for k in kids]
+        return 0
+
+    def sh(
+        self, command: str, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """A shell command inside the booted host, in all its namespaces."""
+        r = subprocess.run(
+            ["nsenter", "-t", str(self.pid1()), "-a", "sh", "-c", command],
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if check and r.returncode != 0:
+            raise AssertionError(f"`{command}` exited {r.returncode}: {r.stdout}{r.stderr}")
+        return r
+
+    def reboot(self, timeout_s: float = 90) -> int:
+        """`systemctl reboot` inside; nspawn exits 133; boot again. Returns nspawn's status."""
+        assert self.nspawn is not None
+        self.sh("systemctl reboot", check=False)
+        code = self.nspawn.wait(timeout=timeout_s)
+        self._drop_cgroups()
+        self.boot()
+        return code
+
+    def poweroff(self) -> None:
+        if self.nspawn is None:
+            return
+        if self.nspawn.poll() is None:
+            self.sh("systemctl poweroff", check=False)
+            try:
+                self.nspawn.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.nspawn.pid, signal.SIGKILL)  # our own session: nspawn and PID 1
+                self.nspawn.wait()
+        self._drop_cgroups()
+
+    def _drop_cgroups(self) -> None:
+        for d in self.cgroups:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self.cgroups = []
+
+    def _tail(self) -> str:
+        return self.console.read_text(errors="replace")[-2000:] if self.console.exists() else ""
