@@ -6,7 +6,7 @@
 set -eu
 DESTDIR=$1 PREFIX=$2 BINDIR=$3 UNITDIR=$4 SYSCONFDIR=$5 PYTHON=${6:-python3}
 cd "$(dirname "$0")/.."
-sh scripts/setup-system.sh
+sh scripts/setup-system.sh --install
 root="$DESTDIR$PREFIX"
 version=$("$PYTHON" -c 'import tomllib; print(tomllib.load(open("pyproject.toml","rb"))["project"]["version"])')
 echo "install: kimi-supervisor $version into $root"
