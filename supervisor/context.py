@@ -112,7 +112,17 @@ class Context:
         """state.json changed behind the daemon's back (a stat per pass): read it again, so that
         a file that stopped parsing is moved aside, recorded and rewritten from memory now,
         not found at the next restart (which would start from defaults)."""
-        if not self.unsaved_state and self.stamp() != self.saved_stamp:
+        if self.unsaved_state:
+            return
+        now = self.stamp()
+        if now is None and self.saved_stamp is not None:
+            # Deleted behind the daemon's back: a read would give the defaults (production).
+            saved, what = self.saved, f"{self.store.path} disappeared while the daemon ran"
+            self.persist(lambda _missing: saved)
+            self.warn(f"{what}; rewritten from the daemon's state in memory")
+            self.log("state_file_missing", level="error", message=what)
+            self.incident({"at": utcnow().isoformat(), "what": what})
+        elif now != self.saved_stamp:
             self.persist(lambda st: st)
 
     def _unsaved(self, file: str, message: str) -> None:

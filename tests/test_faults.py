@@ -387,3 +387,18 @@ def test_traces_go_where_out_was_opened_owned_by_who_asked_even_if_the_path_beco
         assert {p.stat().st_uid for p in [folder, *traces]} == {65534}  # the asker's
     finally:
         subprocess.run(["rm", "-rf", str(base)], check=True)
+
+
+def test_state_deleted_while_the_daemon_runs_is_written_again_with_the_desired_mode(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    assert daemon.kimi_mode("profile").returncode == 0
+    daemon.wait_serving("profile")
+    path = sandbox.config.state.dir / "state.json"
+    path.unlink()
+    wait_until(path.exists, 10, "the daemon to write the state again")
+    assert json.loads(path.read_text())["desired_mode"] == "profile"
+    incidents = [e for e in daemon.history() if e["kind"] == "incident"]
+    assert any("disappeared" in e["what"] for e in incidents), incidents
