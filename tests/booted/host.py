@@ -230,9 +230,13 @@ class BootedHost:
         self._drop_cgroups()
 
     def _drop_cgroups(self) -> None:
-        for d in self.cgroups:
+        """Remove this boot's cgroups, the ones nspawn made inside them first (deepest first)."""
+        for top in self.cgroups:
+            for d in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
             with contextlib.suppress(OSError):
-                d.rmdir()
+                top.rmdir()
         self.cgroups = []
 
     def _tail(self) -> str:
