@@ -27,6 +27,7 @@ def load_state(ctx: Context) -> None:
     s.desired = st.desired_mode
     s.profile_until = st.profile_until
     s.interrupted = st.transition
+    s.inherited_id = st.transition.id if st.transition else ""
     if st.transition is not None:
         ctx.log("transition_interrupted", transition=st.transition.model_dump(mode="json"))
 

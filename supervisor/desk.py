@@ -238,17 +238,3 @@ class Desk:
             return Reply(ok=False, code="no_capture", message="no capture is recording")
         c.stop.set()
         return Reply(ok=True, code="accepted", message=f"capture {c.id}: stopping, flushing")
-
-    def capture_blocks_switch(self) -> bool:
-        """A capture in progress holds switches back until its traces are flushed (a cut-off
-        trace is useless); recording is stopped so that the flush begins. --force overrides.
-        Until the loop has handled the capture's end (CaptureDone clears it), the switch waits:
-        the capture thread marks itself done a moment before."""
-        s = self.ctx.s
-        c = s.capture
-        if c is None or (s.intent is not None and s.intent.force):
-            return False
-        if c.phase in ("starting", "recording") and not c.stop.is_set():
-            self.ctx.log("capture_stopped_for_switch", capture=c.id)
-            c.stop.set()
-        return True

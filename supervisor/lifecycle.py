@@ -335,8 +335,9 @@ class Lifecycle:
             **(detail or {}),
         }
         # One record per transition, whatever the moment of a kill: a daemon killed between
-        # this append and clearing the persisted transition finds it here when it ends it again.
-        if not any(
+        # this append and clearing the persisted transition finds it here when it ends it again
+        # (only a transition inherited at boot can have been recorded already).
+        if tr.id != s.inherited_id or not any(
             e.get("kind") == "transition" and e.get("id") == tr.id
             for e in history.read(ctx.config.state.dir, RECENT)
         ):

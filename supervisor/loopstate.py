@@ -46,6 +46,7 @@ class LoopState:
     # The switch in progress, and one found persisted at boot (redone or resumed).
     transition: TransitionRecord | None = None
     interrupted: TransitionRecord | None = None
+    inherited_id: str = ""  # the transition found persisted at boot (it may be recorded already)
     intent: Intent | None = None
     job: Job | None = None
     serving: Serving | None = None

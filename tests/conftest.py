@@ -275,6 +275,9 @@ class DaemonHelper:
         (reply,) = self.request({"cmd": "history", "n": 1000}, 10)
         return reply["data"]["entries"]  # type: ignore[index,return-value]
 
+    def teardown_count(self) -> int:
+        return len([e for e in self.history() if e["kind"] == "teardown"])
+
     def transitions(self) -> list[dict[str, Any]]:
         return [e for e in self.history() if e["kind"] == "transition"]
 

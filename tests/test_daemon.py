@@ -48,7 +48,7 @@ def test_a_restarted_daemon_adopts_the_healthy_vllm_without_restarting_it(
     daemon.start()
     daemon.wait_serving("production")
     vllm, first = daemon.vllm_pid(), daemon.pid()
-    teardowns = len([e for e in daemon.history() if e["kind"] == "teardown"])
+    teardowns = daemon.teardown_count()
 
     # A crash: systemd restarts the daemon (Restart=on-failure) and it finds vLLM serving.
     sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
@@ -61,7 +61,7 @@ def test_a_restarted_daemon_adopts_the_healthy_vllm_without_restarting_it(
     wait_until(lambda: "reexec" in daemon.log(), 10, "the daemon to re-execute")
     daemon.wait_serving("production")
     assert daemon.vllm_pid() == vllm
-    assert len([e for e in daemon.history() if e["kind"] == "teardown"]) == teardowns
+    assert daemon.teardown_count() == teardowns
     assert '"adopted"' in daemon.log()
 
 
@@ -323,12 +323,12 @@ def test_systemctl_restart_of_the_daemon_adopts_vllm_instead_of_tearing_it_down(
     daemon.start()
     daemon.wait_serving("production")
     vllm, first = daemon.vllm_pid(), daemon.pid()
-    teardowns = len([e for e in daemon.history() if e["kind"] == "teardown"])
+    teardowns = daemon.teardown_count()
     sandbox.sb.manager.systemctl("restart", DAEMON_UNIT)
     wait_until(lambda: daemon.pid() not in (0, first), 20, "the new daemon")
     status = daemon.wait_serving("production")
     assert daemon.vllm_pid() == vllm == status["unit"]["main_pid"]  # never reloaded
-    assert len([e for e in daemon.history() if e["kind"] == "teardown"]) == teardowns
+    assert daemon.teardown_count() == teardowns
     # A stop still tears down: only a restart leaves vLLM running.
     daemon.stop()
     assert sandbox.systemd.status("vllm-kimi-k25.service").inactive

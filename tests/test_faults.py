@@ -31,7 +31,7 @@ def test_a_reload_storm_leaves_the_daemon_up_and_vllm_adopted(
     daemon.start()
     daemon.wait_serving("production")
     vllm, pid = daemon.vllm_pid(), daemon.pid()
-    teardowns = len([e for e in daemon.history() if e["kind"] == "teardown"])
+    teardowns = daemon.teardown_count()
     since = len(daemon.log())
     # Two `systemctl reload`s 0.6 s apart, then SIGHUPs 100 ms apart: each lands while the
     # previous re-exec may still be starting, before the new image has its handlers.
@@ -47,7 +47,7 @@ def test_a_reload_storm_leaves_the_daemon_up_and_vllm_adopted(
     status = daemon.wait_serving("production", 30)
     assert daemon.unit() == "active" and daemon.pid() == pid  # re-exec keeps the PID
     assert daemon.vllm_pid() == vllm == status["unit"]["main_pid"]
-    assert len([e for e in daemon.history() if e["kind"] == "teardown"]) == teardowns
+    assert daemon.teardown_count() == teardowns
 
 
 def test_an_infinite_or_huge_duration_is_refused_whole_and_nothing_happens(

@@ -113,10 +113,15 @@ class Connection:
         return not self.alive
 
 
+def lock_path(socket_path: Path) -> Path:
+    """SOCKET.lock: held (flock) by the daemon that owns SOCKET."""
+    return socket_path.with_name(socket_path.name + ".lock")
+
+
 def running_daemon(path: Path) -> int | None:
     """The PID of the daemon that holds `path`'s lock (SOCKET.lock), or None if none runs."""
     try:
-        fd = os.open(f"{path}.lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(lock_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:
@@ -209,8 +214,9 @@ class ControlServer:
             os.chmod(d, stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
 
     def _take_lock(self) -> None:
-        lock_path = self.path.with_name(self.path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(
+            lock_path(self.path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
