@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -35,33 +36,26 @@ class CaptureSpec:
     then: str  # "production" or "stay"
     out: Path | None
     by: str
-    # --out, opened once when the capture was asked for (O_DIRECTORY|O_NOFOLLOW): files are
-    # created relative to it, so swapping the path for a link later changes nothing.
+    # --out as the asker opened it (passed over the socket): files are created relative to it,
+    # so swapping the path for a link later changes nothing, and the daemon's own sandbox
+    # (a private /tmp, a read-only /home) does not decide where they land.
     out_fd: int | None = None
     # Who asked (the socket's peer credentials): the folder and the traces are handed to them.
     uid: int = 0
     gid: int = 0
 
 
-def open_out(out: Path, uid: int) -> int | str:
-    """The --out directory opened for this capture, or why it cannot be used. The daemon runs
-    as root and creates files in it: only a directory the asking user owns (root may use any),
-    never through a symlink (its last component, checked on the opened directory itself)."""
-    if not out.is_absolute():
-        return "give an absolute path"
-    try:
-        fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "no such directory: create it first"
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            return "not a directory (symlinks are not followed)"
-        return f"cannot open it: {e.strerror}"
-    owner = os.fstat(fd).st_uid
-    if uid != 0 and owner != uid:
-        os.close(fd)
-        return f"owned by uid {owner}, not by you (uid {uid}): use a directory of your own"
-    return fd
+def check_out(fd: int, uid: int) -> str | None:
+    """Why the --out directory the asker opened and passed cannot be used, or None. The daemon
+    runs as root and creates files in it: only a directory the asker owns (root may use any).
+    The asker opened it in their own view of the files, through any link of theirs; this checks
+    what they reached."""
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if uid != 0 and st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by you (uid {uid}): use a directory of your own"
+    return None
 
 
 def _move_into(src: Path, name: str, dir_fd: int, uid: int, gid: int) -> None:

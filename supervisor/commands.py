@@ -61,6 +61,8 @@ class CaptureStart(Request):
     seconds: float | None = None
     then: str = "production"
     out: Path | None = None
+    # --out as the asker opened it, passed over the socket; the handler closes it after.
+    out_fd: int | None = None
     uid: int = 0  # the asker's, from the socket's peer credentials
     gid: int = 0
 

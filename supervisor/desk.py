@@ -8,8 +8,10 @@ applies it when the current step returns (supervisor/lifecycle.py), never in the
 
 from __future__ import annotations
 
+import os
+
 from supervisor import policy
-from supervisor.capture import Capture, CaptureSpec, open_out
+from supervisor.capture import Capture, CaptureSpec, check_out
 from supervisor.commands import CaptureDone, CaptureStart, CaptureStop, Switch
 from supervisor.context import Context
 from supervisor.messages import Reply
@@ -187,11 +189,10 @@ class Desk:
                 "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
             )
         out_fd = None
-        if r.out is not None:
-            opened = open_out(r.out, r.uid)
-            if isinstance(opened, str):
-                return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {opened}")
-            out_fd = opened
+        if r.out is not None and r.out_fd is not None:
+            if (wrong := check_out(r.out_fd, r.uid)) is not None:
+                return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {wrong}")
+            out_fd = os.dup(r.out_fd)
         spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid)
         put = self._put
         c = s.capture = Capture(

@@ -172,7 +172,35 @@ def _stop_capture(sock: Path) -> None:
         print(f"kimi-mode: could not stop the recording: {e}", file=sys.stderr)
 
 
+def _open_out(out: str) -> int | str:
+    """--out opened here, as the asker, in the asker's view of the files (the daemon's sandbox
+    has its own /tmp): the descriptor goes to the daemon with the request. Or why not."""
+    try:
+        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return "no such directory: create it first"
+    except NotADirectoryError:
+        return "not a directory"
+    except OSError as e:
+        return f"cannot open it: {e.strerror}"
+
+
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
+    out_fd: int | None = None
+    if args.out:
+        opened = _open_out(args.out)
+        if isinstance(opened, str):
+            print(f"kimi-mode: --out {args.out}: {opened}", file=sys.stderr)
+            return EXIT_USAGE
+        out_fd = opened
+    try:
+        return _capture(args, sock, out_fd)
+    finally:
+        if out_fd is not None:
+            os.close(out_fd)
+
+
+def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     import threading
 
     if args.switch:
@@ -182,7 +210,7 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
         rc = cmd_switch(sw, sock)
         if rc != EXIT_OK:
             return rc
-    out = str(Path(args.out).absolute()) if args.out else None  # symlinks: the daemon judges
+    out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
     req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
     stop_sent = threading.Event()
 
@@ -197,7 +225,7 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
 
     ended: dict[str, Any] | None = None
     try:
-        for raw, msg in exchange(sock, req):
+        for raw, msg in exchange(sock, req, fds=() if out_fd is None else (out_fd,)):
             if args.json:
                 print(raw.decode(), flush=True)
             kind = msg.get("type")

@@ -3,7 +3,9 @@ per test session, reset to a clean state before each test that uses it."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -214,6 +216,33 @@ def python() -> str:
 
 
 KIMI_MODE = str(Path(sys.executable).with_name("kimi-mode"))
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+# In a mount namespace of its own: the checkout bound onto a directory any user can reach, then
+# setpriv. A checkout under a 0700 /root is then readable by another user through the view, and
+# nothing is mounted outside that one process tree.
+_VIEW = 'mount --bind "$1" "$2" && export PYTHONPATH="$2" && shift 2 && exec setpriv "$@"'
+
+
+@functools.cache
+def _view_dir() -> str:
+    d = tempfile.mkdtemp(prefix="kimi-view-")
+    os.chmod(d, 0o755)
+    atexit.register(os.rmdir, d)
+    return d
+
+
+def as_user(*setpriv: str) -> list[str]:
+    """The argv prefix that runs this checkout's Python as another user (`setpriv` options,
+    for example "--reuid=65534"), wherever the checkout is. Follow it with Python's
+    arguments: `[*as_user(...), "-m", "supervisor.kimi_mode", "status"]`."""
+    view = _view_dir()
+    exe = Path(sys.executable)  # the venv's own path: its pyvenv.cfg is found from it
+    python = Path(view, exe.relative_to(CHECKOUT)) if exe.is_relative_to(CHECKOUT) else exe
+    return [
+        "unshare", "--mount", "--propagation", "private", "sh", "-c", _VIEW, "sh",
+        str(CHECKOUT), view, *setpriv, str(python),
+    ]  # fmt: skip
 
 
 class DaemonHelper:
@@ -282,10 +311,12 @@ class DaemonHelper:
         return [e for e in self.history() if e["kind"] == "transition"]
 
     def kimi_mode(
-        self, *args: str, preexec: list[str] | None = None, timeout: float = 90
+        self, *args: str, user: list[str] | None = None, timeout: float = 90
     ) -> subprocess.CompletedProcess[str]:
+        """kimi-mode with `args`; as another user with `user` (setpriv's options)."""
+        cmd = [KIMI_MODE] if user is None else [*as_user(*user), "-m", "supervisor.kimi_mode"]
         return subprocess.run(
-            [*(preexec or []), KIMI_MODE, *args],
+            [*cmd, *args],
             env={**os.environ, **self.sb.env},
             capture_output=True,
             text=True,

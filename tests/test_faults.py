@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -20,7 +19,10 @@ import pytest
 
 from supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import DaemonHelper, SandboxHelper, wait_until
+from .conftest import DaemonHelper, SandboxHelper, as_user, wait_until
+
+# A member of the sandbox's control group ("users"), as setpriv options.
+MEMBER = ["--reuid=65534", "--regid=65534", "--groups=100"]
 
 pytestmark = pytest.mark.systemd
 
@@ -292,7 +294,7 @@ def test_a_slow_client_flood_from_a_group_member_never_locks_root_out(
     daemon.start()
     daemon.wait_serving("production")
     flood = subprocess.Popen(
-        ["setpriv", "--reuid=65534", "--regid=65534", "--groups=100", sys.executable, "-c",
+        [*as_user(*MEMBER), "-c",
          FLOOD, str(daemon.socket), "150", "4"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -357,17 +359,28 @@ def test_traces_go_where_out_was_opened_owned_by_who_asked_even_if_the_path_beco
     base = Path(tempfile.mkdtemp(prefix="kimi-out-"))
     try:
         base.chmod(0o755)
-        mine, secret = base / "mine", base / "root-only"
+        mine, secret, roots = base / "mine", base / "root-only", base / "roots"
         mine.mkdir()
         os.chown(mine, 65534, 65534)
         secret.mkdir(mode=0o700)
+        roots.mkdir(mode=0o755)  # readable by all, owned by root
         sandbox.fake(profile_flush_s=0.5)
+        # A directory the asker cannot open is refused by kimi-mode itself; one they can open
+        # but do not own (here reached through a link of theirs) is refused by the daemon.
+        r = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(secret), user=MEMBER)
+        assert r.returncode == 2 and "cannot open it: Permission denied" in r.stderr, r.stderr
+        (base / "link").symlink_to(roots)
+        r = profiling.kimi_mode(
+            "capture", "--seconds", "0.2", "--out", str(base / "link"), user=MEMBER
+        )
+        assert r.returncode == 2 and "owned by uid 0, not by you (uid 65534)" in r.stderr, r.stderr
+        assert list(roots.iterdir()) == []
         result: list[subprocess.CompletedProcess[str]] = []
         asked = threading.Thread(
             target=lambda: result.append(
                 profiling.kimi_mode(
                     "capture", "--seconds", "1.5", "--then", "stay", "--out", str(mine),
-                    preexec=["setpriv", "--reuid=65534", "--regid=65534", "--groups=100"],
+                    user=MEMBER,
                 )
             )
         )  # fmt: skip

@@ -23,7 +23,7 @@ from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, wait_until
 
 pytestmark = pytest.mark.systemd
 
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534"]
+NOBODY = ["--reuid=65534", "--regid=65534"]
 
 
 @pytest.fixture
@@ -152,19 +152,19 @@ def test_a_user_outside_the_control_group_is_refused_and_a_member_is_let_in(
     serving: DaemonHelper,
 ) -> None:
     # No access to the 0660 socket at all: the kernel refuses, kimi-mode explains.
-    r = serving.kimi_mode("status", preexec=[*NOBODY, "--clear-groups"])
+    r = serving.kimi_mode("status", user=[*NOBODY, "--clear-groups"])
     assert r.returncode == 3, r.stdout + r.stderr
     assert "permission denied" in r.stderr and "kimi" in r.stderr
     # A process that gets past the file's mode (CAP_DAC_OVERRIDE) is refused by the daemon's
     # peer-credential check, and the attempt is logged.
     caps = ["--inh-caps=+dac_override", "--ambient-caps=+dac_override"]
-    r = serving.kimi_mode("profile", preexec=[*NOBODY, "--clear-groups", *caps])
+    r = serving.kimi_mode("profile", user=[*NOBODY, "--clear-groups", *caps])
     assert r.returncode == 3, r.stdout + r.stderr
     assert "uid 65534 may not control kimi-supervisor" in r.stderr
     assert '"control_refused"' in serving.log()
     assert serving.status()["desired_mode"] == "production"
     # A member of the control group ("users" in the sandbox) is served.
-    r = serving.kimi_mode("status", "--json", preexec=[*NOBODY, "--groups=100"])
+    r = serving.kimi_mode("status", "--json", user=[*NOBODY, "--groups=100"])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["state"] == "serving"
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from supervisor.control.client import exchange
 from supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, wait_until
@@ -214,12 +215,20 @@ def test_a_capture_with_out_goes_into_its_own_folder_there_and_bad_out_paths_are
     sandbox.fake(profile_flush_s=0.1)
     missing = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(tmp_path / "nope"))
     assert missing.returncode == 2 and "no such directory" in missing.stderr
-    (tmp_path / "link").symlink_to(tmp_path)
-    linked = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(tmp_path / "link"))
-    assert linked.returncode == 2 and "symlinks are not followed" in linked.stderr
+    (tmp_path / "file").write_text("")
+    a_file = profiling.kimi_mode("capture", "--seconds", "0.2", "--out", str(tmp_path / "file"))
+    assert a_file.returncode == 2 and "not a directory" in a_file.stderr
+    assert profiling.status()["capture"] is None  # refused before anything was asked
+    # A raw client that names a directory without passing it is told how.
+    req = {"cmd": "capture", "seconds": 0.2, "then": "stay", "out": str(tmp_path)}
+    ((_raw, answer),) = list(exchange(profiling.socket, req, timeout_s=10))
+    assert answer["code"] == "bad_request" and "SCM_RIGHTS" in answer["message"]
     out = tmp_path / "traces"
     out.mkdir()
-    r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay", "--out", str(out))
+    (tmp_path / "link").symlink_to(out)  # the asker's own link is theirs to follow
+    r = profiling.kimi_mode(
+        "capture", "--seconds", "0.2", "--then", "stay", "--out", str(tmp_path / "link")
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (folder,) = out.iterdir()
     assert len(list(folder.glob("*rank*"))) == 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,17 +63,25 @@ def _unreachable(path: Path, e: OSError) -> Unreachable:
 
 
 def exchange(
-    path: Path, request: dict[str, Any], timeout_s: float | None = None
+    path: Path,
+    request: dict[str, Any],
+    timeout_s: float | None = None,
+    fds: Sequence[int] = (),
 ) -> Iterator[tuple[bytes, dict[str, Any]]]:
     """Send `request` and yield each answer line (raw, parsed) until the daemon closes.
-    `timeout_s` bounds the whole exchange (TimedOut); None waits as long as it takes."""
+    `timeout_s` bounds the whole exchange (TimedOut); None waits as long as it takes. `fds`
+    travel with the request's first bytes (SCM_RIGHTS): a directory opened here, as the user,
+    so that the daemon writes into what the user reached, in the user's view of the files."""
     import time
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
     with sock:
+        data = json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n"
         try:
-            sock.sendall(json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n")
+            if fds:
+                data = data[socket.send_fds(sock, [data], list(fds)) :]
+            sock.sendall(data)
         except OSError as e:
             raise Unreachable(f"the daemon closed the connection: {e}") from None
         buf = b""

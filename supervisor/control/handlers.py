@@ -4,6 +4,7 @@ published snapshot and the history file; anything that changes state becomes a t
 
 from __future__ import annotations
 
+import os
 import pwd
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -86,6 +87,17 @@ class Handlers:
             )
 
     def _capture(self, request: CaptureRequest, conn: Connection) -> None:
+        out_fd = conn.take_fd()
+        if request.out and out_fd is None:
+            conn.send(
+                Reply(
+                    ok=False,
+                    code="bad_request",
+                    message=f"--out {request.out}: the directory's descriptor must come with the "
+                    "request (SCM_RIGHTS), opened by the asker; kimi-mode does this",
+                )
+            )
+            return
         sub = self.daemon.bus.subscribe()
         try:
             reply = self._ask(
@@ -94,6 +106,7 @@ class Handlers:
                     seconds=request.seconds,
                     then=request.then,
                     out=Path(request.out) if request.out else None,
+                    out_fd=out_fd if request.out else None,
                     uid=conn.peer.uid,
                     gid=conn.peer.gid,
                 )
@@ -114,6 +127,8 @@ class Handlers:
                         return
         finally:
             sub.close()
+            if out_fd is not None:
+                os.close(out_fd)  # the capture holds its own copy
 
     def _switch(self, request: SwitchRequest, conn: Connection) -> None:
         # Subscribe before asking, so no event of the switch is missed.

@@ -83,6 +83,18 @@ class Connection:
         self.peer = peer
         self.alive = True
         self._lock = threading.Lock()
+        # Descriptors the client passed with its request (SCM_RIGHTS); closed when the
+        # connection ends unless a handler took one.
+        self.fds: list[int] = []
+
+    def take_fd(self) -> int | None:
+        """The descriptor the client passed, now the caller's to close; None if none."""
+        return self.fds.pop(0) if self.fds else None
+
+    def close_fds(self) -> None:
+        while self.fds:
+            with contextlib.suppress(OSError):
+                os.close(self.fds.pop())
 
     def send(self, msg: Any) -> bool:
         data = encode(msg)
@@ -314,6 +326,7 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn, peer), daemon=True).start()
 
     def _serve(self, sock: socket.socket, peer: Peer) -> None:
+        conn: Connection | None = None
         try:
             conn = Connection(sock, peer)
             if not allowed(peer, self.group_gid):
@@ -328,7 +341,7 @@ class ControlServer:
                 )
                 return
             try:
-                line = self._read_line(sock)
+                line = self._read_line(conn)
                 request = parse_request(line)
             except ProtocolError as e:
                 self.log("control_bad_request", level="warning", peer=peer.describe(), code=e.code)
@@ -345,17 +358,23 @@ class ControlServer:
         except OSError:
             pass  # the client went away
         finally:
+            if conn is not None:
+                conn.close_fds()
             with contextlib.suppress(OSError):
                 sock.close()
             self._slots.give_back(peer.uid)
 
-    def _read_line(self, sock: socket.socket) -> bytes:
+    def _read_line(self, conn: Connection) -> bytes:
+        """The request line, and into `conn.fds` the descriptor (at most one; the kernel drops
+        any more) that came with it."""
+        sock = conn.sock
         deadline = time.monotonic() + self.idle_timeout_s
         buf = b""
         while b"\n" not in buf:
             try:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                chunk = sock.recv(65536)
+                chunk, fds, _flags, _addr = socket.recv_fds(sock, 65536, 1, socket.MSG_CMSG_CLOEXEC)
+                conn.fds.extend(fds)
             except TimeoutError:
                 raise ProtocolError(
                     "idle", f"no whole request within {self.idle_timeout_s:g} s; closing"
