@@ -394,6 +394,7 @@ class Lifecycle:
             ctx.clock,
             dict(s.baselines),
             on_event=lambda kind, data: put(JobEvent(kind, data)),
+            in_daemon=True,
         )
 
         def run() -> None:

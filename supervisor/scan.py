@@ -53,17 +53,23 @@ class Protection:
     names: frozenset[str]
     units: frozenset[str]
     self_pid: int = field(default_factory=os.getpid)
+    # True in the daemon: its own service's cgroup (its helpers) is spared too. Not for a
+    # one-shot teardown, which may run from any service (cron's, a CI job's) whose other
+    # processes are exactly what it may have to kill.
+    own_service: bool = False
 
     def __post_init__(self) -> None:
         self.never = {1, 2, self.self_pid, *processes.ancestors(self.self_pid)}
         self.comm_cuts = {n[:COMM_LEN]: n for n in self.names}
-        own = processes.cgroup_of(self.self_pid)
-        # Our own service's cgroup (the daemon's helpers) is ours too, but never "/" or a session.
+        own = processes.cgroup_of(self.self_pid) if self.own_service else ""
+        # Never "/" or a session's scope.
         self.own_cgroup = own if own.endswith(".service") else ""
 
     @classmethod
-    def from_config(cls, names: Iterable[str], units: Iterable[str]) -> Protection:
-        return cls(BUILTIN_PROTECTED_NAMES | set(names), frozenset(units))
+    def from_config(
+        cls, names: Iterable[str], units: Iterable[str], own_service: bool = False
+    ) -> Protection:
+        return cls(BUILTIN_PROTECTED_NAMES | set(names), frozenset(units), own_service=own_service)
 
     def why_protected(self, pid: int) -> str | None:
         if pid in self.never:

@@ -72,13 +72,15 @@ class Teardown:
     baselines: dict[int, int]
     on_event: EventSink = field(default=lambda kind, data: None)
     protection: Protection | None = None
+    # The daemon's teardown: its own service's other processes (its helpers) are spared.
+    in_daemon: bool = False
 
     def __post_init__(self) -> None:
         t = self.config.teardown
         self.unit = self.config.service.unit
         self.indices = sorted(self.baselines)
         self.protection = self.protection or Protection.from_config(
-            t.protected_names, t.protected_units
+            t.protected_names, t.protected_units, own_service=self.in_daemon
         )
         self.patterns = [re.compile(p) for p in t.stray_patterns]
         self.killed: dict[ProcessRef, KillRecord] = {}

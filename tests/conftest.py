@@ -232,6 +232,12 @@ def _view_dir() -> str:
     return d
 
 
+def like_a_terminal() -> None:
+    """preexec_fn for a client that a test interrupts as Ctrl-C would: SIGINT at its default,
+    as in a terminal, even when the suite itself runs with SIGINT ignored (a background job)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def as_user(*setpriv: str) -> list[str]:
     """The argv prefix that runs this checkout's Python as another user (`setpriv` options,
     for example "--reuid=65534"), wherever the checkout is. Follow it with Python's

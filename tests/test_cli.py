@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +102,24 @@ def test_both_commands_say_their_version() -> None:
             [sys.executable, "-m", module, "--version"], capture_output=True, text=True
         )
         assert r.returncode == 0 and r.stdout.strip() == f"{prog} {version('kimi-supervisor')}"
+
+
+def test_a_one_shot_teardown_run_from_a_service_kills_a_ghost_that_shares_that_service(
+    sandbox: SandboxHelper,
+) -> None:
+    # cron's service, or a CI job run as a unit: only the daemon's own service is a shelter.
+    script = (
+        f"ghost=$({sys.executable} -m supervisor.sandbox.ghost --detach --gpu all --mib 3000 "
+        "--title python | cut -d' ' -f2) && echo GHOST $ghost && "
+        f"exec {sys.executable} -m supervisor.cli teardown"
+    )
+    setenv = [f"--setenv={k}={v}" for k, v in {**os.environ, **sandbox.sb.env}.items()]
+    r = subprocess.run(
+        ["systemd-run", "--user", "--wait", "--pipe", "--quiet", "--collect",
+         f"--working-directory={Path.cwd()}", *setenv, "sh", "-c", script],
+        env={**os.environ, **sandbox.sb.env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    ghost = int(r.stdout.split("GHOST ")[1].split()[0])
+    assert f"killed PID {ghost} (python) in kill_gpu_holders" in r.stdout
+    assert not Path(f"/proc/{ghost}").exists()

@@ -19,7 +19,7 @@ import pytest
 
 from supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, wait_until
+from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
 
 pytestmark = pytest.mark.systemd
 
@@ -253,6 +253,7 @@ def test_ctrl_c_while_following_stops_following_and_the_switch_completes(
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **serving.sb.env},
+        preexec_fn=like_a_terminal,
     )
     assert proc.stdout is not None
     for line in proc.stdout:

@@ -17,7 +17,7 @@ import pytest
 from supervisor.control.client import exchange
 from supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, wait_until
+from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
 
 pytestmark = pytest.mark.systemd
 
@@ -195,6 +195,7 @@ def test_ctrl_c_while_recording_stops_the_recording_and_the_flush_completes(
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, **profiling.sb.env},
+        preexec_fn=like_a_terminal,
     )
     assert proc.stdout is not None
     for line in proc.stdout:
