@@ -65,3 +65,38 @@ def test_the_vllm_unit_cannot_be_enabled_on_its_own() -> None:
     daemon = next(u for u in UNITS if u.name == "kimi-supervisor.service").read_text()
     assert re.search(r"^\[Install\]\nWantedBy=multi-user.target", daemon, flags=re.M)
     assert "After=nvidia-persistenced.service" in daemon
+
+
+# The highest exposure each unit may score (systemd-analyze's 0 safest .. 10 unsafe): the
+# daemon's, which kills and reads other processes, and vLLM's, which runs as root with the GPUs.
+EXPOSURE_LIMITS = {"kimi-supervisor.service": 3.5, "vllm-kimi-k25.service": 6.5}
+
+
+def exposure(unit: Path) -> float:
+    r = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(unit)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    if "--offline" in r.stderr and "unrecognized" in r.stderr:
+        pytest.skip("systemd-analyze security --offline needs systemd 252 or later")
+    m = re.search(r"Overall exposure level for \S+: ([0-9.]+)", r.stdout + r.stderr)
+    assert m, r.stdout + r.stderr
+    return float(m.group(1))
+
+
+@pytest.mark.parametrize("unit", UNITS, ids=[u.name for u in UNITS])
+def test_each_unit_is_hardened_to_its_exposure_limit(unit: Path) -> None:
+    score = exposure(unit)
+    print(f"EXPOSURE {unit.name} {score}")
+    assert score <= EXPOSURE_LIMITS[unit.name], f"{unit.name} scores {score}"
+
+
+HARDENING = ("Protect", "Private", "Restrict", "Capability", "SystemCall", "Device", "IPAddress",
+             "NoNewPrivileges", "Memory", "Lock", "UMask")  # fmt: skip
+
+
+def test_the_exposure_check_tells_an_unhardened_unit_apart(tmp_path: Path) -> None:
+    bare = tmp_path / "kimi-supervisor.service"
+    lines = (UNITS[0].parent / bare.name).read_text().splitlines()
+    bare.write_text("\n".join(line for line in lines if not line.startswith(HARDENING)))
+    assert exposure(bare) > EXPOSURE_LIMITS["kimi-supervisor.service"]

@@ -42,6 +42,14 @@ from supervisor.sandbox.usermanager import UserManager
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 UNIT = "vllm-kimi-k25.service"
+# Unit settings a manager applies by building a mount namespace for the unit.
+MOUNT_SETTINGS = frozenset(
+    {
+        "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateMounts", "ProtectKernelTunables",
+        "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "ProtectClock",
+        "ProtectHostname",
+    }
+)  # fmt: skip
 DAEMON_UNIT = "kimi-supervisor.service"
 
 
@@ -237,8 +245,19 @@ class Sandbox:
         if _extra_paths():  # the fake's children are started with `python -m`
             gpu_env += f"Environment=PYTHONPATH={os.pathsep.join(_extra_paths())}\n"
         unit_dir = self.manager.unit_dir
+        mounts: list[str] = []
         for unit in project_file("units").glob("*.service"):
-            (unit_dir / unit.name).write_text(unit.read_text())
+            text = unit.read_text()
+            (unit_dir / unit.name).write_text(text)
+            mounts += [ln for ln in text.splitlines() if ln.split("=", 1)[0] in MOUNT_SETTINGS]
+        # The units' hardening applies here too, but for what this machine's manager cannot do.
+        off = sorted({ln.split("=", 1)[0] for ln in self.manager.cannot_apply(sorted(set(mounts)))})
+        hardening = "".join(f"{key}=no\n" for key in off)
+        if off:
+            hardening = (
+                "# This machine's manager cannot build these (226/NAMESPACE, in a container):\n"
+                + hardening
+            )
         dropin = unit_dir / f"{UNIT}.d"
         dropin.mkdir(exist_ok=True)
         (dropin / "sandbox.conf").write_text(
@@ -250,6 +269,7 @@ class Sandbox:
             + f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
             f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"
+            + hardening
         )
         dropin = unit_dir / f"{DAEMON_UNIT}.d"
         dropin.mkdir(exist_ok=True)
@@ -263,6 +283,11 @@ class Sandbox:
             + gpu_env
             + f"StandardOutput=append:{self.daemon_log}\n"
             f"StandardError=append:{self.daemon_log}\n"
+            "# The unit's own hardening applies, but the sandbox's files live under a temporary\n"
+            "# directory, shared with the tests: no private /tmp, and that directory writable.\n"
+            "PrivateTmp=no\n"
+            f"ReadWritePaths={self.root}\n"
+            + hardening
         )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())

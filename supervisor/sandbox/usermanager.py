@@ -180,6 +180,31 @@ class UserManager:
             timeout=60,
         )
 
+    def cannot_apply(self, settings: list[str]) -> list[str]:
+        """Those of `settings` ("Key=value" lines of a [Service] section) this manager fails to
+        start a unit with. A manager inside a container may be unable to build the mount
+        namespace some of them need (the unit fails with 226/NAMESPACE): found by starting a
+        probe unit with all of them, then, if that fails, one per setting."""
+
+        def fails(batch: list[list[str]]) -> list[bool]:
+            names = [f"kimi-probe-{i}.service" for i in range(len(batch))]
+            for name, lines in zip(names, batch, strict=True):
+                body = "".join(f"{line}\n" for line in lines)
+                (self.unit_dir / name).write_text(
+                    f"[Service]\nType=oneshot\nExecStart=/bin/true\n{body}"
+                )
+            self.systemctl("daemon-reload")
+            try:
+                return [self.systemctl("start", n, check=False).returncode != 0 for n in names]
+            finally:
+                for name in names:
+                    (self.unit_dir / name).unlink()
+                self.systemctl("daemon-reload")
+
+        if not settings or not fails([settings])[0]:
+            return []
+        return [s for s, bad in zip(settings, fails([[s] for s in settings]), strict=True) if bad]
+
     # -- lifecycle --
     @classmethod
     def start(cls, root: Path, timeout_s: float = 30.0) -> UserManager:

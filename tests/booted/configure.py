@@ -54,10 +54,13 @@ def main(src: Path) -> None:
     vllm.write_text(f"#!{PYTHON}\nfrom supervisor.sandbox.fake_vllm import main\nmain()\n")
     vllm.chmod(0o755)
     env = f"Environment=KIMI_SIM_GPU_DIR={SIM / 'gpu'}\n"
-    for unit in ("kimi-supervisor.service", "vllm-kimi-k25.service"):
+    # The simulated driver keeps its state in files the daemon writes (a real one is in /dev),
+    # and the fake vLLM writes its traces there: writable for the hardened daemon.
+    extra = {"kimi-supervisor.service": f"ReadWritePaths={SIM}\n", "vllm-kimi-k25.service": ""}
+    for unit, more in extra.items():
         d = Path("/etc/systemd/system") / f"{unit}.d"
         d.mkdir(parents=True, exist_ok=True)
-        (d / "test-host.conf").write_text("[Service]\n" + env)
+        (d / "test-host.conf").write_text("[Service]\n" + env + more)
     gpu = open_gpu(config.gpus)
     try:
         baseline.save(config.state.dir, baseline.calibrate(gpu, [0, 1, 2, 3]))

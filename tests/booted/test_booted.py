@@ -17,6 +17,8 @@ from .host import BootedHost, Unavailable, unavailable
 
 pytestmark = pytest.mark.booted
 
+PYTHON = "/opt/kimi-supervisor/bin/python"  # the installed package's
+
 
 @pytest.fixture(scope="module")
 def host() -> Iterator[BootedHost]:
@@ -84,6 +86,31 @@ def test_enable_now_brings_production_up_and_a_kimi_member_may_switch_others_not
     r = host.sh("runuser -u bob -- kimi-mode production", check=False)
     assert r.returncode == 3 and "permission denied" in r.stderr, r.stderr
     assert status(host)["desired_mode"] == "profile"
+
+
+def test_the_hardened_daemon_kills_a_ghost_and_hands_captures_to_a_member_in_tmp_and_home(
+    host: BootedHost,
+) -> None:
+    ghost = host.sh(
+        f"KIMI_SIM_GPU_DIR=/var/lib/kimi-sim/gpu {PYTHON} -m supervisor.sandbox.ghost --detach "
+        "--gpu all --mib 3000 --title python"
+    ).stdout.split()[1]
+    r = host.sh("runuser -u alice -- kimi-mode production", check=False, timeout=120)
+    assert r.returncode == 0 and f"killed PID {ghost} python" in r.stdout, r.stdout + r.stderr
+    assert host.sh(f"test -d /proc/{ghost}", check=False).returncode != 0
+    # The daemon's /tmp is private and /home read-only to it: the traces still land in the
+    # directories alice opened, and are hers.
+    host.sh("runuser -u alice -- mkdir /tmp/alice-traces /home/alice/traces")
+    for out in ("/tmp/alice-traces", "/home/alice/traces"):
+        r = host.sh(
+            f"runuser -u alice -- kimi-mode capture --switch --seconds 0.5 --then stay --out {out}",
+            check=False,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        traces = host.sh(f"find {out} -type f -user alice -name '*rank*'").stdout.split()
+        assert len(traces) == 4, host.sh(f"ls -laR {out}").stdout
+    wait_serving(host, "profile")
 
 
 def test_vllms_output_reaches_the_journal_and_the_daemon_follows_its_progress(
