@@ -12,6 +12,7 @@ PREFIX ?= /opt/kimi-supervisor
 BINDIR ?= /usr/local/bin
 UNITDIR ?= /etc/systemd/system
 SYSCONFDIR ?= /etc
+MANDIR ?= /usr/local/share/man
 DESTDIR ?=
 
 setup: $(VENV)/.installed
@@ -53,4 +54,4 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 install:
-	sh scripts/install.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" "$(PYTHON)"
+	sh scripts/install.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" "$(PYTHON)" "$(MANDIR)"

@@ -1,10 +1,11 @@
 #!/bin/sh
-# `make install`: DESTDIR PREFIX BINDIR UNITDIR SYSCONFDIR PYTHON (see the Makefile).
+# `make install`: DESTDIR PREFIX BINDIR UNITDIR SYSCONFDIR PYTHON MANDIR (see the Makefile).
 # The virtualenv is built under DESTDIR+PREFIX and its scripts point at PREFIX, so a staged tree
 # works once copied to /. Without DESTDIR, the group and directories are created and systemd
 # reloaded; nothing is enabled or started (docs/operations.md says what to run next).
 set -eu
 DESTDIR=$1 PREFIX=$2 BINDIR=$3 UNITDIR=$4 SYSCONFDIR=$5 PYTHON=${6:-python3}
+MANDIR=${7:-/usr/local/share/man}
 cd "$(dirname "$0")/.."
 sh scripts/setup-system.sh --install
 root="$DESTDIR$PREFIX"
@@ -23,6 +24,8 @@ if [ -n "$DESTDIR" ]; then
 fi
 install -d -m 0755 "$DESTDIR$BINDIR" "$DESTDIR$UNITDIR" "$DESTDIR$SYSCONFDIR/kimi-supervisor" \
   "$root/docs" "$DESTDIR/usr/lib/sysusers.d" "$DESTDIR/usr/lib/tmpfiles.d"
+# kimi-mode(1) and kimi-supervisor(8), rendered from the installed commands' own options.
+"$root/bin/python" -m supervisor.manpage "$DESTDIR$MANDIR" >/dev/null
 ln -sf "$PREFIX/bin/kimi-supervisor" "$DESTDIR$BINDIR/kimi-supervisor"
 ln -sf "$PREFIX/bin/kimi-mode" "$DESTDIR$BINDIR/kimi-mode"
 install -m 0644 units/kimi-supervisor.service units/vllm-kimi-k25.service "$DESTDIR$UNITDIR/"

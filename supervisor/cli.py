@@ -312,37 +312,50 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+CONFIG_HELP = (
+    "the config file (default: $KIMI_SUPERVISOR_CONFIG, else "
+    "/etc/kimi-supervisor/kimi-supervisor.toml)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kimi-supervisor", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="kimi-supervisor",
+        description="The daemon that owns vllm-kimi-k25.service and its GPUs (`run`, started by "
+        "kimi-supervisor.service), and the operator's commands around it. Switch modes with "
+        "kimi-mode.",
+        epilog="exit codes: 0 success, 1 failure (teardown: STUCK), 2 a configuration or state "
+        "directory to fix by hand",
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("check-config", help="validate a config file and print the effective config")
-    c.add_argument("path", type=Path)
+    c.add_argument("path", type=Path, help="the config file to check")
     c.set_defaults(fn=cmd_check_config)
 
     c = sub.add_parser("calibrate", help="measure each managed GPU's baseline footprint")
-    c.add_argument("--config", default=None)
+    c.add_argument("--config", default=None, help=CONFIG_HELP)
     c.set_defaults(fn=cmd_calibrate)
 
     c = sub.add_parser("teardown", help="tear the unit down now until the GPUs are verified clean")
-    c.add_argument("--config", default=None)
+    c.add_argument("--config", default=None, help=CONFIG_HELP)
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(fn=cmd_teardown)
 
     c = sub.add_parser(
         "reload", help="re-execute the daemon and wait until it is back (the unit's ExecReload)"
     )
-    c.add_argument("--config", default=None)
+    c.add_argument("--config", default=None, help=CONFIG_HELP)
     c.add_argument("--pid", type=int, required=True, help="the daemon's PID ($MAINPID)")
     c.set_defaults(fn=cmd_reload)
 
     c = sub.add_parser("run", help="the daemon (started by kimi-supervisor.service)")
-    c.add_argument("--config", default=None)
+    c.add_argument("--config", default=None, help=CONFIG_HELP)
     c.set_defaults(fn=cmd_run)
 
     c = sub.add_parser("launch-vllm", help="(used by the unit) exec vLLM with the argv from a file")
-    c.add_argument("--argv-file", required=True)
+    c.add_argument("--argv-file", required=True, help="the JSON list the daemon wrote")
     c.set_defaults(fn=cmd_launch_vllm)
 
     sb = sub.add_parser("sandbox", help="an isolated systemd manager, simulated GPUs, fake vLLM")

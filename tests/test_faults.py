@@ -97,32 +97,30 @@ def _raw_request(daemon: DaemonHelper, line: str) -> list[dict[str, object]]:
     return [json.loads(x) for x in data.splitlines() if x.strip()]
 
 
-def _in_manager_ns(sandbox: SandboxHelper, *cmd: str) -> None:
-    """Run a command in the sandbox manager's mount namespace (where the daemon runs)."""
-    subprocess.run(
-        ["nsenter", "-t", str(sandbox.sb.manager.pid), "-m", *cmd], check=True, timeout=30
-    )
+def _in_daemon_ns(daemon: DaemonHelper, *cmd: str) -> None:
+    """Run a command in the daemon's mount namespace (its unit's hardening gives it its own)."""
+    subprocess.run(["nsenter", "-t", str(daemon.pid()), "-m", *cmd], check=True, timeout=30)
 
 
 @contextlib.contextmanager
-def _tiny_state_disk(sandbox: SandboxHelper) -> Iterator[Path]:
+def _tiny_state_disk(sandbox: SandboxHelper, daemon: DaemonHelper) -> Iterator[Path]:
     """A 256 KiB tmpfs over the daemon's state directory, as the daemon sees it (the test sees
     it through /proc/<daemon>/root). Unmounted afterwards, whatever happens."""
     state_dir = sandbox.config.state.dir
-    _in_manager_ns(sandbox, "mount", "-t", "tmpfs", "-o", "size=256k,mode=0750", "tmpfs",
-                   str(state_dir))  # fmt: skip
+    _in_daemon_ns(daemon, "mount", "-t", "tmpfs", "-o", "size=256k,mode=0750", "tmpfs",
+                  str(state_dir))  # fmt: skip
     try:
         yield state_dir
     finally:
-        _in_manager_ns(sandbox, "umount", "-l", str(state_dir))
+        _in_daemon_ns(daemon, "umount", "-l", str(state_dir))
 
 
-def _fill(sandbox: SandboxHelper, state_dir: Path) -> None:
-    _in_manager_ns(sandbox, "sh", "-c", f"cat /dev/zero > {state_dir}/fill 2>/dev/null; true")
+def _fill(daemon: DaemonHelper, state_dir: Path) -> None:
+    _in_daemon_ns(daemon, "sh", "-c", f"cat /dev/zero > {state_dir}/fill 2>/dev/null; true")
 
 
-def _free(sandbox: SandboxHelper, state_dir: Path) -> None:
-    _in_manager_ns(sandbox, "rm", "-f", f"{state_dir}/fill")
+def _free(daemon: DaemonHelper, state_dir: Path) -> None:
+    _in_daemon_ns(daemon, "rm", "-f", f"{state_dir}/fill")
 
 
 def test_a_full_disk_refuses_a_switch_before_any_teardown_and_never_takes_the_daemon_down(
@@ -131,20 +129,20 @@ def test_a_full_disk_refuses_a_switch_before_any_teardown_and_never_takes_the_da
     daemon.start()
     daemon.wait_serving("production")
     vllm, pid = daemon.vllm_pid(), daemon.pid()
-    with _tiny_state_disk(sandbox) as state_dir:
-        _fill(sandbox, state_dir)
+    with _tiny_state_disk(sandbox, daemon) as state_dir:
+        _fill(daemon, state_dir)
         # Refused whole: the desired mode could not be persisted, so nothing was torn down.
         r = daemon.kimi_mode("profile", "--no-wait")
         assert r.returncode != 0 and "cannot be persisted" in r.stderr, r.stderr
         assert daemon.vllm_pid() == vllm
         assert daemon.status()["desired_mode"] == "production"
         # Accepted while there is room; the disk fills in the middle of the switch.
-        _free(sandbox, state_dir)
+        _free(daemon, state_dir)
         sandbox.fake(ignore_sigterm=True)  # stop_unit takes term_grace_s: time to fill
         r = daemon.kimi_mode("profile", "--no-wait")
         assert r.returncode == 0, r.stderr
         daemon.wait_state("tearing_down", 10)
-        _fill(sandbox, state_dir)
+        _fill(daemon, state_dir)
         sandbox.fake()
         status = daemon.wait_serving("profile", 60)
         assert daemon.pid() == pid and daemon.unit() == "active"  # no crash, no restart
@@ -152,7 +150,7 @@ def test_a_full_disk_refuses_a_switch_before_any_teardown_and_never_takes_the_da
         metrics = _metrics(daemon)
         assert "kimi_supervisor_persist_failures_total" in metrics
         # Room again: the next pass writes what was kept in memory.
-        _free(sandbox, state_dir)
+        _free(daemon, state_dir)
         wait_until(lambda: not daemon.status()["warnings"], 30, "the state to be written")
         on_disk = json.loads(_read_as_daemon(daemon, state_dir / "state.json"))
         assert on_disk["desired_mode"] == "profile" and on_disk["transition"] is None

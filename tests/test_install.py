@@ -78,3 +78,34 @@ def test_an_upgrade_keeps_the_operators_config_and_ships_the_new_one_beside_it(
     assert conf.read_text().endswith("# the operator's edit\n")
     assert (conf.parent / "kimi-supervisor.toml.dist").is_file()
     assert "kept your" in r.stdout
+
+
+def test_the_man_pages_are_installed_render_cleanly_and_name_every_command(staged: Path) -> None:
+    import argparse
+
+    from supervisor import cli, kimi_mode
+
+    for page, parser in (
+        ("man1/kimi-mode.1.gz", kimi_mode.build_parser()),
+        ("man8/kimi-supervisor.8.gz", cli.build_parser()),
+    ):
+        path = staged / "usr/local/share/man" / page
+        assert path.is_file(), page
+        if shutil.which("man"):
+            r = subprocess.run(
+                ["man", "--warnings", "-l", str(path)],
+                capture_output=True, text=True, env={"MANWIDTH": "100", "PATH": "/usr/bin:/bin"},
+            )  # fmt: skip
+            assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+            text = r.stdout
+        else:
+            import gzip
+
+            text = gzip.decompress(path.read_bytes()).decode().replace("\\-", "-")
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for name, sub in subs.choices.items():
+            assert f"{parser.prog} {name}" in text, name
+            for action in sub._actions:
+                for flag in action.option_strings:
+                    assert flag in text, f"{name} {flag}"
+        assert "EXIT STATUS" in text and "/etc/kimi-supervisor/kimi-supervisor.toml" in text

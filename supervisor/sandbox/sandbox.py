@@ -269,7 +269,9 @@ class Sandbox:
             + f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
             f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"
-            + hardening
+            "# The fake's escaping ghost leaves the unit through cgroupfs, which the real unit\n"
+            "# forbids (ProtectControlGroups=yes): the escape is simulated, not prevented.\n"
+            "ProtectControlGroups=no\n" + hardening
         )
         dropin = unit_dir / f"{DAEMON_UNIT}.d"
         dropin.mkdir(exist_ok=True)
@@ -286,8 +288,7 @@ class Sandbox:
             "# The unit's own hardening applies, but the sandbox's files live under a temporary\n"
             "# directory, shared with the tests: no private /tmp, and that directory writable.\n"
             "PrivateTmp=no\n"
-            f"ReadWritePaths={self.root}\n"
-            + hardening
+            f"ReadWritePaths={self.root}\n" + hardening
         )
         self.manager.systemctl("daemon-reload")
         (self.root / "env.sh").write_text(self.exports())

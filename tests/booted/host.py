@@ -67,18 +67,19 @@ def _mirror() -> str:
     raise Unavailable("no Debian mirror in /etc/apt/sources.list(.d)")
 
 
-def rootfs() -> Path:
-    """The cached Debian 12 root file system, built once per package list."""
-    key = hashlib.sha256(PACKAGES.encode()).hexdigest()[:12]
+def rootfs(packages: str | None = PACKAGES) -> Path:
+    """The cached Debian 12 root file system, built once per package list. None: a plain
+    `debootstrap bookworm DIR`, the fresh machine an operator starts from."""
+    key = hashlib.sha256((packages or "default").encode()).hexdigest()[:12]
     done = CACHE / f"bookworm-{key}"
     if (done / "etc" / "os-release").exists():
         return done
     CACHE.mkdir(parents=True, exist_ok=True)
     tmp = CACHE / f".building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
+    chosen = ["--variant=minbase", f"--include={packages}"] if packages else []
     r = subprocess.run(
-        ["debootstrap", "--variant=minbase", f"--include={PACKAGES}", "bookworm", str(tmp),
-         _mirror()],
+        ["debootstrap", *chosen, "bookworm", str(tmp), _mirror()],
         capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     if r.returncode != 0:
@@ -88,18 +89,34 @@ def rootfs() -> Path:
     return done
 
 
+def network() -> tuple[list[str], dict[str, str]]:
+    """nspawn binds and environment for pip inside: the machine's CA bundle (a TLS-intercepting
+    proxy's root may be in it) and its pip cache."""
+    pip_cache = Path("/root/.cache/pip")
+    pip_cache.mkdir(parents=True, exist_ok=True)
+    binds = [f"{pip_cache}:/root/.cache/pip"]
+    env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    ca = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
+    if ca and Path(ca).is_file():
+        binds.append(f"{ca}:/etc/kimi-host-ca.crt")
+        env |= {"PIP_CERT": "/etc/kimi-host-ca.crt", "SSL_CERT_FILE": "/etc/kimi-host-ca.crt"}
+    return binds, env
+
+
 class BootedHost:
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, base: Path | None = None) -> None:
         self.work = work
+        self.base = base
         self.root = work / "rootfs"
         self.nspawn: subprocess.Popen[bytes] | None = None
         self.cgroups: list[Path] = []
         self.console = work / "console.log"
+        self.binds: list[str] = []
 
     # -- set-up --
-    def prepare(self) -> None:
-        subprocess.run(["cp", "-a", "--reflink=auto", str(rootfs()), str(self.root)], check=True)
-        src = self.root / "src"
+    def copy_checkout(self, dest: str) -> None:
+        """This checkout's files (tracked and not ignored) to `dest` inside, as a clone has them."""
+        src = self.root / dest.lstrip("/")
         files = subprocess.run(
             ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
             cwd=ROOT, capture_output=True, check=True,
@@ -110,15 +127,12 @@ class BootedHost:
                 continue
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
-        pip_cache = Path("/root/.cache/pip")
-        pip_cache.mkdir(parents=True, exist_ok=True)
-        # The machine's CA bundle (a TLS-intercepting proxy's root may be in it) and pip cache.
-        binds = [f"{pip_cache}:/root/.cache/pip"]
-        env = {"PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-        ca = os.environ.get("PIP_CERT") or os.environ.get("SSL_CERT_FILE")
-        if ca and Path(ca).is_file():
-            binds.append(f"{ca}:/etc/kimi-host-ca.crt")
-            env |= {"PIP_CERT": "/etc/kimi-host-ca.crt", "SSL_CERT_FILE": "/etc/kimi-host-ca.crt"}
+
+    def prepare(self) -> None:
+        base = self.base or rootfs()
+        subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(self.root)], check=True)
+        self.copy_checkout("/src")
+        binds, env = network()
         self._run_once(
             ["sh", "-c", "cd /src && make install PYTHON=/usr/bin/python3 >/install.log 2>&1 "
              "|| { tail -40 /install.log; exit 1; }"],
@@ -161,8 +175,8 @@ class BootedHost:
         script = "".join(f"echo $$ > {c}; " for c in cgroups)
         log = open(self.console, "ab")  # noqa: SIM115 - owned by the Popen
         self.nspawn = subprocess.Popen(
-            ["sh", "-c", script + f"exec systemd-nspawn -q --register=no --keep-unit --boot "
-             f"-D {self.root}"],
+            ["sh", "-c", script + "exec systemd-nspawn -q --register=no --keep-unit --boot "
+             + "".join(f"--bind={b} " for b in self.binds) + f"-D {self.root}"],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
         )  # fmt: skip
         deadline = time.monotonic() + timeout_s
