@@ -47,7 +47,7 @@ MOUNT_SETTINGS = frozenset(
     {
         "ProtectSystem", "ProtectHome", "PrivateTmp", "PrivateMounts", "ProtectKernelTunables",
         "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "ProtectClock",
-        "ProtectHostname",
+        "ProtectHostname", "ReadWritePaths",
     }
 )  # fmt: skip
 DAEMON_UNIT = "kimi-supervisor.service"
@@ -251,8 +251,9 @@ class Sandbox:
             (unit_dir / unit.name).write_text(text)
             mounts += [ln for ln in text.splitlines() if ln.split("=", 1)[0] in MOUNT_SETTINGS]
         # The units' hardening applies here too, but for what this machine's manager cannot do.
+        mounts.append(f"ReadWritePaths={self.root}")  # the daemon's, below
         off = sorted({ln.split("=", 1)[0] for ln in self.manager.cannot_apply(sorted(set(mounts)))})
-        hardening = "".join(f"{key}=no\n" for key in off)
+        hardening = "".join(f"{key}=\n" if key.endswith("Paths") else f"{key}=no\n" for key in off)
         if off:
             hardening = (
                 "# This machine's manager cannot build these (226/NAMESPACE, in a container):\n"

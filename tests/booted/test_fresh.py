@@ -5,9 +5,11 @@ cgroups below it), as an operator's root shell would run them in its session."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,15 +51,21 @@ def fresh() -> Iterator[tuple[BootedHost, dict[str, str]]]:
 
 
 def as_root(h: BootedHost, env: dict[str, str], cmd: str, timeout: float) -> str:
+    """`cmd` as a transient service, its output and exit status kept in files: a fresh host
+    has no D-Bus, so systemd-run cannot --wait (it talks to PID 1 on its private socket)."""
     setenv = " ".join(f"-E {k}={v}" for k, v in env.items())
-    r = h.sh(
-        f"systemd-run --wait --pipe --quiet --collect -p Delegate=yes {setenv} "
-        f"--working-directory={CHECKOUT} sh -c {cmd!r} 2>&1",
-        check=False,
-        timeout=timeout,
+    h.sh("rm -f /root/out.log /root/out.rc")
+    h.sh(
+        f"systemd-run --quiet --collect -p Delegate=yes {setenv} --working-directory={CHECKOUT} "
+        f"sh -c {shlex.quote('{ ' + cmd + '; } >/root/out.log 2>&1; echo $? >/root/out.rc')}"
     )
-    assert r.returncode == 0, f"`{cmd}` exited {r.returncode}:\n{r.stdout[-4000:]}{r.stderr}"
-    return r.stdout
+    deadline = time.monotonic() + timeout
+    while h.sh("test -s /root/out.rc", check=False).returncode != 0:
+        assert time.monotonic() < deadline, h.sh("tail -40 /root/out.log").stdout
+        time.sleep(1)
+    rc, out = h.sh("cat /root/out.rc").stdout.strip(), h.sh("cat /root/out.log").stdout
+    assert rc == "0", f"`{cmd}` exited {rc}:\n{out[-4000:]}"
+    return out
 
 
 def test_a_fresh_debian_12_lacks_what_the_set_up_installs(
