@@ -4,8 +4,10 @@ owning `vllm-kimi-k25.service` (the fake vLLM) on simulated GPUs."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -332,3 +334,29 @@ def test_systemctl_restart_of_the_daemon_adopts_vllm_instead_of_tearing_it_down(
     # A stop still tears down: only a restart leaves vLLM running.
     daemon.stop()
     assert sandbox.systemd.status("vllm-kimi-k25.service").inactive
+
+
+def test_the_daemon_runs_confined_by_its_units_hardening(daemon: DaemonHelper) -> None:
+    """The unit's hardening is in force on the running daemon (what /proc says of it), and vLLM
+    runs with its own, narrower set of capabilities."""
+    daemon.start()
+    daemon.wait_serving("production")
+
+    def status_of(pid: int) -> dict[str, str]:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        return dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+
+    def caps(mask: str) -> set[str]:
+        names = {0: "chown", 1: "dac_override", 2: "dac_read_search", 3: "fowner", 5: "kill",
+                 14: "ipc_lock", 19: "sys_ptrace", 21: "sys_admin", 23: "sys_nice",
+                 24: "sys_resource"}  # fmt: skip
+        bits = int(mask, 16)
+        return {names.get(i, str(i)) for i in range(64) if bits >> i & 1}
+
+    here = caps(status_of(os.getpid())["CapBnd"])  # a container may hold fewer to begin with
+    own = status_of(daemon.pid())
+    assert own["NoNewPrivs"].strip() == "1" and own["Seccomp"].strip() == "2"  # a filter
+    expected = {"kill", "sys_ptrace", "dac_override", "dac_read_search", "fowner", "chown"}
+    assert caps(own["CapBnd"]) == expected & here
+    vllm = status_of(daemon.vllm_pid())
+    assert caps(vllm["CapBnd"]) == {"sys_admin", "sys_nice", "sys_resource", "ipc_lock"} & here

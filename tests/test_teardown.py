@@ -4,6 +4,7 @@ processes, simulated GPUs. Each ends CLEAN with the GPUs at baseline unless said
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import textwrap
@@ -200,6 +201,34 @@ def test_a_stopped_holder_is_killed(sandbox: SandboxHelper) -> None:
     run = teardown(sandbox)
     assert_clean(sandbox, run)
     assert run.killed() == {ghost.pid}
+
+
+def test_a_holder_that_reached_the_device_by_another_path_is_found_by_identity(
+    sandbox: SandboxHelper,
+) -> None:
+    """As from a chroot, a container or a bind mount: the same device files under another path
+    (hard links in another directory, the same names). The holder is known by the files'
+    identity, as the kernel knows them, not by the path its descriptors show."""
+    gpu_dir = sandbox.sb.gpu_dir
+    view = gpu_dir.parent / "gpu-view"
+    (view / "dev").mkdir(parents=True)
+    try:
+        for f in (gpu_dir / "dev").iterdir():
+            os.link(f, view / "dev" / f.name)
+        for entry in gpu_dir.iterdir():
+            if entry.name != "dev":
+                (view / entry.name).symlink_to(entry)
+        hidden = sandbox.ghost(
+            gpu="1", mib=6_000, title="python", hidden=True,
+            extra_env={"KIMI_SIM_GPU_DIR": str(view)},
+        )  # fmt: skip
+        assert str(view / "dev" / "nvidia1") in dict(processes.open_paths(hidden.pid)).values()
+        run = teardown(sandbox)
+        assert_clean(sandbox, run)
+        assert run.killed() == {hidden.pid}
+        assert run.report.kills[-1].evidence is Evidence.OPEN_AND_MAPPED
+    finally:
+        shutil.rmtree(view)
 
 
 def test_a_holder_nvml_does_not_list_is_found_open_and_mapped_and_protected_ones_survive(
