@@ -7,6 +7,7 @@ DevicePolicy=closed and no DeviceAllow= must fail: otherwise the manager does no
 policies here and the first probe proves nothing about the device list.
 
     python3 -m bench.device_policy_probe --out probe.json     # on a GPU host, as root
+    python3 -m bench.device_policy_probe --render probe.json --write docs/performance.md
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import write_section
 from supervisor.sandbox.sandbox import MOUNT_SETTINGS
 from supervisor.sandbox.usermanager import UserManager
 
@@ -63,10 +65,40 @@ def probe(m: UserManager, name: str, lines: list[str], out_dir: Path) -> dict[st
     }
 
 
+def render(path: Path) -> str:
+    d = json.loads(path.read_text())
+    rows = [
+        ("the unit's hardening" + (f" (but {', '.join(d['manager_cannot_apply'])}, which that "
+         "manager cannot build)" if d["manager_cannot_apply"] else ""), d["unit_hardening"]),
+        ("DevicePolicy=closed, no DeviceAllow= (the control)", d["closed_without_allow"]),
+        ("no confinement", d["no_confinement"]),
+    ]  # fmt: skip
+    lines = [
+        f"From `{path}`: `/proc/devices` lists {', '.join(d['proc_devices'])}.",
+        "",
+        "| probe unit | NVML init, memory and processes of every GPU |",
+        "|---|---|",
+    ]
+    for what, r in rows:
+        first = (r["output"].strip().splitlines() or [""])[-1][:90]
+        lines.append(f"| {what} | {'works' if r['ok'] else 'fails'}: `{first}` |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--render", type=Path, help="a probe's JSON, rendered as Markdown")
+    ap.add_argument("--write", type=Path, help="with --render: into this document's section")
     args = ap.parse_args()
+    if args.render:
+        body = render(args.render)
+        if args.write:
+            write_section(args.write, "device-policy", body)
+        print(body, end="")
+        return 0
+    if args.out is None:
+        ap.error("--out or --render")
     work = Path(tempfile.mkdtemp(prefix="kimi-devprobe-"))
     m = UserManager.start(work)
     try:
