@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -413,3 +414,27 @@ def test_state_deleted_while_the_daemon_runs_is_written_again_with_the_desired_m
     assert json.loads(path.read_text())["desired_mode"] == "profile"
     incidents = [e for e in daemon.history() if e["kind"] == "incident"]
     assert any("disappeared" in e["what"] for e in incidents), incidents
+
+
+def test_a_client_passing_a_descriptor_with_every_byte_leaves_the_daemon_holding_one(
+    daemon: DaemonHelper,
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    fd_dir = Path(f"/proc/{daemon.pid()}/fd")
+    before = len(os.listdir(fd_dir))
+    passed = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(daemon.socket))
+        request = b'{"v": 1, "cmd": "subscribe"}'
+        for i in range(len(request)):  # 28 messages, a descriptor riding on each
+            socket.send_fds(sock, [request[i : i + 1]], [passed])
+        sock.sendall(b"\n")
+        sock.settimeout(10)
+        assert sock.recv(4096)  # the subscription's first answer: the whole line was read
+        held = len(os.listdir(fd_dir)) - before
+        assert held <= 2, f"the daemon holds {held} more descriptors"  # the connection, one fd
+    finally:
+        sock.close()
+        os.close(passed)

@@ -365,8 +365,8 @@ class ControlServer:
             self._slots.give_back(peer.uid)
 
     def _read_line(self, conn: Connection) -> bytes:
-        """The request line, and into `conn.fds` the descriptor (at most one; the kernel drops
-        any more) that came with it."""
+        """The request line, and into `conn.fds` the first descriptor that came with it (the
+        kernel drops any more in one message; later messages' are closed at once)."""
         sock = conn.sock
         deadline = time.monotonic() + self.idle_timeout_s
         buf = b""
@@ -374,7 +374,11 @@ class ControlServer:
             try:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 chunk, fds, _flags, _addr = socket.recv_fds(sock, 65536, 1, socket.MSG_CMSG_CLOEXEC)
-                conn.fds.extend(fds)
+                for fd in fds:  # one per request: a client sending more per chunk is not kept
+                    if conn.fds:
+                        os.close(fd)
+                    else:
+                        conn.fds.append(fd)
             except TimeoutError:
                 raise ProtocolError(
                     "idle", f"no whole request within {self.idle_timeout_s:g} s; closing"
