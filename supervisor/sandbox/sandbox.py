@@ -87,11 +87,23 @@ def _fill(value: Any, sandbox: str) -> Any:
     return value
 
 
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def render_config(
-    root: Path, gpus: int, port: int, bus_address: str, real_gpus: bool = False
+    root: Path,
+    gpus: int,
+    port: int,
+    bus_address: str,
+    real_gpus: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> Config:
     raw = tomllib.loads(project_file("config", "sandbox.toml").read_text())
-    raw = _fill(raw, str(root))
+    raw = _fill(_merge(raw, overrides or {}), str(root))
     if real_gpus:
         # The host's own GPUs through NVML; the fake vLLM and ghosts allocate with CUDA.
         raw["gpus"] = {"backend": "nvml", "managed": list(range(gpus)), "tolerance_mib": 256}
@@ -166,7 +178,11 @@ class Sandbox:
         release_delay_s: float = simgpu.DRIVER_RELEASE_S,
         daemon: bool = True,
         real_gpus: bool = False,
+        overrides: dict[str, Any] | None = None,
+        vllm_env: dict[str, str] | None = None,
     ) -> Sandbox:
+        """`overrides`: config keys over config/sandbox.toml ({sandbox} is filled in too), for
+        example a real `vllm.command`; `vllm_env`: environment for the vLLM unit."""
         root = root.resolve()
         existing = UserManager.attach(root)
         if existing is not None:
@@ -192,7 +208,7 @@ class Sandbox:
         manager = UserManager.start(root)
         sb = cls(root, manager)
         try:
-            sb._install(gpus)
+            sb._install(gpus, overrides, vllm_env or {})
             if daemon:
                 sb.start_daemon()
         except BaseException:
@@ -210,9 +226,11 @@ class Sandbox:
             )
         return cls(root.resolve(), manager)
 
-    def _install(self, gpus: int) -> None:
+    def _install(
+        self, gpus: int, overrides: dict[str, Any] | None, vllm_env: dict[str, str]
+    ) -> None:
         config = render_config(
-            self.root, gpus, _free_port(), self.manager.bus_address, self.real_gpus
+            self.root, gpus, _free_port(), self.manager.bus_address, self.real_gpus, overrides
         )
         # Other users must reach the control socket for the permission tests (the socket itself
         # is 0660 and checked per connection).
@@ -268,7 +286,8 @@ class Sandbox:
             f"ExecStart={launcher} launch-vllm --argv-file %t/kimi-supervisor/vllm-argv.json\n"
             + gpu_env
             + f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
-            f"StandardOutput=append:{self.vllm_log}\n"
+            + "".join(f'Environment="{k}={v}"\n' for k, v in vllm_env.items())
+            + f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"
             "# The fake's escaping ghost leaves the unit through cgroupfs, which the real unit\n"
             "# forbids (ProtectControlGroups=yes): the escape is simulated, not prevented.\n"

