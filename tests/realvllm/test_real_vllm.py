@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +17,10 @@ import pytest
 
 from supervisor.ports import processes
 from supervisor.ports.http import request
-from supervisor.sandbox.sandbox import Sandbox
+from supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from supervisor.sandbox.usermanager import unavailable_reason
 
-from ..conftest import DaemonHelper, SandboxHelper
+from ..conftest import DaemonHelper, SandboxHelper, wait_until
 from . import env
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.systemd]
@@ -126,3 +128,37 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     assert r.returncode == 0, r.stdout + r.stderr
     assert not any(processes.ref_of(pid) for pid in before), "the old tree is gone"
     assert "--profiler-config" not in processes.cmdline_of(real.vllm_pid())
+
+
+def test_the_daemon_follows_the_real_load_output_and_a_crashed_daemon_adopts_real_vllm(
+    real: DaemonHelper,
+) -> None:
+    # Real vLLM writes `(Worker_TP0 pid=N) \rLoading safetensors checkpoint shards: 50% ...`:
+    # the daemon's progress came from it.
+    assert '"phase": "loading"' in real.log() and '"percent": 100' in real.log()
+    vllm, first, teardowns = real.vllm_pid(), real.pid(), real.teardown_count()
+    real.h.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: real.pid() not in (0, first), 20, "systemd to restart the daemon")
+    real.wait_serving("production", 60)
+    assert real.vllm_pid() == vllm and real.teardown_count() == teardowns
+
+
+def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardown_ends_them(
+    real: DaemonHelper,
+) -> None:
+    bystander = real.h.spawn([sys.executable, "-c", "import time; time.sleep(900)"])
+    tree = unit_tree(real)
+    api = real.vllm_pid()
+    engine = [pid for pid, title in tree.items() if title.startswith("VLLM::")]
+    assert len(engine) == 3, tree  # EngineCore, Worker_TP0, Worker_TP1
+    processes.send_signal(processes.ref_of(api), signal.SIGKILL)  # type: ignore[arg-type]
+    # vLLM 0.16 leaves the engine and workers running without their API server (upstream
+    # #55510): the daemon notices the death, tears down (they are among the first killed) and
+    # serves again.
+    try:
+        wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+        real.wait_serving("production", READY_S)
+        assert not [pid for pid in engine if processes.ref_of(pid)], "an orphan survived"
+        assert processes.is_alive(bystander)
+    finally:
+        processes.send_signal(bystander, signal.SIGKILL)
