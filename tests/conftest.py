@@ -215,6 +215,44 @@ def python() -> str:
     return sys.executable
 
 
+class HealthWatch:
+    """GET /health every 50 ms in a thread, from now until `stop()`: the answers seen, each
+    change once (0: the connection refused). The same check runs against the fake and real vLLM:
+    they must agree."""
+
+    def __init__(self, url: str) -> None:
+        import threading
+
+        self.url = url
+        self.seen: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        status = health(self.url)
+        if not self.seen or self.seen[-1] != status:
+            self.seen.append(status)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self._look()
+
+    def stop(self) -> list[int]:
+        """What was seen, up to a last look now."""
+        self._stop.set()
+        self._thread.join(5)
+        self._look()
+        return self.seen
+
+
+def assert_starts_like_vllm_0_16(seen: list[int]) -> None:
+    """While vLLM loads nothing listens (refused), then /health answers 200: no 503 phase, as
+    measured with vLLM 0.16's CPU build."""
+    assert 0 in seen and seen[-1] == 200, seen
+    assert 503 not in seen[seen.index(0) :], seen
+
+
 KIMI_MODE = str(Path(sys.executable).with_name("kimi-mode"))
 CHECKOUT = Path(__file__).resolve().parent.parent
 

@@ -13,9 +13,16 @@ from supervisor.config import load_config
 from supervisor.launcher import write_argv_file
 from supervisor.model import Mode
 from supervisor.ports import processes
+from supervisor.ports.http import request
 from supervisor.sandbox.sandbox import UNIT
 
-from .conftest import SandboxHelper, health, wait_until
+from .conftest import (
+    HealthWatch,
+    SandboxHelper,
+    assert_starts_like_vllm_0_16,
+    health,
+    wait_until,
+)
 
 pytestmark = pytest.mark.systemd
 
@@ -46,11 +53,16 @@ def test_the_unit_runs_the_fake_vllm_whose_workers_fill_the_gpus_and_stopping_re
     assert sandbox.systemd.status(UNIT).result == "success"
 
 
-def test_health_is_503_while_loading_and_200_once_ready(sandbox: SandboxHelper) -> None:
+def test_health_refuses_while_loading_and_answers_200_once_ready_as_real_vllm_does(
+    sandbox: SandboxHelper,
+) -> None:
     sandbox.fake(load_s=1.5)
+    watch = HealthWatch(sandbox.config.vllm.health_url)
     sandbox.start_vllm("production", wait_ready=False)
-    wait_until(lambda: health(sandbox.config.vllm.health_url) == 503, 10, "503 while loading")
     wait_until(lambda: health(sandbox.config.vllm.health_url) == 200, 10, "200 once ready")
+    assert_starts_like_vllm_0_16(watch.stop())
+    r = request(sandbox.config.vllm.health_url)
+    assert r.status == 200 and r.body == ""  # an empty body, as real vLLM's
     log = sandbox.config.vllm.log_file
     assert log is not None
     text = log.read_text()

@@ -4,8 +4,9 @@
 
 The API server (this process) starts an engine-core process titled `VLLM::EngineCore`, which
 starts N workers titled `VLLM::Worker_TP0..N-1`; each worker holds memory on its GPU (simulated,
-or real CUDA with KIMI_FAKE_CUDA=1). It prints vLLM's startup phases, answers GET /health (200
-only once ready), GET /v1/models and POST /start_profile, /stop_profile.
+or real CUDA with KIMI_FAKE_CUDA=1). It prints vLLM's startup phases, listens only once ready (as
+real vLLM 0.16 does: /health refuses connections while loading, then answers 200 with an empty
+body), and answers GET /v1/models and POST /start_profile, /stop_profile.
 
 Fault switches come from the JSON file named by KIMI_FAKE_VLLM_CONFIG (see FakeOptions).
 """
@@ -204,6 +205,11 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+        def _send_empty(self, code: int) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
         def _send(self, code: int, body: dict[str, Any] | None = None) -> None:
             data = json.dumps(body or {}).encode()
             self.send_response(code)
@@ -214,7 +220,9 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/health":
-                self._send(200 if server.ready.is_set() else 503)
+                # Real vLLM 0.16: 200 with an empty body; 503 once its engine is dead. While
+                # loading nothing listens (the connection is refused): see serve_main.
+                self._send_empty(200 if server.ready.is_set() else 503)
             elif self.path == "/v1/models":
                 self._send(
                     200,
@@ -274,9 +282,8 @@ def serve_main(argv: list[str]) -> None:
     )
     if server.profiler is not None:
         log(f"Torch profiler enabled: {json.dumps(server.profiler)}")
-    http = ThreadingHTTPServer((args.host, args.port), _handler(server))
-    threading.Thread(target=http.serve_forever, daemon=True).start()
     engine = _child("engine", str(args.tensor_parallel_size))
+    listening: list[ThreadingHTTPServer] = []
 
     def boot() -> None:
         try:
@@ -284,6 +291,11 @@ def serve_main(argv: list[str]) -> None:
             _load(opts, server.profiler is not None)
             log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
             time.sleep(opts.graph_capture_s)
+            # As real vLLM 0.16 (measured with its CPU build): the API server binds its port only
+            # now, so /health refuses connections while loading; there is no 503 phase.
+            http = ThreadingHTTPServer((args.host, args.port), _handler(server))
+            listening.append(http)
+            threading.Thread(target=http.serve_forever, daemon=True).start()
             log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
             server.ready.set()
             print("INFO:     Application startup complete.", flush=True)
@@ -298,7 +310,8 @@ def serve_main(argv: list[str]) -> None:
     if opts.shutdown_delay_s:
         time.sleep(opts.shutdown_delay_s)
     server.ready.clear()
-    http.shutdown()
+    for http in listening:
+        http.shutdown()
     engine.terminate()
     engine.wait()
     log("Shutdown complete")

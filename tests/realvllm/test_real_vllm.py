@@ -20,7 +20,13 @@ from supervisor.ports.http import request
 from supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from supervisor.sandbox.usermanager import unavailable_reason
 
-from ..conftest import DaemonHelper, SandboxHelper, wait_until
+from ..conftest import (
+    DaemonHelper,
+    HealthWatch,
+    SandboxHelper,
+    assert_starts_like_vllm_0_16,
+    wait_until,
+)
 from . import env
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.systemd]
@@ -124,8 +130,10 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     real: DaemonHelper,
 ) -> None:
     before = unit_tree(real)
+    watch = HealthWatch(real.config.vllm.health_url)
     r = real.kimi_mode("production", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert_starts_like_vllm_0_16(watch.stop())  # the check the fake passes too (test_sandbox)
     assert not any(processes.ref_of(pid) for pid in before), "the old tree is gone"
     assert "--profiler-config" not in processes.cmdline_of(real.vllm_pid())
 
