@@ -216,6 +216,23 @@ dir = "{tmp}/state"
         self.gpu.close()
 
 
+def bystanders(host: Host) -> dict[str, ProcessRef]:
+    """Processes a teardown of every GPU must leave alive: an NVML monitor and a persistenced
+    stand-in (device files open, nothing mapped, no memory), and a process with no GPU at all."""
+    return {
+        "NVML monitor (nvtop)": host.ghost("nvtop", 0),
+        "persistenced stand-in": host.ghost("nvidia-persistenced", 0),
+        "a process with no GPU": host.spawn(
+            [sys.executable, "-c", "import time; time.sleep(3600)"], host.env()
+        ),
+    }
+
+
+def assert_alive(planted: dict[str, ProcessRef]) -> None:
+    dead = [name for name, ref in planted.items() if not processes.is_alive(ref)]
+    assert not dead, f"bystanders killed: {dead}"
+
+
 def killed(report: object) -> set[int]:
     return {k.process.pid for k in report.kills if k.signal == "SIGKILL"}  # type: ignore[attr-defined]
 
@@ -228,7 +245,7 @@ def test_the_seeds_incident_ghost_is_found_and_only_it_is_killed(host: Host) -> 
     # A vLLM-like tree whose workers hold ~96 GiB each, stopped; a ghost outside it on every GPU.
     api = host.vllm(mib_per_worker=96 * GIB, load_s=0.2, shards=4)
     ghost = host.ghost("python", 20 * GIB)
-    persistenced = host.ghost("nvidia-persistenced", 0)
+    planted = bystanders(host)
     processes.send_signal(api, signal.SIGTERM)
     deadline = time.monotonic() + 60
     while processes.is_alive(api) and time.monotonic() < deadline:
@@ -238,7 +255,7 @@ def test_the_seeds_incident_ghost_is_found_and_only_it_is_killed(host: Host) -> 
     timing("seed-incident teardown", seconds)
     assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
     assert killed(report) == {ghost.pid}
-    assert processes.is_alive(persistenced)
+    assert_alive(planted)
     assert os.getpid() not in killed(report)
 
 
@@ -246,22 +263,26 @@ def test_a_worker_ignoring_sigterm_and_a_stopped_holder_are_killed(host: Host) -
     host.vllm(mib_per_worker=8 * GIB, load_s=0.2, shards=4, ignore_sigterm=True)
     stopped = host.ghost("python", 4 * GIB, gpus="0")
     os.kill(stopped.pid, signal.SIGSTOP)
+    planted = bystanders(host)
     seconds, report = host.teardown()
     timing("sigterm-ignoring + stopped teardown", seconds)
     assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
     assert stopped.pid in killed(report)
+    assert_alive(planted)
     evid = {k.evidence for k in report.kills}  # type: ignore[attr-defined]
     assert Evidence.VLLM_SIGNATURE in evid or Evidence.NVML_LISTED in evid
 
 
 def test_floor_and_teardown_for_a_ghost_measured_in_one_run(host: Host) -> None:
     floors, teardowns = [], []
+    planted = bystanders(host)
     for _ in range(3):
         ghost = host.ghost("python", 20 * GIB)
         floors.append(host.floor([ghost]))
         host.ghost("python", 20 * GIB)
         seconds, report = host.teardown()
         assert report.outcome is Outcome.CLEAN  # type: ignore[attr-defined]
+        assert_alive(planted)
         teardowns.append(seconds)
     floors.sort()
     teardowns.sort()
@@ -312,8 +333,10 @@ def test_floor_and_teardown_for_each_scenario_measured_in_one_run(host: Host) ->
             floors.append(host.floor(setup()))
             host.cleanup_children()
             setup()
+            planted = bystanders(host)  # after the floor, which needs the GPUs to itself
             seconds, report = host.teardown()
             assert report.outcome is Outcome.CLEAN, report.diagnosis  # type: ignore[attr-defined]
+            assert_alive(planted)
             teardowns.append(seconds)
             host.cleanup_children()
         f, t = sum(floors) / 2, sum(teardowns) / 2

@@ -24,7 +24,8 @@ from supervisor.ports.processes import ProcessRef
 from supervisor.ports.systemd import NoSystemd
 from supervisor.teardown import Teardown
 
-from .test_real_gpus import GIB, REASON, Host, killed, timing
+from .test_real_gpus import GIB, REASON, Host, assert_alive, killed, timing
+from .test_real_gpus import bystanders as shared_bystanders
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=f"no GPU: {REASON}")]
 
@@ -46,20 +47,13 @@ def gpu0_clean(host: Host) -> bool:
 
 
 def bystanders(host: Host) -> dict[str, ProcessRef]:
-    out = {
-        "NVML monitor (nvtop)": host.ghost("nvtop", 0),
-        "persistenced stand-in": host.ghost("nvidia-persistenced", 0),
-    }
+    """The shared bystanders, and a CUDA job on the unmanaged GPU 1 where there is one."""
+    out = shared_bystanders(host)
     if len(host.indices) > 1:
         out["CUDA job on unmanaged GPU 1"] = host.ghost(
             "python train.py", 4 * GIB, gpus="0", env={"CUDA_VISIBLE_DEVICES": "1"}
         )
     return out
-
-
-def assert_alive(planted: dict[str, ProcessRef]) -> None:
-    dead = [name for name, ref in planted.items() if not processes.is_alive(ref)]
-    assert not dead, f"bystanders killed: {dead}"
 
 
 def forked_holder(host: Host, closes_fds: bool = False) -> tuple[ProcessRef, ProcessRef]:
