@@ -2,7 +2,7 @@
 
     POST /start_profile -> record (S seconds, or until stopped) -> POST /stop_profile, waiting for
     the flush while the trace files grow -> the new files moved into the capture's own folder ->
-    retention of older captures.
+    each rank's trace summarized (summary.json beside them) -> retention of older captures.
 
 It reports through the event bus (events carry `capture`: its id) and hands its end to the loop
 (`on_done`), which then goes back to production unless told to stay. It changes no daemon state.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import shutil
 import stat
 import threading
@@ -22,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from supervisor import capturesummary
 from supervisor.config import Config
 from supervisor.messages import End, Event
 from supervisor.model import utcnow
 from supervisor.ports.http import HttpResult, request
-
-RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -93,12 +91,14 @@ def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
     return f"vLLM answered HTTP {r.status} to {endpoint}: {r.body.strip()[:300]}"
 
 
-def _files(d: Path) -> dict[str, int]:
+def _files(d: Path) -> dict[str, tuple[int, int]]:
+    """Name -> (size, modification time) of the files in `d`."""
     out = {}
     try:
         for p in d.iterdir():
-            if p.is_file():
-                out[p.name] = p.stat().st_size
+            st = p.stat()
+            if stat.S_ISREG(st.st_mode):
+                out[p.name] = (st.st_size, st.st_mtime_ns)
     except FileNotFoundError:
         pass
     return out
@@ -150,7 +150,7 @@ class Capture:
         self.started_at = utcnow()
         # The UTC start to the millisecond: folders sort by time and two quick captures differ.
         self.id = f"{self.started_at:%Y%m%dT%H%M%S}.{self.started_at.microsecond // 1000:03d}Z"
-        self.phase = "starting"  # starting, recording, flushing, done, failed
+        self.phase = "starting"  # starting, recording, flushing, summarizing, done, failed
         self.stop = threading.Event()
         self.ok = False
         self.message = ""
@@ -159,7 +159,7 @@ class Capture:
 
     @property
     def active(self) -> bool:
-        return self.phase in ("starting", "recording", "flushing")
+        return self.phase in ("starting", "recording", "flushing", "summarizing")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -253,6 +253,7 @@ class Capture:
         if not result[0].ok:
             self._end(False, explain(result[0], "/stop_profile", flush_timeout))
             return
+        flushed = time.monotonic() - t0
         new = self._new_files(trace_dir, before)
         spec = self.spec
         if spec.out is not None and spec.out_fd is not None:
@@ -267,32 +268,51 @@ class Capture:
         finally:
             os.close(parent_fd)
         files: list[dict[str, Any]] = []
+        summary: dict[str, Any] | None = None
         try:
             for name in sorted(new):
                 _move_into(trace_dir / name, name, fd, spec.uid, spec.gid)
-                m = RANK.search(name)
-                files.append(
-                    {"name": name, "rank": int(m.group(1)) if m else None, "bytes": new[name]}
-                )
+                rank = capturesummary.rank_of(name)
+                files.append({"name": name, "rank": rank, "bytes": new[name]})
             os.fchown(fd, spec.uid, spec.gid)
+            if p.summarize and capturesummary.rank_traces(list(new)):
+                summary = self._summarize(fd, list(new))
         finally:
             os.close(fd)
         self.folder = folder
         removed = retention(p.captures_dir, p.keep_captures, p.max_total_gb)
         for old in removed:
             self.log("capture_removed", folder=old, why="retention")
-        took = time.monotonic() - t0
         total = sum(new.values())
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
-            f"(flush took {took:.1f} s)",
+            f"(flush took {flushed:.1f} s)",
             folder=str(folder),
             files=files,
             removed=removed,
-            flush_s=round(took, 1),
+            flush_s=round(flushed, 1),
+            summary=summary,
         )
 
+    def _summarize(self, fd: int, names: list[str]) -> dict[str, Any]:
+        """summary.json for the traces just saved. The traces are the capture: a summary that
+        cannot be made or written (a full disk) is reported in it, and the capture still ends
+        well."""
+        self.phase = "summarizing"
+        self._event("capture_summarizing", files=len(names))
+        summary = capturesummary.summarize(fd, names, self.config.profiling.summary_timeout_s)
+        try:
+            capturesummary.write(fd, summary, self.spec.uid, self.spec.gid)
+        except OSError as e:
+            summary["errors"].append(
+                {"rank": None, "file": capturesummary.SUMMARY, "error": f"not written: {e}"}
+            )
+        self._event("capture_summarized", took_s=summary["took_s"])
+        return summary
+
     @staticmethod
-    def _new_files(trace_dir: Path, before: dict[str, int]) -> dict[str, int]:
-        return {n: s for n, s in _files(trace_dir).items() if before.get(n) != s}
+    def _new_files(trace_dir: Path, before: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """Name -> size of the files written since `before`: new ones, and those rewritten
+        (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
+        return {n: s[0] for n, s in _files(trace_dir).items() if before.get(n) != s}

@@ -140,9 +140,36 @@ class TeardownConfig(_Strict):
     # executable's and argv[0]'s basename and against comm (the name cut to 15 characters).
     protected_names: list[str] = Field(default_factory=list)
     protected_units: list[str] = Field(default_factory=list)
-    # /dev/shm entries the service may leak (fnmatch patterns).
-    shm_patterns: list[str] = Field(default_factory=lambda: ["nccl-*", "vllm*", "psm_*"])
+    # /dev/shm entries the service may leak (fnmatch patterns), removed when no live process
+    # has them open or mapped. Measured with real vLLM 0.16 killed by SIGKILL: psm_* (its
+    # shared-memory message queues), sem.mp-* (multiprocessing semaphores) and, on its CPU
+    # build, <pid>-tp:0-[0-1]-cpushm_N; NCCL leaves nccl-*, vLLM 0.32 vllm_dist_*.
+    shm_patterns: list[str] = Field(
+        default_factory=lambda: ["nccl-*", "vllm*", "psm_*", "sem.mp-*", "*-cpushm_*"]
+    )
     shm_dir: Path = Path("/dev/shm")
+    # vLLM's TMPDIR ("": not looked at). Even a clean stop of vLLM 0.16 leaves its ZMQ IPC
+    # sockets there, named by a UUID: those that no live socket is bound to are removed, with
+    # the entries named by tmp_patterns that no live process has open or mapped.
+    tmp_dir: Path | None = Path("/tmp")
+    tmp_patterns: list[str] = Field(default_factory=lambda: ["vllm_dist_*"])
+
+    @field_validator("shm_patterns", "tmp_patterns")
+    @classmethod
+    def _names_only(cls, patterns: list[str]) -> list[str]:
+        # The daemon removes what these match as root: a pattern names entries of one folder
+        # and says something about them ("*" or "?*" would take everything nobody holds open).
+        for p in patterns:
+            if "/" in p:
+                raise ValueError(f"{p!r}: a name pattern, without '/'")
+            if len(p.replace("*", "").replace("?", "")) < 3:
+                raise ValueError(f"{p!r} matches almost anything: use 3 literal characters or more")
+        return patterns
+
+    @field_validator("tmp_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, d: object) -> object:
+        return None if d == "" else d
 
 
 class StateConfig(_Strict):
@@ -213,6 +240,11 @@ class ProfilingConfig(_Strict):
     # POST /stop_profile returns when the traces are written, many minutes on big models.
     # 0: wait as long as it takes.
     flush_timeout_s: Seconds = 0.0
+    # After the flush, each rank's trace is summarized (steps, time per step, communication,
+    # GEMM and attention shares, top kernels) into summary.json beside the traces; one process
+    # per rank, each stopped at this deadline.
+    summarize: bool = True
+    summary_timeout_s: PositiveSeconds = 900.0
 
 
 class MetricsConfig(_Strict):

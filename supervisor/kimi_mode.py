@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from supervisor.capturesummary import SUMMARY, summarize_folder
+from supervisor.capturesummary import render as render_summary
 from supervisor.control.client import TimedOut, Unreachable, exchange
 from supervisor.control.protocol import MAX_PROFILE_S
 from supervisor.control.render import (
@@ -185,7 +187,34 @@ def _open_out(out: str) -> int | str:
         return f"cannot open it: {e.strerror}"
 
 
+def cmd_summarize(args: argparse.Namespace) -> int:
+    """`capture --summarize DIR`: an existing capture's summary, made here as the caller (no
+    daemon needed), written beside the traces when the folder lets us."""
+    folder = Path(args.summarize)
+    try:
+        summary, not_written = summarize_folder(folder)
+    except OSError as e:
+        print(f"kimi-mode: --summarize {folder}: {e.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(render_summary(summary))
+        print(not_written or f"written to {folder / SUMMARY}")
+    if not summary["ranks"]:
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
+    if args.summarize:
+        given = [f for f, v in (("--switch", args.switch), ("--seconds", args.seconds),
+                                ("--out", args.out)) if v]  # fmt: skip
+        if given:
+            print(f"kimi-mode: --summarize takes no capture: drop {', '.join(given)}",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_USAGE
+        return cmd_summarize(args)
     out_fd: int | None = None
     if args.out:
         opened = _open_out(args.out)
@@ -249,6 +278,8 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
                     print(
                         "stopping the profiler; flushing traces (this can take minutes)", flush=True
                     )
+                elif name == "capture_summarizing" and not args.json:
+                    print(f"summarizing {data['files']} trace file(s)", flush=True)
                 elif name == "capture_progress" and not args.json:
                     print(
                         f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
@@ -401,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="switch to profile mode first if vLLM is in production",
     )
+    c.add_argument(
+        "--summarize",
+        default=None,
+        metavar="DIR",
+        help="take no capture: summarize the one in DIR (steps, time per step, communication, "
+        "GEMM and attention shares, top kernels) and write DIR/summary.json",
+    )
     c.set_defaults(fn=cmd_capture)
     c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
     c.set_defaults(fn=cmd_status)
@@ -418,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "n", 1) < 1:
         parser.error("-n must be at least 1")
     try:
-        sock = socket_path(args)
+        # Summarizing a capture folder talks to no daemon: no socket, no config needed.
+        sock = Path() if getattr(args, "summarize", None) else socket_path(args)
         return int(args.fn(args, sock))
     except UsageError as e:
         print(f"kimi-mode: {e}", file=sys.stderr)

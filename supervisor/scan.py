@@ -7,16 +7,18 @@ and is used only where cheaper evidence (NVML's lists) does not explain what is 
 
 from __future__ import annotations
 
+import fnmatch
 import ipaddress
 import os
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from supervisor.ownership import DeviceUse
 from supervisor.ports import processes
-from supervisor.ports.sockets import Address, listening_inodes
+from supervisor.ports.sockets import Address, bound_unix_paths, listening_inodes
 
 # Never signalled, whatever they hold: the driver's helpers, the DCGM stack and the managers.
 # These are executable names; `comm` holds at most COMM_LEN characters of them, and the cut forms
@@ -166,13 +168,42 @@ def device_users(
     return out
 
 
-def shm_in_use(shm_dir: Path, names: set[str]) -> set[str]:
-    """Which of `names` in `shm_dir` some live process has open or mapped."""
-    paths = {str(shm_dir / n) for n in names}
-    used: set[str] = set()
+# A ZMQ IPC socket of vLLM: `$TMPDIR/<uuid4>` (vllm/utils/network_utils.py get_open_zmq_ipc_path).
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def leftovers(directory: Path, patterns: list[str], ipc_sockets: bool = False) -> set[Path]:
+    """Entries of `directory` (not below it) named by one of `patterns`, and with `ipc_sockets`
+    the Unix sockets named by a UUID: what a stopped vLLM may leave behind. Links are never
+    candidates: the daemon runs as root and removes only what it expected."""
+    found: set[Path] = set()
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return found
+    for e in entries:
+        if e.is_symlink():
+            continue
+        if any(fnmatch.fnmatch(e.name, p) for p in patterns):
+            found.add(Path(e.path))
+        elif ipc_sockets and _UUID.fullmatch(e.name):
+            try:
+                if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+                    found.add(Path(e.path))
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def in_use(paths: set[Path]) -> set[Path]:
+    """Which of `paths` a live process has open or mapped, or (a socket) has bound."""
+    wanted = {str(p) for p in paths}
+    used = wanted & bound_unix_paths()
+    prefixes = {str(p.parent) + "/" for p in paths}
     for pid in processes.all_pids():
         for _fd, target in processes.open_paths(pid):
-            if target.removesuffix(" (deleted)") in paths:
-                used.add(target)
-        used |= processes.maps_any(pid, str(shm_dir) + "/") & paths
-    return {Path(p).name for p in used}
+            if target.removesuffix(" (deleted)") in wanted:
+                used.add(target.removesuffix(" (deleted)"))
+        for prefix in prefixes:
+            used |= processes.maps_any(pid, prefix) & wanted
+    return {Path(p) for p in used}

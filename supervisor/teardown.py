@@ -23,9 +23,8 @@ process is recorded once per teardown.
 
 from __future__ import annotations
 
-import fnmatch
-import os
 import re
+import shutil
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,7 +49,14 @@ from supervisor.ports.clock import Clock
 from supervisor.ports.gpu import GpuPort
 from supervisor.ports.processes import PidHandle, ProcessRef
 from supervisor.ports.systemd import SystemdError, SystemdPort
-from supervisor.scan import Protection, device_users, has_vllm_signature, listeners, shm_in_use
+from supervisor.scan import (
+    Protection,
+    device_users,
+    has_vllm_signature,
+    in_use,
+    leftovers,
+    listeners,
+)
 
 EventSink = Callable[[str, dict[str, Any]], None]
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
@@ -364,25 +370,25 @@ class Teardown:
 
     def _step_host_leftovers(self) -> str:
         t = self.config.teardown
-        try:
-            names = {
-                e.name
-                for e in os.scandir(t.shm_dir)
-                if any(fnmatch.fnmatch(e.name, p) for p in t.shm_patterns)
-            }
-        except FileNotFoundError:
-            return f"{t.shm_dir} does not exist"
-        if not names:
-            return "no leftover segments"
-        in_use = shm_in_use(t.shm_dir, names)
-        for name in sorted(names - in_use):
+        found = leftovers(t.shm_dir, t.shm_patterns)
+        if t.tmp_dir is not None:
+            found |= leftovers(t.tmp_dir, t.tmp_patterns, ipc_sockets=True)
+        if not found:
+            return "no leftovers"
+        kept = in_use(found)
+        for path in sorted(found - kept):
             try:
-                (t.shm_dir / name).unlink()
-                self.report.shm_removed.append(str(t.shm_dir / name))
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                self.report.shm_removed.append(str(path))
             except FileNotFoundError:
                 pass
-        kept = f"; {len(in_use)} still in use, kept" if in_use else ""
-        return f"{len(self.report.shm_removed)} segment(s) removed{kept}"
+            except OSError as e:
+                self.on_event("leftover_not_removed", {"path": str(path), "error": str(e)})
+        note = f"; {len(kept)} still in use, kept" if kept else ""
+        return f"{len(self.report.shm_removed)} leftover(s) removed{note}"
 
     # -- the run --
     def run(self) -> TeardownReport:

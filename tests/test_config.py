@@ -203,3 +203,22 @@ def test_an_invalid_regular_expression_is_refused_by_check_config(tmp_path: Path
         text=True,
     )
     assert r.returncode == 2 and "teardown.term_grace_s" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ('shm_patterns = ["*"]', "teardown.shm_patterns: '*' matches almost anything"),
+        ('tmp_patterns = ["?*-*"]', "teardown.tmp_patterns: '?*-*' matches almost"),
+        ('tmp_patterns = ["../etc*"]', "teardown.tmp_patterns: '../etc*': a name"),
+    ],
+)
+def test_a_leftover_pattern_that_would_remove_anything_is_refused(line: str, says: str) -> None:
+    # The daemon removes what these match, as root.
+    (err,) = errors_of(MINIMAL + f"[teardown]\n{line}\n")
+    assert err.startswith(f"test.toml: {says}"), err
+
+
+def test_an_empty_tmp_dir_turns_the_tmpdir_leftovers_off() -> None:
+    config = parse_config(MINIMAL + '[teardown]\ntmp_dir = ""\n', "test.toml")
+    assert config.teardown.tmp_dir is None

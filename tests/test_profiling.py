@@ -18,6 +18,7 @@ from supervisor.control.client import exchange
 from supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from .vllm_0_16 import assert_traces_like_vllm_0_16
 
 pytestmark = pytest.mark.systemd
 
@@ -85,16 +86,51 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     r = profiling.kimi_mode("capture", "--seconds", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     (folder,) = captures(sandbox)
-    files = sorted(folder.iterdir())
-    assert [f.name.split(".")[1] for f in files] == ["rank0", "rank1", "rank2", "rank3"]
+    names = sorted(f.name for f in folder.iterdir())
+    assert_traces_like_vllm_0_16(names, 4)
     assert f"traces in {folder}:" in r.stdout
     for rank in range(4):
         assert f"rank   {rank}" in r.stdout
+    assert_summary_of_the_fakes_traces(folder, r.stdout, 4)
     assert "flushing:" in r.stdout  # progress while the files grew
     assert "going back to production" in r.stdout
     profiling.wait_serving("production")
     (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
     assert rec["ok"] and rec["folder"] == str(folder)
+
+
+def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> None:
+    """The fake's traces hold 1 prefill and 5 decode steps, each with a GEMM of 650 us own time
+    (aten::linear 50 around _C::onednn_mm 600: not counted twice), an attention of 200 us and
+    an all-reduce of 300 + 100 x rank us (tests/vllm_0_16.py copies these from real vLLM)."""
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [r["rank"] for r in summary["ranks"]] == list(range(tp)) and not summary["errors"]
+    for r in summary["ranks"]:
+        assert r["steps"] == {"prefill": 1, "decode": 5} and r["scope"] == "decode steps"
+        ms = {c: v["ms_per_step"] for c, v in r["classes"].items()}
+        assert ms == pytest.approx(
+            {"communication": 0.3 + 0.1 * r["rank"], "gemm": 0.65, "attention": 0.2, "other": 0}
+        )
+        assert sum(v["share"] for v in r["classes"].values()) == pytest.approx(1, abs=1e-3)
+        assert r["top"][0]["name"] in ("_C::onednn_mm", "_C::shm_allreduce")
+    assert (
+        "rank 0 (VLLM::Worker_TP0): 5 decode, 1 prefill; decode steps: 1.50 ms per step" in stdout
+    )
+    assert "communication   26.1 %" in stdout  # rank 0: 0.3 of 1.15 ms
+
+
+def test_a_capture_with_vllm_0_32s_trace_names_is_listed_by_rank_and_summarized(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    sandbox.fake(trace_naming="0.32")
+    r = profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
+    assert r.returncode == 0, r.stdout + r.stderr
+    (folder,) = captures(sandbox)
+    ranks = sorted(n for n in os.listdir(folder) if n.startswith("rank"))
+    assert [n.split(".")[0] for n in ranks] == ["rank0", "rank1", "rank2", "rank3"]
+    for rank in range(4):
+        assert f"rank   {rank}" in r.stdout
+    assert_summary_of_the_fakes_traces(folder, r.stdout, 4)
 
 
 def test_a_capture_in_production_mode_is_refused_with_the_hint_to_switch_first(

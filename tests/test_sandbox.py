@@ -4,6 +4,8 @@ GPUs, driven through the project's own unit file and systemd port."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 import urllib.request
 from pathlib import Path
 
@@ -22,6 +24,13 @@ from .conftest import (
     assert_starts_like_vllm_0_16,
     health,
     wait_until,
+)
+from .vllm_0_16 import (
+    assert_load_output_like_vllm_0_16,
+    assert_stops_like_vllm_0_16,
+    assert_traces_like_vllm_0_16,
+    assert_tree_like_vllm_0_16,
+    tree_of,
 )
 
 pytestmark = pytest.mark.systemd
@@ -68,6 +77,25 @@ def test_health_refuses_while_loading_and_answers_200_once_ready_as_real_vllm_do
     text = log.read_text()
     assert "Loading safetensors checkpoint shards: 100% Completed" in text
     assert "Application startup complete." in text
+
+
+def test_the_fake_vllm_starts_profiles_and_stops_as_real_vllm_0_16_does(
+    sandbox: SandboxHelper,
+) -> None:
+    # The checks the real-vLLM tier runs on real vLLM (tests/realvllm): the fake must pass them.
+    tp = len(sandbox.baseline())
+    api = sandbox.start_vllm("profile")
+    tree = tree_of(api)
+    assert_tree_like_vllm_0_16(api, tree, tp)
+    log = sandbox.config.vllm.log_file
+    assert log is not None
+    assert_load_output_like_vllm_0_16(log.read_bytes())
+    base = sandbox.config.vllm.health_url.removesuffix("/health")
+    assert post(base + "/start_profile") == 200 and post(base + "/stop_profile") == 200
+    assert_traces_like_vllm_0_16([p.name for p in (sandbox.sb.root / "traces").iterdir()], tp)
+    since = time.monotonic()
+    processes.send_signal(processes.ref_of(api), signal.SIGTERM)  # type: ignore[arg-type]
+    assert_stops_like_vllm_0_16(list(tree), since)
 
 
 def test_the_profiler_config_json_arrives_byte_exact_in_vllms_argv(sandbox: SandboxHelper) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -310,6 +312,40 @@ def test_leftover_shared_memory_nobody_uses_is_removed_and_nothing_else(
     finally:
         for name in ("nccl-leaked", "nccl-in-use", "not-ours"):
             (shm / name).unlink(missing_ok=True)
+
+
+BIND = "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+
+
+def test_vllms_dead_zmq_sockets_and_dist_files_in_its_tmpdir_are_removed_and_nothing_else(
+    sandbox: SandboxHelper,
+) -> None:
+    tmp = sandbox.config.teardown.tmp_dir
+    assert tmp is not None
+    dead = tmp / "0d49a536-9d4c-4f01-ad55-3291091f7f92"  # a ZMQ socket whose process is gone
+    subprocess.run([sys.executable, "-c", BIND, str(dead)], check=True)
+    live = tmp / "34903d81-8cd4-4f43-9f89-6453bccef842"  # bound by a live bystander
+    binder = sandbox.spawn([sys.executable, "-c", BIND + "time.sleep(600)", str(live)])
+    plain = tmp / "6896fa19-2606-4610-a4a2-a58a85db57ce"  # a UUID-named file, not a socket
+    plain.write_text("someone's")
+    (tmp / "vllm_dist_abc").write_bytes(b"x")
+    (tmp / "vllm_dist_held").write_bytes(b"x")
+    holder = sandbox.spawn(
+        [sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(600)",
+         str(tmp / "vllm_dist_held")]
+    )  # fmt: skip
+    (tmp / "vllm_dist_link").symlink_to(plain)
+    wait_until(lambda: live.exists(), 5, "the live socket")
+    wait_until(lambda: processes.holds_any(holder.pid, [str(tmp / "vllm_dist_held")]), 5, "open")
+    before = {p.name for p in tmp.iterdir()}
+    run = teardown(sandbox)  # vLLM is not running: its own sockets from earlier runs go too
+    assert_clean(sandbox, run)
+    removed = {Path(p).name for p in run.report.shm_removed}
+    assert {dead.name, "vllm_dist_abc"} <= removed
+    assert not removed & {live.name, plain.name, "vllm_dist_held", "vllm_dist_link"}
+    left = {p.name for p in tmp.iterdir()}
+    assert left == before - removed and plain.read_text() == "someone's"
+    assert processes.is_alive(binder) and processes.is_alive(holder)
 
 
 def test_every_signal_is_in_the_history_file_after_the_teardown(sandbox: SandboxHelper) -> None:

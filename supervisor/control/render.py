@@ -10,6 +10,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
+from supervisor.capturesummary import SUMMARY
+from supervisor.capturesummary import render as render_summary
 from supervisor.status import Status
 
 
@@ -310,4 +312,7 @@ def format_capture(data: dict[str, Any]) -> str:
         lines.append(f"  rank {rank:>3}  {f['bytes'] / 1e6:10.1f} MB  {f['name']}")
     for old in data.get("removed", []):
         lines.append(f"  removed by retention: {old}")
+    if data.get("summary"):
+        lines.append(f"summary ({SUMMARY} beside the traces):")
+        lines.append(render_summary(data["summary"]))
     return "\n".join(lines)

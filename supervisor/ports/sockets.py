@@ -96,3 +96,19 @@ def _proc_address(hex_addr: str) -> Address:
     raw = bytes.fromhex(hex_addr)
     words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return _unmapped(ipaddress.ip_address(words))
+
+
+def bound_unix_paths(proc_net_unix: Path = Path("/proc/net/unix")) -> set[str]:
+    """Paths that a live Unix socket is bound to (in this network namespace). A socket file
+    whose process died stays on disk but leaves this list: nothing can connect to it."""
+    out = set()
+    try:
+        with open(proc_net_unix, encoding="utf-8", errors="replace") as f:
+            next(f, None)  # the header
+            for line in f:
+                parts = line.split(None, 7)
+                if len(parts) == 8 and parts[7].startswith("/"):
+                    out.add(parts[7].rstrip("\n"))
+    except FileNotFoundError:
+        pass
+    return out

@@ -19,12 +19,15 @@ import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, fields
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +43,9 @@ class FakeOptions:
     graph_capture_s: float = 0.2
     mib_per_worker: int = 90_000
     ignore_sigterm: bool = False  # every process of the tree ignores SIGTERM
-    shutdown_delay_s: float = 0.0  # the API server's orderly shutdown takes this long
+    # The API server's orderly shutdown takes this long: real vLLM 0.16 took 0.3 to 3.6 s from
+    # SIGTERM to its whole tree gone (CPU build, tensor parallel 2; tests/vllm_0_16.py).
+    shutdown_delay_s: float = 0.3
     crash_during_load_at: int | None = None  # percent of shards: exit 1 there
     hang_during_load_at: int | None = None  # percent of shards: stop making progress
     # The two faults above hit only a vLLM started with --profiler-config (profile mode).
@@ -53,6 +58,8 @@ class FakeOptions:
     # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).
     profiler_fault: str | None = None
     devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i
+    # The trace names of vLLM 0.16 (`<id>-rank-N.<ts>.pt.trace.json.gz`) or 0.32 (`rankN.<ts>...`)
+    trace_naming: str = "0.16"
 
     @classmethod
     def load(cls) -> FakeOptions:
@@ -76,18 +83,42 @@ def log(msg: str) -> None:
 
 
 # -- workers and engine core ---------------------------------------------------------------------
-def _child(role: str, *args: str) -> subprocess.Popen[bytes]:
+def _child(role: str, *args: str, keep: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "supervisor.sandbox.fake_vllm", role, *args],
         stdout=subprocess.PIPE,
+        pass_fds=keep,
     )
 
 
-def _wait_line(proc: subprocess.Popen[bytes], expect: bytes) -> None:
+def _wait_line(proc: subprocess.Popen[bytes], expect: bytes) -> bytes:
+    """Waits for the child's line starting with `expect`; the rest of that line."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line.startswith(expect):
         raise SystemExit(f"child {proc.pid} did not report {expect!r} (got {line!r})")
+    return line[len(expect) :].strip()
+
+
+_SOCKETS: list[socket.socket] = []
+
+
+def _ipc_socket() -> None:
+    """A ZMQ-like IPC socket bound at `$TMPDIR/<uuid4>` and never unlinked: real vLLM 0.16
+    leaves about 7 of these behind even after a clean stop."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(os.path.join(os.environ.get("TMPDIR", "/tmp"), str(uuid.uuid4())))
+    s.listen()
+    _SOCKETS.append(s)
+
+
+def _tracker_fds() -> tuple[int, ...]:
+    """The write end of the API server's multiprocessing resource tracker, inherited by the
+    engine and the workers as real vLLM's spawned processes inherit it. So the helper
+    (`python -c from multiprocessing.resource_tracker import main;main(N)`) outlives a
+    SIGKILLed API server while the orphaned engine lives, as measured with real vLLM 0.16."""
+    fd = os.environ.get("KIMI_FAKE_TRACKER_FD")
+    return (int(fd),) if fd else ()
 
 
 def _terminate_on_signal(opts: FakeOptions, on_term: Any) -> None:
@@ -105,7 +136,7 @@ def worker_main(rank: int) -> None:
     held = holder.hold([device], opts.mib_per_worker)
     if rank == 0 and opts.ghost_title:
         _spawn_ghost(opts)
-    sys.stdout.buffer.write(b"ready\n")
+    sys.stdout.buffer.write(f"ready {os.getpid()}\n".encode())
     sys.stdout.flush()
     stop.wait()
     held.release()
@@ -133,12 +164,12 @@ def _spawn_ghost(opts: FakeOptions) -> None:
 def engine_main(tp: int) -> None:
     opts = FakeOptions.load()
     setproctitle("VLLM::EngineCore")
+    _ipc_socket()
     stop = threading.Event()
     _terminate_on_signal(opts, lambda *_: stop.set())
-    workers = [_child("worker", str(rank)) for rank in range(tp)]
-    for w in workers:
-        _wait_line(w, b"ready")
-    sys.stdout.buffer.write(b"ready\n")
+    workers = [_child("worker", str(rank), keep=_tracker_fds()) for rank in range(tp)]
+    pids = [_wait_line(w, b"ready") for w in workers]
+    sys.stdout.buffer.write(b"ready " + b" ".join(pids) + b"\n")
     sys.stdout.flush()
     stop.wait()
     for w in workers:
@@ -156,6 +187,8 @@ class Server:
         self.profiling = False
         self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
         self.lock = threading.Lock()
+        self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
+        self.worker_pids: list[int] = []
 
     def _fault(self) -> tuple[int, dict[str, Any]] | None:
         fault = FakeOptions.load().profiler_fault
@@ -184,18 +217,26 @@ class Server:
             return 200, {}
         out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
         out.mkdir(parents=True, exist_ok=True)
-        stamp = int(time.time() * 1000)
-        paths = [
-            out / f"fake-host_{os.getpid()}.rank{r}.{stamp}.pt.trace.json.gz"
-            for r in range(self.args.tensor_parallel_size)
-        ]
-        # Flushing takes a while and the files grow as it goes, as torch's exporter does.
-        steps = max(5, int(FakeOptions.load().profile_flush_s * 4))
+        opts = FakeOptions.load()
+        parts = {
+            out / _trace_name(opts.trace_naming, self.instance, r): _trace(r, pid)
+            for r, pid in enumerate(self.worker_pids)
+        }
+        # The API server's own trace, named the same in both versions.
+        parts[out / f"vm_{os.getpid()}.async_llm.{time.time_ns()}.pt.trace.json.gz"] = _trace(
+            None, os.getpid()
+        )
+        # Flushing takes a while and the files grow as it goes, as torch's exporter does: each
+        # part is a gzip member, and the members together are the trace.
+        steps = max(5, int(opts.profile_flush_s * 4))
         for i in range(steps):
-            for p in paths:
-                with gzip.open(p, "ab") as f:
-                    f.write(json.dumps({"traceEvents": [], "part": i}).encode() * 200)
-            time.sleep(FakeOptions.load().profile_flush_s / steps)
+            for path, text in parts.items():
+                n = len(text)
+                with gzip.open(path, "ab") as f:
+                    f.write(text[n * i // steps : n * (i + 1) // steps].encode())
+            time.sleep(opts.profile_flush_s / steps)
+        for r in range(len(self.worker_pids)):
+            (out / f"profiler_out_{r}.txt").write_text("Name  Self CPU %  Self CPU\n")
         log(f"Profiler stopped; traces written to {out}")
         return 200, {}
 
@@ -245,9 +286,53 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def _load(opts: FakeOptions, profiling: bool) -> None:
+def _trace_name(naming: str, instance: str, rank: int) -> str:
+    if naming == "0.32":
+        return f"rank{rank}.{time.time_ns()}.pt.trace.json.gz"
+    return f"{instance}-rank-{rank}.{time.time_ns()}.pt.trace.json.gz"
+
+
+def _trace(rank: int | None, pid: int, steps: int = 6) -> str:
+    """A small Chrome trace shaped like a vLLM 0.16 CPU worker's: decode steps marked
+    `execute_context_0(0)_generation_4(4)` (one prefill first), each with a GEMM, an attention
+    and an all-reduce operator under a parent (own times: 600, 200 and 300 + 100 x rank us), and
+    the with_stack Python frames the summary skips. The API server's (rank None) has no steps."""
+    ev: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+         "args": {"name": "python" if rank is None else f"VLLM::Worker_TP{rank}"}},
+    ]  # fmt: skip
+
+    def op(cat: str, name: str, ts: float, dur: float) -> None:
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": pid, "ts": ts,
+                   "dur": dur})  # fmt: skip
+
+    for i in range(steps if rank is not None else 0):
+        t = 1000.0 + i * 2000
+        prefill = i == 0
+        op("user_annotation", f"execute_context_{int(prefill)}({4 * prefill})_generation_"
+           f"{4 * (not prefill)}({4 * (not prefill)})", t, 1500)  # fmt: skip
+        op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, 1500)
+        op("cpu_op", "aten::linear", t + 10, 650)
+        op("cpu_op", "_C::onednn_mm", t + 20, 600)
+        op("cpu_op", "vllm::unified_attention_with_output", t + 700, 200)
+        op("cpu_op", "_C::shm_allreduce", t + 950, 300 + 100 * rank)  # type: ignore[operator]
+    return json.dumps({"schemaVersion": 1, "traceEvents": ev, "traceName": "fake"}, indent=1)
+
+
+def _load(opts: FakeOptions, profiling: bool, worker0: int) -> None:
+    """The shard progress as real vLLM 0.16 writes it: on stderr, from worker 0, each update
+    `\r...\n` behind the process prefix (tqdm's bar format ends in a newline)."""
     shards = max(opts.shards, 1)
     faults = profiling or not opts.load_faults_only_when_profiling
+
+    def bar(done: int) -> None:
+        sys.stderr.write(
+            f"(Worker_TP0 pid={worker0}) \rLoading safetensors checkpoint shards: "
+            f"{done * 100 // shards:3d}% Completed | {done}/{shards} [00:00<00:00, 3.2it/s]\n"
+        )
+        sys.stderr.flush()
+
+    bar(0)
     for done in range(1, shards + 1):
         pct = done * 100 // shards
         if faults and opts.crash_during_load_at is not None and pct >= opts.crash_during_load_at:
@@ -257,10 +342,7 @@ def _load(opts: FakeOptions, profiling: bool) -> None:
             log(f"loading stalls at {pct}% (simulated hang)")
             threading.Event().wait()
         time.sleep(opts.load_s / shards)
-        print(
-            f"Loading safetensors checkpoint shards: {pct:3d}% Completed | {done}/{shards}",
-            flush=True,
-        )
+        bar(done)
 
 
 def serve_main(argv: list[str]) -> None:
@@ -282,13 +364,17 @@ def serve_main(argv: list[str]) -> None:
     )
     if server.profiler is not None:
         log(f"Torch profiler enabled: {json.dumps(server.profiler)}")
-    engine = _child("engine", str(args.tensor_parallel_size))
+    _ipc_socket()
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker._fd  # type: ignore[attr-defined]
+    os.environ["KIMI_FAKE_TRACKER_FD"] = str(tracker)
+    engine = _child("engine", str(args.tensor_parallel_size), keep=(tracker,))
     listening: list[ThreadingHTTPServer] = []
 
     def boot() -> None:
         try:
-            _wait_line(engine, b"ready")
-            _load(opts, server.profiler is not None)
+            server.worker_pids = [int(p) for p in _wait_line(engine, b"ready").split()]
+            _load(opts, server.profiler is not None, server.worker_pids[0])
             log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
             time.sleep(opts.graph_capture_s)
             # As real vLLM 0.16 (measured with its CPU build): the API server binds its port only

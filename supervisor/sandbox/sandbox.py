@@ -192,7 +192,7 @@ class Sandbox:
             )
         if gpus < 1:
             raise SandboxError("--gpus must be at least 1")
-        for d in ("logs", "bin", "state", "shm"):
+        for d in ("logs", "bin", "state", "shm", "tmp"):
             (root / d).mkdir(parents=True, exist_ok=True)
         if real_gpus:
             from supervisor.ports.gpu import NvmlGpu
@@ -286,6 +286,7 @@ class Sandbox:
             f"ExecStart={launcher} launch-vllm --argv-file %t/kimi-supervisor/vllm-argv.json\n"
             + gpu_env
             + f"Environment=KIMI_FAKE_VLLM_CONFIG={self.fake_options_path}\n"
+            + f"Environment=TMPDIR={self.root / 'tmp'}\n"
             + "".join(f'Environment="{k}={v}"\n' for k, v in vllm_env.items())
             + f"StandardOutput=append:{self.vllm_log}\n"
             f"StandardError=append:{self.vllm_log}\n"

@@ -6,12 +6,18 @@ simulated memory; this is the seam). One vLLM start is shared by the tests in or
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,13 +27,32 @@ from supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from supervisor.sandbox.usermanager import unavailable_reason
 
 from ..conftest import (
+    KIMI_MODE,
     DaemonHelper,
     HealthWatch,
     SandboxHelper,
     assert_starts_like_vllm_0_16,
     wait_until,
 )
+from ..vllm_0_16 import (
+    assert_load_output_like_vllm_0_16,
+    assert_traces_like_vllm_0_16,
+    assert_tree_like_vllm_0_16,
+    tree_of,
+)
 from . import env
+
+# The tier's times, for docs/performance.md (bench/realvllm_results.py renders them): written
+# to KIMI_REALVLLM_RESULTS when it is set.
+TIMES: dict[str, Any] = {}
+
+
+def record(**figures: Any) -> None:
+    TIMES.update(figures)
+    out = os.environ.get("KIMI_REALVLLM_RESULTS")
+    if out:
+        Path(out).write_text(json.dumps({"vllm": env.VLLM, **TIMES}, indent=1) + "\n")
+
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.systemd]
 
@@ -53,7 +78,11 @@ def real() -> Iterator[DaemonHelper]:
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
         "daemon": {"start_timeout_s": READY_S},
-        "teardown": {"term_grace_s": 30},
+        # Real vLLM's leftovers: its ZMQ sockets in its TMPDIR, and what a SIGKILLed tree
+        # leaves in the real /dev/shm (which no sandbox can redirect: shm_open names it).
+        "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
+                     "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
+        "profiling": {"keep_captures": 1},
     }  # fmt: skip
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -69,8 +98,10 @@ def real() -> Iterator[DaemonHelper]:
     helper.indices = [0, 1]
     daemon = DaemonHelper(helper)
     try:
+        t0 = time.monotonic()
         daemon.start()
         daemon.wait_serving("production", READY_S)
+        record(first_ready_s=round(time.monotonic() - t0, 1))
         yield daemon
     finally:
         sb.down()
@@ -103,27 +134,94 @@ def test_real_vllm_serves_production_byte_exact_with_its_real_tree_and_health(
     pid = real.vllm_pid()
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
     assert processes.cmdline_of(pid) == as_executed(argv)  # byte for byte
-    titles = sorted(unit_tree(real).values())
-    assert {"VLLM::EngineCore", "VLLM::Worker_TP0", "VLLM::Worker_TP1"} <= set(titles), titles
+    assert_tree_like_vllm_0_16(pid, tree_of(pid), 2)  # the checks the fake passes too
+    log = real.config.vllm.log_file
+    assert log is not None
+    assert_load_output_like_vllm_0_16(log.read_bytes())
     health = request(real.config.vllm.health_url, timeout_s=5)
     assert health.status == 200 and not health.body
 
 
-def test_a_real_capture_switches_records_and_lists_both_ranks(
+def completions(real: DaemonHelper, n: int) -> None:
+    url = real.config.vllm.health_url.removesuffix("/health") + "/v1/completions"
+    model = json.loads(real.config.vllm.argv_file.read_text())["argv"][2]
+    body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 8}).encode()
+    for _ in range(n):
+        req = urllib.request.Request(url, body, {"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            assert r.status == 200
+
+
+def capture(real: DaemonHelper, *args: str) -> tuple[str, Path]:
+    """A capture that records while 3 completions of 8 tokens run and is stopped (Enter) when
+    they have answered; kimi-mode's output and the capture's folder."""
+    proc = subprocess.Popen(
+        [KIMI_MODE, "capture", "--then", "stay", *args],
+        env={**os.environ, **real.sb.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stdin is not None
+    out: list[str] = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("recording; drive your load now"):
+                completions(real, 3)
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+        assert proc.wait(READY_S) == 0, "".join(out)
+    finally:
+        proc.kill()
+    text = "".join(out)
+    m = re.search(r"MB in (\S+) \(flush took ([\d.]+) s\)", text)
+    assert m, text
+    return text, Path(m.group(1))
+
+
+def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_went(
     real: DaemonHelper, tmp_path: Path
 ) -> None:
-    r = real.kimi_mode(
-        "capture", "--switch", "--seconds", "1", "--then", "stay", "--out", str(tmp_path),
-        timeout=READY_S + 300,
-    )  # fmt: skip
+    r = real.kimi_mode("profile", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
-    (folder,) = tmp_path.iterdir()
+    out, folder = capture(real)
     names = sorted(p.name for p in folder.iterdir())
-    assert any("-rank-0." in n for n in names) and any("-rank-1." in n for n in names), names
-    assert "rank   0" in r.stdout and "rank   1" in r.stdout, r.stdout
+    assert_traces_like_vllm_0_16(names, 2)  # the checks the fake's traces pass too
+    assert "rank   0" in out and "rank   1" in out, out
+    summary = json.loads((folder / "summary.json").read_text())
+    assert [x["rank"] for x in summary["ranks"]] == [0, 1] and not summary["errors"], summary
+    for rank in summary["ranks"]:
+        # 3 requests of 8 tokens: 3 prefills and 21 decode steps at least (more when the
+        # scheduler splits or batches differently), each with vLLM's CPU all-reduce.
+        assert rank["device"] == "cpu" and rank["steps"]["decode"] >= 7, rank
+        assert rank["classes"]["communication"]["share"] > 0
+        assert "_C::shm_allreduce" in [t["name"] for t in rank["top"]]
+    assert f"rank 0 (VLLM::Worker_TP0): {summary['ranks'][0]['steps']['decode']} decode" in out
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
-    assert "--profiler-config" in argv
     assert processes.cmdline_of(real.vllm_pid()) == as_executed(argv)
+    flush = float(re.search(r"flush took ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+    record(capture_output=out, capture_flush_s=flush, capture_summary_s=summary["took_s"],
+           capture_mb=round(sum(p.stat().st_size for p in folder.iterdir()) / 1e6, 1),
+           capture_decode_steps=summary["ranks"][0]["steps"]["decode"])  # fmt: skip
+    # vLLM 0.32's names for the same real traces: listed by rank and summarized the same.
+    renamed = tmp_path / "as-0.32"
+    renamed.mkdir()
+    for name in names:
+        if m := re.fullmatch(r"\d+-rank-(\d+)\.(\d+\.pt\.trace\.json\.gz)", name):
+            shutil.copy(folder / name, renamed / f"rank{m.group(1)}.{m.group(2)}")
+    r = real.kimi_mode("capture", "--summarize", str(renamed), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    again = json.loads((renamed / "summary.json").read_text())
+    assert [(x["rank"], x["steps"]) for x in again["ranks"]] == [
+        (x["rank"], x["steps"]) for x in summary["ranks"]
+    ]
+
+
+def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> None:
+    before = sorted(real.config.profiling.captures_dir.iterdir())
+    assert len(before) == 1  # the capture above
+    _out, folder = capture(real)
+    assert sorted(real.config.profiling.captures_dir.iterdir()) == [folder]  # keep_captures = 1
+    assert not before[0].exists()
 
 
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
@@ -131,9 +229,15 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
 ) -> None:
     before = unit_tree(real)
     watch = HealthWatch(real.config.vllm.health_url)
+    t0 = time.monotonic()
     r = real.kimi_mode("production", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
+    switch_s = time.monotonic() - t0
     assert_starts_like_vllm_0_16(watch.stop())  # the check the fake passes too (test_sandbox)
+    last = [e for e in real.history() if e["kind"] == "teardown"][-1]
+    steps = {s["step"]: round(s["duration_s"], 2) for s in last["steps"]}
+    record(profile_to_production_s=round(switch_s, 1), teardown_s=round(last["duration_s"], 2),
+           teardown_steps=steps)  # fmt: skip
     assert not any(processes.ref_of(pid) for pid in before), "the old tree is gone"
     assert "--profiler-config" not in processes.cmdline_of(real.vllm_pid())
 
@@ -154,19 +258,42 @@ def test_the_daemon_follows_the_real_load_output_and_a_crashed_daemon_adopts_rea
 def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardown_ends_them(
     real: DaemonHelper,
 ) -> None:
+    tmp = real.config.teardown.tmp_dir
+    assert tmp is not None
     bystander = real.h.spawn([sys.executable, "-c", "import time; time.sleep(900)"])
+    # A bystander's socket named like vLLM's, bound and alive, beside vLLM's own.
+    theirs = tmp / "00000000-0000-4000-8000-000000000000"
+    bind = "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
+    binder = real.h.spawn([sys.executable, "-c", bind + "time.sleep(900)", str(theirs)])
+    wait_until(theirs.exists, 10, "the bystander's socket")
     tree = unit_tree(real)
     api = real.vllm_pid()
     engine = [pid for pid, title in tree.items() if title.startswith("VLLM::")]
     assert len(engine) == 3, tree  # EngineCore, Worker_TP0, Worker_TP1
+    sockets = {p for p in tmp.iterdir() if p.is_socket() and p != theirs}
+    # What the tree maps there and is still named (multiprocessing and glibc unlink their
+    # semaphores' names at once).
+    shm = {p for pid in tree for p in map(Path, processes.maps_any(pid, "/dev/shm/")) if p.exists()}
+    assert sockets and shm, (sockets, shm)  # vLLM's ZMQ sockets and shared memory
+    teardowns = real.teardown_count()
     processes.send_signal(processes.ref_of(api), signal.SIGKILL)  # type: ignore[arg-type]
+    t0 = time.monotonic()
     # vLLM 0.16 leaves the engine and workers running without their API server (upstream
     # #55510): the daemon notices the death, tears down (they are among the first killed) and
     # serves again.
     try:
+        wait_until(lambda: not [pid for pid in engine if processes.ref_of(pid)], 120, "orphans")
+        orphans_gone_s = time.monotonic() - t0
         wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
         real.wait_serving("production", READY_S)
-        assert not [pid for pid in engine if processes.ref_of(pid)], "an orphan survived"
-        assert processes.is_alive(bystander)
+        assert processes.is_alive(bystander) and processes.is_alive(binder)
+        report = [e for e in real.history() if e["kind"] == "teardown"][teardowns]
+        # The old tree's leftovers went in that teardown; the bystander's socket stayed.
+        removed = set(map(Path, report["shm_removed"]))
+        assert sockets <= removed and shm <= removed, (sockets, shm, removed)
+        assert theirs.exists() and theirs not in removed
+        record(orphans_killed_s=round(orphans_gone_s, 1), orphan_teardown_s=round(
+            report["duration_s"], 2), leftovers_removed=len(removed))  # fmt: skip
     finally:
         processes.send_signal(bystander, signal.SIGKILL)
+        processes.send_signal(binder, signal.SIGKILL)

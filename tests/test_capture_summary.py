@@ -1,0 +1,214 @@
+"""A capture's summary: steps, time per step, and the communication, GEMM and attention shares
+of each rank, read from the traces as a stream. The GPU case is a fixture made on 2x H200 with
+NCCL (tests/fixtures/make_gpu_trace.py); the real CPU traces of vLLM 0.16 are summarized in the
+real-vLLM tier (tests/realvllm)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor import tracesummary
+from supervisor.capturesummary import rank_of, render, summarize_folder
+
+from .conftest import as_user
+
+FIXTURE = Path(__file__).parent / "fixtures" / "gpu-allreduce-2xh200"
+
+
+def load_whole(path: Path) -> list[dict[str, Any]]:
+    with gzip.open(path) as f:
+        events: list[dict[str, Any]] = json.load(f)["traceEvents"]
+    return events
+
+
+def decode_comm_share_the_slow_way(events: list[dict[str, Any]]) -> tuple[int, float]:
+    """Independently of the summary's code: the NCCL kernels launched inside decode steps, and
+    their share of all kernel time launched inside decode steps."""
+    steps = [
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("execute_context_0(")
+    ]
+    launched = {
+        e["args"]["correlation"]: e["ts"]
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    inside = [
+        e
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        and any(s <= launched.get(e["args"]["correlation"], -1) < t for s, t in steps)
+    ]
+    nccl = [e for e in inside if "nccl" in e["name"]]
+    return len(nccl), sum(e["dur"] for e in nccl) / sum(e["dur"] for e in inside)
+
+
+def test_the_gpu_fixture_shows_each_ranks_nccl_share_of_the_decode_steps(tmp_path: Path) -> None:
+    folder = tmp_path / "capture"
+    shutil.copytree(FIXTURE, folder)
+    summary, not_written = summarize_folder(folder)
+    assert not_written is None and json.loads((folder / "summary.json").read_text()) == summary
+    assert [r["rank"] for r in summary["ranks"]] == [0, 1] and not summary["errors"]
+    for r in summary["ranks"]:
+        events = load_whole(folder / r["file"])
+        calls, share = decode_comm_share_the_slow_way(events)
+        assert r["device"] == "gpu" and r["steps"] == {"decode": 12, "prefill": 1}
+        assert r["classes"]["communication"]["share"] == pytest.approx(share, abs=1e-4)
+        nccl = [t for t in r["top"] if t["name"].startswith("ncclDevKernel_AllReduce")]
+        assert nccl and nccl[0]["calls"] == calls == 12 * 4  # 4 layers a step
+        assert r["classes"]["gemm"]["ms_per_step"] > 0 and r["classes"]["attention"]["share"] > 0
+        assert sum(c["share"] for c in r["classes"].values()) == pytest.approx(1, abs=1e-3)
+    text = render(summary)
+    assert "rank 0 (python3): 12 decode, 1 prefill; decode steps:" in text
+    assert "communication" in text and "GEMM" in text and "attention" in text
+
+
+def cpu_trace(path: Path, extra: int = 0) -> None:
+    """A CPU worker's trace: 2 decode steps with nested operators, `extra` Python frames of
+    with_stack noise, and a prefill step."""
+    ev: list[dict[str, Any]] = [
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": 1,
+            "tid": 0,
+            "args": {"name": "VLLM::Worker_TP0"},
+        }
+    ]
+
+    def x(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> None:
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur})
+
+    x("user_annotation", "execute_context_1(7)_generation_0(0)", 0, 900)
+    x("cpu_op", "_C::onednn_mm", 10, 800)  # prefill: not in the decode figures
+    for step in range(2):
+        t = 1000 + step * 1000
+        x("user_annotation", "execute_context_0(0)_generation_2(2)", t, 800)
+        x("cpu_op", "aten::linear", t + 10, 300)
+        x("cpu_op", "aten::addmm", t + 20, 250)  # inside linear: 50 of linear's own
+        x("cpu_op", "_C::shm_allreduce", t + 400, 200)
+        x("cpu_op", "_C::cpu_attention_with_kv_cache", t + 650, 100)
+        x("cpu_op", "aten::copy_", t + 760, 20)
+    x("cpu_op", "_C::shm_allreduce", 5000, 9999, tid=2)  # another thread: no steps there
+    for i in range(extra):
+        ev.append({"ph": "X", "cat": "python_function", "name": f"f.py({i}): f{i % 97}",
+                   "pid": 1, "tid": 1, "ts": 1000 + i * 1e-3, "dur": 1e-3,
+                   "args": {"Python id": i, "Python parent id": i - 1}})  # fmt: skip
+    with gzip.open(path, "wt") as f:
+        json.dump({"schemaVersion": 1, "traceEvents": ev, "traceName": "t"}, f, indent=1)
+
+
+def test_a_cpu_trace_counts_each_operators_own_time_once_inside_the_decode_steps(
+    tmp_path: Path,
+) -> None:
+    cpu_trace(tmp_path / "1-rank-0.1.pt.trace.json.gz")
+    with open(tmp_path / "1-rank-0.1.pt.trace.json.gz", "rb") as f:
+        r = tracesummary.summarize_file(f)
+    ms = {c: v["ms_per_step"] for c, v in r["classes"].items()}
+    assert r["steps"] == {"prefill": 1, "decode": 2} and r["step_ms"] == 0.8
+    assert ms == {"communication": 0.2, "gemm": 0.3, "attention": 0.1, "other": 0.02}
+    assert r["busy_ms_per_step"] == 0.62 and r["top"][0]["name"] == "aten::addmm"
+
+
+def test_a_large_trace_is_read_in_a_few_megabytes_whatever_its_size(tmp_path: Path) -> None:
+    path = tmp_path / "1-rank-0.1.pt.trace.json.gz"
+    cpu_trace(path, extra=400_000)
+    with gzip.open(path) as f:
+        unpacked = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 20), b""))
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as f:
+            r = tracesummary.summarize_file(f)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r["events"] > 400_000 and r["steps"]["decode"] == 2
+    assert unpacked > 60e6 and peak < 12e6, (unpacked, peak)
+
+
+def test_broken_and_linked_traces_are_reported_by_rank_and_the_others_still_summarized(
+    tmp_path: Path,
+) -> None:
+    shutil.copy(next(FIXTURE.glob("*rank-0*")), tmp_path / "9-rank-0.1.pt.trace.json.gz")
+    good = (tmp_path / "9-rank-0.1.pt.trace.json.gz").read_bytes()
+    (tmp_path / "9-rank-1.1.pt.trace.json.gz").write_bytes(good[: len(good) // 2])
+    (tmp_path / "9-rank-2.1.pt.trace.json.gz").write_bytes(gzip.compress(b"<html>nope</html>"))
+    (tmp_path / "9-rank-3.1.pt.trace.json").write_text('{"traceEvents": [{"ph": "X"}')
+    secret = tmp_path / "elsewhere.json"
+    secret.write_text("{}")
+    (tmp_path / "9-rank-4.1.pt.trace.json.gz").symlink_to(secret)
+    summary, _ = summarize_folder(tmp_path)
+    assert [r["rank"] for r in summary["ranks"]] == [0]
+    errors = {e["rank"]: e["error"] for e in summary["errors"]}
+    assert set(errors) == {1, 2, 3, 4}
+    assert "cannot read" in errors[1] or "truncated" in errors[1] or "ends inside" in errors[1]
+    assert "not a Chrome trace" in errors[2]
+    assert "truncated" in errors[3] or "ends inside" in errors[3]
+    assert "cannot open it" in errors[4]  # a link is never followed
+    assert "rank 2 (9-rank-2.1.pt.trace.json.gz): not summarized: not a Chrome trace" in render(
+        summary
+    )
+
+
+def test_vllm_0_16_and_0_32_trace_names_give_their_rank_and_the_api_servers_none() -> None:
+    assert rank_of("1796080373330063950-rank-1.1796080419792488798.pt.trace.json.gz") == 1
+    assert rank_of("rank3.1796080419792488798.pt.trace.json.gz") == 3
+    assert rank_of("vm_8515.async_llm.1796080412100115802.pt.trace.json.gz") is None
+
+
+def kimi_mode(*args: str, user: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    cmd = [*as_user(*user), "-m"] if user else [sys.executable, "-m"]
+    return subprocess.run(
+        [*cmd, "supervisor.kimi_mode", "capture", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KIMI_SUPERVISOR_CONFIG": "/nonexistent"},
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs kimi-mode as another user (setpriv)")
+def test_kimi_mode_summarize_needs_no_daemon_and_says_when_it_cannot_write_the_summary() -> None:
+    tmp_path = Path(tempfile.mkdtemp(prefix="kimi-summary-"))  # pytest's is root's only
+    try:
+        summarize_as_another_user(tmp_path)
+    finally:
+        shutil.rmtree(tmp_path)
+
+
+def summarize_as_another_user(tmp_path: Path) -> None:
+    folder = tmp_path / "capture"
+    shutil.copytree(FIXTURE, folder)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(folder, 0o755)  # root's: another user reads the traces but cannot write there
+    for f in folder.iterdir():
+        os.chmod(f, 0o644)
+    r = kimi_mode("--summarize", str(folder), user=("--reuid=65534", "--regid=65534",
+                                                    "--clear-groups"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "rank 1 (python3): 12 decode, 1 prefill" in r.stdout
+    assert "summary.json not written: Permission denied" in r.stdout
+    assert not (folder / "summary.json").exists()
+    r = kimi_mode("--summarize", str(folder), "--json")
+    assert r.returncode == 0 and [x["rank"] for x in json.loads(r.stdout)["ranks"]] == [0, 1]
+    assert (folder / "summary.json").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = kimi_mode("--summarize", str(empty))
+    assert r.returncode == 1 and "no rank traces to summarize" in r.stdout
+    r = kimi_mode("--summarize", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "No such file or directory" in r.stderr
+    r = kimi_mode("--summarize", str(folder), "--seconds", "3")
+    assert r.returncode == 2 and "--summarize takes no capture: drop --seconds" in r.stderr
