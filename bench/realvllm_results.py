@@ -1,0 +1,58 @@
+"""Renders the real-vLLM tier's times into docs/performance.md from the JSON it writes.
+
+    KIMI_REALVLLM_RESULTS=/tmp/realvllm.json .venv/bin/python -m pytest -q tests/realvllm
+    cp /tmp/realvllm.json bench/results/realvllm-<date>.json
+    .venv/bin/python -m bench.realvllm_results bench/results/realvllm-*.json \
+        --write docs/performance.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.common import write_section
+
+ROWS = [
+    ("first_ready_s", "daemon start → real vLLM serving production (first start, cold caches)"),
+    ("profile_to_production_s", "`kimi-mode production` from profile mode → serving again"),
+    ("teardown_s", "its teardown of the real tree (stop the unit … leftovers) → CLEAN"),
+    ("capture_flush_s", "a capture of 3 requests of 8 tokens: `/stop_profile` flush"),
+    ("capture_summary_s", "the same capture: both ranks summarized (in parallel)"),
+    ("capture_mb", "the same capture: trace files, MB in all"),
+    ("orphans_killed_s", "SIGKILL of the API server alone → its orphaned engine and workers gone"),
+    ("orphan_teardown_s", "that teardown, started by the daemon on the death → CLEAN"),
+    ("leftovers_removed", "that teardown: ZMQ sockets and /dev/shm entries of the dead tree"),
+]
+
+
+def render(runs: list[tuple[Path, dict[str, Any]]]) -> str:
+    head = "| figure | " + " | ".join(f"`{p.name}`" for p, _ in runs) + " |"
+    lines = [head, "|---|" + "---|" * len(runs)]
+    for key, label in ROWS:
+        lines.append(f"| {label} | " + " | ".join(str(d.get(key, "—")) for _, d in runs) + " |")
+    steps = runs[-1][1].get("teardown_steps", {})
+    detail = ", ".join(f"{k} {v} s" for k, v in steps.items())
+    return (
+        f"{runs[-1][1]['vllm']} (CPU build, tensor parallel 2, the tiny model of "
+        "tests/realvllm) under the daemon in the sandbox, on this 2-core VM; seconds unless "
+        "marked.\n\n" + "\n".join(lines) + f"\n\nThe last run's teardown by step: {detail}.\n"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("results", type=Path, nargs="+")
+    p.add_argument("--write", type=Path, default=None)
+    args = p.parse_args()
+    runs = [(path, json.loads(path.read_text())) for path in args.results]
+    body = render(runs)
+    print(body)
+    if args.write:
+        write_section(args.write, "real-vllm", body)
+
+
+if __name__ == "__main__":
+    main()
