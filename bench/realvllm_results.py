@@ -16,7 +16,7 @@ from typing import Any
 from bench.common import write_section
 
 ROWS = [
-    ("first_ready_s", "daemon start → real vLLM serving production (first start, cold caches)"),
+    ("first_ready_s", "daemon start → real vLLM serving production (the tier's one start)"),
     ("profile_to_production_s", "`kimi-mode production` from profile mode → serving again"),
     ("teardown_s", "its teardown of the real tree (stop the unit … leftovers) → CLEAN"),
     ("capture_flush_s", "a capture of 3 requests of 8 tokens: `/stop_profile` flush"),
@@ -33,8 +33,9 @@ def render(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     lines = [head, "|---|" + "---|" * len(runs)]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(str(d.get(key, "—")) for _, d in runs) + " |")
-    steps = runs[-1][1].get("teardown_steps", {})
-    detail = ", ".join(f"{k} {v} s" for k, v in steps.items())
+    with_steps = [d for _, d in runs if d.get("teardown_steps")]
+    steps = with_steps[-1]["teardown_steps"] if with_steps else {}
+    detail = ", ".join(f"{k} {v} s" for k, v in steps.items()) or "not recorded"
     return (
         f"{runs[-1][1]['vllm']} (CPU build, tensor parallel 2, the tiny model of "
         "tests/realvllm) under the daemon in the sandbox, on this 2-core VM; seconds unless "
