@@ -196,14 +196,23 @@ def leftovers(directory: Path, patterns: list[str], ipc_sockets: bool = False) -
 
 
 def in_use(paths: set[Path]) -> set[Path]:
-    """Which of `paths` a live process has open or mapped, or (a socket) has bound."""
-    wanted = {str(p) for p in paths}
-    used = wanted & bound_unix_paths()
-    prefixes = {str(p.parent) + "/" for p in paths}
-    for pid in processes.all_pids():
+    """Which of `paths` a live process has open or mapped, or (a socket) has bound. A socket's
+    users show as `socket:[inode]`, never by path: only /proc/net/unix says whether it is bound,
+    and the walk over every process (tens of ms on a busy host) is left for the other files."""
+    sockets = set()
+    for p in paths:
+        try:
+            if stat.S_ISSOCK(os.lstat(p).st_mode):
+                sockets.add(str(p))
+        except FileNotFoundError:
+            pass
+    used = sockets & bound_unix_paths() if sockets else set()
+    files = {str(p) for p in paths} - sockets
+    prefixes = {str(Path(p).parent) + "/" for p in files}
+    for pid in processes.all_pids() if files else []:
         for _fd, target in processes.open_paths(pid):
-            if target.removesuffix(" (deleted)") in wanted:
+            if target.removesuffix(" (deleted)") in files:
                 used.add(target.removesuffix(" (deleted)"))
         for prefix in prefixes:
-            used |= processes.maps_any(pid, prefix) & wanted
+            used |= processes.maps_any(pid, prefix) & files
     return {Path(p) for p in used}

@@ -91,10 +91,13 @@ term_grace_s = 3
 holders_timeout_s = 10
 release_timeout_s = 20
 shm_dir = "{tmp}/shm"
+# The fake's TMPDIR: a teardown cleans dead sockets there, never the shared host's /tmp.
+tmp_dir = "{tmp}/tmp"
 [state]
 dir = "{tmp}/state"
 """)
         (tmp / "shm").mkdir()
+        (tmp / "tmp").mkdir()
         try:
             self.baselines = baseline.calibrate(self.gpu, self.indices).devices
         except baseline.BaselineError as e:
@@ -103,7 +106,8 @@ dir = "{tmp}/state"
     def env(self, **fake: object) -> dict[str, str]:
         path = self.tmp / f"fake-{len(self.started)}.json"
         path.write_text(json.dumps(fake))
-        return {**os.environ, "KIMI_FAKE_CUDA": "1", "KIMI_FAKE_VLLM_CONFIG": str(path)}
+        return {**os.environ, "KIMI_FAKE_CUDA": "1", "KIMI_FAKE_VLLM_CONFIG": str(path),
+                "TMPDIR": str(self.tmp / "tmp")}  # fmt: skip
 
     def spawn(self, args: list[str], env: dict[str, str], wait_ready: bool = False) -> ProcessRef:
         return self.spawn_tree(args, env, wait_ready)[0]
