@@ -25,6 +25,8 @@ if ! $install_only; then
   command -v nsenter >/dev/null 2>&1 || need="$need util-linux"
   command -v fuser >/dev/null 2>&1 || need="$need psmisc"
   [ -x /bin/kill ] || [ -x /usr/bin/kill ] || need="$need procps"
+  # The live switch display is checked in a real terminal.
+  command -v tmux >/dev/null 2>&1 || need="$need tmux"
   # The booted-host tests: a Debian 12 root file system booted under its own systemd.
   command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
   command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"

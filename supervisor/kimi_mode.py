@@ -27,6 +27,7 @@ from supervisor.control.render import (
     format_capture,
     format_history,
     format_status,
+    redraws,
 )
 from supervisor.version import package_version
 
@@ -102,7 +103,7 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
     if getattr(args, "for_s", None):
         req["for_s"] = args.for_s
     out = sys.stdout
-    tty = out.isatty() and not args.json
+    tty = redraws(out, os.environ) and not args.json
     follower = Follower(out, tty)
     try:
         for raw, msg in exchange(sock, req, timeout_s=args.timeout):
@@ -340,7 +341,13 @@ def _one_reply(
     raise Unreachable("the daemon closed the connection without answering")
 
 
+# A daemon in these states needs a person (STUCK: the GPUs are not clean; FAILED: it gave up).
+NEEDS_A_PERSON = ("stuck", "failed")
+
+
 def cmd_status(args: argparse.Namespace, sock: Path) -> int:
+    """Exit 0, or 1 when the daemon is STUCK or FAILED, so that a script or a monitor can act on
+    `kimi-mode status` alone; 3 when the daemon cannot be asked."""
     _raw, msg = _one_reply(sock, {"cmd": "status"})
     if not msg["ok"]:
         print(f"kimi-mode: {msg['message']}", file=sys.stderr)
@@ -349,7 +356,22 @@ def cmd_status(args: argparse.Namespace, sock: Path) -> int:
         print(json.dumps(msg["data"], indent=2))
     else:
         print(format_status(msg["data"]))
-    return EXIT_OK
+    return EXIT_FAILED if msg["data"].get("state") in NEEDS_A_PERSON else EXIT_OK
+
+
+def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
+    """Like `systemctl is-active`: prints the state and mode, and exits 0 only when vLLM serves
+    (in MODE, if given), 1 otherwise, 3 when the daemon cannot be asked."""
+    _raw, msg = _one_reply(sock, {"cmd": "status"})
+    if not msg["ok"]:
+        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    data = msg["data"]
+    state, mode = data.get("state"), data.get("mode")
+    if not args.quiet:
+        print(f"{state} {mode}" if mode else str(state))
+    serving = state == "serving" and (args.mode is None or mode == args.mode)
+    return EXIT_OK if serving else EXIT_FAILED
 
 
 def cmd_history(args: argparse.Namespace, sock: Path) -> int:
@@ -374,12 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
-        epilog="exit codes: 0 done, 1 failed or STUCK, 2 usage, 3 daemon unreachable or "
-        "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
+        epilog="exit codes: 0 done, 1 failed, STUCK or FAILED (status), not serving "
+        "(is-serving), 2 usage, 3 daemon unreachable or refused, 4 timed out (the switch goes "
+        "on), 130 Ctrl-C (the switch goes on)",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(
-        dest="cmd", required=True, metavar="{production,profile,capture,status,history}"
+        dest="cmd",
+        required=True,
+        metavar="{production,profile,capture,status,is-serving,history}",
     )
     for mode in ("production", "profile"):
         c = sub.add_parser(mode, parents=[common], help=f"switch to {mode} mode and follow it")
@@ -442,6 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_capture)
     c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
     c.set_defaults(fn=cmd_status)
+    c = sub.add_parser(
+        "is-serving",
+        parents=[common],
+        help="exit 0 only when vLLM serves (in MODE, if given), like systemctl is-active",
+    )
+    c.add_argument("mode", nargs="?", choices=["production", "profile"], default=None)
+    c.add_argument("-q", "--quiet", action="store_true", help="print nothing, only exit")
+    c.set_defaults(fn=cmd_is_serving)
     c = sub.add_parser("history", parents=[common], help="past switches and teardowns")
     c.add_argument("-n", type=int, default=20, help="how many records (default 20)")
     c.set_defaults(fn=cmd_history)

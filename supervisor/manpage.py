@@ -55,7 +55,11 @@ def pages() -> list[Page]:
             ],
             [
                 ("0", "done: the mode is ready, or was already running"),
-                ("1", "the switch or capture failed, or the daemon is STUCK"),
+                (
+                    "1",
+                    "the switch or capture failed; status: the daemon is STUCK or FAILED; "
+                    "is-serving: vLLM does not serve (in that mode)",
+                ),
                 ("2", "usage error, or an --out that cannot be used"),
                 ("3", "the daemon is unreachable, or refused the caller"),
                 ("4", "--timeout ran out while following (the switch goes on)"),

@@ -201,10 +201,15 @@ def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_ask
     outcomes = [t["outcome"] for t in daemon.transitions()]
     assert outcomes.count("failed") == 3
     assert sandbox.used() == sandbox.baseline()  # torn down after each failure
+    # A monitor or a script sees it from the exit codes alone.
+    assert daemon.kimi_mode("status").returncode == 1
+    r = daemon.kimi_mode("is-serving")
+    assert (r.returncode, r.stdout) == (1, "failed\n")  # nothing runs, so no mode
     sandbox.fake()
     r = daemon.kimi_mode("production")
     assert r.returncode == 0, r.stdout + r.stderr
     assert daemon.wait_serving("production")["failures_in_window"] == 0
+    assert daemon.kimi_mode("status").returncode == 0
 
 
 def test_at_boot_the_daemon_waits_for_the_gpu_driver_and_answers_status_meanwhile(

@@ -109,3 +109,35 @@ def test_the_man_pages_are_installed_render_cleanly_and_name_every_command(stage
                 for flag in action.option_strings:
                     assert flag in text, f"{name} {flag}"
         assert "EXIT STATUS" in text and "/etc/kimi-supervisor/kimi-supervisor.toml" in text
+
+
+def complete(script: Path, line: str) -> list[str]:
+    """What bash offers after `line` (ending in the word being completed) with `script`."""
+    words = line.split(" ")
+    program = (
+        f"source {script}\n"
+        f"COMP_WORDS=({' '.join(repr(w) for w in words)}); COMP_CWORD={len(words) - 1}\n"
+        f"_{words[0].replace('-', '_')}\n"
+        'printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    r = subprocess.run(["bash", "--norc", "-c", program], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
+def test_bash_completes_the_commands_options_and_choices_both_programs_take(
+    staged: Path,
+) -> None:
+    share = staged / "usr/local/share"
+    mode = share / "bash-completion/completions/kimi-mode"
+    sup = share / "bash-completion/completions/kimi-supervisor"
+    assert complete(mode, "kimi-mode is-") == ["is-serving"]
+    assert complete(mode, "kimi-mode is-serving p") == ["production", "profile"]
+    assert sorted(complete(mode, "kimi-mode capture --s")) == [
+        "--seconds", "--socket", "--summarize", "--switch"]  # fmt: skip
+    assert complete(mode, "kimi-mode capture --then ") == ["production", "stay"]
+    assert str(share) in complete(mode, f"kimi-mode capture --summarize {share}")
+    assert complete(sup, "kimi-supervisor sandbox up --g") == ["--gpus"]
+    assert complete(sup, "kimi-supervisor sandbox d") == ["down"]
+    zsh = (share / "zsh/site-functions/_kimi-mode").read_text()
+    assert zsh.startswith("#compdef kimi-mode\n") and "bashcompinit" in zsh

@@ -66,6 +66,18 @@ def test_status_json_has_modes_state_gpus_and_the_last_teardown(serving: DaemonH
     assert s["last_teardown"]["kills"] == []
 
 
+def test_is_serving_answers_with_its_exit_code_like_systemctl_is_active(
+    serving: DaemonHelper,
+) -> None:
+    r = serving.kimi_mode("is-serving")
+    assert (r.returncode, r.stdout) == (0, "serving production\n")
+    assert serving.kimi_mode("is-serving", "production", "-q").returncode == 0
+    r = serving.kimi_mode("is-serving", "profile")
+    assert (r.returncode, r.stdout) == (1, "serving production\n")  # serving, not that mode
+    r = serving.kimi_mode("is-serving", "--socket", "/nonexistent/control.sock")
+    assert r.returncode == 3 and "kimi-mode:" in r.stderr
+
+
 def test_status_and_history_print_what_an_operator_reads(serving: DaemonHelper) -> None:
     r = serving.kimi_mode("status")
     assert r.returncode == 0, r.stderr

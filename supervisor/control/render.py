@@ -6,7 +6,9 @@ daemon's JSON; used by kimi-mode and by `kimi-supervisor teardown`.
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
@@ -174,12 +176,21 @@ def format_history(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) or "(no history yet)"
 
 
-class Follower:
-    """Renders a followed switch: redrawn on a TTY, plain lines otherwise."""
+def redraws(out: TextIO, env: Mapping[str, str]) -> bool:
+    """Whether the live display may redraw in place: a terminal that is not `TERM=dumb`."""
+    return out.isatty() and env.get("TERM", "") != "dumb"
 
-    def __init__(self, out: TextIO, tty: bool) -> None:
+
+class Follower:
+    """Renders a followed switch: redrawn on a TTY, plain lines otherwise. Redrawn lines are cut
+    to the terminal's width (a wrapped line breaks the cursor arithmetic of the redraw), and
+    each GPU's drain bar is scaled to what that GPU used when the teardown began."""
+
+    def __init__(self, out: TextIO, tty: bool, width: Callable[[], int] | None = None) -> None:
         self.out = out
         self.tty = tty
+        self.width = width or (lambda: shutil.get_terminal_size((80, 24)).columns)
+        self.drain_from: dict[int, int] = {}  # GPU index -> MiB used when the teardown began
         self.started = time.monotonic()
         self.target = ""
         self.steps: list[str] = []
@@ -203,6 +214,7 @@ class Follower:
         name, data = e["event"], e.get("data", {})
         if name == "transition_started":
             self.target = data["target"]
+            self.drain_from = {}
             self.say(
                 f"{data['id']}: {data.get('previous') or 'nothing'} -> {data['target']} "
                 f"({data['kind']}: {data['reason']})"
@@ -226,6 +238,8 @@ class Follower:
             self.say(f"  spared PID {data['pid']}: {data['why']}")
         elif name == "gpus":
             self.gpus = data["devices"]
+            for d in self.gpus:
+                self.drain_from.setdefault(d["index"], d["used_mib"])
             now = time.monotonic()
             if not self.tty and now - self._last_gpu_line >= 1.0:
                 self._last_gpu_line = now
@@ -270,7 +284,7 @@ class Follower:
             lines.append("  GPU memory, draining to baseline during the teardown:")
         for d in self.gpus:
             used, base = d["used_mib"], d["baseline_mib"]
-            top = max(used, base, 1)
+            top = max(self.drain_from.get(d["index"], used), used)
             width = 30
             fill = (
                 min(width, round(width * (used - base) / max(top - base, 1))) if used > base else 0
@@ -294,7 +308,8 @@ class Follower:
             return
         self._last_draw = now
         self._clear()
-        lines = self._lines()
+        cut = max(self.width() - 1, 20)
+        lines = [line if len(line) <= cut else line[: cut - 3] + "..." for line in self._lines()]
         self.out.write("\n".join(lines) + "\n")
         self.out.flush()
         self._drawn = len(lines)

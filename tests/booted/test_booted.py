@@ -122,6 +122,20 @@ def test_vllms_output_reaches_the_journal_and_the_daemon_follows_its_progress(
     assert '"vllm_progress"' in daemon and '"phase": "loading"' in daemon
 
 
+def test_warnings_and_errors_reach_the_journal_at_their_priority(host: BootedHost) -> None:
+    # vLLM's main process dies: the daemon warns (vllm_main_exited), logs an error (vllm_died)
+    # and serves again; `journalctl -p warning` shows those and none of the info lines.
+    host.sh(f"kill -9 {vllm_pid(host)}")
+    wait_serving(host, "profile", 120)
+    warned = host.sh("journalctl -u kimi-supervisor -p warning --no-pager -o cat").stdout
+    assert '"event": "vllm_main_exited"' in warned and '"event": "vllm_died"' in warned, warned
+    assert '"level": "info"' not in warned
+    entry = json.loads(
+        host.sh("journalctl -u kimi-supervisor -p err -o json -n 1 --no-pager").stdout
+    )
+    assert entry["PRIORITY"] == "3" and entry["MESSAGE"].startswith("{")  # the prefix is gone
+
+
 def test_restart_of_the_daemon_keeps_vllm_and_runs_no_teardown(host: BootedHost) -> None:
     vllm, teardowns = vllm_pid(host), len([e for e in history(host) if e["kind"] == "teardown"])
     host.sh("systemctl restart kimi-supervisor")
