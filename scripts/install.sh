@@ -34,6 +34,10 @@ install -m 0644 units/kimi-supervisor.service units/vllm-kimi-k25.service "$DEST
 install -m 0644 packaging/kimi-supervisor.sysusers "$DESTDIR/usr/lib/sysusers.d/kimi-supervisor.conf"
 install -m 0644 packaging/kimi-supervisor.tmpfiles "$DESTDIR/usr/lib/tmpfiles.d/kimi-supervisor.conf"
 install -m 0644 docs/*.md README.md "$root/docs/"
+# The alert rules and the dashboard, for the operator's Prometheus and Grafana.
+install -d -m 0755 "$root/config/prometheus" "$root/config/grafana"
+install -m 0644 config/prometheus/kimi-supervisor-alerts.yml "$root/config/prometheus/"
+install -m 0644 config/grafana/kimi-supervisor.json "$root/config/grafana/"
 conf="$DESTDIR$SYSCONFDIR/kimi-supervisor/kimi-supervisor.toml"
 if [ -e "$conf" ]; then
   install -m 0644 config/kimi-supervisor.toml "$conf.dist"

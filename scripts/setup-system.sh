@@ -4,6 +4,7 @@
 # `--install`: only what `make install` needs on a host (building and running the daemon).
 set -eu
 need=""
+promtool=""
 install_only=false
 [ "${1:-}" = "--install" ] && install_only=true
 # Building and running the daemon (`make install` on a host).
@@ -27,17 +28,30 @@ if ! $install_only; then
   [ -x /bin/kill ] || [ -x /usr/bin/kill ] || need="$need procps"
   # The live switch display is checked in a real terminal.
   command -v tmux >/dev/null 2>&1 || need="$need tmux"
+  # The shipped alert rules are checked and unit-tested with promtool (Debian ships it in the
+  # prometheus package; its server is not started, see below).
+  command -v promtool >/dev/null 2>&1 || promtool=prometheus
   # The booted-host tests: a Debian 12 root file system booted under its own systemd.
   command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
   command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"
 fi
-if [ -n "$need" ]; then
+if [ -n "$need$promtool" ]; then
   if [ "$(id -u)" != 0 ]; then
-    echo "setup: missing system packages:$need (run as root, or install them)" >&2
+    echo "setup: missing system packages:$need $promtool (run as root, or install them)" >&2
     exit 1
   fi
-  echo "setup: installing$need"
+  echo "setup: installing$need $promtool"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  apt-get install -y -qq --no-install-recommends $need
+  [ -z "$need" ] || apt-get install -y -qq --no-install-recommends $need
+fi
+if [ -n "$promtool" ]; then
+  # Only promtool is wanted from the prometheus package, not a server on :9090: installed with
+  # Debian's policy-rc.d saying no service may start.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
+  apt-get install -y -qq --no-install-recommends prometheus
 fi

@@ -13,6 +13,7 @@ from typing import Any
 
 from supervisor import history
 from supervisor.config import Config
+from supervisor.eta import Estimate, argv_key, estimate
 from supervisor.events import EventBus
 from supervisor.loopstate import LoopState
 from supervisor.messages import Event
@@ -192,3 +193,12 @@ class Context:
 
     def unwarn(self, prefix: str) -> None:
         self.s.warnings = [w for w in self.s.warnings if not w.startswith(prefix)]
+
+    def estimate_load(self, mode: Mode, argv: list[str]) -> tuple[Estimate | None, str]:
+        """What the past loads of `mode` with this argv predict, and the argv's key."""
+        key = argv_key(argv)
+        try:
+            records = history.read(self.config.state.dir, 1000)
+        except OSError:
+            return None, key
+        return estimate(records, mode.value, key), key

@@ -54,7 +54,7 @@ from supervisor.metrics import Metrics
 from supervisor.model import Mode, utcnow
 from supervisor.ports import processes
 from supervisor.ports.clock import Clock, SystemClock
-from supervisor.ports.gpu import GpuPort
+from supervisor.ports.gpu import GpuPort, GpuUnavailable
 from supervisor.ports.notify import Notifier
 from supervisor.ports.output import OutputPort
 from supervisor.ports.systemd import SystemdError, SystemdPort
@@ -104,6 +104,7 @@ class Daemon:
         self.heartbeat = ctx.clock.monotonic()
         self._last_watchdog = 0.0
         self._last_line = ""
+        self._uuids: dict[int, str] = {}
         self._status_lock = threading.Lock()
         self._status: Status | None = None
         self._next_step = 0.0  # the regular pass (monotonic)
@@ -160,7 +161,18 @@ class Daemon:
             m.set_modes(s.desired, s.serving.mode if s.serving else None)
             m.set_state(s.state.value, [x.value for x in State])
             for g in st.gpus:
-                m.set_gpu(g.index, g.used_mib, g.baseline_mib)
+                m.set_gpu(g.index, self._uuid(g.index), g.used_mib, g.baseline_mib)
+            m.start_eta.set(st.eta["remaining_s"] if st.eta else 0)
+
+    def _uuid(self, index: int) -> str:
+        """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
+        there: asked again on the next publish)."""
+        if index not in self._uuids:
+            try:
+                self._uuids[index] = self.ctx.gpu.uuid(index)
+            except GpuUnavailable:
+                return ""
+        return self._uuids[index]
 
     # ---------------------------------------------------------------- boot
     def boot(self) -> None:

@@ -176,9 +176,12 @@ class Lifecycle:
             ctx.set_state(State.STARTING)
             self.start_failed(f"systemd refused to start {ctx.unit}: {e}")
             return
-        s.start_deadline = ctx.clock.monotonic() + ctx.config.daemon.start_timeout_s
+        s.load_started = ctx.clock.monotonic()
+        s.start_deadline = s.load_started + ctx.config.daemon.start_timeout_s
+        s.eta, s.load_key = ctx.estimate_load(tr.target, argv)
+        expected = {"expected_s": s.eta.expected_s, "past": s.eta.past} if s.eta else {}
         ctx.log("vllm_starting", mode=tr.target.value, argv=argv, argv_file=str(argv_file))
-        ctx.event("starting", {"mode": tr.target.value, "argv": argv})
+        ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
         ctx.set_state(State.STARTING, f"started {ctx.unit} in {tr.target.value}")
 
     def follow_output(self) -> None:
@@ -188,8 +191,10 @@ class Lifecycle:
             s.progress = advance(s.progress, line)
         if s.progress != before:
             p = s.progress
+            eta = s.eta_text(self.ctx.clock.monotonic())
             self.ctx.event(
-                "progress", {"phase": p.phase, "percent": p.percent, "text": p.describe()}
+                "progress",
+                {"phase": p.phase, "percent": p.percent, "text": p.describe(), "eta": eta},
             )
             if p.phase != before.phase:
                 self.ctx.log("vllm_progress", phase=p.phase, percent=p.percent)
@@ -203,10 +208,13 @@ class Lifecycle:
         s.progress = Progress("ready")
         took = round((utcnow() - tr.started_at).total_seconds(), 3) if tr else 0.0
         info = {"mode": mode.value, "main_pid": obs.main_pid, "duration_s": took}
-        ctx.event("ready", info)
-        ctx.log("vllm_ready", **info)
+        load = s.finish_load(ctx.clock.monotonic())
+        if ctx.metrics and load:
+            ctx.metrics.start_seconds.labels(mode.value).observe(load["load_s"])
+        ctx.event("ready", info | load)
+        ctx.log("vllm_ready", **info, **load)
         s.stuck_retries = 0
-        self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)")
+        self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", load)
         ctx.set_state(State.SERVING, "GET /health answered 200")
 
     # ------------------------------------------------------------------ failures
@@ -343,7 +351,7 @@ class Lifecycle:
         ):
             ctx.record("transition", record)
         if ctx.metrics:
-            ctx.metrics.transitions.labels(outcome).inc()
+            ctx.metrics.transitions.labels(tr.target.value, outcome).inc()
         ctx.log("transition_finished", level="info" if ok else "warning", **record)
         ctx.bus.publish(
             End(ok=ok, outcome=outcome, message=message, data={"transition": tr.id, **record})
@@ -417,7 +425,9 @@ class Lifecycle:
         if e.kind == "gpus":
             ctx.observer.gpus_from_teardown(e.data["devices"])
         if e.kind == "kill" and e.data.get("signal") == "SIGKILL" and ctx.metrics:
-            ctx.metrics.kills.labels(e.data.get("step", "")).inc()
+            ctx.metrics.kills.labels(e.data.get("step", ""), e.data.get("evidence", "")).inc()
+        if e.kind == "spared" and ctx.metrics:
+            ctx.metrics.spared.inc()
         ctx.event(e.kind, e.data)
         ctx.publish()
 

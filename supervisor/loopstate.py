@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from supervisor.eta import Estimate
 from supervisor.model import Mode, TeardownReport, utcnow
 from supervisor.progress import Progress
 from supervisor.reconcile import Intent, Memory, Observed, State
@@ -59,6 +60,11 @@ class LoopState:
     failures: tuple[float, ...] = ()
     stuck_retries: int = 0
     progress: Progress = field(default_factory=Progress)
+    # The load under way: when it began (monotonic), what past loads of the same mode and argv
+    # predict (eta.py), and that argv's key, recorded with the transition when it is ready.
+    load_started: float | None = None
+    eta: Estimate | None = None
+    load_key: str = ""
     observed: Observed | None = None
     driver_ready: bool = False
     indices: list[int] = field(default_factory=list)
@@ -71,6 +77,20 @@ class LoopState:
     stop_requested: bool = False
     reexec_requested: bool = False
     stopped_clean: bool | None = None  # set when the shutdown teardown has ended
+
+    def eta_text(self, now: float) -> str | None:
+        if self.eta is None or self.load_started is None:
+            return None
+        return self.eta.describe(now - self.load_started)
+
+    def finish_load(self, now: float) -> dict[str, Any]:
+        """The load that just became ready, as its transition records it (nothing for a vLLM
+        adopted already loading or ready: its start was not seen)."""
+        load: dict[str, Any] = {}
+        if self.load_started is not None:
+            load = {"load_s": round(now - self.load_started, 1), "argv_key": self.load_key}
+        self.load_started, self.eta = None, None
+        return load
 
     @property
     def busy(self) -> bool:

@@ -1,5 +1,11 @@
 """Prometheus metrics on a localhost port (prometheus-client, its own registry and thread).
 
+Named as Prometheus asks (base units: `_bytes`, `_seconds`; counters `_total`). Per-GPU series
+carry `gpu` (the index) and `uuid`, the label dcgm-exporter uses, so the two join. The shipped
+alert rules (config/prometheus/kimi-supervisor-alerts.yml) and dashboard
+(config/grafana/kimi-supervisor.json) query these names; a test checks each against a live
+/metrics.
+
 The loop sets them; the exporter thread only reads. Off when metrics.enabled is false. The
 exporter blocks until a scrape arrives (prometheus-client's own server wakes twice a second to
 check for shutdown, which alone cost 0.5% of a core on an idle daemon).
@@ -8,6 +14,7 @@ check for shutdown, which alone cost 0.5% of a core on an idle daemon).
 from __future__ import annotations
 
 import contextlib
+import platform
 import threading
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -15,6 +22,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from supervisor.model import Mode
+from supervisor.version import package_version
+
+MIB = 1 << 20
 
 
 class Metrics:
@@ -26,9 +36,38 @@ class Metrics:
         )
         self.mode = Gauge(f"{ns}_mode", "1 for the mode vLLM serves in now", ["mode"], registry=r)
         self.state = Gauge(f"{ns}_state", "1 for the daemon's current state", ["state"], registry=r)
-        self.gpu_used = Gauge(f"{ns}_gpu_used_mib", "memory used per GPU", ["gpu"], registry=r)
+        self.gpu_used = Gauge(
+            f"{ns}_gpu_used_bytes", "memory used per GPU (NVML)", ["gpu", "uuid"], registry=r
+        )
         self.gpu_baseline = Gauge(
-            f"{ns}_gpu_baseline_mib", "baseline footprint per GPU", ["gpu"], registry=r
+            f"{ns}_gpu_baseline_bytes",
+            "baseline footprint per GPU: what it uses with nothing running",
+            ["gpu", "uuid"],
+            registry=r,
+        )
+        self.start_seconds = Histogram(
+            f"{ns}_start_duration_seconds",
+            "from starting vLLM's unit to /health 200 (the model load), by mode",
+            ["mode"],
+            buckets=(10, 30, 60, 120, 300, 600, 900, 1200, 1800, 2400, 3600, 5400, 7200, 10800),
+            registry=r,
+        )
+        self.start_eta = Gauge(
+            f"{ns}_start_eta_seconds",
+            "while vLLM loads: the time left by the median of past loads of the same mode and "
+            "argv (0 when none is known or nothing loads)",
+            registry=r,
+        )
+        self.build_info = Gauge(
+            f"{ns}_build_info", "1, labelled with the version running", ["version", "python"],
+            registry=r,
+        )  # fmt: skip
+        self.build_info.labels(package_version(), platform.python_version()).set(1)
+        self.spared = Counter(
+            f"{ns}_spared_holders_total",
+            "protected processes (nvidia-persistenced, DCGM, ...) found holding a managed GPU "
+            "during a teardown and left alone",
+            registry=r,
         )
         self.teardown_seconds = Histogram(
             f"{ns}_teardown_duration_seconds",
@@ -37,7 +76,12 @@ class Metrics:
             buckets=(0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
             registry=r,
         )
-        self.kills = Counter(f"{ns}_kills_total", "SIGKILLs sent, by step", ["step"], registry=r)
+        self.kills = Counter(
+            f"{ns}_kills_total",
+            "SIGKILLs sent, by teardown step and the evidence that named the process",
+            ["step", "evidence"],
+            registry=r,
+        )
         self.intrusions = Counter(
             f"{ns}_gpu_intrusions_total",
             "processes outside vLLM's unit found on a managed GPU while vLLM loaded, by GPU",
@@ -45,7 +89,10 @@ class Metrics:
             registry=r,
         )
         self.transitions = Counter(
-            f"{ns}_transitions_total", "mode transitions, by outcome", ["outcome"], registry=r
+            f"{ns}_transitions_total",
+            "mode transitions, by target mode and outcome",
+            ["target", "outcome"],
+            registry=r,
         )
         self.persist_failures = Counter(
             f"{ns}_persist_failures_total",
@@ -83,9 +130,9 @@ class Metrics:
         for s in all_states:
             self.state.labels(s).set(1 if s == state else 0)
 
-    def set_gpu(self, index: int, used_mib: int, baseline_mib: int) -> None:
-        self.gpu_used.labels(str(index)).set(used_mib)
-        self.gpu_baseline.labels(str(index)).set(baseline_mib)
+    def set_gpu(self, index: int, uuid: str, used_mib: int, baseline_mib: int) -> None:
+        self.gpu_used.labels(str(index), uuid).set(used_mib * MIB)
+        self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
 
 
 class _Quiet(WSGIRequestHandler):

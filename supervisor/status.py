@@ -82,6 +82,8 @@ class Status(BaseModel):
     profile_until: str | None = None
     profile_left_s: int | None = None
     capture: dict[str, Any] | None = None
+    # While vLLM loads: what past loads of the same mode and argv predict (eta.py).
+    eta: dict[str, Any] | None = None
     daemon: DaemonInfo
 
 
@@ -93,7 +95,10 @@ def status_line(s: LoopState, now: float) -> str:
     if s.state is State.TEARING_DOWN and tr:
         return f"switching to {tr.target.value}: {tr.step}"
     if s.state is State.STARTING and tr:
-        return f"switching to {tr.target.value}: {s.progress.describe()}"
+        eta = s.eta_text(now)
+        return f"switching to {tr.target.value}: {s.progress.describe()}" + (
+            f"; {eta}" if eta else ""
+        )
     if s.state in (State.BACKOFF, State.STUCK) and s.next_attempt_at is not None:
         wait = max(s.next_attempt_at - now, 0)
         return f"{s.state.value.upper()}: retrying {s.desired.value} in {wait:.0f} s"
@@ -107,7 +112,19 @@ def build(
 ) -> Status:
     obs, tr = s.observed, s.transition
     waiting = s.next_attempt_at is not None and s.state in (State.BACKOFF, State.STUCK)
+    eta = None
+    if s.state is State.STARTING and s.eta is not None and s.load_started is not None:
+        elapsed = now - s.load_started
+        eta = {
+            "expected_s": round(s.eta.expected_s, 1),
+            "remaining_s": round(s.eta.remaining_s(elapsed), 1),
+            "elapsed_s": round(elapsed, 1),
+            "past_loads": s.eta.past,
+            "slower_than_past": s.eta.slower(elapsed),
+            "text": s.eta.describe(elapsed),
+        }
     return Status(
+        eta=eta,
         desired_mode=s.desired.value,
         mode=s.serving.mode.value if s.serving else None,
         state=s.state.value,

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
 from supervisor.state import StateStore
 
 from .conftest import DaemonHelper, SandboxHelper, health, wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.systemd
 
@@ -177,17 +182,43 @@ def test_a_daemon_whose_loop_is_blocked_is_restarted_by_the_systemd_watchdog(
     assert daemon.vllm_pid() == vllm
 
 
-def test_metrics_are_served_on_localhost(sandbox: SandboxHelper, daemon: DaemonHelper) -> None:
+def test_metrics_follow_prometheus_naming_and_every_shipped_query_finds_its_metric(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
     daemon.start()
     daemon.wait_serving("production")
     m = sandbox.config.metrics
     with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
         text = r.read().decode()
+    uuid = "GPU-5e1f0000-0000-4000-8000-000000000000"  # the simulated GPU 0's, as NVML names it
+    baseline = sandbox.baseline()[0] * (1 << 20)
     assert 'kimi_supervisor_mode{mode="production"} 1.0' in text
     assert 'kimi_supervisor_state{state="serving"} 1.0' in text
-    assert 'kimi_supervisor_gpu_baseline_mib{gpu="0"}' in text
-    assert 'kimi_supervisor_transitions_total{outcome="ready"}' in text
+    line = f'kimi_supervisor_gpu_baseline_bytes{{gpu="0",uuid="{uuid}"}} '
+    (value,) = [x.removeprefix(line) for x in text.splitlines() if x.startswith(line)]
+    assert float(value) == baseline
+    assert 'kimi_supervisor_transitions_total{outcome="ready",target="production"} 1.0' in text
+    assert 'kimi_supervisor_start_duration_seconds_count{mode="production"} 1.0' in text
     assert "kimi_supervisor_teardown_duration_seconds_bucket" in text
+    assert 'kimi_supervisor_build_info{python="' in text and "_mib" not in text
+    # Every metric the dashboard and the alert rules query is one this daemon serves.
+    served = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    shipped = (ROOT / "config/grafana/kimi-supervisor.json").read_text() + (
+        ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
+    ).read_text()
+    queried = {re.sub(r"_(bucket|sum|count)$", "", n)
+               for n in re.findall(r"kimi_supervisor_\w+", shipped)}  # fmt: skip
+    assert len(queried) >= 10 and queried <= served, queried - served
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (the set-up installs it)")
+def test_the_shipped_alert_rules_pass_promtool_and_their_unit_tests() -> None:
+    rules = ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
+    r = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
+    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["promtool", "test", "rules", "alerts_test.yml"], capture_output=True,
+                       text=True, cwd=ROOT / "tests/prometheus")  # fmt: skip
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_asked_again(

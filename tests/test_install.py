@@ -140,4 +140,6 @@ def test_bash_completes_the_commands_options_and_choices_both_programs_take(
     assert complete(sup, "kimi-supervisor sandbox up --g") == ["--gpus"]
     assert complete(sup, "kimi-supervisor sandbox d") == ["down"]
     zsh = (share / "zsh/site-functions/_kimi-mode").read_text()
+    assert (staged / "opt/kimi-supervisor/config/grafana/kimi-supervisor.json").is_file()
+    assert (staged / "opt/kimi-supervisor/config/prometheus/kimi-supervisor-alerts.yml").is_file()
     assert zsh.startswith("#compdef kimi-mode\n") and "bashcompinit" in zsh

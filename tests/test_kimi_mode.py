@@ -366,3 +366,25 @@ def test_kimi_mode_loads_neither_pystemd_nor_pynvml(serving: DaemonHelper) -> No
         timeout=30,
     )
     assert "HEAVY [] 0" in r.stderr, r.stderr
+
+
+def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_argv(
+    sandbox: SandboxHelper, serving: DaemonHelper
+) -> None:
+    sandbox.fake(load_s=2.0)
+    r = serving.kimi_mode("profile")  # profile's first load: nothing to predict from
+    assert r.returncode == 0 and "past loads" not in r.stdout, r.stdout
+    r = serving.kimi_mode("production")  # production loaded when the daemon started
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "past loads of this mode and argv took" in r.stdout and "(median of 1)" in r.stdout
+    loads = [t for t in serving.transitions() if t["outcome"] == "ready" and "load_s" in t]
+    assert {t["target"] for t in loads} == {"production", "profile"}
+    assert all(t["load_s"] >= 2.0 and len(t["argv_key"]) == 16 for t in loads[-2:])
+    # While profile loads again: status and its line say when it should be ready.
+    assert serving.kimi_mode("profile", "--no-wait").returncode == 0
+    s = serving.wait_status(lambda s: s.get("eta") is not None, 30, "a load with an eta")
+    assert s["eta"]["past_loads"] == 1 and s["eta"]["expected_s"] >= 2.0
+    assert "ready in about" in s["eta"]["text"] or "about due" in s["eta"]["text"]
+    assert s["eta"]["text"] in s["status_line"]
+    assert "eta:" in serving.kimi_mode("status").stdout
+    serving.wait_serving("profile")

@@ -487,3 +487,23 @@ def test_a_start_job_queued_behind_the_units_dependencies_is_waited_for_not_fail
     assert decide(P, mem, queued, 0, 60).do is Do.NOTHING
     gone = Observed("inactive", "dead", 0, None, -1, True)
     assert decide(P, mem, gone, 0, 60).do is Do.START_FAILED
+
+
+def test_the_eta_is_the_median_of_the_newest_loads_of_the_same_mode_and_argv() -> None:
+    from supervisor.eta import argv_key, estimate
+
+    key = argv_key(["vllm", "serve", "m"])
+
+    def load(target: str, s: float, k: str = key, outcome: str = "ready") -> dict[str, object]:
+        return {"kind": "transition", "target": target, "outcome": outcome, "load_s": s,
+                "argv_key": k}  # fmt: skip
+
+    records = [load("production", 100.0)] + [load("production", s) for s in (1800, 1700, 1900,
+               2000, 1750)] + [load("profile", 60.0), load("production", 9.0, k="other"),
+               load("production", 5.0, outcome="failed")]  # fmt: skip
+    e = estimate(records, "production", key)
+    assert e is not None and (e.expected_s, e.slowest_s, e.past) == (1800, 2000, 5)  # not 100
+    assert e.describe(600) == "ready in about 20 min (past loads: 30 min)"
+    assert e.describe(1900) == "about due: past loads took 30 min"
+    assert e.describe(2600).startswith("slower than the last 5 load(s): 43 min so far")
+    assert estimate(records, "profile", argv_key(["vllm", "serve", "other-model"])) is None

@@ -62,6 +62,8 @@ def format_status(data: dict[str, Any]) -> str:
         )
     if s.progress:
         lines.append(f"progress:      {s.progress.text}")
+    if s.eta:
+        lines.append(f"eta:           {s.eta['text']}")
     if s.profile_until:
         lines.append(
             f"profile ends:  {_hhmmss(s.profile_until)} "
@@ -257,13 +259,18 @@ class Follower:
             self.vllm = f"starting vLLM in {data['mode']}"
             if not self.tty:
                 self.say(f"  {self.vllm}")
+            if data.get("expected_s") is not None:
+                self.say(
+                    f"  past loads of this mode and argv took {_duration(data['expected_s'])} "
+                    f"(median of {data['past']})"
+                )
         elif name == "progress":
-            self.vllm = data["text"]
+            self.vllm = data["text"] + (f"; {data['eta']}" if data.get("eta") else "")
             pct = data.get("percent")
             bucket = None if pct is None else pct // 10
             if not self.tty and (bucket != self._last_pct or pct is None):
                 self._last_pct = bucket
-                self.say(f"  vLLM: {data['text']}")
+                self.say(f"  vLLM: {self.vllm}")
         elif name == "start_failed":
             self.say(f"  vLLM did not start: {data['reason']}")
             for line in data.get("output_tail", [])[-10:]:

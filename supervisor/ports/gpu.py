@@ -37,6 +37,7 @@ class GpuPort(Protocol):
     def device_count(self) -> int: ...
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]: ...
     def device_path(self, index: int) -> str: ...
+    def uuid(self, index: int) -> str: ...
     def driver_version(self) -> str: ...
     def close(self) -> None: ...
 
@@ -102,6 +103,11 @@ class NvmlGpu:
 
     def device_path(self, index: int) -> str:
         return f"/dev/nvidia{int(self._lib().nvmlDeviceGetMinorNumber(self._handle(index)))}"
+
+    def uuid(self, index: int) -> str:
+        """The GPU's UUID (`GPU-...`), the label dcgm-exporter's series carry too."""
+        u = self._lib().nvmlDeviceGetUUID(self._handle(index))
+        return u.decode() if isinstance(u, bytes) else str(u)
 
     def driver_version(self) -> str:
         v = self._lib().nvmlSystemGetDriverVersion()

@@ -161,6 +161,11 @@ class SimGpu:
     def device_path(self, index: int) -> str:
         return str(device_file(self.root, self._device(index).index))
 
+    def uuid(self, index: int) -> str:
+        """As NVML names one (`GPU-` and a UUID), stable per simulated device."""
+        self._device(index)
+        return f"GPU-5e1f0000-0000-4000-8000-{index:012d}"
+
     def driver_version(self) -> str:
         self._devices  # noqa: B018 - loads the host
         return self._driver

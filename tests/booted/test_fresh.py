@@ -22,8 +22,12 @@ pytestmark = pytest.mark.booted
 CHECKOUT = "/root/kimi-supervisor"
 # The whole suite already runs on this machine; inside, the test command runs its lint and
 # type checks and a sample of tests that need what the set-up installed: a systemd user manager
-# and its bus, another user reaching the checkout in the 0700 home, systemd-analyze.
-SAMPLE = "-m 'not booted' -k 'outside_the_control_group or passes_systemd_analyze_verify'"
+# and its bus, another user reaching the checkout in the 0700 home, systemd-analyze, tmux (the
+# live display at two widths) and promtool (the alert rules).
+SAMPLE = (
+    "-m 'not booted' -k 'outside_the_control_group or passes_systemd_analyze_verify or "
+    "in_a_real_terminal or promtool'"
+)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +77,9 @@ def test_a_fresh_debian_12_lacks_what_the_set_up_installs(
 ) -> None:
     h, _ = fresh
     assert h.sh("stat -c %a /root").stdout.strip() == "700"
-    missing = h.sh("command -v make; test -e /usr/lib/systemd/user/dbus.socket", check=False)
-    assert missing.returncode != 0  # no make, no dbus-user-session: the set-up must bring them
+    for tool in ("command -v make", "test -e /usr/lib/systemd/user/dbus.socket",
+                 "command -v tmux", "command -v promtool"):  # fmt: skip
+        assert h.sh(tool, check=False).returncode != 0, f"the set-up must bring it: {tool}"
 
 
 def test_the_readmes_demo_command_sets_up_the_machine_and_runs_the_demo(
@@ -92,4 +97,4 @@ def test_the_readmes_test_command_then_passes_there(
     h, env = fresh
     out = as_root(h, env, f'PYTEST_ADDOPTS="{SAMPLE}" ./dev test', 1200)
     assert "All checks passed" in out  # ruff
-    assert "2 passed" in out, out[-3000:]
+    assert "5 passed" in out, out[-3000:]

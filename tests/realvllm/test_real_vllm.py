@@ -77,7 +77,9 @@ def real() -> Iterator[DaemonHelper]:
                              "--tensor-parallel-size", "2", "--dtype", "bfloat16"]},
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
-        "daemon": {"start_timeout_s": READY_S},
+        # The tiny model's 16 shards load in well under a second: the daemon reads vLLM's output
+        # every 10 ms while it loads (0.25 s by default) to see the load's steps.
+        "daemon": {"start_timeout_s": READY_S, "start_poll_s": 0.01},
         # Real vLLM's leftovers: its ZMQ sockets in its TMPDIR, and what a SIGKILLed tree
         # leaves in the real /dev/shm (which no sandbox can redirect: shm_open names it).
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
@@ -90,6 +92,10 @@ def real() -> Iterator[DaemonHelper]:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         "VLLM_SLEEP_WHEN_IDLE": "1",  # else the idle workers spin at 100 % CPU
+        # tqdm (4.66+) takes its defaults from the environment: every shard's update is printed,
+        # as a slow load on the real host prints them, though this tiny model loads in a blink.
+        "TQDM_MININTERVAL": "0",
+        "TQDM_MINITERS": "1",
         "TMPDIR": str(root / "tmp"),
         "TORCHINDUCTOR_CACHE_DIR": str(env.CACHE / "inductor"),
     }
@@ -105,6 +111,10 @@ def real() -> Iterator[DaemonHelper]:
         yield daemon
     finally:
         sb.down()
+        # vLLM's own output, kept for a failure's post-mortem (the sandbox goes with `root`).
+        log = helper.config.vllm.log_file
+        if log is not None and log.exists():
+            shutil.copy(log, Path(tempfile.gettempdir()) / "kimi-realvllm-last-vllm.log")
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -154,7 +164,28 @@ def completions(real: DaemonHelper, n: int) -> None:
 
 def capture(real: DaemonHelper, *args: str) -> tuple[str, Path]:
     """A capture that records while 3 completions of 8 tokens run and is stopped (Enter) when
-    they have answered; kimi-mode's output and the capture's folder."""
+    they have answered; kimi-mode's output and the capture's folder.
+
+    vLLM 0.16's CPU build sometimes answers /stop_profile with 500 a few seconds into the flush
+    (2 of 5 captures here). The daemon must then say so, which is checked; the capture is taken
+    once more, and vLLM's error is kept in the results (`stop_profile_500`)."""
+    for attempt in (1, 2):
+        code, text = _capture_once(real, *args)
+        if code == 0 or attempt == 2 or "/stop_profile with HTTP 500" not in text:
+            break
+        assert "FAILED: vLLM failed /stop_profile with HTTP 500" in text, text
+        log = real.config.vllm.log_file
+        errors = [x for x in (log.read_text(errors="replace") if log else "").splitlines()
+                  if "Error" in x or "error" in x or "Traceback" in x][-20:]  # fmt: skip
+        record(stop_profile_500=[*TIMES.get("stop_profile_500", []), errors])
+        real.wait_serving("profile", 120)
+    assert code == 0, text
+    m = re.search(r"MB in (\S+) \(flush took ([\d.]+) s\)", text)
+    assert m, text
+    return text, Path(m.group(1))
+
+
+def _capture_once(real: DaemonHelper, *args: str) -> tuple[int, str]:
     proc = subprocess.Popen(
         [KIMI_MODE, "capture", "--then", "stay", *args],
         env={**os.environ, **real.sb.env}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -169,13 +200,10 @@ def capture(real: DaemonHelper, *args: str) -> tuple[str, Path]:
                 completions(real, 3)
                 proc.stdin.write("\n")
                 proc.stdin.flush()
-        assert proc.wait(READY_S) == 0, "".join(out)
+        code = proc.wait(READY_S)
     finally:
         proc.kill()
-    text = "".join(out)
-    m = re.search(r"MB in (\S+) \(flush took ([\d.]+) s\)", text)
-    assert m, text
-    return text, Path(m.group(1))
+    return code, "".join(out)
 
 
 def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_went(
@@ -234,6 +262,9 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     assert r.returncode == 0, r.stdout + r.stderr
     switch_s = time.monotonic() - t0
     assert_starts_like_vllm_0_16(watch.stop())  # the check the fake passes too (test_sandbox)
+    # The operator saw the load's progress while it loaded, in steps, from real vLLM's output.
+    seen = [int(p) for p in re.findall(r"vLLM: loading safetensors shards (\d+)%", r.stdout)]
+    assert len(seen) >= 3 and seen == sorted(seen) and seen[-1] == 100, r.stdout
     last = [e for e in real.history() if e["kind"] == "teardown"][-1]
     steps = {s["step"]: round(s["duration_s"], 2) for s in last["steps"]}
     record(profile_to_production_s=round(switch_s, 1), teardown_s=round(last["duration_s"], 2),
