@@ -204,6 +204,7 @@ class Follower:
         self._last_draw = 0.0
         self._last_gpu_line = 0.0
         self._last_pct: int | None = None
+        self._last_text = ""
 
     def say(self, text: str) -> None:
         if self.tty:
@@ -269,8 +270,9 @@ class Follower:
             pct = data.get("percent")
             bucket = None if pct is None else pct // 10
             if not self.tty and (bucket != self._last_pct or pct is None):
-                self._last_pct = bucket
-                self.say(f"  vLLM: {self.vllm}")
+                if pct is not None or data["text"] != self._last_text:
+                    self.say(f"  vLLM: {self.vllm}")
+                self._last_pct, self._last_text = bucket, data["text"]
         elif name == "start_failed":
             self.say(f"  vLLM did not start: {data['reason']}")
             for line in data.get("output_tail", [])[-10:]:

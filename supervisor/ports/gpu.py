@@ -106,7 +106,11 @@ class NvmlGpu:
 
     def uuid(self, index: int) -> str:
         """The GPU's UUID (`GPU-...`), the label dcgm-exporter's series carry too."""
-        u = self._lib().nvmlDeviceGetUUID(self._handle(index))
+        nv = self._lib()
+        try:
+            u = nv.nvmlDeviceGetUUID(self._handle(index))
+        except nv.NVMLError as e:
+            raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
         return u.decode() if isinstance(u, bytes) else str(u)
 
     def driver_version(self) -> str:

@@ -368,3 +368,14 @@ def test_floor_and_teardown_for_each_scenario_measured_in_one_run(host: Host) ->
                 indent=2,
             )
         )
+
+
+def test_the_nvml_backend_names_each_gpu_by_the_uuid_nvidia_smi_shows(host: Host) -> None:
+    # The metrics label each GPU's series with it, so that they join dcgm-exporter's.
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    expected = {int(i): u.strip() for i, u in (line.split(",") for line in smi.splitlines())}
+    assert {i: host.gpu.uuid(i) for i in host.indices} == {i: expected[i] for i in host.indices}
+    assert all(u.startswith("GPU-") for u in expected.values())

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -112,6 +114,13 @@ def test_kimi_mode_switches_real_gpus_with_a_ghost_under_a_real_systemd_manager(
     assert all(g["used_mib"] - g["baseline_mib"] >= 89_000 for g in s["gpus"])
     r = kimi_mode(sb, "production")
     assert r.returncode == 0
+    # The daemon's metrics name each real GPU by its NVML UUID, in bytes.
+    m = sb.config().metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    labels = re.findall(r'^kimi_supervisor_gpu_used_bytes\{gpu="(\d+)",uuid="(GPU-[^"]+)"\}', text,
+                        re.MULTILINE)  # fmt: skip
+    assert sorted(int(g) for g, _ in labels) == [g["index"] for g in s["gpus"]], text
     kimi_mode(sb, "history", "-n", "6")
     for line in kimi_mode(sb, "history", "--json").stdout.splitlines():
         e = json.loads(line)
