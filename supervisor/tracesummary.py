@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, cast
 
 CHUNK = 1 << 20
+MAX_VALUE = 16 << 20  # one event or top-level value; kineto's are under a few KB
 
 # The order matters: an attention kernel may carry "cutlass" in its name, and an all-reduce may
 # be fused with a GEMM's epilogue; the first class that matches wins.
@@ -131,6 +132,12 @@ def events(text: IO[str], meta: dict[str, Any] | None = None) -> Iterator[dict[s
                 v, i = dec.raw_decode(buf, i)
                 return v
             except json.JSONDecodeError as e:
+                # Incomplete (read on), or malformed: a value never grows past MAX_VALUE, so
+                # a broken or hostile file costs a bounded window, not the whole file.
+                if len(buf) - i > MAX_VALUE:
+                    raise TraceError(
+                        f"malformed JSON, or a value over {MAX_VALUE >> 20} MB ({e.msg})"
+                    ) from None
                 if not more():
                     raise TraceError(f"the trace ends inside a value ({e.msg})") from None
 

@@ -146,13 +146,18 @@ def test_broken_and_linked_traces_are_reported_by_rank_and_the_others_still_summ
     (tmp_path / "9-rank-1.1.pt.trace.json.gz").write_bytes(good[: len(good) // 2])
     (tmp_path / "9-rank-2.1.pt.trace.json.gz").write_bytes(gzip.compress(b"<html>nope</html>"))
     (tmp_path / "9-rank-3.1.pt.trace.json").write_text('{"traceEvents": [{"ph": "X"}')
+    # Malformed early in a large file: reported without reading the rest into memory.
+    (tmp_path / "9-rank-5.1.pt.trace.json").write_text(
+        '{"traceEvents": [{"ph": "X", oops}, ' + '{"ph": "X"}, ' * 3_000_000 + "]}"
+    )
     secret = tmp_path / "elsewhere.json"
     secret.write_text("{}")
     (tmp_path / "9-rank-4.1.pt.trace.json.gz").symlink_to(secret)
     summary, _ = summarize_folder(tmp_path)
     assert [r["rank"] for r in summary["ranks"]] == [0]
     errors = {e["rank"]: e["error"] for e in summary["errors"]}
-    assert set(errors) == {1, 2, 3, 4}
+    assert set(errors) == {1, 2, 3, 4, 5}
+    assert "malformed JSON, or a value over 16 MB" in errors[5]
     assert "cannot read" in errors[1] or "truncated" in errors[1] or "ends inside" in errors[1]
     assert "not a Chrome trace" in errors[2]
     assert "truncated" in errors[3] or "ends inside" in errors[3]
