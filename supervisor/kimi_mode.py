@@ -18,13 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from supervisor.capturesummary import SUMMARY, summarize_folder
-from supervisor.capturesummary import render as render_summary
 from supervisor.control.client import TimedOut, Unreachable, exchange
 from supervisor.control.protocol import MAX_PROFILE_S
 from supervisor.control.render import (
     Follower,
-    format_capture,
     format_history,
     format_status,
     redraws,
@@ -165,171 +162,6 @@ def _refusal_exit(code: str) -> int:
     return EXIT_UNREACHABLE
 
 
-def _stop_capture(sock: Path) -> None:
-    try:
-        for _raw, msg in exchange(sock, {"cmd": "capture_stop"}, timeout_s=10):
-            if not msg.get("ok"):
-                print(f"kimi-mode: {msg.get('message')}", file=sys.stderr)
-            return
-    except (Unreachable, TimedOut) as e:
-        print(f"kimi-mode: could not stop the recording: {e}", file=sys.stderr)
-
-
-def _open_out(out: str) -> int | str:
-    """--out opened here, as the asker, in the asker's view of the files (the daemon's sandbox
-    has its own /tmp): the descriptor goes to the daemon with the request. Or why not."""
-    try:
-        return os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "no such directory: create it first"
-    except NotADirectoryError:
-        return "not a directory"
-    except OSError as e:
-        return f"cannot open it: {e.strerror}"
-
-
-def cmd_summarize(args: argparse.Namespace) -> int:
-    """`capture --summarize DIR`: an existing capture's summary, made here as the caller (no
-    daemon needed), written beside the traces when the folder lets us."""
-    folder = Path(args.summarize)
-    try:
-        summary, not_written = summarize_folder(folder)
-    except OSError as e:
-        print(f"kimi-mode: --summarize {folder}: {e.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(render_summary(summary))
-        print(not_written or f"written to {folder / SUMMARY}")
-    if not summary["ranks"]:
-        return EXIT_FAILED
-    return EXIT_OK
-
-
-def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
-    if args.summarize:
-        given = [f for f, v in (("--switch", args.switch), ("--seconds", args.seconds),
-                                ("--out", args.out)) if v]  # fmt: skip
-        if given:
-            print(f"kimi-mode: --summarize takes no capture: drop {', '.join(given)}",
-                  file=sys.stderr)  # fmt: skip
-            return EXIT_USAGE
-        return cmd_summarize(args)
-    out_fd: int | None = None
-    if args.out:
-        opened = _open_out(args.out)
-        if isinstance(opened, str):
-            print(f"kimi-mode: --out {args.out}: {opened}", file=sys.stderr)
-            return EXIT_USAGE
-        out_fd = opened
-    try:
-        return _capture(args, sock, out_fd)
-    finally:
-        if out_fd is not None:
-            os.close(out_fd)
-
-
-def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
-    import threading
-
-    if args.switch:
-        sw = argparse.Namespace(
-            mode="profile", no_wait=False, timeout=None, force=False, json=args.json, for_s=None
-        )
-        rc = cmd_switch(sw, sock)
-        if rc != EXIT_OK:
-            return rc
-    out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
-    req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
-    stop_sent = threading.Event()
-
-    def stop() -> None:
-        if not stop_sent.is_set():
-            stop_sent.set()
-            _stop_capture(sock)
-
-    def enter_stops() -> None:
-        if sys.stdin.readline():  # Enter; end of input (a script's closed stdin) is not a stop
-            stop()
-
-    ended: dict[str, Any] | None = None
-    try:
-        for raw, msg in exchange(sock, req, fds=() if out_fd is None else (out_fd,)):
-            if args.json:
-                print(raw.decode(), flush=True)
-            kind = msg.get("type")
-            if kind == "reply":
-                if (refused := _refused(msg, args.json)) is not None:
-                    return refused
-                if not args.json:
-                    print(msg["message"], flush=True)
-            elif kind == "event":
-                name, data = msg["event"], msg["data"]
-                if name == "capture_recording" and not args.json:
-                    if data.get("seconds"):
-                        print(
-                            f"recording for {data['seconds']:g} s; drive your load now", flush=True
-                        )
-                    else:
-                        print("recording; drive your load now, press Enter to stop", flush=True)
-                if name == "capture_recording" and not data.get("seconds"):
-                    threading.Thread(target=enter_stops, daemon=True).start()
-                elif name == "capture_flushing" and not args.json:
-                    print(
-                        "stopping the profiler; flushing traces (this can take minutes)", flush=True
-                    )
-                elif name == "capture_summarizing" and not args.json:
-                    print(f"summarizing {data['files']} trace file(s)", flush=True)
-                elif name == "capture_progress" and not args.json:
-                    print(
-                        f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
-                        f"after {data['flushing_s']:.0f} s",
-                        flush=True,
-                    )
-            elif kind == "end":
-                ended = msg
-                break
-    except KeyboardInterrupt:
-        if not stop_sent.is_set():
-            stop()
-            print(
-                "\nkimi-mode: recording stopped; the flush goes on in the daemon "
-                "(`kimi-mode status`; `kimi-mode history` lists the files when done)",
-                file=sys.stderr,
-            )
-            return EXIT_INTERRUPTED
-        print(
-            "\nkimi-mode: stopped following; the capture goes on (`kimi-mode status`)",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
-    if ended is None:
-        print(
-            "kimi-mode: the daemon closed the connection before the capture ended", file=sys.stderr
-        )
-        return EXIT_UNREACHABLE
-    if not args.json:
-        print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
-        if ended["ok"]:
-            print(format_capture(ended["data"]))
-    if args.then == "production":
-        if not args.json:
-            print("going back to production")
-        back = argparse.Namespace(
-            mode="production",
-            no_wait=False,
-            timeout=None,
-            force=False,
-            json=args.json,
-            for_s=None,
-        )
-        rc = cmd_switch(back, sock)
-        if rc != EXIT_OK:
-            return rc
-    return EXIT_OK if ended["ok"] else EXIT_FAILED
-
-
 def _one_reply(
     sock: Path, req: dict[str, Any], timeout_s: float = 10.0
 ) -> tuple[bytes, dict[str, Any]]:
@@ -389,6 +221,8 @@ def cmd_history(args: argparse.Namespace, sock: Path) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from supervisor import capture_client  # it imports this module (exit codes, switches)
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--socket", help="the daemon's control socket (or KIMI_SUPERVISOR_SOCKET)")
     common.add_argument("--config", help="find the socket in this config file")
@@ -464,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="take no capture: summarize the one in DIR (steps, time per step, communication, "
         "GEMM and attention shares, top kernels) and write DIR/summary.json",
     )
-    c.set_defaults(fn=cmd_capture)
+    c.set_defaults(fn=capture_client.cmd_capture)
     c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
     c.set_defaults(fn=cmd_status)
     c = sub.add_parser(
