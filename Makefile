@@ -25,8 +25,8 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 	touch $@
 
 lint: setup
-	$(BIN)/ruff check supervisor tests bench
-	$(BIN)/ruff format --check supervisor tests bench
+	$(BIN)/ruff check supervisor tests bench ansible
+	$(BIN)/ruff format --check supervisor tests bench ansible
 	$(BIN)/lint-imports
 
 typecheck: setup

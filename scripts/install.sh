@@ -36,7 +36,8 @@ install -m 0644 packaging/kimi-supervisor.tmpfiles "$DESTDIR/usr/lib/tmpfiles.d/
 install -m 0644 docs/*.md README.md "$root/docs/"
 # The alert rules and the dashboard, for the operator's Prometheus and Grafana.
 install -d -m 0755 "$root/config/prometheus" "$root/config/grafana"
-install -m 0644 config/prometheus/kimi-supervisor-alerts.yml "$root/config/prometheus/"
+install -m 0644 config/prometheus/kimi-supervisor-alerts.yml config/prometheus/kimi-supervisor-fleet.yml \
+  config/prometheus/prometheus-fleet.yml config/prometheus/kimi-targets.yml "$root/config/prometheus/"
 install -m 0644 config/grafana/kimi-supervisor.json "$root/config/grafana/"
 conf="$DESTDIR$SYSCONFDIR/kimi-supervisor/kimi-supervisor.toml"
 if [ -e "$conf" ]; then

@@ -31,6 +31,8 @@ if ! $install_only; then
   # The shipped alert rules are checked and unit-tested with promtool (Debian ships it in the
   # prometheus package; its server is not started, see below).
   command -v promtool >/dev/null 2>&1 || promtool=prometheus
+  # The fleet test over SSH (two booted hosts on the loopback address): ssh and ssh-keygen.
+  command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
   # The booted-host tests: a Debian 12 root file system booted under its own systemd.
   command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
   command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"

@@ -203,22 +203,30 @@ def test_metrics_follow_prometheus_naming_and_every_shipped_query_finds_its_metr
     assert 'kimi_supervisor_build_info{python="' in text and "_mib" not in text
     # Every metric the dashboard and the alert rules query is one this daemon serves.
     served = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
-    shipped = (ROOT / "config/grafana/kimi-supervisor.json").read_text() + (
-        ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
-    ).read_text()
+    dashboard = (ROOT / "config/grafana/kimi-supervisor.json").read_text()
+    fleet = (ROOT / "config/prometheus/kimi-supervisor-fleet.yml").read_text()
+    alerts = (ROOT / "config/prometheus/kimi-supervisor-alerts.yml").read_text()
+    shipped = dashboard + fleet + alerts
     queried = {re.sub(r"_(bucket|sum|count)$", "", n)
-               for n in re.findall(r"kimi_supervisor_\w+", shipped)}  # fmt: skip
+               for n in re.findall(r"(?<![\w:])kimi_supervisor_\w+", shipped)}  # fmt: skip
     assert len(queried) >= 10 and queried <= served, queried - served
+    # The dashboard's fleet row reads recording rules: each one is recorded by the fleet rules.
+    recorded = set(re.findall(r"record: (\S+)", fleet))
+    used = set(re.findall(r"\w+:kimi_supervisor_\w+:\w+", dashboard))
+    assert len(used) >= 5 and used <= recorded, used - recorded
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (the set-up installs it)")
-def test_the_shipped_alert_rules_pass_promtool_and_their_unit_tests() -> None:
-    rules = ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
-    r = subprocess.run(["promtool", "check", "rules", str(rules)], capture_output=True, text=True)
-    assert r.returncode == 0 and "SUCCESS: 5 rules found" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run(["promtool", "test", "rules", "alerts_test.yml"], capture_output=True,
-                       text=True, cwd=ROOT / "tests/prometheus")  # fmt: skip
-    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+def test_the_shipped_alert_and_fleet_rules_pass_promtool_and_their_unit_tests() -> None:
+    prom = ROOT / "config/prometheus"
+    r = subprocess.run(["promtool", "check", "config", "prometheus-fleet.yml"], cwd=prom,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and "SUCCESS: 2 rule files found" in r.stdout, r.stdout + r.stderr
+    assert "SUCCESS: 5 rules found" in r.stdout and "SUCCESS: 10 rules found" in r.stdout
+    for test in ("alerts_test.yml", "fleet_test.yml"):
+        r = subprocess.run(["promtool", "test", "rules", test], capture_output=True, text=True,
+                           cwd=ROOT / "tests/prometheus")  # fmt: skip
+        assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
 
 
 def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_asked_again(

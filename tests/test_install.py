@@ -142,4 +142,5 @@ def test_bash_completes_the_commands_options_and_choices_both_programs_take(
     zsh = (share / "zsh/site-functions/_kimi-mode").read_text()
     assert (staged / "opt/kimi-supervisor/config/grafana/kimi-supervisor.json").is_file()
     assert (staged / "opt/kimi-supervisor/config/prometheus/kimi-supervisor-alerts.yml").is_file()
+    assert (staged / "opt/kimi-supervisor/config/prometheus/kimi-supervisor-fleet.yml").is_file()
     assert zsh.startswith("#compdef kimi-mode\n") and "bashcompinit" in zsh
