@@ -38,13 +38,15 @@ pytest: setup
 # The whole suite: lint (with the import layers), types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest
 
-# Every benchmark, each writing its section of docs/performance.md (about 10 minutes).
+# Every benchmark, each writing its section of docs/performance.md (about 12 minutes).
 bench: setup
 	$(BIN)/python -m bench.teardown_bench --runs 5 --gpus 8 --write docs/performance.md
 	$(BIN)/python -m bench.practice_bench --runs 3 --write docs/performance.md
 	$(BIN)/python -m bench.scale_bench --runs 5 --write docs/performance.md
 	$(BIN)/python -m bench.daemon_bench --idle-s 60 --runs 5 --write docs/performance.md
 	$(BIN)/python -m bench.faults_bench --runs 200 --write docs/performance.md
+	$(BIN)/python -m bench.fleet_bench --hosts 3 --runs 3 --write docs/performance.md
+	$(BIN)/python -m bench.fleet_bench --hosts 3 --runs 3 --write docs/performance.md
 
 # The main job: the sandbox demo (a real systemd user manager, 8 simulated GPUs, the daemon).
 demo: setup

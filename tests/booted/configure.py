@@ -2,7 +2,7 @@
 kimi-supervisor serve the simulated GPU host and the fake vLLM, through /etc only (the config,
 and drop-ins for both units), as an operator's test host would be set up.
 
-    /opt/kimi-supervisor/bin/python /src/tests/booted/configure.py /src
+    /opt/kimi-supervisor/bin/python /src/tests/booted/configure.py /src [--ports VLLM METRICS]
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ def _fill(v: object) -> object:
     return v
 
 
-def main(src: Path) -> None:
+def main(src: Path, ports: tuple[int, int] | None = None) -> None:
     raw = _fill(tomllib.loads((src / "config" / "sandbox.toml").read_text()))
     assert isinstance(raw, dict)
+    if ports is not None:
+        raw["vllm"]["port"], raw["metrics"]["port"] = ports
     raw["systemd"] = {"scope": "system"}
     raw["state"] = {"dir": "/var/lib/kimi-supervisor"}
     raw["control"] = {**raw["control"], "socket": "/run/kimi-supervisor/control.sock",
@@ -70,4 +72,5 @@ def main(src: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    args = sys.argv[1:]
+    main(Path(args[0]), (int(args[2]), int(args[3])) if args[1:2] == ["--ports"] else None)

@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path("/var/cache/kimi-supervisor-tests")
 PACKAGES = (
     "systemd,systemd-sysv,dbus,python3,python3-venv,python3-dev,gcc,libc6-dev,pkg-config,"
-    "libsystemd-dev,make,procps,util-linux,psmisc,ca-certificates"
+    "libsystemd-dev,make,procps,util-linux,psmisc,ca-certificates,openssh-server"
 )
+
+
+CONFIGURE = ["/opt/kimi-supervisor/bin/python", "/src/tests/booted/configure.py", "/src"]
 
 
 class Unavailable(Exception):
@@ -128,19 +131,42 @@ class BootedHost:
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, src / rel)
 
-    def prepare(self) -> None:
+    def prepare(self, install: bool = True, ssh: tuple[int, str] | None = None) -> None:
+        """The root file system with this checkout in /src; with `install`, installed by
+        `make install` and configured (configure.py). sshd runs only with `ssh` (a port on
+        127.0.0.1 and a public key for root): the host shares this machine's network."""
         base = self.base or rootfs()
         subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(self.root)], check=True)
         self.copy_checkout("/src")
+        if ssh is None:
+            for unit in ("ssh.service", "ssh.socket"):
+                mask = self.root / "etc/systemd/system" / unit
+                mask.unlink(missing_ok=True)
+                mask.symlink_to("/dev/null")
+        else:
+            port, key = ssh
+            conf = self.root / "etc/ssh/sshd_config.d/kimi-test.conf"
+            conf.write_text(
+                f"Port {port}\nListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\n"
+            )
+            dot = self.root / "root/.ssh"
+            dot.mkdir(mode=0o700, exist_ok=True)
+            (dot / "authorized_keys").write_text(key)
+            (dot / "authorized_keys").chmod(0o600)
+        if not install:
+            return
         binds, env = network()
         self._run_once(
             ["sh", "-c", "cd /src && make install PYTHON=/usr/bin/python3 >/install.log 2>&1 "
              "|| { tail -40 /install.log; exit 1; }"],
             binds=binds, env=env,
         )  # fmt: skip
-        self._run_once(
-            ["/opt/kimi-supervisor/bin/python", "/src/tests/booted/configure.py", "/src"]
-        )
+        self._run_once(CONFIGURE)
+
+    def configure(self, vllm_port: int, metrics_port: int) -> None:
+        """configure.py in the booted host, with ports of its own (hosts booted side by side
+        share this machine's network)."""
+        self.sh(" ".join([*CONFIGURE, "--ports", str(vllm_port), str(metrics_port)]))
 
     def _run_once(
         self,
