@@ -40,6 +40,10 @@ def by_hand(sb: Sandbox, seconds: float) -> float:
     return time.monotonic() - t0
 
 
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}–{max(xs):.1f})"
+
+
 def run(runs: int, hosts: int, seconds: float) -> str:
     work = Path(tempfile.mkdtemp(prefix="kimi-fleet-bench-"))
     sandboxes: list[Sandbox] = []
@@ -69,25 +73,21 @@ def run(runs: int, hosts: int, seconds: float) -> str:
     host = statistics.median(one)
     roll = statistics.median(rolls)
     overhead = roll - hosts * host
-    return (
-        "\n".join(
-            [
-                f"Measured {machine()}, {runs} runs each (median, min–max), a capture of "
-                f"{seconds:g} s, the sandbox's fake vLLM loading in about 2 s:",
-                "",
-                "| | seconds |",
-                "|---|---|",
-                f"| one host's cycle by hand (`kimi-mode profile`, `capture`, `production`) | "
-                f"{host:.1f} ({min(one):.1f}–{max(one):.1f}) |",
-                f"| rolling capture over N = {hosts} hosts (`ansible-playbook "
-                f"kimi.supervisor.rolling_capture`) | {roll:.1f} ({min(rolls):.1f}–{max(rolls):.1f}) |",
-                f"| N × one host | {hosts * host:.1f} |",
-                f"| Ansible's overhead: the roll − N × one host | {overhead:.1f} "
-                f"({overhead / hosts:.1f} per host) |",
-            ]
-        )
-        + "\n"
-    )
+    rows = [
+        f"Measured {machine()}, {runs} runs each (median, min–max), a capture of "
+        f"{seconds:g} s, the sandbox's fake vLLM loading in about 2 s:",
+        "",
+        "| | seconds |",
+        "|---|---|",
+        f"| one host's cycle by hand (`kimi-mode profile`, `capture`, `production`) | "
+        f"{spread(one)} |",
+        f"| rolling capture over N = {hosts} hosts (`ansible-playbook "
+        f"kimi.supervisor.rolling_capture`) | {spread(rolls)} |",
+        f"| N × one host | {hosts * host:.1f} |",
+        f"| Ansible's overhead: the roll − N × one host | {overhead:.1f} "
+        f"({overhead / hosts:.1f} per host) |",
+    ]
+    return "\n".join(rows) + "\n"
 
 
 if __name__ == "__main__":

@@ -81,10 +81,26 @@ def report(f: Fleet, h: str) -> dict[str, Any]:
 def test_a_rolling_capture_visits_the_hosts_one_at_a_time_and_brings_every_trace_home(
     fleet: Fleet,
 ) -> None:
+    # The load balancer's hooks: task files of the operator's, here noting each call.
+    lb = fleet.work / "lb.log"
+    for hook in ("drain", "undrain"):
+        (fleet.work / f"{hook}.yml").write_text(
+            f"- name: {hook.capitalize()}\n  ansible.builtin.shell: echo {hook} "
+            f"{{{{ inventory_hostname }}}} >> {lb}\n  delegate_to: localhost\n"
+            "  changed_when: true\n"
+        )
     start = datetime.now().astimezone()
-    run = fleet.ansible.play("rolling_capture", kimi_capture_seconds="1")
+    run = fleet.ansible.play(
+        "rolling_capture", kimi_capture_seconds="1",
+        kimi_drain_tasks=str(fleet.work / "drain.yml"),
+        kimi_undrain_tasks=str(fleet.work / "undrain.yml"),
+    )  # fmt: skip
     assert run.rc == 0, run.output[-4000:]
     assert run.failed() == set() and set(run.recap) == set(HOSTS)
+    # Each host is drained before its switch and put back after its gate, one after another.
+    assert lb.read_text().split("\n")[:-1] == [
+        f"{x} {h}" for h in HOSTS for x in ("drain", "undrain")
+    ]
     windows = []
     for h in HOSTS:
         rep = report(fleet, h)
@@ -208,6 +224,20 @@ def test_the_collection_passes_ansible_lint_and_its_module_documents_itself(tmp_
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "Profile 'production' was required, and it passed" in r.stdout + r.stderr
+    # Installed the way docs/fleet.md says, the module documents itself from there.
+    cols = tmp_path / "collections"
+    galaxy = [
+        str(BIN / "ansible-galaxy"),
+        "collection",
+        "install",
+        str(COLLECTION),
+        "-p",
+        str(cols),
+    ]
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(cols)  # this checkout's ansible/ no longer
+    r = subprocess.run(galaxy, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "kimi.supervisor:0.1.0 was installed" in r.stdout, r.stderr
     r = subprocess.run([str(BIN / "ansible-doc"), "kimi.supervisor.kimi_mode"], env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and "fetch_to" in r.stdout and "state" in r.stdout, r.stderr
+    assert str(cols) in r.stdout  # the installed copy, not this checkout's

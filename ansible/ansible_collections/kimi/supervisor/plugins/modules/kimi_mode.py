@@ -43,7 +43,8 @@ options:
     default: false
   timeout:
     description:
-      - Stop following after this many seconds. The task fails; the switch goes on on the host.
+      - Stop following a switch after this many seconds. The task fails; the switch goes on on
+        the host. A capture ends by itself after O(seconds) and the flush.
     type: int
   seconds:
     description:
