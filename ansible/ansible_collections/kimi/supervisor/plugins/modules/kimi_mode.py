@@ -83,6 +83,9 @@ notes:
   - Check mode reports what would change and does nothing. Diff mode shows the desired and actual
     mode.
   - Needs the caller to be root or in the daemon's control group, as C(kimi-mode) does.
+  - O(fetch_to) copies the files as the connection's user. A capture belongs to whoever asked for
+    it (root under become), so connect as root, or as a member of the control group without
+    become.
 author:
   - kimi-supervisor authors
 """
@@ -270,7 +273,9 @@ def switch(module: AnsibleModule, kimi: KimiMode, before: dict) -> None:
         result["message"] = f"{mode} is already serving"
         module.exit_json(changed=False, ansible_facts=facts(result, before), **result)
     if module.check_mode:
-        result["message"] = f"would switch to {mode}"
+        result["message"] = (
+            f"would set profile mode to end in {p['for']}" if there else f"would switch to {mode}"
+        )
         module.exit_json(
             changed=True, diff=diff(before, mode), ansible_facts=facts(result, before), **result
         )
