@@ -53,6 +53,7 @@ class SshFleet:
         self.ansible = Ansible(work, inventory)
         # One connection per task, none left behind when a playbook ends (no ControlPersist).
         self.ansible.env |= {"ANSIBLE_SSH_ARGS": "", "ANSIBLE_PIPELINING": "1"}
+        self.ansible.env["TMPDIR"] = str(work / "tmp")  # where the install playbook packs
 
     def tree(self, name: str, note: str = "") -> Path:
         """A release tree as an operator has it: the checkout's files, without .git."""
@@ -111,6 +112,7 @@ def test_the_install_playbook_installs_the_package_on_bare_hosts_over_ssh(fleet:
     run = fleet.install(src, enable=False)
     assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
     assert set(run.recap) == set(NAMES)
+    assert not (fleet.work / "tmp" / "kimi-supervisor-src.tar").exists()  # removed at the end
     for h, host in fleet.hosts.items():
         assert "kimi-mode" in host.sh("kimi-mode --version").stdout
         assert host.sh("systemctl is-enabled kimi-supervisor", check=False).stdout.strip() == (
