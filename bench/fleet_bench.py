@@ -13,16 +13,13 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from bench.common import machine
 from supervisor.sandbox.sandbox import Sandbox
-from tests.fleet import Ansible
-
-KIMI_MODE = str(Path(sys.executable).with_name("kimi-mode"))
+from tests.fleet import KIMI_MODE, Ansible, local_inventory
 
 
 def by_hand(sb: Sandbox, seconds: float) -> float:
@@ -34,7 +31,7 @@ def by_hand(sb: Sandbox, seconds: float) -> float:
         ["capture", "--seconds", f"{seconds:g}", "--then", "stay"],
         ["production"],
     ):
-        r = subprocess.run([KIMI_MODE, *args], env=env, capture_output=True, text=True)
+        r = subprocess.run([str(KIMI_MODE), *args], env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"kimi-mode {' '.join(args)} failed: {r.stdout}{r.stderr}")
     return time.monotonic() - t0
@@ -50,14 +47,8 @@ def run(runs: int, hosts: int, seconds: float) -> str:
     try:
         for i in range(hosts):
             sandboxes.append(Sandbox.up(work / f"h{i + 1}", gpus=2))
-        inventory = work / "hosts.ini"
-        inventory.write_text(
-            "[kimi]\n"
-            + "".join(f"h{i + 1} kimi_socket={sb.socket_path}\n" for i, sb in enumerate(sandboxes))
-            + f"\n[kimi:vars]\nansible_connection=local\nansible_python_interpreter="
-            f"{sys.executable}\nkimi_mode_executable={KIMI_MODE}\n"
-        )
-        ansible = Ansible(work, inventory)
+        sockets = {f"h{i + 1}": sb.socket_path for i, sb in enumerate(sandboxes)}
+        ansible = Ansible(work, local_inventory(work / "hosts.ini", sockets))
         one: list[float] = []
         rolls: list[float] = []
         for _ in range(runs):

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COLLECTIONS = ROOT / "ansible"
 COLLECTION = COLLECTIONS / "ansible_collections" / "kimi" / "supervisor"
 BIN = Path(sys.executable).parent
+KIMI_MODE = BIN / "kimi-mode"
 RECAP = re.compile(r"^(\S+)\s+:\s+((?:\w+=\d+\s*)+)$", re.MULTILINE)
 
 
@@ -31,6 +32,18 @@ class Played:
 
     def failed(self) -> set[str]:
         return {h for h, c in self.recap.items() if c["failed"] or c["unreachable"]}
+
+
+def local_inventory(path: Path, sockets: dict[str, Path]) -> Path:
+    """An inventory of sandboxed hosts on this machine: group `kimi`, the local connection,
+    this interpreter and kimi-mode, and each host's control socket."""
+    path.write_text(
+        "[kimi]\n"
+        + "".join(f"{host} kimi_socket={sock}\n" for host, sock in sockets.items())
+        + "\n[kimi:vars]\nansible_connection=local\n"
+        f"ansible_python_interpreter={sys.executable}\nkimi_mode_executable={KIMI_MODE}\n"
+    )
+    return path
 
 
 class Ansible:

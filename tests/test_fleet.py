@@ -9,7 +9,6 @@ import itertools
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from datetime import datetime
@@ -21,8 +20,8 @@ import pytest
 from supervisor.sandbox.sandbox import Sandbox
 from supervisor.sandbox.usermanager import unavailable_reason
 
-from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper
-from .fleet import BIN, COLLECTION, Ansible
+from .conftest import DaemonHelper, SandboxHelper
+from .fleet import BIN, COLLECTION, Ansible, local_inventory
 
 HOSTS = ("h1", "h2", "h3")
 
@@ -31,13 +30,7 @@ class Fleet:
     def __init__(self, work: Path, hosts: dict[str, DaemonHelper]) -> None:
         self.work = work
         self.hosts = hosts
-        inventory = work / "hosts.ini"
-        inventory.write_text(
-            "[kimi]\n"
-            + "".join(f"{h} kimi_socket={d.socket}\n" for h, d in hosts.items())
-            + "\n[kimi:vars]\nansible_connection=local\n"
-            f"ansible_python_interpreter={sys.executable}\nkimi_mode_executable={KIMI_MODE}\n"
-        )
+        inventory = local_inventory(work / "hosts.ini", {h: d.socket for h, d in hosts.items()})
         self.ansible = Ansible(work, inventory)
 
     def pids(self) -> dict[str, int]:

@@ -106,6 +106,21 @@ def network() -> tuple[list[str], dict[str, str]]:
     return binds, env
 
 
+def copy_checkout(dest: Path) -> None:
+    """This checkout's files (tracked and not ignored) to `dest`, as a clone or a release tree
+    has them (no .git, no virtualenv, no build outputs)."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    for name in filter(None, files):
+        rel = name.decode()
+        if not (ROOT / rel).is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+
+
 class BootedHost:
     def __init__(self, work: Path, base: Path | None = None) -> None:
         self.work = work
@@ -119,17 +134,7 @@ class BootedHost:
     # -- set-up --
     def copy_checkout(self, dest: str) -> None:
         """This checkout's files (tracked and not ignored) to `dest` inside, as a clone has them."""
-        src = self.root / dest.lstrip("/")
-        files = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout.split(b"\0")  # fmt: skip
-        for name in filter(None, files):
-            rel = name.decode()
-            if not (ROOT / rel).is_file():
-                continue
-            (src / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / rel, src / rel)
+        copy_checkout(self.root / dest.lstrip("/"))
 
     def prepare(self, install: bool = True, ssh: tuple[int, str] | None = None) -> None:
         """The root file system with this checkout in /src; with `install`, installed by

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ..fleet import Ansible, Played
-from .host import ROOT, BootedHost, Unavailable, network, unavailable
+from .host import BootedHost, Unavailable, copy_checkout, network, unavailable
 from .test_booted import vllm_pid, wait_serving
 
 pytestmark = pytest.mark.booted
@@ -58,14 +58,7 @@ class SshFleet:
     def tree(self, name: str, note: str = "") -> Path:
         """A release tree as an operator has it: the checkout's files, without .git."""
         dest = self.work / name
-        files = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout.split(b"\0")  # fmt: skip
-        for rel in filter(None, (f.decode() for f in files)):
-            if (ROOT / rel).is_file():
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ROOT / rel, dest / rel)
+        copy_checkout(dest)
         if note:
             with open(dest / "README.md", "a") as f:
                 f.write(note)
