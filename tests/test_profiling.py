@@ -36,11 +36,13 @@ def test_timed_profile_mode_goes_back_to_production_by_itself(
 ) -> None:
     daemon.start()
     daemon.wait_serving("production")
-    r = daemon.kimi_mode("profile", "--for", "4s")
+    # The time counts from the request, and the switch's load takes part of it: 4 s left 0 s
+    # by the time a loaded CI machine read the status.
+    r = daemon.kimi_mode("profile", "--for", "12s")
     assert r.returncode == 0, r.stderr
     assert "back to production at" in r.stdout
     status = daemon.status()
-    assert status["mode"] == "profile" and 0 < status["profile_left_s"] <= 4
+    assert status["mode"] == "profile" and 0 < status["profile_left_s"] <= 12
     assert "profile ends:" in daemon.kimi_mode("status").stdout
     daemon.wait_serving("production", 30)
     assert any("profile mode expired" in e.get("what", "") for e in daemon.history())
