@@ -25,12 +25,12 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 	touch $@
 
 lint: setup
-	$(BIN)/ruff check supervisor tests bench ansible
-	$(BIN)/ruff format --check supervisor tests bench ansible
+	$(BIN)/ruff check kimi_supervisor tests bench ansible
+	$(BIN)/ruff format --check kimi_supervisor tests bench ansible
 	$(BIN)/lint-imports
 
 typecheck: setup
-	$(BIN)/mypy supervisor
+	$(BIN)/mypy kimi_supervisor
 
 pytest: setup
 	$(BIN)/pytest -q

@@ -22,7 +22,7 @@ def poll(cond: Callable[[], object], timeout_s: float = 30.0, every_s: float = 0
 
 def health(url: str) -> int:
     """GET /health through the product's own HTTP port: the status code, 0 for no answer."""
-    from supervisor.ports.http import request
+    from kimi_supervisor.ports.http import request
 
     return request(url, timeout_s=1).status
 

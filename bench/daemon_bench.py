@@ -28,12 +28,12 @@ from typing import Any
 
 from bench.common import fmt_ms, health, machine, poll
 from bench.common import main as bench_main
-from supervisor.config import DaemonConfig
-from supervisor.control.client import exchange
-from supervisor.ports import processes
-from supervisor.ports.systemd import PystemdSystemd
-from supervisor.sandbox.fake_vllm import FakeOptions
-from supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
+from kimi_supervisor.config import DaemonConfig
+from kimi_supervisor.control.client import exchange
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.systemd import PystemdSystemd
+from kimi_supervisor.sandbox.fake_vllm import FakeOptions
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 
 
 def cpu_s(pid: int) -> float:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench.common import write_section
-from supervisor.sandbox.sandbox import MOUNT_SETTINGS
-from supervisor.sandbox.usermanager import UserManager
+from kimi_supervisor.sandbox.sandbox import MOUNT_SETTINGS
+from kimi_supervisor.sandbox.usermanager import UserManager
 
 ROOT = Path(__file__).resolve().parents[1]
 NVML = (

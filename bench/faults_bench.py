@@ -22,8 +22,8 @@ from pathlib import Path
 
 from bench.common import machine, poll
 from bench.common import main as bench_main
-from supervisor.control.client import exchange
-from supervisor.sandbox.sandbox import Sandbox
+from kimi_supervisor.control.client import exchange
+from kimi_supervisor.sandbox.sandbox import Sandbox
 
 FLOOD = """
 import socket, sys, time
@@ -51,7 +51,7 @@ while time.monotonic() < end:
 READ = """
 import resource, sys, time
 from pathlib import Path
-from supervisor import history
+from kimi_supervisor.store import history
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t0 = time.perf_counter()
 n = len(history.read(Path(sys.argv[1]), 20))

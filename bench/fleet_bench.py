@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from bench.common import machine
-from supervisor.sandbox.sandbox import Sandbox
+from kimi_supervisor.sandbox.sandbox import Sandbox
 from tests.fleet import KIMI_MODE, Ansible, local_inventory
 
 

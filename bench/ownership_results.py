@@ -82,7 +82,7 @@ def probe_table(source: Path, p: dict[str, Any]) -> str:
     return (
         f"What the driver does, measured by `bench/cuda_probe.py` (`{source}`; driver "
         f"{p['driver']}, {p['gpus']} GPUs, baseline {p['baseline_mib']} MiB). The simulated GPU "
-        "host copies each row (`supervisor/sandbox/simgpu.py`), and the teardown's "
+        "host copies each row (`kimi_supervisor/sandbox/simgpu.py`), and the teardown's "
         "`respawn_watch_s` (6 s) and `DRIVER_RELEASE_GRACE_S` (1 s) come from the last two.\n\n"
         "| what | measured |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows) + "\n"
     )

@@ -35,16 +35,16 @@ from typing import Any
 
 from bench.common import health, machine, poll
 from bench.common import main as bench_main
-from supervisor import baseline
-from supervisor.launcher import write_argv_file
-from supervisor.model import Mode
-from supervisor.ports import processes
-from supervisor.ports.clock import SystemClock
-from supervisor.ports.systemd import PystemdSystemd
-from supervisor.sandbox import simgpu
-from supervisor.sandbox.fake_vllm import FakeOptions
-from supervisor.sandbox.sandbox import UNIT, Sandbox
-from supervisor.teardown import Teardown
+from kimi_supervisor.model import Mode
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import SystemClock
+from kimi_supervisor.ports.launcher import write_argv_file
+from kimi_supervisor.ports.systemd import PystemdSystemd
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.fake_vllm import FakeOptions
+from kimi_supervisor.sandbox.sandbox import UNIT, Sandbox
+from kimi_supervisor.store import baseline
+from kimi_supervisor.teardown.escalation import Teardown
 
 GHOST_MIB = 30_720
 SUPERVISOR_TITLE = "/usr/bin/python3 /usr/local/bin/kimi-supervisor run --config /etc/kimi-supervisor/kimi-supervisor.toml"
@@ -59,11 +59,11 @@ kill $(pgrep -f "vllm.entrypoints") 2>/dev/null; sleep 3; ps aux | grep -E "pyth
 DRIVER = r"""
 set -u
 cd "$SANDBOX"
-"$PY" -m supervisor.sandbox.ghost --gpu all --mib 0 --title nvidia-persistenced > protected.out &
+"$PY" -m kimi_supervisor.sandbox.ghost --gpu all --mib 0 --title nvidia-persistenced > protected.out &
 echo "protected $!" > pids
-"$PY" -m supervisor.sandbox.ghost --gpu all --mib 0 --title "$SUPERVISOR_TITLE" > supervisor.out &
+"$PY" -m kimi_supervisor.sandbox.ghost --gpu all --mib 0 --title "$SUPERVISOR_TITLE" > supervisor.out &
 echo "supervisor $!" >> pids
-"$PY" -m supervisor.sandbox.ghost --gpu 0,1,2,3 --mib $GHOST_MIB --title jupyter-kernel > ghost.out &
+"$PY" -m kimi_supervisor.sandbox.ghost --gpu 0,1,2,3 --mib $GHOST_MIB --title jupyter-kernel > ghost.out &
 echo "ghost $!" >> pids
 "$SANDBOX/bin/vllm" serve moonshotai/Kimi-K2.5 --tensor-parallel-size 8 --port $PORT > hand-vllm.log 2>&1 &
 echo "vllm $!" >> pids
@@ -77,7 +77,7 @@ end=$(date +%s.%N)
 # The sequence's own check (nvidia-smi there): is every GPU back at baseline?
 "$PY" -c "
 import json, sys
-from supervisor.sandbox.simgpu import SimGpu
+from kimi_supervisor.sandbox.simgpu import SimGpu
 g = SimGpu(sys.argv[1]); n = g.device_count()
 print(json.dumps({'at_baseline': all(d.used_mib == g.baseline_of(d.index) for d in g.sample(range(n))),
                   'used': [d.used_mib for d in g.sample(range(n))]}))

@@ -19,10 +19,10 @@ from pathlib import Path
 from bench.common import fmt_ms, machine
 from bench.common import main as bench_main
 from bench.teardown_bench import Bench
-from supervisor.ports import processes
-from supervisor.sandbox import simgpu
-from supervisor.sandbox.sandbox import UNIT, Sandbox
-from supervisor.scan import device_users, has_vllm_signature, listeners
+from kimi_supervisor.ports import processes
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.sandbox import UNIT, Sandbox
+from kimi_supervisor.teardown.scan import device_users, has_vllm_signature, listeners
 
 
 def teardown_by_gpus(runs: int) -> list[str]:

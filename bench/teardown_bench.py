@@ -19,16 +19,16 @@ from pathlib import Path
 
 from bench.common import fmt_ms, health, machine, poll
 from bench.common import main as bench_main
-from supervisor import baseline
-from supervisor.launcher import write_argv_file
-from supervisor.model import Mode, Outcome
-from supervisor.ports import processes
-from supervisor.ports.clock import SystemClock
-from supervisor.ports.systemd import PystemdSystemd
-from supervisor.sandbox import simgpu
-from supervisor.sandbox.fake_vllm import FakeOptions
-from supervisor.sandbox.sandbox import UNIT, Sandbox
-from supervisor.teardown import Teardown
+from kimi_supervisor.model import Mode, Outcome
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import SystemClock
+from kimi_supervisor.ports.launcher import write_argv_file
+from kimi_supervisor.ports.systemd import PystemdSystemd
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.fake_vllm import FakeOptions
+from kimi_supervisor.sandbox.sandbox import UNIT, Sandbox
+from kimi_supervisor.store import baseline
+from kimi_supervisor.teardown.escalation import Teardown
 
 
 class Bench:

@@ -25,9 +25,9 @@ fi
 install -d -m 0755 "$DESTDIR$BINDIR" "$DESTDIR$UNITDIR" "$DESTDIR$SYSCONFDIR/kimi-supervisor" \
   "$root/docs" "$DESTDIR/usr/lib/sysusers.d" "$DESTDIR/usr/lib/tmpfiles.d"
 # kimi-mode(1) and kimi-supervisor(8), rendered from the installed commands' own options.
-"$root/bin/python" -m supervisor.manpage "$DESTDIR$MANDIR" >/dev/null
+"$root/bin/python" -m kimi_supervisor.cli.manpage "$DESTDIR$MANDIR" >/dev/null
 # bash and zsh completion for both, generated from the same parsers, beside the man pages.
-"$root/bin/python" -m supervisor.completion install "$DESTDIR$(dirname "$MANDIR")" >/dev/null
+"$root/bin/python" -m kimi_supervisor.cli.completion install "$DESTDIR$(dirname "$MANDIR")" >/dev/null
 ln -sf "$PREFIX/bin/kimi-supervisor" "$DESTDIR$BINDIR/kimi-supervisor"
 ln -sf "$PREFIX/bin/kimi-mode" "$DESTDIR$BINDIR/kimi-mode"
 install -m 0644 units/kimi-supervisor.service units/vllm-kimi-k25.service "$DESTDIR$UNITDIR/"

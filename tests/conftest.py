@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from supervisor.ports import processes
-from supervisor.ports.http import request
-from supervisor.ports.processes import ProcessRef
-from supervisor.ports.systemd import PystemdSystemd
-from supervisor.sandbox import simgpu
-from supervisor.sandbox.fake_vllm import FakeOptions
-from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT, Sandbox
-from supervisor.sandbox.usermanager import unavailable_reason
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.http import request
+from kimi_supervisor.ports.processes import ProcessRef
+from kimi_supervisor.ports.systemd import PystemdSystemd
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.fake_vllm import FakeOptions
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT, Sandbox
+from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
 SANDBOX_GPUS = 4
 
@@ -95,8 +95,8 @@ class SandboxHelper:
         self.sb.set_fake_options(FakeOptions(**options))  # type: ignore[arg-type]
 
     def start_vllm(self, mode: str = "production", wait_ready: bool = True) -> int:
-        from supervisor.launcher import write_argv_file
-        from supervisor.model import Mode
+        from kimi_supervisor.model import Mode
+        from kimi_supervisor.ports.launcher import write_argv_file
 
         write_argv_file(self.config, Mode(mode))
         self.systemd.start(UNIT)
@@ -279,7 +279,7 @@ def like_a_terminal() -> None:
 def as_user(*setpriv: str) -> list[str]:
     """The argv prefix that runs this checkout's Python as another user (`setpriv` options,
     for example "--reuid=65534"), wherever the checkout is. Follow it with Python's
-    arguments: `[*as_user(...), "-m", "supervisor.kimi_mode", "status"]`."""
+    arguments: `[*as_user(...), "-m", "kimi_supervisor.cli.kimi_mode", "status"]`."""
     view = _view_dir()
     exe = Path(sys.executable)  # the venv's own path: its pyvenv.cfg is found from it
     python = Path(view, exe.relative_to(CHECKOUT)) if exe.is_relative_to(CHECKOUT) else exe
@@ -301,8 +301,8 @@ class DaemonHelper:
 
     # -- the service --
     def reset_state(self, desired: str = "production") -> None:
-        from supervisor.model import Mode
-        from supervisor.state import StateStore, with_desired, with_transition
+        from kimi_supervisor.model import Mode
+        from kimi_supervisor.store.state import StateStore, with_desired, with_transition
 
         store = StateStore(self.config.state.dir)
         store.update(lambda st: with_transition(with_desired(st, Mode(desired), "test"), None))
@@ -335,7 +335,7 @@ class DaemonHelper:
 
     # -- talking to it --
     def request(self, req: dict[str, object], timeout_s: float = 30) -> list[dict[str, object]]:
-        from supervisor.control.client import exchange
+        from kimi_supervisor.control.client import exchange
 
         return [msg for _raw, msg in exchange(self.socket, req, timeout_s=timeout_s)]
 
@@ -358,7 +358,11 @@ class DaemonHelper:
         self, *args: str, user: list[str] | None = None, timeout: float = 90
     ) -> subprocess.CompletedProcess[str]:
         """kimi-mode with `args`; as another user with `user` (setpriv's options)."""
-        cmd = [KIMI_MODE] if user is None else [*as_user(*user), "-m", "supervisor.kimi_mode"]
+        cmd = (
+            [KIMI_MODE]
+            if user is None
+            else [*as_user(*user), "-m", "kimi_supervisor.cli.kimi_mode"]
+        )
         return subprocess.run(
             [*cmd, *args],
             env={**os.environ, **self.sb.env},
@@ -407,7 +411,7 @@ def daemon(sandbox: SandboxHelper) -> Iterator[DaemonHelper]:
     try:
         yield helper
         # Whatever the test planted and the daemon's teardowns did not kill still lives.
-        from supervisor import history as audit
+        from kimi_supervisor.store import history as audit
 
         history = audit.read(helper.config.state.dir)
         killed = {

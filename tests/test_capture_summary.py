@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import tracesummary
-from supervisor.capturesummary import rank_of, render, summarize_folder
+from kimi_supervisor.capture import trace as tracesummary
+from kimi_supervisor.capture.ranks import rank_of, render, summarize_folder
 
 from .conftest import as_user
 
@@ -176,7 +176,7 @@ def test_vllm_0_16_and_0_32_trace_names_give_their_rank_and_the_api_servers_none
 def kimi_mode(*args: str, user: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     cmd = [*as_user(*user), "-m"] if user else [sys.executable, "-m"]
     return subprocess.run(
-        [*cmd, "supervisor.kimi_mode", "capture", *args],
+        [*cmd, "kimi_supervisor.cli.kimi_mode", "capture", *args],
         capture_output=True,
         text=True,
         timeout=120,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import baseline
+from kimi_supervisor.store import baseline
 
 from .conftest import SandboxHelper
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.systemd
 
 def cli(sandbox: SandboxHelper, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "kimi_supervisor.cli.admin", *args],
         env={**os.environ, **sandbox.sb.env},
         capture_output=True,
         text=True,
@@ -69,7 +69,7 @@ def test_teardown_command_exits_1_with_a_diagnosis_when_stuck(sandbox: SandboxHe
 def test_the_incidents_ghost_planted_from_the_cli_is_cleared_and_the_monitor_left_running(
     sandbox: SandboxHelper,
 ) -> None:
-    from supervisor.ports import processes
+    from kimi_supervisor.ports import processes
 
     r = cli(
         sandbox, "sandbox", "ghost", "--dir", str(sandbox.sb.root), "--gpu", "1", "--mib",
@@ -95,8 +95,8 @@ def test_both_commands_say_their_version() -> None:
     from importlib.metadata import version
 
     for module, prog in (
-        ("supervisor.cli", "kimi-supervisor"),
-        ("supervisor.kimi_mode", "kimi-mode"),
+        ("kimi_supervisor.cli.admin", "kimi-supervisor"),
+        ("kimi_supervisor.cli.kimi_mode", "kimi-mode"),
     ):
         r = subprocess.run(
             [sys.executable, "-m", module, "--version"], capture_output=True, text=True
@@ -109,9 +109,9 @@ def test_a_one_shot_teardown_run_from_a_service_kills_a_ghost_that_shares_that_s
 ) -> None:
     # cron's service, or a CI job run as a unit: only the daemon's own service is a shelter.
     script = (
-        f"ghost=$({sys.executable} -m supervisor.sandbox.ghost --detach --gpu all --mib 3000 "
+        f"ghost=$({sys.executable} -m kimi_supervisor.sandbox.ghost --detach --gpu all --mib 3000 "
         "--title python | cut -d' ' -f2) && echo GHOST $ghost && "
-        f"exec {sys.executable} -m supervisor.cli teardown"
+        f"exec {sys.executable} -m kimi_supervisor.cli.admin teardown"
     )
     setenv = [f"--setenv={k}={v}" for k, v in {**os.environ, **sandbox.sb.env}.items()]
     r = subprocess.run(

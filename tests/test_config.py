@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import ConfigError, load_config, parse_config
-from supervisor.model import Mode
+from kimi_supervisor.config import ConfigError, load_config, parse_config
+from kimi_supervisor.model import Mode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -112,7 +112,7 @@ def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path
     src = tmp_path / "c.toml"
     src.write_text(MINIMAL)
     out = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+        [sys.executable, "-m", "kimi_supervisor.cli.admin", "check-config", str(src)],
         capture_output=True,
         text=True,
         check=True,
@@ -126,7 +126,7 @@ def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
     src = tmp_path / "c.toml"
     src.write_text(MINIMAL + '[gpus]\nbackend = "cuda"\n')
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "check-config", str(src)],
+        [sys.executable, "-m", "kimi_supervisor.cli.admin", "check-config", str(src)],
         capture_output=True,
         text=True,
     )
@@ -153,7 +153,7 @@ def test_json_round_trip_of_the_profile_argument_keeps_quotes_and_spaces() -> No
 
 def _numeric_keys() -> list[tuple[str, str]]:
     """(section, key) of every number in the configuration, found from the models."""
-    from supervisor.config import Config
+    from kimi_supervisor.config import Config
 
     out = []
     for section, field in Config.model_fields.items():
@@ -183,7 +183,7 @@ def test_an_infinite_or_huge_number_anywhere_in_the_config_is_one_error_naming_t
 
 def test_every_number_in_the_config_has_a_stated_range() -> None:
     assert len(_numeric_keys()) > 30  # the walk above found the fields
-    from supervisor.config import Config
+    from kimi_supervisor.config import Config
 
     for section, key in _numeric_keys():
         model = Config.model_fields[section].annotation
@@ -198,7 +198,7 @@ def test_an_invalid_regular_expression_is_refused_by_check_config(tmp_path: Path
     bad = tmp_path / "bad.toml"
     bad.write_text(MINIMAL + "[teardown]\nterm_grace_s = inf\n")
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "check-config", str(bad)],
+        [sys.executable, "-m", "kimi_supervisor.cli.admin", "check-config", str(bad)],
         capture_output=True,
         text=True,
     )

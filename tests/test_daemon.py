@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.model import Mode
-from supervisor.ports import processes
-from supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
-from supervisor.state import StateStore
+from kimi_supervisor.model import Mode
+from kimi_supervisor.ports import processes
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
+from kimi_supervisor.store.state import StateStore
 
 from .conftest import DaemonHelper, SandboxHelper, health, wait_until
 
@@ -168,10 +168,27 @@ def test_stopping_the_daemon_leaves_the_unit_inactive_and_the_gpus_at_baseline(
     assert health(sandbox.config.vllm.health_url) == 0
 
 
+WEDGE = """import signal, threading
+def _wedge(*_):
+    print("fault_wedge: the loop is blocked on purpose", file=sys.stderr, flush=True)
+    threading.Event().wait()
+signal.signal(signal.SIGUSR2, _wedge)
+"""
+
+
 def test_a_daemon_whose_loop_is_blocked_is_restarted_by_the_systemd_watchdog(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    daemon.override("WatchdogSec=2\nEnvironment=KIMI_SUPERVISOR_FAULTS=wedge-on-sigusr2\n")
+    # The product has no fault hook: this test's own entry point plants one, a SIGUSR2 handler
+    # that blocks the main thread (the loop's) for good.
+    launcher = sandbox.sb.root / "bin" / "kimi-supervisor"
+    wedged = launcher.with_name("kimi-supervisor-wedged")
+    main = "from kimi_supervisor.cli.admin import main\n"
+    wedged.write_text(launcher.read_text().replace(main, WEDGE + main))
+    wedged.chmod(0o755)
+    daemon.override(
+        f"WatchdogSec=2\nExecStart=\nExecStart={wedged} run --config {sandbox.sb.config_path}\n"
+    )
     daemon.start()
     daemon.wait_serving("production")
     vllm, first = daemon.vllm_pid(), daemon.pid()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.control.render import Follower, redraws
+from kimi_supervisor.cli.render import Follower, redraws
 
 LONG = "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server " + "--flag value " * 20
 
@@ -74,7 +74,7 @@ SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from tests.test_display import events
-from supervisor.control.render import Follower, redraws
+from kimi_supervisor.cli.render import Follower, redraws
 import os
 f = Follower(sys.stdout, redraws(sys.stdout, os.environ))
 for e in events():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sandbox.sandbox import DAEMON_UNIT
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from .conftest import DaemonHelper, SandboxHelper, as_user, wait_until
 

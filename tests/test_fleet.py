@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.sandbox.sandbox import Sandbox
-from supervisor.sandbox.usermanager import unavailable_reason
+from kimi_supervisor.sandbox.sandbox import Sandbox
+from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
 from .conftest import DaemonHelper, SandboxHelper
 from .fleet import BIN, COLLECTION, Ansible, local_inventory

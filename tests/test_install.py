@@ -38,7 +38,7 @@ def staged() -> Iterator[Path]:
 
 
 def test_make_install_stages_the_package_commands_units_and_config(staged: Path) -> None:
-    from supervisor.version import package_version
+    from kimi_supervisor.version import package_version
 
     for path in (
         "etc/systemd/system/kimi-supervisor.service",
@@ -56,11 +56,13 @@ def test_make_install_stages_the_package_commands_units_and_config(staged: Path)
         assert script.read_text().splitlines()[0].startswith(f"#!{PREFIX}/bin/python")
     venv_python = staged / PREFIX.lstrip("/") / "bin" / "python3"
     r = subprocess.run(
-        [str(venv_python), "-m", "supervisor.cli", "--version"], capture_output=True, text=True
+        [str(venv_python), "-m", "kimi_supervisor.cli.admin", "--version"],
+        capture_output=True,
+        text=True,
     )
     assert r.stdout.strip() == f"kimi-supervisor {package_version()}", r.stderr
     r = subprocess.run(
-        [str(venv_python), "-m", "supervisor.cli", "check-config",
+        [str(venv_python), "-m", "kimi_supervisor.cli.admin", "check-config",
          str(staged / "etc/kimi-supervisor/kimi-supervisor.toml")],
         capture_output=True, text=True,
     )  # fmt: skip
@@ -83,7 +85,8 @@ def test_an_upgrade_keeps_the_operators_config_and_ships_the_new_one_beside_it(
 def test_the_man_pages_are_installed_render_cleanly_and_name_every_command(staged: Path) -> None:
     import argparse
 
-    from supervisor import cli, kimi_mode
+    from kimi_supervisor.cli import admin as cli
+    from kimi_supervisor.cli import kimi_mode
 
     for page, parser in (
         ("man1/kimi-mode.1.gz", kimi_mode.build_parser()),

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.sandbox.sandbox import DAEMON_UNIT
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
 
@@ -333,7 +333,14 @@ def test_status_answers_while_a_teardown_is_running(
 
 def test_a_second_daemon_refuses_to_start_while_one_runs(serving: DaemonHelper) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "run", "--config", str(serving.sb.config_path)],
+        [
+            sys.executable,
+            "-m",
+            "kimi_supervisor.cli.admin",
+            "run",
+            "--config",
+            str(serving.sb.config_path),
+        ],
         capture_output=True,
         text=True,
         timeout=30,
@@ -357,7 +364,7 @@ def test_a_socket_left_by_a_killed_daemon_is_replaced(
 def test_kimi_mode_loads_neither_pystemd_nor_pynvml(serving: DaemonHelper) -> None:
     code = (
         "import sys\n"
-        "from supervisor.kimi_mode import main\n"
+        "from kimi_supervisor.cli.kimi_mode import main\n"
         "rc = main(['status', '--json'])\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'pystemd', 'pynvml', 'psutil'})\n"
         "print('HEAVY', heavy, rc, file=sys.stderr)\n"

@@ -8,7 +8,7 @@ import os
 import pty
 import tempfile
 
-from supervisor import log
+from kimi_supervisor import log
 
 
 def lines_written(env: dict[str, str] | None, journal: bool = False) -> list[str]:

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import policy
-from supervisor.capture import retention
-from supervisor.control.protocol import ProtocolError, SwitchRequest, parse_request
-from supervisor.kimi_mode import parse_duration
-from supervisor.model import Mode
-from supervisor.progress import Progress, advance
-from supervisor.reconcile import Do, Intent, Memory, Observed, State, decide
-from supervisor.state import PersistedState, StateStore, with_desired
+from kimi_supervisor.capture.job import retention
+from kimi_supervisor.cli.kimi_mode import parse_duration
+from kimi_supervisor.control.protocol import ProtocolError, SwitchRequest, parse_request
+from kimi_supervisor.decide import policy
+from kimi_supervisor.decide.progress import Progress, advance
+from kimi_supervisor.decide.reconcile import Do, Intent, Memory, Observed, decide
+from kimi_supervisor.model import Mode, State
+from kimi_supervisor.store.state import PersistedState, StateStore, with_desired
 
 P, R = Mode.PRODUCTION, Mode.PROFILE
 
@@ -185,7 +185,7 @@ def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_pa
 def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_last_intrusion() -> (
     None
 ):
-    from supervisor.control.render import format_status
+    from kimi_supervisor.cli.render import format_status
 
     def holder(pid: int, role: str, why: str, check: str = "") -> dict[str, object]:
         return {"pid": pid, "name": f"p{pid}", "role": role, "devices": [0], "why": why,
@@ -415,7 +415,7 @@ def test_timed_profile_mode_ends_as_its_table_says(
 def test_a_torn_history_tail_is_cut_before_the_next_record_and_nothing_is_glued(
     tmp_path: Path,
 ) -> None:
-    from supervisor import history
+    from kimi_supervisor.store import history
 
     tmp_path.chmod(0o750)
     history.append(tmp_path, "incident", {"what": "first"})
@@ -427,7 +427,7 @@ def test_a_torn_history_tail_is_cut_before_the_next_record_and_nothing_is_glued(
 
 
 def test_history_rotates_at_its_size_keeps_k_files_and_reads_across_them(tmp_path: Path) -> None:
-    from supervisor import history
+    from kimi_supervisor.store import history
 
     tmp_path.chmod(0o750)
     for i in range(40):
@@ -444,8 +444,8 @@ def test_history_rotates_at_its_size_keeps_k_files_and_reads_across_them(tmp_pat
 def test_a_history_file_owned_by_another_user_or_a_link_is_never_appended_to(
     tmp_path: Path,
 ) -> None:
-    from supervisor import history
-    from supervisor.state import StateError
+    from kimi_supervisor.store import history
+    from kimi_supervisor.store.state import StateError
 
     tmp_path.chmod(0o750)
     target = tmp_path / "root-only"
@@ -472,7 +472,8 @@ def test_reading_the_newest_lines_of_a_large_history_costs_only_those_lines(
     with open(tmp_path / "history.jsonl", "w") as f:
         f.write(line * 30_000)  # about 30 MB
     code = (
-        "import resource, sys; from pathlib import Path; from supervisor import history\n"
+        "import resource, sys; from pathlib import Path\n"
+        "from kimi_supervisor.store import history\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         f"assert len(history.read(Path({str(tmp_path)!r}), 20)) == 20\n"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)"
@@ -490,7 +491,7 @@ def test_a_start_job_queued_behind_the_units_dependencies_is_waited_for_not_fail
 
 
 def test_the_eta_is_the_median_of_the_newest_loads_of_the_same_mode_and_argv() -> None:
-    from supervisor.eta import argv_key, estimate
+    from kimi_supervisor.decide.eta import argv_key, estimate
 
     key = argv_key(["vllm", "serve", "m"])
 

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from supervisor.config import Config
-from supervisor.model import Evidence, Outcome, Role, Step
-from supervisor.ownership import DeviceUse, GpuFiles, judge
-from supervisor.ports import processes
-from supervisor.ports.processes import ProcessRef
-from supervisor.scan import Protection, bind_conflicts
+from kimi_supervisor.config import Config
+from kimi_supervisor.model import Evidence, Outcome, Role, Step
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.processes import ProcessRef
+from kimi_supervisor.teardown.ownership import DeviceUse, GpuFiles, judge
+from kimi_supervisor.teardown.scan import Protection, bind_conflicts
 
 from .conftest import SandboxHelper, wait_until
 from .test_teardown import Run, assert_clean, teardown
@@ -153,7 +153,7 @@ def test_a_listener_counts_only_where_vllm_binds(
 def test_listening_sockets_read_through_netlink_match_proc_net_tcp() -> None:
     import socket as so
 
-    from supervisor.ports import sockets
+    from kimi_supervisor.ports import sockets
 
     with so.socket() as v4, so.socket(so.AF_INET6) as v6:
         v4.bind(("127.0.0.2", 0))
@@ -287,7 +287,7 @@ def test_a_process_exec_d_under_the_fabric_managers_real_name_is_never_killed(
 ) -> None:
     # `exec -a` gives argv[0] without a title; comm stays the interpreter's.
     code = (
-        "from supervisor.sandbox import ghost; "
+        "from kimi_supervisor.sandbox import ghost; "
         "ghost.main(['--gpu', '2', '--mib', '500', '--title', ''])"
     )
     ref = sandbox.spawn(
@@ -348,7 +348,8 @@ def test_a_respawner_whose_child_needs_seconds_to_take_the_gpu_is_caught_with_it
         setproctitle("python")
         while True:
             subprocess.run([sys.executable, "-c",
-                            "import time; time.sleep(1.0); from supervisor.sandbox import ghost;"
+                            "import time; time.sleep(1.0);"
+                            " from kimi_supervisor.sandbox import ghost;"
                             " ghost.main(['--gpu', '0', '--mib', '10000', '--title', 'python'])"],
                            stdout=subprocess.DEVNULL)
     """)
@@ -382,7 +383,7 @@ def test_the_holder_step_says_what_it_killed_on_which_rung(sandbox: SandboxHelpe
 def test_a_reader_that_looks_long_after_the_holder_died_sees_the_memory_already_back(
     sandbox: SandboxHelper,
 ) -> None:
-    from supervisor.sandbox import simgpu
+    from kimi_supervisor.sandbox import simgpu
 
     ghost = sandbox.ghost(gpu="2", mib=3_000)
     assert sandbox.used()[2] == 3_615
@@ -397,7 +398,7 @@ def test_the_incident_vllm_stopped_and_a_helper_left_is_cleared_without_waiting_
 ) -> None:
     """vLLM's workers die in stop_unit and their memory drains; the helper's memory, charged to a
     PID that was dead before the teardown began, drains nothing and is acted on at once."""
-    from supervisor.holders import DRIVER_RELEASE_GRACE_S
+    from kimi_supervisor.teardown.gpuview import DRIVER_RELEASE_GRACE_S
 
     sandbox.start_vllm()
     ghost, helper = sandbox.ghost_tree(gpu="0,1", mib=30_000, title="python3 train.py",

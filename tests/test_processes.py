@@ -6,8 +6,8 @@ import signal
 import subprocess
 import sys
 
-from supervisor.ports import processes
-from supervisor.ports.processes import ProcessRef, SignalResult
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.processes import ProcessRef, SignalResult
 
 
 def test_a_recycled_pid_is_not_signalled() -> None:

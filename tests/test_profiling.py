@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from supervisor.control.client import exchange
-from supervisor.sandbox.sandbox import DAEMON_UNIT
+from kimi_supervisor.control.client import exchange
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
 from .vllm_0_16 import assert_traces_like_vllm_0_16

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import load_config
-from supervisor.launcher import write_argv_file
-from supervisor.model import Mode
-from supervisor.ports import processes
-from supervisor.ports.http import request
-from supervisor.sandbox.sandbox import UNIT
+from kimi_supervisor.config import load_config
+from kimi_supervisor.model import Mode
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.http import request
+from kimi_supervisor.ports.launcher import write_argv_file
+from kimi_supervisor.sandbox.sandbox import UNIT
 
 from .conftest import (
     HealthWatch,

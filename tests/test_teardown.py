@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from supervisor import baseline
-from supervisor.config import Config
-from supervisor.model import Evidence, Outcome, Step, TeardownReport
-from supervisor.ports import processes
-from supervisor.ports.clock import SystemClock
-from supervisor.sandbox import simgpu
-from supervisor.sandbox.sandbox import UNIT
-from supervisor.teardown import Teardown
+from kimi_supervisor.config import Config
+from kimi_supervisor.model import Evidence, Outcome, Step, TeardownReport
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import SystemClock
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.sandbox import UNIT
+from kimi_supervisor.store import baseline
+from kimi_supervisor.teardown.escalation import Teardown
 
 from .conftest import SandboxHelper, wait_until
 
@@ -155,7 +155,7 @@ RESPAWNER = textwrap.dedent("""
     from setproctitle import setproctitle
     setproctitle("python")
     while True:
-        child = subprocess.Popen([sys.executable, "-m", "supervisor.sandbox.ghost",
+        child = subprocess.Popen([sys.executable, "-m", "kimi_supervisor.sandbox.ghost",
                                   "--gpu", "1", "--mib", "3000", "--title", "python"],
                                  stdout=subprocess.DEVNULL)
         child.wait()
@@ -349,7 +349,7 @@ def test_vllms_dead_zmq_sockets_and_dist_files_in_its_tmpdir_are_removed_and_not
 
 
 def test_every_signal_is_in_the_history_file_after_the_teardown(sandbox: SandboxHelper) -> None:
-    from supervisor import history
+    from kimi_supervisor.store import history
 
     ghost = sandbox.ghost(gpu="1", mib=1_000, title="python")
     run = teardown(sandbox)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 import time
 
-from supervisor.ports import processes
+from kimi_supervisor.ports import processes
 
 TRACKER = re.compile(r"from multiprocessing\.resource_tracker import main;main\(\d+\)")
 

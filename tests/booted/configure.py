@@ -12,10 +12,10 @@ import sys
 import tomllib
 from pathlib import Path
 
-from supervisor import baseline
-from supervisor.config import Config
-from supervisor.ports.gpu_backend import open_gpu
-from supervisor.sandbox import simgpu
+from kimi_supervisor.config import Config
+from kimi_supervisor.sandbox import simgpu
+from kimi_supervisor.sandbox.simreader import SimGpu
+from kimi_supervisor.store import baseline
 
 SIM = Path("/var/lib/kimi-sim")
 PYTHON = "/opt/kimi-supervisor/bin/python"
@@ -53,7 +53,7 @@ def main(src: Path, ports: tuple[int, int] | None = None) -> None:
         (SIM / d).mkdir(parents=True, exist_ok=True)
     simgpu.create_host(SIM / "gpu", 4)
     vllm = Path("/usr/local/bin/vllm")
-    vllm.write_text(f"#!{PYTHON}\nfrom supervisor.sandbox.fake_vllm import main\nmain()\n")
+    vllm.write_text(f"#!{PYTHON}\nfrom kimi_supervisor.sandbox.fake_vllm import main\nmain()\n")
     vllm.chmod(0o755)
     env = f"Environment=KIMI_SIM_GPU_DIR={SIM / 'gpu'}\n"
     # The simulated driver keeps its state in files the daemon writes (a real one is in /dev),
@@ -63,7 +63,7 @@ def main(src: Path, ports: tuple[int, int] | None = None) -> None:
         d = Path("/etc/systemd/system") / f"{unit}.d"
         d.mkdir(parents=True, exist_ok=True)
         (d / "test-host.conf").write_text("[Service]\n" + env + more)
-    gpu = open_gpu(config.gpus)
+    gpu = SimGpu(SIM / "gpu")
     try:
         baseline.save(config.state.dir, baseline.calibrate(gpu, [0, 1, 2, 3]))
     finally:

@@ -92,8 +92,8 @@ def test_the_hardened_daemon_kills_a_ghost_and_hands_captures_to_a_member_in_tmp
     host: BootedHost,
 ) -> None:
     ghost = host.sh(
-        f"KIMI_SIM_GPU_DIR=/var/lib/kimi-sim/gpu {PYTHON} -m supervisor.sandbox.ghost --detach "
-        "--gpu all --mib 3000 --title python"
+        f"KIMI_SIM_GPU_DIR=/var/lib/kimi-sim/gpu {PYTHON} -m kimi_supervisor.sandbox.ghost "
+        "--detach --gpu all --mib 3000 --title python"
     ).stdout.split()[1]
     r = host.sh("runuser -u alice -- kimi-mode production", check=False, timeout=120)
     assert r.returncode == 0 and f"killed PID {ghost} python" in r.stdout, r.stdout + r.stderr

@@ -24,15 +24,15 @@ from typing import Any
 
 import pytest
 
-from supervisor import baseline
-from supervisor.config import Config, parse_config
-from supervisor.model import Evidence, Outcome
-from supervisor.ports import processes
-from supervisor.ports.clock import SystemClock
-from supervisor.ports.gpu import GpuUnavailable, NvmlGpu
-from supervisor.ports.processes import ProcessRef
-from supervisor.ports.systemd import NoSystemd
-from supervisor.teardown import Teardown
+from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.model import Evidence, Outcome
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import SystemClock
+from kimi_supervisor.ports.gpu import GpuUnavailable, NvmlGpu
+from kimi_supervisor.ports.processes import ProcessRef
+from tests.fakes import NoSystemd
+from kimi_supervisor.store import baseline
+from kimi_supervisor.teardown.escalation import Teardown
 
 
 def _nvml_reason() -> str | None:
@@ -73,7 +73,7 @@ class Host:
         self.port = _port()
         self.config: Config = parse_config(f"""
 [vllm]
-command = ["{sys.executable}", "-m", "supervisor.sandbox.fake_vllm", "serve", "m",
+command = ["{sys.executable}", "-m", "kimi_supervisor.sandbox.fake_vllm", "serve", "m",
            "--tensor-parallel-size", "{len(self.indices)}"]
 port = {self.port}
 [modes.production]
@@ -85,8 +85,8 @@ backend = "nvml"
 managed = {self.indices}
 tolerance_mib = 256
 [teardown]
-# The fake's API server is `python -m supervisor.sandbox.fake_vllm`, not `vllm serve`.
-stray_patterns = ["supervisor[.]sandbox[.]fake_vllm"]
+# The fake's API server is `python -m kimi_supervisor.sandbox.fake_vllm`, not `vllm serve`.
+stray_patterns = ["kimi_supervisor[.]sandbox[.]fake_vllm"]
 term_grace_s = 3
 holders_timeout_s = 10
 release_timeout_s = 20
@@ -150,7 +150,7 @@ dir = "{tmp}/state"
         args = [
             sys.executable,
             "-m",
-            "supervisor.sandbox.ghost",
+            "kimi_supervisor.sandbox.ghost",
             "--title",
             title,
             "--mib",

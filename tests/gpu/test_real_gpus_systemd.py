@@ -2,7 +2,7 @@
 manager, vLLM's unit with the fake vLLM in real-CUDA mode, switched with kimi-mode.
 
 On a host without systemd, point KIMI_SANDBOX_SYSTEMD_DIR at a carried systemd (see
-supervisor/sandbox/usermanager.py); skipped where neither NVML nor a manager can be had.
+kimi_supervisor/sandbox/usermanager.py); skipped where neither NVML nor a manager can be had.
 
     KIMI_SANDBOX_SYSTEMD_DIR=$PWD/.sd python3 -m pytest -q tests/gpu -s
 """
@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.ports import processes
-from supervisor.ports.gpu import GpuUnavailable, NvmlGpu
-from supervisor.sandbox.sandbox import Sandbox
-from supervisor.sandbox.usermanager import unavailable_reason
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.gpu import GpuUnavailable, NvmlGpu
+from kimi_supervisor.sandbox.sandbox import Sandbox
+from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
 
 def _reason() -> str | None:
@@ -68,7 +68,7 @@ def sandbox(tmp_path: Path) -> Iterator[Sandbox]:
 
 def kimi_mode(sb: Sandbox, *args: str) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.kimi_mode", *args],
+        [sys.executable, "-m", "kimi_supervisor.cli.kimi_mode", *args],
         env={**os.environ, **sb.env},
         capture_output=True,
         text=True,
@@ -86,7 +86,7 @@ def wait_serving(sb: Sandbox, mode: str, timeout_s: float = 240) -> dict[str, An
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         r = subprocess.run(
-            [sys.executable, "-m", "supervisor.kimi_mode", "status", "--json"],
+            [sys.executable, "-m", "kimi_supervisor.cli.kimi_mode", "status", "--json"],
             env={**os.environ, **sb.env},
             capture_output=True,
             text=True,

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.model import Evidence, Outcome, TeardownReport
-from supervisor.ports import processes
-from supervisor.ports.clock import SystemClock
-from supervisor.ports.processes import ProcessRef
-from supervisor.ports.systemd import NoSystemd
-from supervisor.teardown import Teardown
+from kimi_supervisor.model import Evidence, Outcome, TeardownReport
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import SystemClock
+from kimi_supervisor.ports.processes import ProcessRef
+from tests.fakes import NoSystemd
+from kimi_supervisor.teardown.escalation import Teardown
 
 from .test_real_gpus import GIB, REASON, Host, assert_alive, killed, timing
 from .test_real_gpus import bystanders as shared_bystanders
@@ -127,7 +127,7 @@ RESPAWNER = textwrap.dedent("""
     from setproctitle import setproctitle
     setproctitle("python")
     while True:
-        subprocess.run([sys.executable, "-m", "supervisor.sandbox.ghost", "--gpu", "0",
+        subprocess.run([sys.executable, "-m", "kimi_supervisor.sandbox.ghost", "--gpu", "0",
                         "--mib", "10240", "--title", "python"], stdout=subprocess.DEVNULL)
 """)
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.ports import processes
-from supervisor.ports.http import request
-from supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
-from supervisor.sandbox.usermanager import unavailable_reason
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.http import request
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
+from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
 from ..conftest import (
     KIMI_MODE,

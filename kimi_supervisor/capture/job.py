@@ -1,0 +1,318 @@
+"""One profiler capture, in a thread of its own (a flush can take many minutes):
+
+    POST /start_profile -> record (S seconds, or until stopped) -> POST /stop_profile, waiting for
+    the flush while the trace files grow -> the new files moved into the capture's own folder ->
+    each rank's trace summarized (summary.json beside them) -> retention of older captures.
+
+It reports through the event bus (events carry `capture`: its id) and hands its end to the loop
+(`on_done`), which then goes back to production unless told to stay. It changes no daemon state.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.capture import ranks as capturesummary
+from kimi_supervisor.config import Config
+from kimi_supervisor.messages import End, Event
+from kimi_supervisor.model import utcnow
+from kimi_supervisor.ports.http import HttpResult, request
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    seconds: float | None  # None: until stopped
+    then: str  # "production" or "stay"
+    out: Path | None
+    by: str
+    # --out as the asker opened it (passed over the socket): files are created relative to it,
+    # so swapping the path for a link later changes nothing, and the daemon's own sandbox
+    # (a private /tmp, a read-only /home) does not decide where they land.
+    out_fd: int | None = None
+    # Who asked (the socket's peer credentials): the folder and the traces are handed to them.
+    uid: int = 0
+    gid: int = 0
+
+
+def check_out(fd: int, uid: int) -> str | None:
+    """Why the --out directory the asker opened and passed cannot be used, or None. The daemon
+    runs as root and creates files in it: only a directory the asker owns (root may use any).
+    The asker opened it in their own view of the files, through any link of theirs; this checks
+    what they reached."""
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if uid != 0 and st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by you (uid {uid}): use a directory of your own"
+    return None
+
+
+def _move_into(src: Path, name: str, dir_fd: int, uid: int, gid: int) -> None:
+    """`src` becomes `name` in the directory `dir_fd`, owned by uid:gid: renamed when on the same
+    file system, else copied (created exclusively, never through a link) and removed."""
+    try:
+        os.rename(src, name, dst_dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(name, flags, 0o640, dir_fd=dir_fd)
+        try:
+            with open(src, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    os.write(out, chunk)
+            os.fsync(out)
+        finally:
+            os.close(out)
+        src.unlink()
+    os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+
+
+def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
+    if r.status == 404:
+        return (
+            f"vLLM answered 404 to {endpoint}: its profiler is not configured (is it running with "
+            "--profiler-config? `kimi-mode status` shows the mode)"
+        )
+    if r.status >= 500:
+        return f"vLLM failed {endpoint} with HTTP {r.status}: {r.body.strip()[:300] or r.error}"
+    if r.status == 0:
+        limit = f" within {timeout_s:g} s" if timeout_s else ""
+        return f"no answer from vLLM to {endpoint}{limit} ({r.error})"
+    return f"vLLM answered HTTP {r.status} to {endpoint}: {r.body.strip()[:300]}"
+
+
+def _files(d: Path) -> dict[str, tuple[int, int]]:
+    """Name -> (size, modification time) of the files in `d`."""
+    out = {}
+    try:
+        for p in d.iterdir():
+            st = p.stat()
+            if stat.S_ISREG(st.st_mode):
+                out[p.name] = (st.st_size, st.st_mtime_ns)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def captures(captures_dir: Path) -> list[Path]:
+    """Capture folders, oldest first (their names start with the UTC time they began)."""
+    try:
+        return sorted(p for p in captures_dir.iterdir() if p.is_dir() and p.name[:1].isdigit())
+    except FileNotFoundError:
+        return []
+
+
+def _size(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def retention(captures_dir: Path, keep: int, max_total_gb: float) -> list[str]:
+    """Remove the oldest captures beyond `keep`, then beyond `max_total_gb`; returns what went."""
+    removed = []
+    folders = captures(captures_dir)
+    while len(folders) > keep:
+        old = folders.pop(0)
+        shutil.rmtree(old, ignore_errors=True)
+        removed.append(str(old))
+    if max_total_gb > 0:
+        sizes = {f: _size(f) for f in folders}
+        while len(folders) > 1 and sum(sizes[f] for f in folders) > max_total_gb * 1e9:
+            old = folders.pop(0)
+            shutil.rmtree(old, ignore_errors=True)
+            removed.append(str(old))
+    return removed
+
+
+class Capture:
+    def __init__(
+        self,
+        config: Config,
+        spec: CaptureSpec,
+        publish: Callable[[Event | End], None],
+        on_done: Callable[[Capture], None],
+        log: Callable[..., None],
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.publish = publish
+        self.on_done = on_done
+        self.log = log
+        self.started_at = utcnow()
+        # The UTC start to the millisecond: folders sort by time and two quick captures differ.
+        self.id = f"{self.started_at:%Y%m%dT%H%M%S}.{self.started_at.microsecond // 1000:03d}Z"
+        self.phase = "starting"  # starting, recording, flushing, summarizing, done, failed
+        self.stop = threading.Event()
+        self.ok = False
+        self.message = ""
+        self.bytes_written = 0
+        self.folder: Path | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.phase in ("starting", "recording", "flushing", "summarizing")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "capture": self.id,
+            "phase": self.phase,
+            "started_at": self.started_at.isoformat(),
+            "seconds": self.spec.seconds,
+            "then": self.spec.then,
+            "bytes": self.bytes_written,
+            "by": self.spec.by,
+        }
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, daemon=True, name=f"capture-{self.id}").start()
+
+    def _event(self, name: str, **data: Any) -> None:
+        self.publish(Event(event=name, at=utcnow(), data={"capture": self.id, **data}))
+
+    def _end(self, ok: bool, message: str, **data: Any) -> None:
+        self.ok, self.message = ok, message
+        self.phase = "done" if ok else "failed"
+        self.log(
+            "capture_finished",
+            level="info" if ok else "warning",
+            capture=self.id,
+            ok=ok,
+            message=message,
+            **data,
+        )
+        self.publish(
+            End(
+                ok=ok,
+                outcome="captured" if ok else "capture_failed",
+                message=message,
+                data={"capture": self.id, "then": self.spec.then, **data},
+            )
+        )
+        self.on_done(self)
+
+    def _run(self) -> None:
+        try:
+            self._capture()
+        except Exception as e:  # a bug here must not leave the daemon waiting for a flush
+            self._end(False, f"the capture failed: {e!r}")
+        finally:
+            if self.spec.out_fd is not None:
+                os.close(self.spec.out_fd)
+
+    def _capture(self) -> None:
+        p, base = self.config.profiling, self.config.vllm
+        trace_dir = self.config.vllm_trace_dir()
+        if trace_dir is None:
+            self._end(
+                False,
+                "the profile mode's --profiler-config names no torch_profiler_dir: set "
+                "profiling.vllm_trace_dir to where vLLM writes its traces",
+            )
+            return
+        before = _files(trace_dir)
+        url = f"http://{base.host}:{base.port}"
+        r = request(f"{url}/start_profile", "POST", p.start_timeout_s)
+        if not r.ok:
+            self._end(False, explain(r, "/start_profile", p.start_timeout_s))
+            return
+        self.phase = "recording"
+        self._event("capture_recording", seconds=self.spec.seconds)
+        self.stop.wait(self.spec.seconds)
+        self.phase = "flushing"
+        t0 = time.monotonic()
+        self._event("capture_flushing")
+        result: list[HttpResult] = []
+        flush_timeout = p.flush_timeout_s or None
+        stopper = threading.Thread(
+            target=lambda: result.append(request(f"{url}/stop_profile", "POST", flush_timeout)),
+            daemon=True,
+        )
+        stopper.start()
+        last = -1
+        while stopper.is_alive():
+            stopper.join(1.0)
+            new = self._new_files(trace_dir, before)
+            self.bytes_written = sum(new.values())
+            if self.bytes_written != last:
+                last = self.bytes_written
+                self._event(
+                    "capture_progress",
+                    files=len(new),
+                    bytes=self.bytes_written,
+                    flushing_s=round(time.monotonic() - t0, 1),
+                )
+        if not result[0].ok:
+            self._end(False, explain(result[0], "/stop_profile", flush_timeout))
+            return
+        flushed = time.monotonic() - t0
+        new = self._new_files(trace_dir, before)
+        spec = self.spec
+        if spec.out is not None and spec.out_fd is not None:
+            folder, parent_fd = spec.out / self.id, os.dup(spec.out_fd)
+        else:
+            p.captures_dir.mkdir(parents=True, exist_ok=True)
+            folder = p.captures_dir / self.id
+            parent_fd = os.open(p.captures_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.mkdir(self.id, 0o750, dir_fd=parent_fd)
+            fd = os.open(self.id, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+        finally:
+            os.close(parent_fd)
+        files: list[dict[str, Any]] = []
+        summary: dict[str, Any] | None = None
+        try:
+            for name in sorted(new):
+                _move_into(trace_dir / name, name, fd, spec.uid, spec.gid)
+                rank = capturesummary.rank_of(name)
+                files.append({"name": name, "rank": rank, "bytes": new[name]})
+            os.fchown(fd, spec.uid, spec.gid)
+            if p.summarize and capturesummary.rank_traces(list(new)):
+                summary = self._summarize(fd, list(new))
+        finally:
+            os.close(fd)
+        self.folder = folder
+        removed = retention(p.captures_dir, p.keep_captures, p.max_total_gb)
+        for old in removed:
+            self.log("capture_removed", folder=old, why="retention")
+        total = sum(new.values())
+        self._end(
+            True,
+            f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
+            f"(flush took {flushed:.1f} s)",
+            folder=str(folder),
+            files=files,
+            removed=removed,
+            flush_s=round(flushed, 1),
+            summary=summary,
+        )
+
+    def _summarize(self, fd: int, names: list[str]) -> dict[str, Any]:
+        """summary.json for the traces just saved. The traces are the capture: a summary that
+        cannot be made or written (a full disk) is reported in it, and the capture still ends
+        well."""
+        self.phase = "summarizing"
+        self._event("capture_summarizing", files=len(names))
+        summary = capturesummary.summarize(fd, names, self.config.profiling.summary_timeout_s)
+        try:
+            capturesummary.write(fd, summary, self.spec.uid, self.spec.gid)
+        except OSError as e:
+            summary["errors"].append(
+                {"rank": None, "file": capturesummary.SUMMARY, "error": f"not written: {e}"}
+            )
+        self._event("capture_summarized", took_s=summary["took_s"])
+        return summary
+
+    @staticmethod
+    def _new_files(trace_dir: Path, before: dict[str, tuple[int, int]]) -> dict[str, int]:
+        """Name -> size of the files written since `before`: new ones, and those rewritten
+        (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
+        return {n: s[0] for n, s in _files(trace_dir).items() if before.get(n) != s}

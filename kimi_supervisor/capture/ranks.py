@@ -1,0 +1,172 @@
+"""A capture's summary: every rank's trace summarized (capture/trace.py) in a process of
+its own, all ranks at once, and the result written beside the traces as summary.json and shown
+as the operator reads it.
+
+Each trace is opened here, relative to the capture's folder and never through a link, and handed
+to its process as stdin: the daemon runs this on folders its askers own. A process per rank
+spreads eight 80 MB traces over the host's cores and keeps the daemon's own memory flat; a rank
+that cannot be read, or takes longer than the deadline, is reported and the others still are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kimi_supervisor
+from kimi_supervisor.capture import trace as tracesummary
+from kimi_supervisor.capture.jsonstream import TraceError
+
+SUMMARY = "summary.json"
+TRACE = re.compile(r"\.pt\.trace\.json(\.gz)?$|\.trace\.json(\.gz)?$")
+RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+LABELS = {"communication": "communication", "gemm": "GEMM", "attention": "attention"}
+
+
+def rank_of(name: str) -> int | None:
+    """The rank in a trace's name: vLLM 0.16 writes `<id>-rank-N.<ts>.pt.trace.json.gz`, 0.32
+    `rankN.<ts>...`; the API server's `vm_<pid>.async_llm...` has none."""
+    m = RANK.search(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_traces(names: list[str]) -> list[tuple[int, str]]:
+    return sorted((r, n) for n in names if TRACE.search(n) and (r := rank_of(n)) is not None)
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The package this daemon runs from comes first, whatever else is called `kimi_supervisor`.
+    root = str(Path(kimi_supervisor.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def summarize(dir_fd: int, names: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
+    """The summary of the rank traces among `names` in the folder `dir_fd` (see the module)."""
+    t0 = time.monotonic()
+    traces = rank_traces(names)
+    running: list[tuple[int, str, subprocess.Popen[bytes]]] = []
+    done: list[tuple[int, str, dict[str, Any]]] = []
+    errors: list[dict[str, Any]] = []
+    env = _child_env()
+    for rank, name in traces:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError as e:
+            errors.append({"rank": rank, "file": name, "error": f"cannot open it: {e.strerror}"})
+            continue
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kimi_supervisor.capture.trace"],
+                stdin=fd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=env,
+            )
+        except OSError:
+            # No interpreter to start (a caller who may not run this one's path): read it here.
+            with os.fdopen(fd, "rb") as f:
+                try:
+                    done.append((rank, name, tracesummary.summarize_file(f)))
+                except TraceError as e:
+                    done.append((rank, name, {"error": str(e)}))
+            continue
+        os.close(fd)
+        running.append((rank, name, proc))
+    deadline = t0 + timeout_s
+    for rank, name, proc in running:
+        try:
+            out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            errors.append({"rank": rank, "file": name, "error": f"not read within {timeout_s:g} s"})
+            continue
+        try:
+            done.append((rank, name, json.loads(out)))
+        except ValueError:
+            done.append((rank, name, {"error": f"the summarizer exited with {proc.returncode}"}))
+    ranks: list[dict[str, Any]] = []
+    for rank, name, result in sorted(done, key=lambda d: d[0]):
+        if "error" in result:
+            errors.append({"rank": rank, "file": name, "error": result["error"]})
+        else:
+            ranks.append({**result, "rank": rank, "file": name})
+    return {
+        "ranks": ranks,
+        "errors": sorted(errors, key=lambda e: e["rank"]),
+        "took_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def write(dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1) -> None:
+    """summary.json in the folder, replaced whole (a reader never sees half of it)."""
+    tmp = f".{SUMMARY}.{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o640, dir_fd=dir_fd)
+    try:
+        os.write(fd, (json.dumps(summary, indent=1) + "\n").encode())
+        os.fsync(fd)
+        if uid >= 0:
+            os.fchown(fd, uid, gid)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    os.rename(tmp, SUMMARY, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:5.1f} %"
+
+
+def render(summary: dict[str, Any]) -> str:
+    """What the operator reads after a capture: per rank, the steps and where their time went."""
+    lines: list[str] = []
+    for r in summary.get("ranks", []):
+        steps = r.get("steps") or {}
+        counted = ", ".join(f"{n} {k}" for k, n in sorted(steps.items())) or "no step marks"
+        device = "GPU kernels" if r["device"] == "gpu" else "CPU operators"
+        head = f"rank {r['rank']} ({r.get('process') or r['file']}): {counted}"
+        if r.get("step_ms") is not None:
+            head += f"; {r['scope']}: {r['step_ms']:.2f} ms per step"
+        lines.append(head)
+        per = "per step" if r.get("step_ms") is not None else "in all"
+        lines.append(f"  {device} busy {r['busy_ms_per_step']:.2f} ms {per}:")
+        for cls, v in r["classes"].items():
+            label = LABELS.get(cls, cls)
+            lines.append(f"    {label:<14} {_pct(v['share'])}  {v['ms_per_step']:8.3f} ms")
+        for t in r.get("top", [])[:5]:
+            name = t["name"] if len(t["name"]) <= 70 else t["name"][:67] + "..."
+            lines.append(f"    top {_pct(t['share'])}  {t['calls']:6d} calls  {name}")
+    for e in summary.get("errors", []):
+        if e.get("rank") is None:
+            lines.append(f"{e['file']}: {e['error']}")
+        else:
+            lines.append(f"rank {e['rank']} ({e['file']}): not summarized: {e['error']}")
+    if not lines:
+        lines.append("no rank traces to summarize")
+    return "\n".join(lines)
+
+
+def summarize_folder(folder: Path, timeout_s: float = 900.0) -> tuple[dict[str, Any], str | None]:
+    """`kimi-mode capture --summarize DIR`: the summary of an existing capture, written as
+    summary.json when the folder is writable; the second value says why it was not."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        summary = summarize(fd, os.listdir(fd), timeout_s)
+        try:
+            write(fd, summary)
+        except OSError as e:
+            return summary, f"{SUMMARY} not written: {e.strerror}"
+        return summary, None
+    finally:
+        os.close(fd)

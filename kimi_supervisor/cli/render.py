@@ -1,0 +1,342 @@
+"""What an operator reads: status, history, a STUCK teardown's holders, a capture's files, and a
+followed switch redrawn in place (on a terminal) or as plain lines. Pure formatting of the
+daemon's JSON; used by kimi-mode and by `kimi-supervisor teardown`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+from kimi_supervisor.capture.ranks import SUMMARY
+from kimi_supervisor.capture.ranks import render as render_summary
+from kimi_supervisor.status import Status
+
+
+def _ago(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    secs = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
+    return _duration(secs)
+
+
+def _duration(secs: float) -> str:
+    secs = max(int(secs), 0)
+    d, rem = divmod(secs, 86400)
+    h, rem = divmod(rem, 3600)
+    m, s = divmod(rem, 60)
+    if d:
+        return f"{d}d {h}h"
+    if h:
+        return f"{h}h {m}m"
+    if m:
+        return f"{m}m {s}s"
+    return f"{s}s"
+
+
+def _hhmmss(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def format_status(data: dict[str, Any]) -> str:
+    s = Status.model_validate(data)
+    unit, mode = s.unit, s.mode
+    since = s.mode_since
+    lines = [
+        f"desired mode:  {s.desired_mode}",
+        f"actual mode:   {mode or '-'}"
+        + (f"  (for {_ago(since)}, since {_hhmmss(since)})" if mode else ""),
+        f"state:         {s.state}: {s.status_line}",
+    ]
+    tr = s.transition
+    if tr:
+        lines.append(
+            f"transition:    {tr['id']} to {tr['target']} ({tr['kind']}), step {tr['step']}, "
+            f"since {_hhmmss(tr['started_at'])}; {tr['reason']}"
+        )
+    if s.progress:
+        lines.append(f"progress:      {s.progress.text}")
+    if s.eta:
+        lines.append(f"eta:           {s.eta['text']}")
+    if s.profile_until:
+        lines.append(
+            f"profile ends:  {_hhmmss(s.profile_until)} "
+            f"(in {_duration(s.profile_left_s or 0)}), then production"
+        )
+    c = s.capture
+    if c:
+        lines.append(
+            f"capture:       {c['capture']} {c['phase']} since {_hhmmss(c['started_at'])}, "
+            f"{c['bytes'] / 1e6:.1f} MB written, then {c['then']}"
+        )
+    health = unit.health
+    lines.append(
+        f"unit:          {unit.name} {unit.active_state}/{unit.sub_state}, "
+        f"MainPID {unit.main_pid or '-'}, /health "
+        + ("-" if health == -1 else ("no answer" if health == 0 else str(health)))
+    )
+    lines.append("GPUs:          index  used MiB  baseline MiB  state  holders")
+    for g in s.gpus:
+        holders = ", ".join(f"{h.pid} ({h.name})" for h in g.holders) or "-"
+        state = "clean" if g.clean else "in use"
+        lines.append(
+            f"               {g.index:>5}  {g.used_mib:>8}  {g.baseline_mib:>12}  "
+            f"{state:<6} {holders}"
+        )
+    if s.baseline_provisional:
+        lines.append("               (baseline provisional: calibrated when the GPUs are idle)")
+    td = s.last_teardown
+    if td:
+        lines.append(
+            f"last teardown: {td['outcome'].upper()} in {td['duration_s']:.2f} s, "
+            f"{_ago(td['started_at'])} ago, {len(td['kills'])} process(es) killed"
+        )
+        for k in td["kills"]:
+            lines.append(
+                f"                 PID {k['pid']} {k['cmdline'][:60] or k['comm']} "
+                f"({k['step']}: {k['evidence']})"
+            )
+        if td["outcome"] != "clean":
+            lines.append(f"                 {td['diagnosis']}")
+            lines += ["                 " + x for x in format_remaining(td.get("remaining", []))]
+            lines.append(f"                 next: {td['next_action']}")
+    if s.last_intrusion:
+        i = s.last_intrusion
+        lines.append(f"last intrusion: {_hhmmss(i['at'])} {i['what']}")
+    if s.next_attempt_in_s is not None:
+        lines.append(
+            f"next attempt:  in {s.next_attempt_in_s:.0f} s "
+            f"({s.failures_in_window} failure(s) in the window)"
+        )
+    for w in s.warnings:
+        lines.append(f"warning:       {w}")
+    lines.append(f"daemon:        PID {s.daemon.pid}, up {_ago(s.daemon.started_at)}")
+    return "\n".join(lines)
+
+
+ROLE_HEADINGS = {
+    "suspect": "suspects (hold a managed GPU, not cleared):",
+    "candidate": "candidates (might hold it; never killed on that evidence):",
+    "bystander": "bystanders (not the holder; never killed):",
+}
+
+
+def format_remaining(remaining: list[dict[str, Any]]) -> list[str]:
+    """A STUCK teardown's processes, suspects first, then candidates, then bystanders. Entries
+    are the status summary's or a history report's (`process` nested there)."""
+    lines: list[str] = []
+    for role, heading in ROLE_HEADINGS.items():
+        group = [h for h in remaining if h.get("role", "suspect") == role]
+        if group:
+            lines.append(heading)
+        for h in group:
+            p = h.get("process", h)
+            name = h.get("name") or " ".join(p.get("cmdline", []))[:80] or p.get("comm", "")
+            lines.append(f"  PID {p['pid']} {name}: {h['why']}")
+            if h.get("check"):
+                lines.append(f"    check: {h['check']}")
+    return lines
+
+
+def format_history(entries: list[dict[str, Any]]) -> str:
+    lines = []
+    for e in entries:
+        kind = e.get("kind")
+        if kind == "transition":
+            lines.append(
+                f"{_hhmmss(e['started_at'])}  switch   {e.get('previous') or '-'} -> "
+                f"{e['target']} ({e['trigger']}): {e['outcome'].upper()} in {e['duration_s']:.1f} s"
+                f" [{e['id']}] by {e.get('requested_by') or '-'}"
+            )
+            lines.append(f"{'':21}{e.get('message', '')}")
+        elif kind == "teardown":
+            kills = [k for k in e.get("kills", []) if k["signal"] == "SIGKILL"]
+            lines.append(
+                f"{_hhmmss(e['started_at'])}  teardown {e['outcome'].upper()} in "
+                f"{e['duration_s']:.2f} s, {len(kills)} killed: {e.get('reason', '')}"
+            )
+            for k in kills:
+                p = k["process"]
+                title = " ".join(p.get("cmdline", []))[:60] or p.get("comm", "")
+                lines.append(f"{'':21}killed PID {p['pid']} {title} ({k['step']}: {k['evidence']})")
+            if e["outcome"] != "clean":
+                lines.append(f"{'':21}{e.get('diagnosis', '')}")
+                lines += [f"{'':21}{x}" for x in format_remaining(e.get("remaining", []))]
+        elif kind == "capture":
+            state = "OK" if e.get("ok") else "FAILED"
+            lines.append(f"{_hhmmss(e.get('started_at'))}  capture  {state}: {e.get('message')}")
+        elif kind == "incident":
+            lines.append(f"{_hhmmss(e.get('at'))}  incident {e.get('what')}")
+        else:
+            lines.append(json.dumps(e))
+    return "\n".join(lines) or "(no history yet)"
+
+
+def redraws(out: TextIO, env: Mapping[str, str]) -> bool:
+    """Whether the live display may redraw in place: a terminal that is not `TERM=dumb`."""
+    return out.isatty() and env.get("TERM", "") != "dumb"
+
+
+class Follower:
+    """Renders a followed switch: redrawn on a TTY, plain lines otherwise. Redrawn lines are cut
+    to the terminal's width (a wrapped line breaks the cursor arithmetic of the redraw), and
+    each GPU's drain bar is scaled to what that GPU used when the teardown began."""
+
+    def __init__(self, out: TextIO, tty: bool, width: Callable[[], int] | None = None) -> None:
+        self.out = out
+        self.tty = tty
+        self.width = width or (lambda: shutil.get_terminal_size((80, 24)).columns)
+        self.drain_from: dict[int, int] = {}  # GPU index -> MiB used when the teardown began
+        self.started = time.monotonic()
+        self.target = ""
+        self.steps: list[str] = []
+        self.current = ""
+        self.kills: list[str] = []
+        self.gpus: list[dict[str, Any]] = []
+        self.vllm = ""
+        self._drawn = 0
+        self._last_draw = 0.0
+        self._last_gpu_line = 0.0
+        self._last_pct: int | None = None
+        self._last_text = ""
+
+    def say(self, text: str) -> None:
+        if self.tty:
+            self._clear()
+        print(text, file=self.out, flush=True)
+        if self.tty:
+            self._draw(force=True)
+
+    def on_event(self, e: dict[str, Any]) -> None:
+        name, data = e["event"], e.get("data", {})
+        if name == "transition_started":
+            self.target = data["target"]
+            self.drain_from = {}
+            self.say(
+                f"{data['id']}: {data.get('previous') or 'nothing'} -> {data['target']} "
+                f"({data['kind']}: {data['reason']})"
+            )
+        elif name == "step_started":
+            self.current = data["step"]
+        elif name == "step_finished":
+            mark = "skipped" if data.get("skipped") else f"{data['duration_s']:.2f} s"
+            self.steps.append(f"{data['step']} ({mark})")
+            self.current = ""
+            if not self.tty:
+                self.say(f"  teardown {data['step']:<17} {mark:>8}  {data.get('note', '')}")
+        elif name == "kill" and data.get("signal") == "SIGKILL":
+            p = data["process"]
+            title = " ".join(p.get("cmdline", []))[:50] or p.get("comm", "")
+            line = f"killed PID {p['pid']} {title} ({data['step']}: {data['evidence']})"
+            self.kills.append(line)
+            if not self.tty:
+                self.say(f"  {line}")
+        elif name == "spared":
+            self.say(f"  spared PID {data['pid']}: {data['why']}")
+        elif name == "gpus":
+            self.gpus = data["devices"]
+            for d in self.gpus:
+                self.drain_from.setdefault(d["index"], d["used_mib"])
+            now = time.monotonic()
+            if not self.tty and now - self._last_gpu_line >= 1.0:
+                self._last_gpu_line = now
+                self.say(
+                    "  GPUs used/baseline MiB: "
+                    + ", ".join(
+                        f"{d['index']}: {d['used_mib']}/{d['baseline_mib']}" for d in self.gpus
+                    )
+                )
+        elif name == "teardown_finished":
+            if not self.tty:
+                self.say(f"  teardown {data['outcome'].upper()} in {data['duration_s']:.2f} s")
+            self.steps.append(f"=> {data['outcome'].upper()} in {data['duration_s']:.2f} s")
+        elif name == "starting":
+            self.vllm = f"starting vLLM in {data['mode']}"
+            if not self.tty:
+                self.say(f"  {self.vllm}")
+            if data.get("expected_s") is not None:
+                self.say(
+                    f"  past loads of this mode and argv took {_duration(data['expected_s'])} "
+                    f"(median of {data['past']})"
+                )
+        elif name == "progress":
+            self.vllm = data["text"] + (f"; {data['eta']}" if data.get("eta") else "")
+            pct = data.get("percent")
+            bucket = None if pct is None else pct // 10
+            if not self.tty and (bucket != self._last_pct or pct is None):
+                if pct is not None or data["text"] != self._last_text:
+                    self.say(f"  vLLM: {self.vllm}")
+                self._last_pct, self._last_text = bucket, data["text"]
+        elif name == "start_failed":
+            self.say(f"  vLLM did not start: {data['reason']}")
+            for line in data.get("output_tail", [])[-10:]:
+                self.say(f"    | {line}")
+        elif name == "warning":
+            self.say(f"  warning: {data.get('message')}")
+        if self.tty:
+            self._draw()
+
+    def _lines(self) -> list[str]:
+        elapsed = _duration(time.monotonic() - self.started)
+        lines = [f"kimi-mode: switching to {self.target or '...'}  ({elapsed})"]
+        if self.steps or self.current:
+            steps = ", ".join(self.steps[-4:])
+            lines.append(f"  teardown: {steps}" + (f" > {self.current}..." if self.current else ""))
+        lines.extend(f"  {k}" for k in self.kills[-5:])
+        if self.gpus:
+            lines.append("  GPU memory, draining to baseline during the teardown:")
+        for d in self.gpus:
+            used, base = d["used_mib"], d["baseline_mib"]
+            top = max(self.drain_from.get(d["index"], used), used)
+            width = 30
+            fill = (
+                min(width, round(width * (used - base) / max(top - base, 1))) if used > base else 0
+            )
+            lines.append(
+                f"  GPU {d['index']} [{'#' * fill}{'.' * (width - fill)}] "
+                f"{used} MiB (baseline {base})"
+            )
+        if self.vllm:
+            lines.append(f"  vLLM: {self.vllm}")
+        return lines
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
+            self._drawn = 0
+
+    def _draw(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        self._clear()
+        cut = max(self.width() - 1, 20)
+        lines = [line if len(line) <= cut else line[: cut - 3] + "..." for line in self._lines()]
+        self.out.write("\n".join(lines) + "\n")
+        self.out.flush()
+        self._drawn = len(lines)
+
+    def finish(self) -> None:
+        if self.tty:
+            self._draw(force=True)
+
+
+# ------------------------------------------------------------------------------ commands
+def format_capture(data: dict[str, Any]) -> str:
+    lines = [f"traces in {data['folder']}:"]
+    for f in data.get("files", []):
+        rank = "-" if f["rank"] is None else str(f["rank"])
+        lines.append(f"  rank {rank:>3}  {f['bytes'] / 1e6:10.1f} MB  {f['name']}")
+    for old in data.get("removed", []):
+        lines.append(f"  removed by retention: {old}")
+    if data.get("summary"):
+        lines.append(f"summary ({SUMMARY} beside the traces):")
+        lines.append(render_summary(data["summary"]))
+    return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""`kimi-supervisor run` (the daemon, put together from its ports and wings) and `kimi-supervisor
+reload` (its ExecReload)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from kimi_supervisor.cli.compose import EXIT_FAILED, EXIT_OK, EXIT_USAGE, config_path, ports
+from kimi_supervisor.config import load_config
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The daemon: `kimi-supervisor run`, started by kimi-supervisor.service (Type=notify)."""
+    from kimi_supervisor import log
+    from kimi_supervisor.control.handlers import Handlers
+    from kimi_supervisor.control.server import ControlError, ControlServer
+    from kimi_supervisor.loop.daemon import Daemon
+    from kimi_supervisor.loop.signals import block_signals, install_signal_handlers, reexec
+    from kimi_supervisor.ports.metrics import Metrics
+    from kimi_supervisor.ports.notify import Notifier
+    from kimi_supervisor.ports.output import FileOutput, JournalOutput, OutputPort
+    from kimi_supervisor.store.state import StateError, StateStore
+
+    block_signals()  # before any thread starts (see loop/signals.py, HANDLED)
+    config = load_config(config_path(args.config))
+    try:
+        StateStore(config.state.dir).check()  # trust only what the daemon's user owns
+    except StateError as e:
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    log.configure()
+    logger = log.get()
+
+    def emit(event: str, level: str = "info", **kw: object) -> None:
+        getattr(logger, level)(event, **kw)
+
+    systemd, gpu = ports(config)
+    keep = config.daemon.output_tail_lines
+    output: OutputPort = (
+        FileOutput(config.vllm.log_file, keep)
+        if config.vllm.log_file
+        else JournalOutput(config.service.unit, config.systemd.scope, keep)
+    )
+    metrics = Metrics() if config.metrics.enabled else None
+    notifier = Notifier()
+    daemon = Daemon(config, systemd, gpu, output, notifier, emit, metrics=metrics)
+    c = config.control
+    server = ControlServer(
+        c.socket,
+        c.group,
+        Handlers(daemon),
+        emit,
+        c.max_clients,
+        c.max_line_bytes,
+        c.idle_timeout_s,
+    )
+    try:
+        server.start()
+    except ControlError as e:
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    if metrics is not None:
+        try:
+            metrics.serve(config.metrics.address, config.metrics.port)
+        except OSError as e:
+            emit(
+                "metrics_unavailable",
+                level="warning",
+                message=f"cannot listen on {config.metrics.address}:{config.metrics.port}: {e}",
+            )
+    install_signal_handlers(daemon)
+    emit(
+        "daemon_starting",
+        pid=os.getpid(),
+        config=str(config_path(args.config)),
+        socket=str(c.socket),
+    )
+    try:
+        daemon.boot()
+        daemon.loop()
+        if daemon.reexec_requested and not daemon.stop_requested:
+            emit("reexec", message="re-executing; vLLM keeps running and is adopted")
+            server.close()
+            if metrics is not None:
+                metrics.close()
+            output.close()
+            reexec(notifier)
+    finally:
+        server.close()
+        if metrics is not None:
+            metrics.close()
+        output.close()
+    return EXIT_OK if daemon.s.stopped_clean else EXIT_FAILED
+
+
+# How long `kimi-supervisor reload` waits for the new image (a teardown in progress finishes
+# before the daemon re-executes).
+RELOAD_WAIT_S = 900.0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """ExecReload: SIGHUP to the daemon, then wait until the re-executed image answers, so that
+    `systemctl reload` returns with the new daemon up (systemd 252 does not wait for READY=1)."""
+    import signal
+    import time
+
+    from kimi_supervisor.control.client import Unreachable, exchange
+    from kimi_supervisor.ports import processes
+
+    config = load_config(config_path(args.config))
+    path = config.control.socket
+
+    def started_at() -> str | None:
+        try:
+            for _raw, msg in exchange(path, {"cmd": "status"}, timeout_s=5):
+                return str(msg.get("data", {}).get("daemon", {}).get("started_at"))
+        except (Unreachable, OSError, TimeoutError):
+            return None
+        return None
+
+    before = started_at()
+    ref = processes.ref_of(args.pid)
+    if ref is None:
+        print(f"kimi-supervisor reload: no process {args.pid}", file=sys.stderr)
+        return EXIT_FAILED
+    processes.send_signal(ref, signal.SIGHUP)
+    deadline = time.monotonic() + RELOAD_WAIT_S
+    while time.monotonic() < deadline:
+        now = started_at()
+        if now is not None and now != before:
+            return EXIT_OK
+        time.sleep(0.05)
+    print(
+        f"kimi-supervisor reload: the daemon did not come back within {RELOAD_WAIT_S:g} s "
+        "(`journalctl -u kimi-supervisor`)",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED

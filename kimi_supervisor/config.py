@@ -1,0 +1,371 @@
+"""The configuration: one TOML file validated by pydantic models.
+
+Every error names the file, the key path and the reason. Nothing outside this module touches
+the host before `load_config` has returned, so a bad file never leaves half-done work behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kimi_supervisor.model import Mode
+
+# Every number is finite (allow_inf_nan=False below) and bounded: a duration beyond these is a
+# typo, and an unbounded one overflows the dates and deadlines computed from it.
+DAY_S = 86400.0
+MAX_SECONDS = 30 * DAY_S  # any timeout, interval or window
+MAX_PROFILE_S = 366 * DAY_S  # how long profile mode may be asked for
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message says where and why."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class ServiceConfig(_Strict):
+    unit: str = "vllm-kimi-k25.service"
+
+    @field_validator("unit")
+    @classmethod
+    def _is_service(cls, v: str) -> str:
+        if not v.endswith(".service") or "/" in v:
+            raise ValueError("must be a unit name ending in .service, e.g. vllm-kimi-k25.service")
+        return v
+
+
+class SystemdConfig(_Strict):
+    scope: Literal["system", "user"] = "system"
+    # Only for scope = "user": the D-Bus address of the user manager's bus. Empty: taken from
+    # DBUS_SESSION_BUS_ADDRESS at run time.
+    bus_address: str = ""
+
+
+class ModeConfig(_Strict):
+    # Passed to vLLM after vllm.command, byte for byte: no shell, no quoting rules applied.
+    args: list[str]
+
+
+class VllmConfig(_Strict):
+    # argv of vLLM before the mode's arguments, e.g. ["/opt/vllm/bin/vllm", "serve", "MODEL", ...]
+    command: list[str] = Field(min_length=1)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    # Where the daemon writes the argv that the unit's launcher execs; the unit file reads
+    # %t/kimi-supervisor/vllm-argv.json, so keep the two in step.
+    argv_file: Path = Path("/run/kimi-supervisor/vllm-argv.json")
+    # Where the unit's output can be followed when there is no journal (the sandbox).
+    log_file: Path | None = None
+
+    @field_validator("command")
+    @classmethod
+    def _no_host_port(cls, v: list[str]) -> list[str]:
+        for flag in ("--host", "--port"):
+            if any(a == flag or a.startswith(flag + "=") for a in v):
+                raise ValueError(f"remove {flag} from command: it is set from vllm.{flag[2:]}")
+        return v
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.host}:{self.port}/health"
+
+
+class ModesConfig(_Strict):
+    production: ModeConfig
+    profile: ModeConfig
+
+    def args_for(self, mode: Mode) -> list[str]:
+        return list(self.production.args if mode is Mode.PRODUCTION else self.profile.args)
+
+
+class GpusConfig(_Strict):
+    backend: Literal["nvml", "sim"] = "nvml"
+    # Indices of the GPUs this supervisor owns; empty means every GPU NVML reports.
+    managed: list[Annotated[int, Field(ge=0, le=1023)]] = Field(default_factory=list)
+    # A device counts as clean when used <= baseline + tolerance.
+    tolerance_mib: int = Field(default=256, ge=0, le=1 << 20)
+    # Fixed baselines (MiB) per GPU index; a GPU missing here is calibrated and persisted.
+    baseline_mib: dict[str, Annotated[int, Field(ge=0, le=1 << 24)]] = Field(default_factory=dict)
+    # Only for backend = "sim": the simulated host's directory.
+    sim_dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _sim_needs_dir(self) -> GpusConfig:
+        if self.backend == "sim" and self.sim_dir is None:
+            raise ValueError('backend "sim" needs sim_dir, the simulated GPU host\'s directory')
+        for key in self.baseline_mib:
+            if not key.isdigit():
+                raise ValueError(f'baseline_mib keys are GPU indices like "0", not {key!r}')
+        return self
+
+
+class TeardownConfig(_Strict):
+    term_grace_s: PositiveSeconds = 30.0
+    cgroup_kill_timeout_s: PositiveSeconds = 10.0
+    strays_timeout_s: PositiveSeconds = 10.0
+    holders_timeout_s: PositiveSeconds = 10.0
+    release_timeout_s: PositiveSeconds = 60.0
+    # How often a teardown re-reads the GPUs and the processes it waits for: a freed GPU is
+    # seen at most this late (docs/performance.md has the cost of one NVML read).
+    poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.01
+    # After killing a GPU holder whose parent lives on, how long to watch for that parent
+    # putting a new holder on a managed GPU before calling the GPUs clean. It must cover a CUDA
+    # start: on an H200 a respawned child was listed 3.6-4.4 s after its predecessor's SIGKILL
+    # (bench/results/h200x2-2026-11-30-cuda-probe.json, `respawn_gap_s`).
+    respawn_watch_s: Annotated[float, Field(ge=0, le=600)] = 6.0
+    # Extra regular expressions (searched in the command line) that mark a process as vLLM's.
+    stray_patterns: list[str] = Field(default_factory=list)
+
+    @field_validator("stray_patterns")
+    @classmethod
+    def _patterns_compile(cls, patterns: list[str]) -> list[str]:
+        for p in patterns:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"{p!r} is not a valid regular expression: {e}") from None
+        return patterns
+
+    # Never signalled, in addition to the built-in list: executable names, matched against the
+    # executable's and argv[0]'s basename and against comm (the name cut to 15 characters).
+    protected_names: list[str] = Field(default_factory=list)
+    protected_units: list[str] = Field(default_factory=list)
+    # /dev/shm entries the service may leak (fnmatch patterns), removed when no live process
+    # has them open or mapped. Measured with real vLLM 0.16 killed by SIGKILL: psm_* (its
+    # shared-memory message queues), sem.mp-* (multiprocessing semaphores) and, on its CPU
+    # build, <pid>-tp:0-[0-1]-cpushm_N; NCCL leaves nccl-*, vLLM 0.32 vllm_dist_*.
+    shm_patterns: list[str] = Field(
+        default_factory=lambda: ["nccl-*", "vllm*", "psm_*", "sem.mp-*", "*-cpushm_*"]
+    )
+    shm_dir: Path = Path("/dev/shm")
+    # vLLM's TMPDIR ("": not looked at). Even a clean stop of vLLM 0.16 leaves its ZMQ IPC
+    # sockets there, named by a UUID: those that no live socket is bound to are removed, with
+    # the entries named by tmp_patterns that no live process has open or mapped.
+    tmp_dir: Path | None = Path("/tmp")
+    tmp_patterns: list[str] = Field(default_factory=lambda: ["vllm_dist_*"])
+
+    @field_validator("shm_patterns", "tmp_patterns")
+    @classmethod
+    def _names_only(cls, patterns: list[str]) -> list[str]:
+        # The daemon removes what these match as root: a pattern names entries of one folder
+        # and says something about them ("*" or "?*" would take everything nobody holds open).
+        for p in patterns:
+            if "/" in p:
+                raise ValueError(f"{p!r}: a name pattern, without '/'")
+            if len(p.replace("*", "").replace("?", "")) < 3:
+                raise ValueError(f"{p!r} matches almost anything: use 3 literal characters or more")
+        return patterns
+
+    @field_validator("tmp_dir", mode="before")
+    @classmethod
+    def _empty_is_off(cls, d: object) -> object:
+        return None if d == "" else d
+
+
+class StateConfig(_Strict):
+    # Holds state.json (desired mode, transition, baseline) and history.jsonl.
+    dir: Path = Path("/var/lib/kimi-supervisor")
+    # history.jsonl is rotated once it is this large (to history.jsonl.1, .2, ...), keeping
+    # this many rotated files; `kimi-mode history` reads across them.
+    history_max_mb: Annotated[float, Field(gt=0, le=100_000)] = 64.0
+    history_keep: Annotated[int, Field(ge=1, le=100)] = 5
+
+
+class DaemonConfig(_Strict):
+    # How often the loop compares desired with observed while vLLM serves (and when idle):
+    # the unit's state every tick, /health and the GPUs every health_interval_s. A vLLM that
+    # dies is noticed within tick_s; every wake-up costs CPU on an idle host.
+    tick_s: Annotated[float, Field(gt=0, le=60)] = 10.0
+    # While vLLM loads: how often /health and the unit's output are read.
+    start_poll_s: Annotated[float, Field(gt=0, le=10)] = 0.25
+    # Loading Kimi-K2.5 takes over 30 minutes; this may be hours.
+    start_timeout_s: PositiveSeconds = 3 * 3600.0
+    health_timeout_s: PositiveSeconds = 2.0
+    # While serving, /health and the GPUs are read this often (the unit's state every tick).
+    health_interval_s: PositiveSeconds = 30.0
+    # /health failing for this long while serving counts as unhealthy (a busy server may be
+    # slow to answer; a 30-minute reload is not started over one missed probe).
+    health_grace_s: Seconds = 60.0
+    # A mode that does not become ready sends the host back to the mode before it.
+    rollback: bool = True
+    # After vLLM dies or fails to start: wait initial, doubling up to max, before starting again.
+    restart_backoff_initial_s: Seconds = 5.0
+    restart_backoff_max_s: Seconds = 300.0
+    # This many failures within the window: stop retrying and report FAILED.
+    max_failures: Annotated[int, Field(ge=1, le=1_000_000)] = 3
+    failure_window_s: PositiveSeconds = 1800.0
+    # A teardown that ends STUCK is retried after this, doubling up to restart_backoff_max_s.
+    stuck_retry_s: PositiveSeconds = 30.0
+    # At boot: how long to keep asking NVML for the driver, the interval doubling up to this.
+    driver_retry_max_s: PositiveSeconds = 30.0
+    # Lines of the unit's output kept for reports when a start fails.
+    output_tail_lines: Annotated[int, Field(ge=1, le=1000)] = 30
+
+
+class ControlConfig(_Strict):
+    socket: Path = Path("/run/kimi-supervisor/control.sock")
+    # Members of this group (and root) may use the socket; it is created 0660 root:group.
+    group: str = "kimi"
+    max_clients: Annotated[int, Field(ge=1, le=4096)] = 128
+    max_line_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
+    # A client that connects and sends nothing is dropped after this.
+    idle_timeout_s: PositiveSeconds = 10.0
+
+
+class ProfilingConfig(_Strict):
+    # `kimi-mode profile` without --for: go back to production after this (0: stay until asked).
+    default_duration_s: Annotated[float, Field(ge=0, le=MAX_PROFILE_S)] = 0.0
+    # The longest --for accepted (0: no limit).
+    max_duration_s: Annotated[float, Field(ge=0, le=MAX_PROFILE_S)] = 24 * 3600.0
+    # Each capture goes into its own timestamped folder here.
+    captures_dir: Path = Path("/var/lib/kimi-supervisor/captures")
+    # Where vLLM writes its traces; empty: torch_profiler_dir of the profile mode's
+    # --profiler-config.
+    vllm_trace_dir: Path | None = None
+    # Retention, applied after each capture: keep the newest N captures, and at most this many
+    # GB in all (0: no limit).
+    keep_captures: Annotated[int, Field(ge=1, le=10_000)] = 10
+    max_total_gb: Annotated[float, Field(ge=0, le=1_000_000)] = 200.0
+    start_timeout_s: PositiveSeconds = 60.0
+    # POST /stop_profile returns when the traces are written, many minutes on big models.
+    # 0: wait as long as it takes.
+    flush_timeout_s: Seconds = 0.0
+    # After the flush, each rank's trace is summarized (steps, time per step, communication,
+    # GEMM and attention shares, top kernels) into summary.json beside the traces; one process
+    # per rank, each stopped at this deadline.
+    summarize: bool = True
+    summary_timeout_s: PositiveSeconds = 900.0
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    address: str = "127.0.0.1"
+    port: int = Field(default=9464, ge=1, le=65535)
+
+
+class Config(_Strict):
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    systemd: SystemdConfig = Field(default_factory=SystemdConfig)
+    vllm: VllmConfig
+    modes: ModesConfig
+    gpus: GpusConfig = Field(default_factory=GpusConfig)
+    teardown: TeardownConfig = Field(default_factory=TeardownConfig)
+    state: StateConfig = Field(default_factory=StateConfig)
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+
+    def vllm_trace_dir(self) -> Path | None:
+        """Where vLLM in profile mode writes traces: profiling.vllm_trace_dir, else the
+        torch_profiler_dir of the profile args' --profiler-config."""
+        if self.profiling.vllm_trace_dir is not None:
+            return self.profiling.vllm_trace_dir
+        args = self.modes.profile.args
+        for i, a in enumerate(args):
+            value = None
+            if a == "--profiler-config" and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith("--profiler-config="):
+                value = a.split("=", 1)[1]
+            if value:
+                try:
+                    d = json.loads(value).get("torch_profiler_dir")
+                except (ValueError, AttributeError):
+                    return None
+                return Path(d) if d else None
+        return None
+
+    def launch_argv(self, mode: Mode) -> list[str]:
+        """The exact argv vLLM must be started with in `mode`."""
+        v = self.vllm
+        return [*v.command, "--host", v.host, "--port", str(v.port), *self.modes.args_for(mode)]
+
+    def effective_toml(self) -> str:
+        """The effective configuration, defaults included, as TOML."""
+        return _to_toml(self)
+
+
+def _loc(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _reason(err: dict[str, object]) -> str:
+    kind = err.get("type")
+    if kind == "extra_forbidden":
+        return "unknown key (check its spelling; `kimi-supervisor check-config` prints every key)"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(err.get("msg", "invalid"))
+    return msg.removeprefix("Value error, ")
+
+
+def parse_config(text: str, source: str = "<config>") -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            # A model_validator's error has no location of its own; name the section instead.
+            lines.append(f"{source}: {_loc(loc)}: {_reason(dict(err))}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: Path | str) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file (pass --config PATH)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    return parse_config(text, str(p))
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str | Path):
+        return json.dumps(str(v), ensure_ascii=False)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _to_toml(model: BaseModel, prefix: str = "") -> str:
+    """Sub-models become [tables]; everything else is a key = value line. Unset optionals are
+    left out (TOML has no null)."""
+    lines: list[str] = []
+    tables: list[tuple[str, BaseModel]] = []
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            tables.append((f"{prefix}.{name}" if prefix else name, value))
+        elif value is not None:
+            lines.append(f"{name} = {_toml_value(value)}")
+    out = ([f"[{prefix}]", *lines, ""] if prefix else [*lines, ""]) if lines else []
+    for table_name, sub in tables:
+        out.append(_to_toml(sub, table_name))
+    return "\n".join(out)

@@ -1,0 +1,108 @@
+"""The client side of the control socket: connect, send one request, read answer lines.
+Imports nothing heavy (no pystemd, no pynvml): `kimi-mode` starts fast."""
+
+from __future__ import annotations
+
+import errno
+import json
+import socket
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.control.protocol import PROTOCOL_VERSION
+
+
+class Unreachable(Exception):
+    """The daemon cannot be reached, or it refused us; the message says what to do."""
+
+
+class TimedOut(Exception):
+    pass
+
+
+def connect(path: Path, timeout_s: float = 5.0) -> socket.socket:
+    """Connect within `timeout_s`. A Unix socket whose listen queue is full refuses a
+    non-blocking connect with EAGAIN at once (a flood of other clients): tried again until the
+    deadline, instead of failing."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + pause >= deadline:
+                raise Unreachable(
+                    f"{path}: the daemon's connection queue stayed full for {timeout_s:g} s"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        except OSError as e:
+            sock.close()
+            raise _unreachable(path, e) from None
+
+
+def _unreachable(path: Path, e: OSError) -> Unreachable:
+    if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
+        return Unreachable(
+            f"kimi-supervisor is not running (no daemon at {path}): "
+            "`systemctl start kimi-supervisor`, or pass --socket"
+        )
+    if e.errno == errno.EACCES:
+        return Unreachable(
+            f"permission denied on {path}: be root or a member of the daemon's control "
+            "group (default `kimi`: `sudo usermod -aG kimi $USER`, then log in again)"
+        )
+    return Unreachable(f"cannot connect to {path}: {e.strerror or e}")
+
+
+def exchange(
+    path: Path,
+    request: dict[str, Any],
+    timeout_s: float | None = None,
+    fds: Sequence[int] = (),
+) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """Send `request` and yield each answer line (raw, parsed) until the daemon closes.
+    `timeout_s` bounds the whole exchange (TimedOut); None waits as long as it takes. `fds`
+    travel with the request's first bytes (SCM_RIGHTS): a directory opened here, as the user,
+    so that the daemon writes into what the user reached, in the user's view of the files."""
+    import time
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
+    with sock:
+        data = json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n"
+        try:
+            if fds:
+                data = data[socket.send_fds(sock, [data], list(fds)) :]
+            sock.sendall(data)
+        except OSError as e:
+            raise Unreachable(f"the daemon closed the connection: {e}") from None
+        buf = b""
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.strip():
+                    yield line, json.loads(line)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimedOut()
+                sock.settimeout(min(left, 1.0))
+            else:
+                sock.settimeout(1.0)
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError as e:
+                raise Unreachable(f"lost the connection to the daemon: {e}") from None
+            if not chunk:
+                return
+            buf += chunk

@@ -1,0 +1,241 @@
+"""The front desk: answers each request the loop takes, in an operator's words.
+
+The decisions are policy's (`policy.admit`, `policy.profile_until`); this module applies them to
+the loop state and words the reply. An accepted switch is persisted as the desired mode at once
+(nothing accepted is lost if the daemon dies) and recorded as the loop's next intent; the loop
+applies it when the current step returns (loop/transitions.py), never in the middle of one.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kimi_supervisor.capture.job import Capture, CaptureSpec, check_out
+from kimi_supervisor.decide import policy
+from kimi_supervisor.decide.reconcile import Intent
+from kimi_supervisor.loop.context import Context
+from kimi_supervisor.loop.inbox import CaptureDone, CaptureStart, CaptureStop, Switch
+from kimi_supervisor.loop.publish import status_line
+from kimi_supervisor.messages import Reply
+from kimi_supervisor.model import SWITCHING_STATES, Mode, State, utcnow
+from kimi_supervisor.store.state import StateError
+
+
+class Desk:
+    def __init__(self, ctx: Context, put: object) -> None:
+        self.ctx = ctx
+        self._put = put  # the inbox's put: a capture reports its end through it
+
+    def _line(self) -> str:
+        return status_line(self.ctx.s, self.ctx.clock.monotonic())
+
+    # -- switches --
+    def switch(self, r: Switch) -> Reply:
+        if r.for_s is not None and r.mode is not Mode.PROFILE:
+            return Reply(ok=False, code="bad_request", message="--for applies to profile mode only")
+        reply = self._admit(r)
+        if reply.ok:  # joined or already running, too: `--for` sets a new end
+            expiry = self.set_expiry(r.mode, r.for_s, r.by)
+            if expiry:
+                reply = reply.model_copy(update={"message": f"{reply.message}; {expiry}"})
+        return reply
+
+    def _admit(self, r: Switch) -> Reply:
+        s = self.ctx.s
+        tr = s.transition
+        switching = tr is not None and (s.state in SWITCHING_STATES or s.busy)
+        obs = s.observed
+        view = policy.AdmissionView(
+            stopping=s.stop_requested or s.state is State.STOPPING,
+            booting=s.state is State.BOOTING,
+            running=(
+                policy.Running(
+                    tr.target, tr.started_at, tr.step, tr.requested_by, s.intent is not None
+                )
+                if tr is not None and switching
+                else None
+            ),
+            serving_healthy=(
+                s.serving.mode
+                if s.state is State.SERVING and s.serving and obs is not None and obs.healthy
+                else None
+            ),
+            desired=s.desired,
+            capture_active=s.capture is not None and s.capture.active,
+        )
+        verdict = policy.admit(r.mode, r.force, view)
+        info = {"transition": tr.model_dump(mode="json")} if tr is not None and switching else {}
+        match verdict:
+            case policy.Admit.REFUSE_STOPPING:
+                return Reply(ok=False, code="stopping", message="the daemon is shutting down")
+            case policy.Admit.REFUSE_BOOTING:
+                return Reply(
+                    ok=False,
+                    code="busy",
+                    message=f"the daemon is booting ({self._line()}); ask again in a moment",
+                )
+            case policy.Admit.JOIN:
+                assert tr is not None
+                return Reply(
+                    ok=True,
+                    code="joined",
+                    message=f"already switching to {r.mode.value} since "
+                    f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
+                    data=info,
+                )
+            case policy.Admit.REFUSE_BUSY:
+                assert tr is not None
+                return Reply(
+                    ok=False,
+                    code="busy",
+                    message=f"a switch to {tr.target.value} is in progress since "
+                    f"{tr.started_at.isoformat(timespec='seconds')} (step {tr.step}, asked by "
+                    f"{tr.requested_by or 'the daemon'}); wait for it, or use --force to take over",
+                    data=info,
+                )
+            case policy.Admit.ALREADY:
+                pid = s.serving.pid if s.serving else 0
+                return Reply(
+                    ok=True,
+                    code="already",
+                    message=f"{r.mode.value} is already running and healthy (vLLM PID "
+                    f"{pid}); nothing to do",
+                )
+        try:
+            self.ctx.desire(r.mode, r.by, must=True)
+        except StateError as e:
+            return Reply(
+                ok=False,
+                code="state_error",
+                message=f"not switching: the desired mode cannot be persisted ({e}); nothing "
+                "was changed. Free space or fix the state directory, then ask again",
+            )
+        if verdict is policy.Admit.TAKE_OVER:
+            assert tr is not None
+            s.intent = Intent(r.mode, r.by, force=True)
+            return Reply(
+                ok=True,
+                code="accepted",
+                message=f"taking over from the switch to {tr.target.value}",
+                data=info,
+            )
+        s.failures = ()  # an operator's request starts a fresh count
+        s.intent = Intent(r.mode, r.by, force=r.force)
+        c = s.capture
+        if verdict is policy.Admit.ACCEPT_AFTER_CAPTURE and c is not None:
+            return Reply(
+                ok=True,
+                code="accepted",
+                message=f"switch to {r.mode.value} accepted: it waits for capture {c.id} "
+                f"({c.phase}) to finish flushing; --force cuts the capture short",
+            )
+        return Reply(ok=True, code="accepted", message=f"switch to {r.mode.value} accepted")
+
+    # -- timed profile mode --
+    def set_expiry(self, mode: Mode, for_s: float | None, by: str) -> str:
+        """Persist when profile mode ends (or that it does not); returns words for the reply."""
+        ctx, p = self.ctx, self.ctx.config.profiling
+        e = policy.profile_until(mode, for_s, p.default_duration_s, p.max_duration_s, utcnow())
+        if e.until == ctx.s.profile_until:
+            return ""
+        ctx.s.profile_until = until = e.until
+        ctx.persist(
+            lambda st: st.model_copy(
+                update={"profile_until": until, "profile_until_changed_at": utcnow()}
+            )
+        )
+        ctx.publish()
+        if until is None:
+            return ""
+        ctx.log("profile_expiry_set", until=until.isoformat(), by=by)
+        return f"back to production at {until:%Y-%m-%d %H:%M:%S} UTC" + (
+            f" (capped at profiling.max_duration_s = {p.max_duration_s:g} s)" if e.capped else ""
+        )
+
+    def check_expiry(self) -> None:
+        """Timed profile mode: once it has expired, production is desired again."""
+        ctx = self.ctx
+        until = ctx.s.profile_until
+        if until is None or not policy.profile_expired(ctx.s.desired, until, utcnow()):
+            return
+        ctx.log("profile_expired", until=until.isoformat())
+        ctx.incident({"at": utcnow().isoformat(), "what": f"profile mode expired at {until}"})
+        ctx.s.profile_until = None
+        ctx.persist(
+            lambda st: st.model_copy(
+                update={"profile_until": None, "profile_until_changed_at": utcnow()}
+            )
+        )
+        ctx.desire(Mode.PRODUCTION, "profile expiry")
+
+    # -- captures --
+    def capture_start(self, r: CaptureStart) -> Reply:
+        s = self.ctx.s
+        if s.capture is not None and s.capture.active:
+            c = s.capture
+            return Reply(
+                ok=False,
+                code="busy",
+                message=f"capture {c.id} is {c.phase} (since {c.started_at:%H:%M:%S})",
+                data={"capture": c.describe()},
+            )
+        if s.transition is not None or s.intent is not None or s.busy:
+            return Reply(ok=False, code="busy", message=f"a switch is in progress: {self._line()}")
+        if s.state is not State.SERVING or s.serving is None or s.serving.mode is not Mode.PROFILE:
+            return Reply(
+                ok=False,
+                code="wrong_mode",
+                message=f"vLLM is not serving in profile mode ({self._line()}): switch "
+                "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
+            )
+        out_fd = None
+        if r.out is not None and r.out_fd is not None:
+            if (wrong := check_out(r.out_fd, r.uid)) is not None:
+                return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {wrong}")
+            out_fd = os.dup(r.out_fd)
+        spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid)
+        put = self._put
+        c = s.capture = Capture(
+            self.ctx.config,
+            spec,
+            self.ctx.bus.publish,
+            lambda done: put(CaptureDone(done)),  # type: ignore[operator]
+            self.ctx.log,
+        )
+        c.start()
+        self.ctx.log("capture_started", **c.describe())
+        self.ctx.publish()
+        return Reply(
+            ok=True,
+            code="accepted",
+            message=f"capture {c.id} starting"
+            + (f" for {spec.seconds:g} s" if spec.seconds else " until stopped"),
+            data={"capture": c.describe()},
+        )
+
+    def capture_done(self, c: Capture) -> None:
+        """A capture ended (traces flushed, or it failed): recorded, and with `--then
+        production` production is desired again (the switch waits for nothing now)."""
+        s = self.ctx.s
+        record = {
+            **c.describe(),
+            "finished_at": utcnow().isoformat(),
+            "ok": c.ok,
+            "message": c.message,
+            "folder": str(c.folder) if c.folder else None,
+        }
+        self.ctx.record("capture", record)
+        if s.capture is c:
+            s.capture = None
+        if c.spec.then == "production" and s.desired is Mode.PROFILE:
+            by = f"capture {c.id} (--then production)"
+            self.ctx.desire(Mode.PRODUCTION, by)
+            self.set_expiry(Mode.PRODUCTION, None, "capture")
+            s.intent = Intent(Mode.PRODUCTION, by)
+
+    def capture_stop(self, r: CaptureStop) -> Reply:
+        c = self.ctx.s.capture
+        if c is None or c.phase not in ("starting", "recording"):
+            return Reply(ok=False, code="no_capture", message="no capture is recording")
+        c.stop.set()
+        return Reply(ok=True, code="accepted", message=f"capture {c.id}: stopping, flushing")

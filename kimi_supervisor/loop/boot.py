@@ -1,0 +1,76 @@
+"""Boot: the persisted state read back, the GPU driver waited for, the baseline resolved.
+
+The loop calls these while BOOTING (and `resolve_baseline` again after a CLEAN teardown while the
+baseline is provisional); each returns at once, and the loop retries on its own deadline.
+"""
+
+from __future__ import annotations
+
+from kimi_supervisor.loop.context import Context
+from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
+from kimi_supervisor.model import utcnow
+from kimi_supervisor.ports.gpu import GpuUnavailable
+from kimi_supervisor.store import baseline
+
+
+def load_state(ctx: Context) -> None:
+    """The desired mode, profile expiry and an interrupted transition, from state.json. A
+    corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used."""
+    s = ctx.s
+    st, warning = ctx.store.read()
+    ctx.saved, ctx.saved_stamp = st, ctx.stamp()
+    if warning:
+        ctx.warn(warning)
+        ctx.log("state_file_corrupt", level="error", message=warning)
+        ctx.incident({"at": utcnow().isoformat(), "what": warning})
+        ctx.store.write(st)
+    s.desired = st.desired_mode
+    s.profile_until = st.profile_until
+    s.interrupted = st.transition
+    s.inherited_id = st.transition.id if st.transition else ""
+    if st.transition is not None:
+        ctx.log("transition_interrupted", transition=st.transition.model_dump(mode="json"))
+
+
+def driver_up(ctx: Context) -> bool:
+    """Ask NVML for the GPUs; if it does not answer, the next try is due after a doubling
+    interval, up to driver_retry_max_s. Once it answers: the managed indices and the baseline."""
+    s = ctx.s
+    try:
+        n = ctx.gpu.device_count()
+        s.indices = list(ctx.config.gpus.managed) or list(range(n))
+        ctx.gpu.sample(s.indices)
+    except GpuUnavailable as e:
+        msg = f"waiting for the GPU driver: {e}"
+        ctx.warn(msg)
+        ctx.publish()
+        ctx.notifier.status(msg)
+        s.driver_retry_at = ctx.clock.monotonic() + s.driver_retry_s
+        s.driver_retry_s = min(s.driver_retry_s * 2, ctx.config.daemon.driver_retry_max_s)
+        return False
+    ctx.unwarn("waiting for the GPU driver")
+    s.driver_ready = True
+    resolve_baseline(ctx)
+    return True
+
+
+def resolve_baseline(ctx: Context) -> None:
+    """Config, then the state file (same driver), else calibrated now (baseline.resolve);
+    with processes on the GPUs and nothing stored, a provisional baseline until they are
+    next seen idle (after a CLEAN teardown)."""
+    s = ctx.s
+    fixed = ctx.config.gpus.baseline_mib
+    try:
+        s.baselines = baseline.resolve(ctx.gpu, s.indices, fixed, ctx.config.state.dir)
+    except baseline.BaselineError as e:
+        s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
+        s.baseline_provisional = True
+        ctx.warn(
+            f"no baseline, and it cannot be measured now ({e}): using "
+            f"{PROVISIONAL_BASELINE_MIB} MiB until the GPUs are next idle, then calibrating"
+        )
+        return
+    if s.baseline_provisional:
+        ctx.log("baseline_calibrated", devices=s.baselines)
+    s.baseline_provisional = False
+    ctx.unwarn("no baseline")

@@ -1,0 +1,203 @@
+"""What the loop's parts share: the ports, the one loop state, and the small effects every part
+needs (change the state, persist, publish an event, warn). Owned and used by the loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_supervisor.config import Config
+from kimi_supervisor.decide.eta import Estimate, argv_key, estimate
+from kimi_supervisor.loop.events import EventBus
+from kimi_supervisor.loop.loopstate import LoopState
+from kimi_supervisor.loop.observer import Observer
+from kimi_supervisor.messages import Event
+from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
+from kimi_supervisor.ports.clock import Clock
+from kimi_supervisor.ports.gpu import GpuPort
+from kimi_supervisor.ports.metrics import Metrics
+from kimi_supervisor.ports.notify import Notifier
+from kimi_supervisor.ports.output import OutputPort
+from kimi_supervisor.ports.systemd import SystemdPort
+from kimi_supervisor.store import history
+from kimi_supervisor.store.state import (
+    PersistedState,
+    StateError,
+    StateStore,
+    with_desired,
+    with_transition,
+)
+
+Log = Callable[..., None]
+# History records kept in memory while the history cannot be appended to (a full disk).
+MAX_PENDING = 1000
+
+
+def new_id() -> str:
+    return f"t-{utcnow():%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Context:
+    config: Config
+    systemd: SystemdPort
+    gpu: GpuPort
+    output: OutputPort
+    notifier: Notifier
+    log: Log
+    clock: Clock
+    metrics: Metrics | None
+    store: StateStore
+    bus: EventBus
+    s: LoopState = field(default_factory=LoopState)
+    publish: Callable[[], None] = field(default=lambda: None)
+
+    def __post_init__(self) -> None:
+        self.unit = self.config.service.unit
+        self.saved = PersistedState()  # what state.json holds, as last read or written
+        self.saved_stamp: tuple[int, int, int] | None = None  # its inode, size, mtime then
+        self.unsaved_state = False
+        self.pending: collections.deque[tuple[str, TeardownReport | dict[str, Any]]] = (
+            collections.deque()
+        )
+        self.observer = Observer(
+            self.config, self.systemd, self.gpu, self.clock, self.warn, self.unwarn
+        )
+
+    def set_state(self, state: State, why: str = "") -> None:
+        s = self.s
+        if state is not s.state:
+            self.log("state_changed", previous=s.state.value, state=state.value, why=why)
+            s.state, s.state_since = state, utcnow()
+        self.publish()
+
+    def persist(
+        self, change: Callable[[PersistedState], PersistedState], must: bool = False
+    ) -> None:
+        """Write a change to state.json. A failure (a full disk, a state dir made untrustworthy)
+        is an event, not a crash: logged, shown in status and metrics, kept in memory and written
+        again at the next pass (`flush`). With `must`, it raises StateError instead, so that the
+        caller refuses what it was asked before any effect. A file found corrupt is rewritten
+        from what the daemon last knew, and recorded."""
+        try:
+            new, warning = self.store.update(change, self.saved)
+        except (StateError, OSError) as e:
+            if must:
+                raise StateError(str(e)) from e
+            self.saved = change(self.saved)
+            self._unsaved("state.json", f"cannot persist the state, kept in memory: {e}")
+            return
+        self.saved = new
+        self.saved_stamp = self.stamp()
+        self.unsaved_state = False
+        self.unwarn("cannot persist the state")
+        if warning:
+            self.warn(warning)
+            self.log("state_file_corrupt", level="error", message=warning)
+            self.incident({"at": utcnow().isoformat(), "what": warning})
+
+    def stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.store.path, follow_symlinks=False)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def verify_state(self) -> None:
+        """state.json changed behind the daemon's back (a stat per pass): read it again, so that
+        a file that stopped parsing is moved aside, recorded and rewritten from memory now,
+        not found at the next restart (which would start from defaults)."""
+        if self.unsaved_state:
+            return
+        now = self.stamp()
+        if now is None and self.saved_stamp is not None:
+            # Deleted behind the daemon's back: a read would give the defaults (production).
+            saved, what = self.saved, f"{self.store.path} disappeared while the daemon ran"
+            self.persist(lambda _missing: saved)
+            self.warn(f"{what}; rewritten from the daemon's state in memory")
+            self.log("state_file_missing", level="error", message=what)
+            self.incident({"at": utcnow().isoformat(), "what": what})
+        elif now != self.saved_stamp:
+            self.persist(lambda st: st)
+
+    def _unsaved(self, file: str, message: str) -> None:
+        self.log("persist_failed", level="error", file=file, message=message)
+        if self.metrics:
+            self.metrics.persist_failures.labels(file).inc()
+        self.warn(message)
+        if file == "state.json":
+            self.unsaved_state = True
+
+    def record(self, kind: str, record: TeardownReport | dict[str, Any]) -> None:
+        """Append to history.jsonl; a record that cannot be written is kept and appended at
+        the next pass (up to MAX_PENDING; older ones are counted as lost in the log)."""
+        self.pending.append((kind, record))
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what could not be written: the state, then pending history records in order."""
+        if self.unsaved_state:
+            saved = self.saved
+            self.persist(lambda _on_disk: saved)
+        while self.pending:
+            kind, record = self.pending[0]
+            try:
+                st = self.config.state
+                history.append(
+                    st.dir, kind, record, int(st.history_max_mb * 2**20), st.history_keep
+                )
+            except (StateError, OSError) as e:
+                if len(self.pending) > MAX_PENDING:
+                    dropped = self.pending.popleft()
+                    self.log("history_record_lost", level="error", kind=dropped[0])
+                self._unsaved("history.jsonl", f"cannot append to the history, kept: {e}")
+                return
+            self.pending.popleft()
+            self.unwarn("cannot append to the history")
+
+    def persist_transition(self) -> None:
+        tr = self.s.transition
+        self.persist(lambda st: with_transition(st, tr))
+
+    def desire(self, mode: Mode, by: str, must: bool = False) -> None:
+        """Persist the desired mode: always before anything is torn down for it (`must`: an
+        operator's request, refused with StateError if it cannot be persisted)."""
+        self.persist(lambda st: with_desired(st, mode, by), must)
+        if mode is not self.s.desired:
+            self.log(
+                "desired_mode_changed", previous=self.s.desired.value, desired=mode.value, by=by
+            )
+        self.s.desired = mode
+        self.publish()
+
+    def event(self, name: str, data: dict[str, Any] | None = None) -> None:
+        tid = self.s.transition.id if self.s.transition else None
+        self.bus.publish(Event(event=name, at=utcnow(), transition=tid, data=data or {}))
+
+    def incident(self, record: dict[str, Any]) -> None:
+        self.record("incident", record)
+
+    def warn(self, message: str) -> None:
+        """Logged once while it lasts (a failing read repeats every tick); shown in status."""
+        w = self.s.warnings
+        if message not in w:
+            self.log("warning", level="warning", message=message)
+            w.append(message)
+            del w[:-10]
+
+    def unwarn(self, prefix: str) -> None:
+        self.s.warnings = [w for w in self.s.warnings if not w.startswith(prefix)]
+
+    def estimate_load(self, mode: Mode, argv: list[str]) -> tuple[Estimate | None, str]:
+        """What the past loads of `mode` with this argv predict, and the argv's key."""
+        key = argv_key(argv)
+        try:
+            records = history.read(self.config.state.dir, 1000)
+        except OSError:
+            return None, key
+        return estimate(records, mode.value, key), key

@@ -1,0 +1,392 @@
+"""The daemon's loop: one thread that owns vLLM's unit and the GPUs.
+
+    wait for a message or a deadline -> handle it -> observe -> reconcile.decide -> act
+                                     -> persist -> publish
+
+What wakes it (loop/inbox.py, loop/wakeup.py): a request (connection threads and
+signal handlers put typed messages in its inbox and ring its doorbell), the teardown job's
+progress and end, the exit of the vLLM MainPID it serves (a pidfd), or a deadline: the next
+/health poll while vLLM loads, a backoff or a STUCK retry falling due, timed profile mode's end,
+the unit's periodic read (`tick_s`, for what nothing can wake it for), and the watchdog.
+
+Only this thread changes the loop state (loop/loopstate.py). A teardown runs on a job
+thread and reports back through the inbox; while it runs, requests are answered (status from
+the published snapshot, switches joined, refused or accepted as the next intent) and nothing
+else is decided. Nothing here calls itself: each message is handled to its end, then the loop
+waits again.
+
+The desired mode is persisted before anything is torn down; the transition in progress is
+persisted with its step, so a daemon that dies mid-switch redoes it from the start of the
+teardown (every step is idempotent), and a daemon that dies mid-load waits for that load.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from kimi_supervisor.config import Config
+from kimi_supervisor.decide.reconcile import Observed, decide
+from kimi_supervisor.loop import boot
+from kimi_supervisor.loop.admission import Desk
+from kimi_supervisor.loop.context import Context, Log
+from kimi_supervisor.loop.events import EventBus
+from kimi_supervisor.loop.inbox import (
+    CaptureDone,
+    CaptureStart,
+    CaptureStop,
+    Inbox,
+    JobDone,
+    JobEvent,
+    MainExited,
+    Message,
+    Reexec,
+    Request,
+    Stop,
+    Switch,
+)
+from kimi_supervisor.loop.publish import build, status_line
+from kimi_supervisor.loop.transitions import Lifecycle
+from kimi_supervisor.loop.wakeup import Wakeup
+from kimi_supervisor.messages import Reply
+from kimi_supervisor.model import Mode, State, utcnow
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import Clock, SystemClock
+from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
+from kimi_supervisor.ports.metrics import Metrics
+from kimi_supervisor.ports.notify import Notifier
+from kimi_supervisor.ports.output import OutputPort
+from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
+from kimi_supervisor.status import Status
+from kimi_supervisor.store.state import StateStore
+
+# After vLLM's MainPID exits, how long to wait for systemd to reflect it before acting, and how
+# often to look meanwhile (the loop's passes; it never sleeps on its thread).
+MAIN_EXIT_SETTLE_S = 0.5
+MAIN_EXIT_POLL_S = 0.01
+
+
+class Daemon:
+    def __init__(
+        self,
+        config: Config,
+        systemd: SystemdPort,
+        gpu: GpuPort,
+        output: OutputPort,
+        notifier: Notifier,
+        log: Log,
+        clock: Clock | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.bus = EventBus()
+        self.wakeup = Wakeup()
+        self.inbox = Inbox(self.wakeup.ring)
+        self.ctx = ctx = Context(
+            config,
+            systemd,
+            gpu,
+            output,
+            notifier,
+            log,
+            clock or SystemClock(),
+            metrics,
+            StateStore(config.state.dir),
+            self.bus,
+            publish=self._publish,
+        )
+        self.s = ctx.s
+        self.desk = Desk(ctx, self.inbox.put)
+        self.life = Lifecycle(ctx, self.inbox.put)
+        self.started_at = utcnow()
+        self.heartbeat = ctx.clock.monotonic()
+        self._last_watchdog = 0.0
+        self._last_line = ""
+        self._uuids: dict[int, str] = {}
+        self._status_lock = threading.Lock()
+        self._status: Status | None = None
+        self._next_step = 0.0  # the regular pass (monotonic)
+        self._last_step = float("-inf")  # when the last pass began
+        self._exited: tuple[int, float] | None = None  # a MainPID's exit systemd has yet to see
+        self._publish()  # a status asked for before boot has begun is complete, too
+
+    # ---------------------------------------------------------------- asking the loop
+    def ask(self, request: Message) -> None:
+        """From any thread: hand a request to the loop, which answers through its `reply`."""
+        self.inbox.put(request)
+
+    def request_from_signal(self, kind: str) -> None:
+        self.inbox.put(Stop() if kind == "stop" else Reexec())
+
+    @property
+    def stop_requested(self) -> bool:
+        return self.s.stop_requested
+
+    @property
+    def reexec_requested(self) -> bool:
+        return self.s.reexec_requested
+
+    # ---------------------------------------------------------------- status
+    def snapshot(self) -> dict[str, Any]:
+        """The last published status, with its ages as of now (any thread)."""
+        with self._status_lock:
+            st = self._status
+        assert st is not None
+        now = self.ctx.clock.monotonic()
+        gpus_at, until = self.ctx.observer.gpus_at, self.s.profile_until
+        capture = self.s.capture
+        update = {
+            "daemon": st.daemon.model_copy(
+                update={"loop_heartbeat_age_s": round(now - self.heartbeat, 3)}
+            ),
+            "gpus_age_s": round(now - gpus_at, 1) if gpus_at is not None else None,
+            "profile_left_s": (
+                max(round((until - utcnow()).total_seconds()), 0) if until is not None else None
+            ),
+            "capture": capture.describe() if capture is not None else None,
+        }
+        return st.model_copy(update=update).model_dump(mode="json")
+
+    def _publish(self) -> None:
+        ctx, s = self.ctx, self.s
+        st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at)
+        with self._status_lock:
+            self._status = st
+        if st.status_line != self._last_line:
+            self._last_line = st.status_line
+            ctx.notifier.status(st.status_line)
+        m = ctx.metrics
+        if m:
+            m.set_modes(s.desired, s.serving.mode if s.serving else None)
+            m.set_state(s.state.value, [x.value for x in State])
+            for g in st.gpus:
+                m.set_gpu(g.index, self._uuid(g.index), g.used_mib, g.baseline_mib)
+            m.start_eta.set(st.eta["remaining_s"] if st.eta else 0)
+
+    def _uuid(self, index: int) -> str:
+        """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
+        there: asked again on the next publish)."""
+        if index not in self._uuids:
+            try:
+                self._uuids[index] = self.ctx.gpu.uuid(index)
+            except GpuUnavailable:
+                return ""
+        return self._uuids[index]
+
+    # ---------------------------------------------------------------- boot
+    def boot(self) -> None:
+        """Read the persisted state (the loop then waits for the driver, and observes)."""
+        boot.load_state(self.ctx)
+        self.desk.check_expiry()
+        self._publish()
+
+    def _driver_up(self) -> bool:
+        """BOOTING: once NVML answers (boot.driver_up), the first observation and READY=1."""
+        ctx, s = self.ctx, self.s
+        if not boot.driver_up(ctx):
+            return False
+        s.observed = self._observe()
+        self._publish()
+        ctx.notifier.ready(status_line(s, ctx.clock.monotonic()))
+        unit = s.observed.describe_unit() if s.observed else "unknown"
+        ctx.log("ready", desired=s.desired.value, state=s.state.value, unit=unit)
+        return True
+
+    # ---------------------------------------------------------------- the loop
+    def loop(self) -> None:
+        """Until a re-exec is asked for, or a stop has torn down (`stopped_clean` is set)."""
+        s, clock = self.s, self.ctx.clock
+        while True:
+            # One message at a time, each followed by a pass if it made one due: a switch
+            # accepted is begun before the next request is admitted (which then joins it).
+            msg = self.inbox.take()
+            if msg is not None:
+                self._handle(msg)
+            if s.stopped_clean is not None:
+                return
+            if s.reexec_requested and not s.stop_requested and not s.busy:
+                self.ctx.verify_state()  # the new image must read what this one knows
+                return
+            if not s.busy:
+                if s.stop_requested and s.state is not State.STOPPING:
+                    self.life.begin_shutdown()
+                elif s.state is not State.STOPPING and clock.monotonic() >= self._step_due():
+                    self._last_step = clock.monotonic()
+                    self._step()
+                    self._next_step = clock.monotonic() + self._interval()
+            self._publish()
+            watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
+            self.wakeup.watch(watch)
+            exited = self.wakeup.wait(0.0 if len(self.inbox) else self._timeout())
+            self._feed_watchdog()
+            if exited:
+                self.inbox.put(MainExited(exited))
+
+    def _interval(self) -> float:
+        d = self.config.daemon
+        if self._exited is not None:
+            return MAIN_EXIT_POLL_S
+        return d.start_poll_s if self.s.state is State.STARTING else d.tick_s
+
+    def _step_due(self) -> float:
+        """When the next pass falls due (monotonic): the regular one, or earlier for a backoff
+        or STUCK retry, the driver's next try, or timed profile mode's end. A deadline already
+        passed at the last pass was handled there (or cannot be acted on yet: a retry held for a
+        capture's flush), so it does not make the loop spin."""
+        s, now = self.s, self.ctx.clock.monotonic()
+        early = []
+        if s.next_attempt_at is not None and s.state in (State.BACKOFF, State.STUCK):
+            early.append(s.next_attempt_at)
+        if not s.driver_ready:
+            early.append(s.driver_retry_at)
+        if s.profile_until is not None and s.desired is Mode.PROFILE:
+            early.append(now + (s.profile_until - utcnow()).total_seconds())
+        return min([self._next_step, *(t for t in early if t > self._last_step)])
+
+    def _timeout(self) -> float:
+        """Until the step falls due, or half the watchdog interval (a teardown's job and any
+        request ring the doorbell)."""
+        now = self.ctx.clock.monotonic()
+        interval = self.ctx.notifier.watchdog_interval_s
+        due = now + self.config.daemon.tick_s if self.s.busy else self._step_due()
+        if interval:
+            due = min(due, now + interval / 2)
+        return max(due - now, 0.0)
+
+    def _feed_watchdog(self) -> None:
+        now = self.ctx.clock.monotonic()
+        self.heartbeat = now
+        interval = self.ctx.notifier.watchdog_interval_s
+        if interval and now - self._last_watchdog >= interval / 2:
+            self.ctx.notifier.watchdog()
+            self._last_watchdog = now
+
+    def _handle(self, msg: Message) -> None:
+        """One message, handled to its end."""
+        try:
+            reply = self._dispatch(msg)
+        except Exception as e:  # never let one bad message take the loop down
+            self.ctx.log("command_failed", level="error", kind=type(msg).__name__, error=repr(e))
+            reply = Reply(ok=False, code="internal", message=f"internal error: {e}")
+        if isinstance(msg, Request):
+            msg.answer(reply)
+
+    def _dispatch(self, msg: Message) -> Reply:
+        s, ok = self.s, Reply(ok=True, code="accepted")
+        match msg:
+            case Switch():
+                reply = self.desk.switch(msg)
+                if reply.code == "accepted":
+                    self._next_step = 0.0  # act on it now (or when the teardown ends)
+                return reply
+            case Stop() if why := self._stop_without_teardown():
+                # `systemctl restart kimi-supervisor` (an upgrade reflex) must not cost a model
+                # load: the next daemon adopts vLLM, as after a crash. At a system shutdown
+                # systemd stops vLLM itself, gracefully, once this daemon has exited.
+                self.ctx.log("exiting_without_teardown", message=why)
+                s.stopped_clean = True
+                return ok.model_copy(update={"message": why})
+            case Stop():
+                s.stop_requested = True
+                return ok.model_copy(update={"message": "stopping"})
+            case Reexec():
+                s.reexec_requested = True
+                return ok.model_copy(update={"message": "re-executing"})
+            case CaptureStart():
+                return self.desk.capture_start(msg)
+            case CaptureStop():
+                return self.desk.capture_stop(msg)
+            case CaptureDone(capture=c):
+                self.desk.capture_done(c)
+                self._next_step = 0.0
+            case JobEvent():
+                self.life.jobs.apply(msg)
+            case JobDone():
+                self.life.job_done(msg)
+                self._next_step = 0.0
+            case MainExited(pid=pid):
+                self._main_exited(pid)
+                self._next_step = 0.0
+        return ok
+
+    def _stop_without_teardown(self) -> str:
+        """Why this SIGTERM must not tear vLLM down ("" if it must): the stop half of a restart
+        job for the daemon's own unit, or the system going down (a job for shutdown.target)."""
+        try:
+            jobs = self.ctx.systemd.jobs()
+        except SystemdError:
+            return ""
+        unit = processes.unit_of(os.getpid())
+        if unit and jobs.get(unit) == "restart":
+            return "restarting: vLLM keeps running and is adopted by the next daemon"
+        if jobs.get("shutdown.target") == "start":
+            return "the system is shutting down: systemd stops vLLM after this daemon"
+        return ""
+
+    def _step(self) -> None:
+        """Observe, decide, act: only while no teardown runs."""
+        s, life = self.s, self.life
+        self.ctx.flush()  # what a full disk kept from being written
+        self.ctx.verify_state()
+        if not s.driver_ready and (
+            self.ctx.clock.monotonic() < s.driver_retry_at or not self._driver_up()
+        ):
+            return
+        if self._exited is not None and not self._exit_seen():
+            return
+        if s.state is State.STARTING:
+            life.follow_output()
+        self.desk.check_expiry()
+        obs = s.observed = self._observe()
+        if obs is None:
+            return
+        if s.state is State.STARTING and obs.unit_up:
+            found = self.ctx.observer.intruders(obs.main_pid)
+            if found:
+                life.intrusion(found)
+                return
+        capture = s.capture is not None
+        grace = self.config.daemon.health_grace_s
+        now = self.ctx.clock.monotonic()
+        action = decide(s.desired, s.memory(), obs, now, grace, s.intent, capture)
+        life.act(action, obs)
+
+    def _observe(self) -> Observed | None:
+        s = self.s
+        serving = s.serving.pid if s.serving and s.state is State.SERVING else 0
+        starting = s.state is State.STARTING
+        obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting)
+        if obs is not None:
+            now = self.ctx.clock.monotonic()
+            if obs.healthy or not obs.unit_up:
+                s.unhealthy_since = None
+            elif s.unhealthy_since is None:
+                s.unhealthy_since = now
+        return obs
+
+    def _main_exited(self, pid: int) -> None:
+        """vLLM's MainPID exited (its pidfd said so). Told at once; then the passes that follow
+        wait, MAIN_EXIT_POLL_S apart, until systemd has seen it too (at most
+        MAIN_EXIT_SETTLE_S), so that the pass that decides observes the death instead of a unit
+        that still names the dead MainPID. The loop goes on answering meanwhile."""
+        ctx = self.ctx
+        ctx.log("vllm_main_exited", level="warning", main_pid=pid)
+        ctx.event("vllm_main_exited", {"main_pid": pid})
+        ctx.observer.forget_health()
+        self._exited = (pid, ctx.clock.monotonic() + MAIN_EXIT_SETTLE_S)
+
+    def _exit_seen(self) -> bool:
+        """Whether systemd has seen the MainPID's exit (or no longer answers, or the settle time
+        is over); until then a pass decides nothing."""
+        assert self._exited is not None
+        ctx, (pid, deadline) = self.ctx, self._exited
+        try:
+            st = ctx.systemd.status(ctx.unit)
+            seen = st.main_pid != pid or not st.up
+        except SystemdError:
+            seen = True
+        if seen or ctx.clock.monotonic() >= deadline:
+            self._exited = None
+            return True
+        return False

@@ -1,0 +1,114 @@
+"""The teardown job: a teardown (teardown/escalation.py) run on a thread of its own, which changes
+nothing the loop owns. Its progress (`JobEvent`) and its end (`JobDone`) come back through the
+inbox, and the loop applies them here: the step persisted in the transition, the GPU readings
+shown in status, the events to the bus, the log and the metrics, and the report recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kimi_supervisor.config import Config
+from kimi_supervisor.decide.policy import Purpose
+from kimi_supervisor.loop import boot
+from kimi_supervisor.loop.context import Context
+from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message
+from kimi_supervisor.loop.loopstate import Job
+from kimi_supervisor.model import Outcome, TeardownReport, utcnow
+from kimi_supervisor.teardown.escalation import Teardown
+
+
+def shutdown_budget_s(config: Config) -> float:
+    """How long one shutdown teardown may take (asked of systemd with EXTEND_TIMEOUT_USEC)."""
+    t = config.teardown
+    return (
+        t.term_grace_s
+        + t.cgroup_kill_timeout_s
+        + t.strays_timeout_s
+        + t.holders_timeout_s
+        + t.release_timeout_s
+        + 30
+    )
+
+
+class Jobs:
+    def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
+        self.ctx = ctx
+        self.s = ctx.s
+        self._put = put
+
+    def run(
+        self,
+        purpose: Purpose,
+        reason: str,
+        detail: dict[str, Any] | None = None,
+        cause: str = "",
+        attempt: int = 1,
+    ) -> None:
+        """Start a teardown on the job thread; its JobDone comes back through the inbox."""
+        s, ctx = self.s, self.ctx
+        if not s.baselines:
+            boot.resolve_baseline(ctx)
+        s.job = Job(purpose.value, reason, detail or {}, attempt, cause)
+        put = self._put
+        td = Teardown(
+            ctx.config,
+            ctx.systemd,
+            ctx.gpu,
+            ctx.clock,
+            dict(s.baselines),
+            on_event=lambda kind, data: put(JobEvent(kind, data)),
+            in_daemon=True,
+        )
+
+        def run() -> None:
+            try:
+                put(JobDone(td.run()))
+            except BaseException as e:  # reported to the loop, which decides
+                put(JobDone(None, e))
+
+        threading.Thread(target=run, name="teardown", daemon=True).start()
+
+    def apply(self, e: JobEvent) -> None:
+        s, ctx = self.s, self.ctx
+        tid = s.transition.id if s.transition else None
+        ctx.log(e.kind, transition=tid, **e.data)
+        if e.kind == "step_started" and s.transition is not None:
+            s.transition = s.transition.model_copy(
+                update={"step": f"teardown:{e.data['step']}", "step_changed_at": utcnow()}
+            )
+            ctx.persist_transition()
+        if e.kind == "gpus":
+            ctx.observer.gpus_from_teardown(e.data["devices"])
+        if e.kind == "kill" and e.data.get("signal") == "SIGKILL" and ctx.metrics:
+            ctx.metrics.kills.labels(e.data.get("step", ""), e.data.get("evidence", "")).inc()
+        if e.kind == "spared" and ctx.metrics:
+            ctx.metrics.spared.inc()
+        ctx.event(e.kind, e.data)
+        ctx.publish()
+
+    def finish(self, done: JobDone) -> tuple[Job, TeardownReport, bool]:
+        """The teardown's end, recorded (history, metrics, status); what policy reads next."""
+        s, ctx = self.s, self.ctx
+        job, s.job = s.job, None
+        assert job is not None
+        report = done.report
+        if report is None:
+            ctx.log("teardown_crashed", level="error", error=repr(done.error))
+            report = TeardownReport(unit=ctx.unit, started_at=utcnow(), outcome=Outcome.STUCK)
+            report.diagnosis = f"the teardown failed with an internal error: {done.error!r}"
+            report.next_action = "see `journalctl -u kimi-supervisor`, then retry the switch"
+        s.last_teardown = report
+        tid = s.transition.id if s.transition else None
+        body = report.model_dump(mode="json") | {"transition": tid, "reason": job.reason}
+        ctx.record("teardown", body)
+        if ctx.metrics:
+            ctx.metrics.teardown_seconds.labels(report.outcome.value).observe(report.duration_s)
+        clean = report.outcome is Outcome.CLEAN
+        if clean and s.baseline_provisional:
+            boot.resolve_baseline(ctx)
+        ctx.observer.sample(s.indices, s.baselines)
+        ctx.publish()
+        return job, report, clean

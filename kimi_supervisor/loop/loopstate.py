@@ -1,0 +1,107 @@
+"""The daemon's loop state: everything it remembers between wake-ups, in one place.
+
+Only the loop thread writes it. Connection threads never read it: they read the status the loop
+publishes (kimi_supervisor/loop/publish.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from kimi_supervisor.decide.eta import Estimate
+from kimi_supervisor.decide.progress import Progress
+from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
+from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
+from kimi_supervisor.store.state import TransitionRecord
+
+if TYPE_CHECKING:
+    from kimi_supervisor.capture.job import Capture
+
+
+@dataclass(frozen=True)
+class Serving:
+    mode: Mode
+    pid: int
+    since: datetime
+
+
+@dataclass
+class Job:
+    """A teardown running on the job thread, and what follows it (policy.after_teardown)."""
+
+    purpose: str  # policy.Purpose value
+    reason: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    attempt: int = 1
+    cause: str = ""  # what went wrong, for the failure that may follow
+
+
+@dataclass
+class LoopState:
+    state: State = State.BOOTING
+    state_since: datetime = field(default_factory=utcnow)
+    desired: Mode = Mode.PRODUCTION
+    profile_until: datetime | None = None
+    # The switch in progress, and one found persisted at boot (redone or resumed).
+    transition: TransitionRecord | None = None
+    interrupted: TransitionRecord | None = None
+    inherited_id: str = ""  # the transition found persisted at boot (it may be recorded already)
+    intent: Intent | None = None
+    job: Job | None = None
+    serving: Serving | None = None
+    # Monotonic deadlines.
+    start_deadline: float | None = None
+    next_attempt_at: float | None = None
+    unhealthy_since: float | None = None
+    driver_retry_at: float = 0.0
+    driver_retry_s: float = 0.5
+    failures: tuple[float, ...] = ()
+    stuck_retries: int = 0
+    progress: Progress = field(default_factory=Progress)
+    # The load under way: when it began (monotonic), what past loads of the same mode and argv
+    # predict (eta.py), and that argv's key, recorded with the transition when it is ready.
+    load_started: float | None = None
+    eta: Estimate | None = None
+    load_key: str = ""
+    observed: Observed | None = None
+    driver_ready: bool = False
+    indices: list[int] = field(default_factory=list)
+    baselines: dict[int, int] = field(default_factory=dict)
+    baseline_provisional: bool = False
+    last_teardown: TeardownReport | None = None
+    last_intrusion: dict[str, Any] | None = None
+    capture: Capture | None = None
+    warnings: list[str] = field(default_factory=list)
+    stop_requested: bool = False
+    reexec_requested: bool = False
+    stopped_clean: bool | None = None  # set when the shutdown teardown has ended
+
+    def eta_text(self, now: float) -> str | None:
+        if self.eta is None or self.load_started is None:
+            return None
+        return self.eta.describe(now - self.load_started)
+
+    def finish_load(self, now: float) -> dict[str, Any]:
+        """The load that just became ready, as its transition records it (nothing for a vLLM
+        adopted already loading or ready: its start was not seen)."""
+        load: dict[str, Any] = {}
+        if self.load_started is not None:
+            load = {"load_s": round(now - self.load_started, 1), "argv_key": self.load_key}
+        self.load_started, self.eta = None, None
+        return load
+
+    @property
+    def busy(self) -> bool:
+        """A teardown runs: the loop answers requests but observes and decides nothing."""
+        return self.job is not None
+
+    def memory(self) -> Memory:
+        return Memory(
+            state=self.state,
+            serving_pid=self.serving.pid if self.serving else 0,
+            start_deadline=self.start_deadline,
+            next_attempt_at=self.next_attempt_at,
+            unhealthy_since=self.unhealthy_since,
+        )

@@ -1,0 +1,186 @@
+"""What the loop sees: vLLM's unit, its /health, the mode its MainPID runs, and the GPUs.
+
+Each read costs something (a D-Bus call, an HTTP request, NVML), so the expensive ones are
+reused while nothing suggests a change: while the same MainPID serves, /health and the GPUs are
+read every `health_interval_s`, and a MainPID's mode is read once (its argv does not change).
+Everything here is read-only towards the world; warnings go back to the caller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kimi_supervisor.config import Config
+from kimi_supervisor.decide.reconcile import Observed
+from kimi_supervisor.loop import intrusion
+from kimi_supervisor.loop.intrusion import Intruder
+from kimi_supervisor.model import Mode
+from kimi_supervisor.ports import launcher, processes
+from kimi_supervisor.ports.clock import Clock
+from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
+from kimi_supervisor.ports.http import request as http_request
+from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
+from kimi_supervisor.status import GpuStatus, Holder
+
+# Without a stored baseline (state lost while vLLM ran), teardowns judge "clean" against this
+# until the GPUs are next seen idle and calibrated. An idle H200 with persistence mode reads
+# 615 MiB; the status shows the baseline as provisional meanwhile.
+PROVISIONAL_BASELINE_MIB = 1024
+
+
+@dataclass
+class Observer:
+    config: Config
+    systemd: SystemdPort
+    gpu: GpuPort
+    clock: Clock
+    warn: Callable[[str], None]
+    unwarn: Callable[[str], None]
+    gpus: list[GpuStatus] = field(default_factory=list)
+    gpus_at: float | None = None  # when the GPUs were last sampled (monotonic)
+
+    def __post_init__(self) -> None:
+        self.unit = self.config.service.unit
+        self._mode_of_pid: tuple[int, Mode | None] = (0, None)
+        self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
+        self._listed: dict[int, list[int]] = {}  # GPU -> PIDs NVML listed at the last sample
+        self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
+        self._titles: dict[int, str] = {}
+
+    def observe(
+        self,
+        serving_pid: int,
+        indices: list[int],
+        baselines: dict[int, int],
+        starting: bool = False,
+    ) -> Observed | None:
+        """The unit, its /health and the GPUs. `serving_pid`: the MainPID the loop serves (0:
+        none); while it is the unit's MainPID, /health and the GPUs are reused for a while.
+        `starting`: the loop started the unit; a unit not up yet is then asked for its job."""
+        job = ""
+        if starting:
+            # Read before the unit's state: a start job seen here and a unit still inactive
+            # below means the job is queued (or has just ended, which the next pass sees).
+            try:
+                job = self.systemd.jobs().get(self.unit, "")
+            except SystemdError:
+                job = ""
+        try:
+            st = self.systemd.status(self.unit)
+        except SystemdError as e:
+            self.warn(f"cannot read {self.unit}: {e}")
+            return None
+        self.unwarn(f"cannot read {self.unit}")
+        up = st.up
+        steady = serving_pid != 0 and st.main_pid == serving_pid
+        mode = self._running_mode(st.main_pid) if up else None
+        health = self._probe_health(st.main_pid, steady) if up else -1
+        fresh = self.gpus_at is not None and (
+            self.clock.monotonic() - self.gpus_at < self.config.daemon.health_interval_s
+        )
+        if steady and fresh:
+            clean = all(g.clean for g in self.gpus)
+        else:
+            clean = self.sample(indices, baselines)
+        return Observed(
+            active_state=st.active_state,
+            sub_state=st.sub_state,
+            main_pid=st.main_pid,
+            running_mode=mode,
+            health=health,
+            gpus_clean=clean,
+            result=st.result,
+            exec_main_status=st.exec_main_status,
+            job=job,
+        )
+
+    def forget_health(self) -> None:
+        """vLLM's MainPID exited: the last /health answer says nothing any more."""
+        self._health = (-1, 0.0)
+
+    def _probe_health(self, main_pid: int, steady: bool) -> int:
+        """GET /health; while serving the same MainPID, at most every health_interval_s."""
+        d, now = self.config.daemon, self.clock.monotonic()
+        last, at = self._health
+        if steady and last != -1 and now - at < d.health_interval_s:
+            return last
+        status = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s).status
+        self._health = (status, now)
+        return status
+
+    def _running_mode(self, main_pid: int) -> Mode | None:
+        """The mode MainPID was started in; read once per MainPID (its argv does not change)."""
+        if self._mode_of_pid[0] != main_pid or self._mode_of_pid[1] is None:
+            self._mode_of_pid = (main_pid, launcher.running_mode(self.config, main_pid))
+        return self._mode_of_pid[1]
+
+    def _title(self, pid: int) -> str:
+        if pid not in self._titles:
+            self._titles[pid] = title(pid)
+        return self._titles[pid]
+
+    def sample(self, indices: list[int], baselines: dict[int, int]) -> bool:
+        """Read the GPUs now; True if every one is at its baseline with nothing listed."""
+        try:
+            samples = self.gpu.sample(indices)
+        except GpuUnavailable as e:
+            self.warn(f"cannot read the GPUs: {e}")
+            return False
+        self.unwarn("cannot read the GPUs")
+        self.gpus_at = self.clock.monotonic()
+        self._listed = {s.index: [p.pid for p in s.processes] for s in samples}
+        holders = {p.pid for s in samples for p in s.processes}
+        self._titles = {pid: t for pid, t in self._titles.items() if pid in holders}
+        self.gpus = [
+            GpuStatus(
+                index=s.index,
+                used_mib=s.used_mib,
+                baseline_mib=baselines.get(s.index, PROVISIONAL_BASELINE_MIB),
+                tolerance_mib=self.config.gpus.tolerance_mib,
+                total_mib=s.total_mib,
+                holders=[
+                    Holder(pid=p.pid, name=self._title(p.pid), used_mib=p.used_mib)
+                    for p in s.processes
+                ],
+            )
+            for s in samples
+        ]
+        return all(g.clean for g in self.gpus)
+
+    def gpus_from_teardown(self, devices: list[dict[str, object]]) -> None:
+        """The teardown's readings (its drain events) stand in for the loop's own."""
+        tol = self.config.gpus.tolerance_mib
+        self.gpus = [
+            GpuStatus(
+                index=int(d["index"]),  # type: ignore[call-overload]
+                used_mib=int(d["used_mib"]),  # type: ignore[call-overload]
+                baseline_mib=int(d["baseline_mib"]),  # type: ignore[call-overload]
+                tolerance_mib=tol,
+                holders=[
+                    Holder(pid=p, name=self._title(p))
+                    for p in d["processes"]  # type: ignore[attr-defined]
+                ],
+            )
+            for d in devices
+        ]
+        self.gpus_at = self.clock.monotonic()
+
+    def intruders(self, main_pid: int) -> list[Intruder]:
+        """While vLLM loads: live processes outside its unit and its tree that NVML listed on a
+        managed GPU at the last sample."""
+        if all(pid in self._unit_pids for pids in self._listed.values() for pid in pids):
+            return []
+        try:
+            self._unit_pids = set(self.systemd.cgroup_pids(self.unit))
+        except SystemdError:
+            return []
+        if main_pid:  # vLLM's own tree is vLLM's, even where a child left the unit's cgroup
+            self._unit_pids |= {main_pid, *processes.descendants(main_pid)}
+        paths = {i: self.gpu.device_path(i) for i in self._listed}
+        return intrusion.foreign(self._listed, self._unit_pids, paths)
+
+
+def title(pid: int) -> str:
+    """What an operator recognises a process by: its (possibly retitled) command line."""
+    return " ".join(processes.cmdline_of(pid))[:48] or processes.comm_of(pid)

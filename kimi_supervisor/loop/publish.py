@@ -1,0 +1,125 @@
+"""The status the loop publishes after each pass, built in one place from the loop state (the
+models are plain data in kimi_supervisor/status.py), and its one-line summary.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from kimi_supervisor.model import State, TeardownReport
+from kimi_supervisor.status import DaemonInfo, GpuStatus, ProgressStatus, Status, UnitStatus
+
+if TYPE_CHECKING:
+    from kimi_supervisor.loop.loopstate import LoopState
+
+
+def status_line(s: LoopState, now: float) -> str:
+    """One line: sd_notify's STATUS=, the first line of `kimi-mode status`."""
+    tr = s.transition
+    if s.state is State.SERVING and s.serving:
+        return f"{s.serving.mode.value}: serving (vLLM PID {s.serving.pid})"
+    if s.state is State.TEARING_DOWN and tr:
+        return f"switching to {tr.target.value}: {tr.step}"
+    if s.state is State.STARTING and tr:
+        eta = s.eta_text(now)
+        return f"switching to {tr.target.value}: {s.progress.describe()}" + (
+            f"; {eta}" if eta else ""
+        )
+    if s.state in (State.BACKOFF, State.STUCK) and s.next_attempt_at is not None:
+        wait = max(s.next_attempt_at - now, 0)
+        return f"{s.state.value.upper()}: retrying {s.desired.value} in {wait:.0f} s"
+    if s.state is State.FAILED:
+        return f"FAILED: {s.desired.value} gave up; `kimi-mode {s.desired.value}` retries"
+    return s.state.value
+
+
+def build(
+    s: LoopState, unit: str, gpus: list[GpuStatus], now: float, started_at: datetime
+) -> Status:
+    obs, tr = s.observed, s.transition
+    waiting = s.next_attempt_at is not None and s.state in (State.BACKOFF, State.STUCK)
+    eta = None
+    if s.state is State.STARTING and s.eta is not None and s.load_started is not None:
+        elapsed = now - s.load_started
+        eta = {
+            "expected_s": round(s.eta.expected_s, 1),
+            "remaining_s": round(s.eta.remaining_s(elapsed), 1),
+            "elapsed_s": round(elapsed, 1),
+            "past_loads": s.eta.past,
+            "slower_than_past": s.eta.slower(elapsed),
+            "text": s.eta.describe(elapsed),
+        }
+    return Status(
+        eta=eta,
+        desired_mode=s.desired.value,
+        mode=s.serving.mode.value if s.serving else None,
+        state=s.state.value,
+        state_since=s.state_since.isoformat(),
+        status_line=status_line(s, now),
+        mode_since=s.serving.since.isoformat() if s.serving else None,
+        transition=tr.model_dump(mode="json") if tr else None,
+        progress=(
+            ProgressStatus(
+                phase=s.progress.phase, percent=s.progress.percent, text=s.progress.describe()
+            )
+            if s.state is State.STARTING
+            else None
+        ),
+        unit=UnitStatus(
+            name=unit,
+            active_state=obs.active_state if obs else "unknown",
+            sub_state=obs.sub_state if obs else "unknown",
+            main_pid=obs.main_pid if obs else 0,
+            running_mode=obs.running_mode.value if obs and obs.running_mode else None,
+            health=obs.health if obs else -1,
+        ),
+        gpus=gpus,
+        baseline_provisional=s.baseline_provisional,
+        last_teardown=teardown_summary(s.last_teardown) if s.last_teardown else None,
+        failures_in_window=len(s.failures),
+        next_attempt_in_s=(
+            round(max(s.next_attempt_at - now, 0.0), 1)
+            if waiting and s.next_attempt_at is not None
+            else None
+        ),
+        warnings=list(s.warnings),
+        last_intrusion=s.last_intrusion,
+        profile_until=s.profile_until.isoformat() if s.profile_until else None,
+        capture=s.capture.describe() if s.capture else None,
+        daemon=DaemonInfo(pid=os.getpid(), started_at=started_at.isoformat()),
+    )
+
+
+def teardown_summary(r: TeardownReport) -> dict[str, Any]:
+    return {
+        "outcome": r.outcome.value,
+        "started_at": r.started_at.isoformat(),
+        "duration_s": round(r.duration_s, 3),
+        "kills": [
+            {
+                "pid": k.process.pid,
+                "comm": k.process.comm,
+                "cmdline": " ".join(k.process.cmdline)[:200],
+                "step": k.step.value,
+                "evidence": k.evidence.value,
+                "result": k.result,
+            }
+            for k in r.kills
+            if k.signal == "SIGKILL"
+        ],
+        "diagnosis": r.diagnosis,
+        "next_action": r.next_action,
+        "remaining": [
+            {
+                "pid": h.process.pid,
+                "name": " ".join(h.process.cmdline)[:80] or h.process.comm,
+                "role": h.role.value,
+                "devices": h.devices,
+                "why": h.why,
+                "check": h.check,
+            }
+            for h in r.remaining
+        ],
+    }

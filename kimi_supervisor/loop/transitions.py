@@ -1,0 +1,396 @@
+"""The lifecycle actions: what the loop does once reconcile or policy has chosen.
+
+    begin_transition -> teardown job ... job_done -> policy.after_teardown -> start | rollback |
+                                                    failure | stuck | take over | stop
+    start -> (the loop polls /health: reconcile) -> ready | start_failed -> teardown job ...
+
+A teardown runs on a job thread (loop/jobs.py), which changes nothing the loop owns: it reports its
+progress and its end through the loop's inbox, and the loop applies them. So nothing here calls
+itself, and requests keep being answered while a teardown runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from kimi_supervisor.decide import policy
+from kimi_supervisor.decide.policy import Next, Purpose
+from kimi_supervisor.decide.progress import Progress, advance
+from kimi_supervisor.decide.reconcile import Action, Do, Observed
+from kimi_supervisor.loop.context import Context, new_id
+from kimi_supervisor.loop.inbox import JobDone, Message
+from kimi_supervisor.loop.intrusion import Intruder, incident
+from kimi_supervisor.loop.jobs import Jobs, shutdown_budget_s
+from kimi_supervisor.loop.loopstate import Job, Serving
+from kimi_supervisor.messages import End
+from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
+from kimi_supervisor.ports import launcher, processes
+from kimi_supervisor.ports.systemd import SystemdError
+from kimi_supervisor.store import history
+from kimi_supervisor.store.state import TransitionRecord
+
+# How many of the newest history records are searched for a transition already recorded.
+RECENT = 200
+
+
+class Lifecycle:
+    def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
+        self.ctx = ctx
+        self.s = ctx.s
+        self._put = put
+        self.jobs = Jobs(ctx, put)
+
+    # ------------------------------------------------------------------ reconcile's actions
+    def act(self, action: Action, obs: Observed) -> None:
+        s, log = self.s, self.ctx.log
+        if action.do is Do.NOTHING:
+            return
+        log("reconcile", action=action.do.value, reason=action.reason, state=s.state.value)
+        match action.do:
+            case Do.ADOPT:
+                self.adopt(obs, action.reason)
+            case Do.RESUME_START:
+                self.resume_start(obs)
+            case Do.READY:
+                self.ready(obs)
+            case Do.START_FAILED:
+                self.start_failed(action.reason)
+            case Do.DIED:
+                self.died(action.reason)
+            case Do.HOLD_FOR_CAPTURE:
+                c = s.capture
+                if c is not None and c.phase in ("starting", "recording") and not c.stop.is_set():
+                    log("capture_stopped_for_switch", capture=c.id)
+                    c.stop.set()
+            case Do.SWITCH if s.intent is not None:
+                # An operator's switch: it ends the one in progress (a load) and starts anew.
+                intent, s.intent = s.intent, None
+                if s.transition is not None:
+                    why = f"superseded by a switch to {intent.mode.value}"
+                    self.end_transition(False, "preempted", why)
+                self.begin_transition(intent.mode, "switch", f"asked by {intent.by}", intent.by)
+            case Do.SWITCH | Do.RETRY:
+                kind, reason = ("retry" if action.do is Do.RETRY else "switch"), action.reason
+                if s.interrupted is not None:
+                    i = s.interrupted
+                    kind = "switch"
+                    reason = (
+                        f"redoing {i.id} (to {i.target.value}), interrupted at {i.step}: {reason}"
+                    )
+                    s.interrupted = None
+                elif s.state is State.BOOTING:
+                    kind = "boot"
+                self.begin_transition(s.desired, kind, reason, "daemon")
+
+    def adopt(self, obs: Observed, reason: str) -> None:
+        s = self.s
+        ref = processes.ref_of(obs.main_pid)
+        since = utcnow()
+        if ref is not None:
+            with contextlib.suppress(OSError, ValueError):
+                since = datetime.fromtimestamp(processes.start_time_epoch(ref), tz=since.tzinfo)
+        s.serving = Serving(obs.running_mode or s.desired, obs.main_pid, since)
+        if s.transition is not None or s.interrupted is not None:
+            s.transition = s.transition or s.interrupted
+            self.end_transition(True, "ready", f"{s.desired.value} was already running")
+        s.interrupted = None
+        self.ctx.log("adopted", mode=s.desired.value, main_pid=obs.main_pid, reason=reason)
+        self.ctx.set_state(State.SERVING, reason)
+        s.stuck_retries = 0
+
+    def resume_start(self, obs: Observed) -> None:
+        s, ctx = self.s, self.ctx
+        tr, s.interrupted = s.interrupted, None
+        now = utcnow()
+        if tr is None or tr.target is not s.desired:
+            tr = TransitionRecord(
+                id=new_id(),
+                target=s.desired,
+                kind="boot",
+                reason="found loading at boot",
+                requested_by="daemon",
+                started_at=now,
+                step="starting",
+                step_changed_at=now,
+            )
+        limit = timedelta(seconds=ctx.config.daemon.start_timeout_s)
+        deadline_at = tr.start_deadline_at or now + limit
+        s.transition = tr.model_copy(update={"step": "starting", "start_deadline_at": deadline_at})
+        ctx.persist_transition()
+        s.start_deadline = ctx.clock.monotonic() + (deadline_at - now).total_seconds()
+        ctx.output.begin()
+        s.progress = Progress()
+        ctx.log("start_resumed", transition=tr.id, main_pid=obs.main_pid)
+        ctx.set_state(State.STARTING, "a load was in progress when the daemon started")
+
+    # ------------------------------------------------------------------ a switch
+    def begin_transition(self, target: Mode, kind: str, reason: str, by: str) -> None:
+        s, ctx = self.s, self.ctx
+        now = utcnow()
+        obs = s.observed
+        previous = s.serving.mode if s.serving else None
+        if previous is None and obs is not None and obs.unit_up:
+            previous = obs.running_mode
+        tr = TransitionRecord(
+            id=new_id(),
+            target=target,
+            previous=previous,
+            kind=kind,  # type: ignore[arg-type]
+            reason=reason,
+            requested_by=by,
+            started_at=now,
+            step="teardown",
+            step_changed_at=now,
+        )
+        s.transition, s.serving = tr, None
+        ctx.persist_transition()
+        ctx.log("transition_started", **tr.model_dump(mode="json"))
+        ctx.event("transition_started", tr.model_dump(mode="json"))
+        ctx.set_state(State.TEARING_DOWN, reason)
+        self.jobs.run(Purpose.SWITCH, reason)
+
+    def start(self) -> None:
+        s, ctx = self.s, self.ctx
+        tr = s.transition
+        assert tr is not None
+        argv_file = launcher.write_argv_file(ctx.config, tr.target)
+        ctx.output.begin()
+        s.progress = Progress()
+        deadline_at = utcnow() + timedelta(seconds=ctx.config.daemon.start_timeout_s)
+        s.transition = tr = tr.model_copy(
+            update={
+                "step": "starting",
+                "step_changed_at": utcnow(),
+                "start_deadline_at": deadline_at,
+            }
+        )
+        ctx.persist_transition()
+        argv = ctx.config.launch_argv(tr.target)
+        try:
+            if ctx.systemd.status(ctx.unit).active_state == "failed":
+                ctx.systemd.reset_failed(ctx.unit)
+            ctx.systemd.start(ctx.unit)
+        except SystemdError as e:
+            ctx.set_state(State.STARTING)
+            self.start_failed(f"systemd refused to start {ctx.unit}: {e}")
+            return
+        s.load_started = ctx.clock.monotonic()
+        s.start_deadline = s.load_started + ctx.config.daemon.start_timeout_s
+        s.eta, s.load_key = ctx.estimate_load(tr.target, argv)
+        expected = {"expected_s": s.eta.expected_s, "past": s.eta.past} if s.eta else {}
+        ctx.log("vllm_starting", mode=tr.target.value, argv=argv, argv_file=str(argv_file))
+        ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
+        ctx.set_state(State.STARTING, f"started {ctx.unit} in {tr.target.value}")
+
+    def follow_output(self) -> None:
+        s = self.s
+        before = s.progress
+        for line in self.ctx.output.read_new():
+            s.progress = advance(s.progress, line)
+        if s.progress != before:
+            p = s.progress
+            eta = s.eta_text(self.ctx.clock.monotonic())
+            self.ctx.event(
+                "progress",
+                {"phase": p.phase, "percent": p.percent, "text": p.describe(), "eta": eta},
+            )
+            if p.phase != before.phase:
+                self.ctx.log("vllm_progress", phase=p.phase, percent=p.percent)
+
+    def ready(self, obs: Observed) -> None:
+        s, ctx = self.s, self.ctx
+        tr = s.transition
+        self.follow_output()
+        mode = tr.target if tr else s.desired
+        s.serving = Serving(mode, obs.main_pid, utcnow())
+        s.progress = Progress("ready")
+        took = round((utcnow() - tr.started_at).total_seconds(), 3) if tr else 0.0
+        info = {"mode": mode.value, "main_pid": obs.main_pid, "duration_s": took}
+        load = s.finish_load(ctx.clock.monotonic())
+        if ctx.metrics and load:
+            ctx.metrics.start_seconds.labels(mode.value).observe(load["load_s"])
+        ctx.event("ready", info | load)
+        ctx.log("vllm_ready", **info, **load)
+        s.stuck_retries = 0
+        self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", load)
+        ctx.set_state(State.SERVING, "GET /health answered 200")
+
+    # ------------------------------------------------------------------ failures
+    def start_failed(self, reason: str) -> None:
+        s, ctx = self.s, self.ctx
+        tr = s.transition
+        assert tr is not None
+        self.follow_output()
+        tail = ctx.output.tail()
+        ctx.log(
+            "vllm_start_failed",
+            level="error",
+            mode=tr.target.value,
+            reason=reason,
+            output_tail=tail,
+        )
+        ctx.event("start_failed", {"mode": tr.target.value, "reason": reason, "output_tail": tail})
+        s.transition = tr.model_copy(update={"step": "teardown"})
+        ctx.set_state(State.TEARING_DOWN, reason)
+        detail = {"reason": reason, "output_tail": tail}
+        why = f"start of {tr.target.value} failed: {reason}"
+        self.jobs.run(Purpose.START_FAILED, why, detail, cause=reason)
+
+    def died(self, reason: str) -> None:
+        s, ctx = self.s, self.ctx
+        mode = s.serving.mode.value if s.serving else None
+        ctx.log("vllm_died", level="error", reason=reason, mode=mode)
+        ctx.incident({"at": utcnow().isoformat(), "what": reason})
+        ctx.event("vllm_died", {"reason": reason})
+        s.serving = None
+        ctx.set_state(State.TEARING_DOWN, reason)
+        self.jobs.run(Purpose.DIED, f"vLLM died: {reason}", cause=reason)
+
+    def intrusion(self, found: list[Intruder]) -> None:
+        """While vLLM loads, a process outside its unit took a managed GPU: noticed (history,
+        event, metric, status), then torn down with vLLM's partial load (the teardown kills it
+        on NVML's evidence), then the load again after the failure backoff."""
+        s, ctx = self.s, self.ctx
+        tr = s.transition
+        assert tr is not None
+        reason, record = incident(found, ctx.unit, tr.target)
+        s.last_intrusion = record
+        ctx.incident(record)
+        ctx.log("gpu_intrusion", level="warning", **record)
+        ctx.event("gpu_intrusion", record)
+        if ctx.metrics:
+            for f in found:
+                ctx.metrics.intrusions.labels(str(f.gpu)).inc()
+        s.transition = tr.model_copy(update={"step": "teardown"})
+        ctx.set_state(State.TEARING_DOWN, reason)
+        self.jobs.run(Purpose.INTRUSION, reason, {"intrusion": record}, cause=reason)
+
+    def failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
+        s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
+        now = ctx.clock.monotonic()
+        v = policy.after_failure(
+            s.failures,
+            now,
+            d.failure_window_s,
+            d.max_failures,
+            d.restart_backoff_initial_s,
+            d.restart_backoff_max_s,
+        )
+        s.failures = v.failures
+        n = len(v.failures)
+        if v.failed:
+            msg = (
+                f"{reason}; {n} failures within {d.failure_window_s:g} s: not retrying. "
+                f"Fix the cause, then `kimi-mode {s.desired.value}`"
+            )
+            self.end_transition(False, "failed", msg, detail)
+            ctx.log("failed", level="error", message=msg)
+            ctx.set_state(State.FAILED, msg)
+            return
+        s.next_attempt_at = now + v.backoff_s
+        msg = (
+            f"{reason}; starting {s.desired.value} again in {v.backoff_s:g} s (failure {n} "
+            f"of {d.max_failures})"
+        )
+        self.end_transition(False, outcome, msg, detail)
+        ctx.set_state(State.BACKOFF, msg)
+
+    def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
+        s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
+        wait = policy.stuck_retry_s(s.stuck_retries, d.stuck_retry_s, d.restart_backoff_max_s)
+        s.stuck_retries += 1
+        s.next_attempt_at = ctx.clock.monotonic() + wait
+        msg = (
+            f"teardown STUCK: {report.diagnosis}. Next: {report.next_action}. "
+            f"Retrying in {wait:g} s; vLLM is not started on occupied GPUs"
+        )
+        self.end_transition(False, "stuck", msg, detail or {})
+        ctx.log("stuck", level="error", message=msg)
+        ctx.set_state(State.STUCK, msg)
+
+    def end_transition(
+        self, ok: bool, outcome: str, message: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        s, ctx = self.s, self.ctx
+        tr = s.transition
+        if tr is None:
+            return
+        record = tr.finished(utcnow(), outcome, message, detail or {})
+        # One record per transition, whatever the moment of a kill: a daemon killed between
+        # this append and clearing the persisted transition finds it here when it ends it again
+        # (only a transition inherited at boot can have been recorded already).
+        if tr.id != s.inherited_id or not any(
+            e.get("kind") == "transition" and e.get("id") == tr.id
+            for e in history.read(ctx.config.state.dir, RECENT)
+        ):
+            ctx.record("transition", record)
+        if ctx.metrics:
+            ctx.metrics.transitions.labels(tr.target.value, outcome).inc()
+        ctx.log("transition_finished", level="info" if ok else "warning", **record)
+        ctx.bus.publish(
+            End(ok=ok, outcome=outcome, message=message, data={"transition": tr.id, **record})
+        )
+        s.transition = None
+        ctx.persist_transition()
+
+    # ------------------------------------------------------------------ stopping
+    def begin_shutdown(self) -> None:
+        """`systemctl stop`: teardown to CLEAN (up to policy.SHUTDOWN_ATTEMPTS tries)."""
+        ctx = self.ctx
+        ctx.notifier.extend_timeout(shutdown_budget_s(ctx.config))
+        ctx.set_state(State.STOPPING, "stop requested")
+        ctx.notifier.stopping("stopping: tearing vLLM down")
+        self.end_transition(False, "stopped", "the daemon is stopping")
+        self.jobs.run(Purpose.SHUTDOWN, "the supervisor is stopping")
+
+    # ------------------------------------------------------------------ the teardown job
+    def job_done(self, done: JobDone) -> None:
+        self._after_teardown(*self.jobs.finish(done))
+
+    def _after_teardown(self, job: Job, report: TeardownReport, clean: bool) -> None:
+        s, ctx = self.s, self.ctx
+        purpose, detail = Purpose(job.purpose), job.detail
+        tr = s.transition
+        back = policy.rollback_target(tr.target, tr.previous) if tr else None
+        then = policy.after_failed_start(
+            ctx.config.daemon.rollback, tr is not None and tr.kind == "rollback", back
+        )
+        match policy.after_teardown(
+            purpose, clean, s.stop_requested, s.intent is not None, then, job.attempt
+        ):
+            case Next.EXIT:
+                s.stopped_clean = clean
+                ctx.log("stopped", clean=clean, desired=s.desired.value)
+            case Next.SHUTDOWN_AGAIN:
+                ctx.notifier.extend_timeout(shutdown_budget_s(ctx.config))
+                self.jobs.run(purpose, job.reason, attempt=job.attempt + 1)
+            case Next.STUCK:
+                self.stuck(report, detail)
+            case Next.STOPPED:
+                self.end_transition(False, "stopped", "the daemon is stopping", detail)
+            case Next.TAKE_OVER:
+                intent, s.intent = s.intent, None
+                assert intent is not None
+                why = f"superseded by a switch to {intent.mode.value}"
+                self.end_transition(False, "preempted", why, detail)
+                by = intent.by
+                self.begin_transition(intent.mode, "switch", f"asked by {by} (took over)", by)
+            case Next.START:
+                self.start()
+            case Next.ROLLBACK:
+                assert tr is not None and back is not None
+                why = f"{tr.target.value} did not become ready ({job.cause})"
+                self.end_transition(
+                    False, "rolled_back", f"{why}; rolling back to {back.value}", detail
+                )
+                ctx.desire(back, "rollback")
+                self.begin_transition(back, "rollback", why, "rollback")
+            case Next.FAILURE if purpose is Purpose.START_FAILED and tr is not None:
+                self.failure(f"{tr.target.value} did not become ready: {job.cause}", detail)
+            case Next.FAILURE if purpose is Purpose.INTRUSION:
+                self.failure(f"{job.cause}; torn down", detail, outcome="intruded")
+            case Next.FAILURE:
+                self.failure(job.cause or job.reason, detail)

@@ -1,0 +1,165 @@
+"""Names shared by every layer: modes, teardown steps and outcomes, and the report models.
+
+Plain data only; nothing here has side effects.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sized
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, Field
+
+
+class Mode(enum.StrEnum):
+    PRODUCTION = "production"
+    PROFILE = "profile"
+
+
+# The daemon's state, as status, the metrics and kimi-mode name it.
+class State(enum.StrEnum):
+    BOOTING = "booting"  # waiting for the GPU driver; the world not yet observed
+    SERVING = "serving"  # the desired mode runs and answers /health
+    TEARING_DOWN = "tearing_down"
+    STARTING = "starting"  # the unit was started; waiting for /health 200
+    BACKOFF = "backoff"  # vLLM failed; waiting before starting it again
+    STUCK = "stuck"  # a teardown could not make the GPUs clean; retried later
+    FAILED = "failed"  # too many failures in the window; waits for an operator
+    STOPPING = "stopping"  # the daemon is stopping: teardown, then exit
+
+
+# States in which a mode switch is under way (a second switch joins it or is refused).
+SWITCHING_STATES = frozenset({State.TEARING_DOWN, State.STARTING})
+# States in which the loop waits for a point in time before trying again.
+WAITING_STATES = frozenset({State.BACKOFF, State.STUCK})
+
+
+# The one definition of "the unit is up": systemd runs it, or is starting or reloading it.
+# (Neither up nor inactive: "deactivating", while systemd stops it.)
+UNIT_UP_STATES = frozenset({"active", "activating", "reloading"})
+
+
+def unit_up(active_state: str) -> bool:
+    return active_state in UNIT_UP_STATES
+
+
+class Step(enum.StrEnum):
+    """Teardown steps, in the order they escalate."""
+
+    STOP_UNIT = "stop_unit"
+    KILL_CGROUP = "kill_cgroup"
+    KILL_STRAYS = "kill_strays"
+    KILL_GPU_HOLDERS = "kill_gpu_holders"
+    WAIT_RELEASE = "wait_release"
+    HOST_LEFTOVERS = "host_leftovers"
+    VERIFY = "verify"
+
+
+class Outcome(enum.StrEnum):
+    CLEAN = "clean"
+    STUCK = "stuck"
+
+
+class Evidence(enum.StrEnum):
+    """Why a process was judged to belong to the teardown's targets, strongest first. The last
+    two are the GPU evidence ladder's rungs 1 and 2 (teardown/ownership.py); rung 3 (a
+    device file only open, or only mapped) is never a reason to kill."""
+
+    UNIT_CGROUP = "in the unit's cgroup"
+    ESCAPED_UNIT = "was in the unit's process tree when the teardown began"
+    LISTENS_ON_PORT = "listens where vLLM binds, and is vLLM or uses a managed GPU"
+    VLLM_SIGNATURE = "carries vLLM's signature and uses a managed GPU"
+    RESPAWNS = "its children came back on a managed GPU after being killed"
+    NVML_LISTED = "NVML lists it, alive, on a managed GPU whose device file it has open"
+    OPEN_AND_MAPPED = (
+        "has a managed GPU's device file open and mapped, and no live listed process explains "
+        "that GPU's memory"
+    )
+
+
+class Role(enum.StrEnum):
+    """What a process that still touches a managed GPU's device files is to an operator."""
+
+    SUSPECT = "suspect"  # rung 1 or 2: it holds the memory, but was not cleared (see why)
+    CANDIDATE = "candidate"  # rung 3: might hold it; never killed on that; check by hand
+    BYSTANDER = "bystander"  # protected, another GPU's job, or a monitor: not the holder
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class ProcessDescription(BaseModel):
+    pid: int
+    start_time: float = Field(description="process start, seconds since the epoch")
+    state: str = ""
+    comm: str = ""
+    cmdline: list[str] = Field(default_factory=list)
+    cgroup: str = ""
+
+
+class KillRecord(BaseModel):
+    """One signal sent: the audit trail of a teardown."""
+
+    at: datetime
+    signal: str
+    step: Step
+    evidence: Evidence
+    reason: str
+    process: ProcessDescription
+    result: str = Field(description="delivered, already gone, or why it was not sent")
+
+
+def at_baseline(used_mib: int, baseline_mib: int, tolerance_mib: int, holders: Sized) -> bool:
+    """What "clean" means for one GPU, everywhere: memory within tolerance of its baseline, and
+    no process listed on it."""
+    return used_mib <= baseline_mib + tolerance_mib and not len(holders)
+
+
+class DeviceReading(BaseModel):
+    index: int
+    used_mib: int
+    baseline_mib: int
+    tolerance_mib: int
+    processes: list[int] = Field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return at_baseline(self.used_mib, self.baseline_mib, self.tolerance_mib, self.processes)
+
+
+class StepReport(BaseModel):
+    step: Step
+    started_at: datetime
+    duration_s: float
+    skipped: bool = False
+    note: str = ""
+    devices_after: list[DeviceReading] = Field(default_factory=list)
+
+
+class RemainingHolder(BaseModel):
+    """A process left touching a managed GPU when a teardown ends STUCK, and what it is."""
+
+    process: ProcessDescription
+    unit: str = ""
+    devices: list[int] = Field(default_factory=list)
+    not_cleared_by: Step
+    why: str
+    role: Role = Role.SUSPECT
+    seen: str = Field(default="", description="what was seen: listed, open, mapped")
+    check: str = Field(default="", description="what an operator should check")
+
+
+class TeardownReport(BaseModel):
+    unit: str
+    started_at: datetime
+    duration_s: float = 0.0
+    outcome: Outcome = Outcome.STUCK
+    steps: list[StepReport] = Field(default_factory=list)
+    kills: list[KillRecord] = Field(default_factory=list)
+    devices: list[DeviceReading] = Field(default_factory=list)
+    remaining: list[RemainingHolder] = Field(default_factory=list)
+    shm_removed: list[str] = Field(default_factory=list)
+    diagnosis: str = ""
+    next_action: str = ""

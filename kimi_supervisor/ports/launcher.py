@@ -1,0 +1,114 @@
+"""How a mode's argv reaches vLLM byte for byte, and how the mode of a running vLLM is read back.
+
+The daemon writes the exact argv as a JSON array into the argv file; the unit's ExecStart runs
+`kimi-supervisor launch-vllm --argv-file %t/kimi-supervisor/vllm-argv.json`, which execs it.
+No shell and no systemd quoting rules stand in between, so JSON arguments with quotes and
+spaces arrive unchanged, and the exec keeps the unit's MainPID.
+
+Which mode a running vLLM was started in is judged from what it actually runs: its command line
+(/proc/PID/cmdline ends with the argv; a script's interpreter may come first). A process that
+rewrote its title is matched through the launch record the launcher writes just before exec,
+which names the PID and its start time, so a recycled PID never matches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kimi_supervisor.config import Config
+from kimi_supervisor.model import Mode, utcnow
+from kimi_supervisor.ports import processes
+
+
+class LaunchError(Exception):
+    pass
+
+
+def write_argv_file(config: Config, mode: Mode) -> Path:
+    path = config.vllm.argv_file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "mode": mode.value,
+        "argv": config.launch_argv(mode),
+        "written_at": utcnow().isoformat(),
+    }
+    _write_json_atomic(path, payload)
+    return path
+
+
+def read_argv_file(path: Path) -> list[str]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LaunchError(
+            f"{path} does not exist: vLLM is started by kimi-supervisor, which writes this file "
+            "first. Use `kimi-mode production` instead of starting the unit by hand."
+        ) from None
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"{path} is unreadable or not JSON ({e})") from None
+    argv = data.get("argv") if isinstance(data, dict) else None
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise LaunchError(f"{path}: 'argv' must be a non-empty list of strings")
+    return argv
+
+
+def launch_record_path(argv_file: Path) -> Path:
+    return argv_file.with_name("vllm-launched.json")
+
+
+def _write_json_atomic(path: Path, payload: object) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(payload, f, ensure_ascii=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def exec_vllm(path: Path) -> None:
+    argv = read_argv_file(path)
+    me = processes.ref_of(os.getpid())
+    if me is not None:
+        # exec keeps the PID and the start time: this record names the vLLM about to run.
+        _write_json_atomic(
+            launch_record_path(path),
+            {"pid": me.pid, "start_ticks": me.start_ticks, "argv": argv},
+        )
+    try:
+        os.execv(argv[0], argv)
+    except OSError as e:
+        raise LaunchError(f"cannot execute {argv[0]}: {e}") from None
+
+
+def argv_matches(cmdline: list[str], argv: list[str]) -> bool:
+    """True if a process running `cmdline` was exec'd with `argv` (a script's interpreter, and
+    its shebang option, come before it)."""
+    return len(cmdline) >= len(argv) and cmdline[len(cmdline) - len(argv) :] == argv
+
+
+def mode_of_argv(config: Config, argv: list[str]) -> Mode | None:
+    for mode in Mode:
+        if argv_matches(argv, config.launch_argv(mode)):
+            return mode
+    return None
+
+
+def running_mode(config: Config, main_pid: int) -> Mode | None:
+    """The mode the process `main_pid` was started in, judged from its argv; None if it matches
+    no configured mode (another argv, an edited config, or not vLLM at all)."""
+    if main_pid <= 0:
+        return None
+    mode = mode_of_argv(config, processes.cmdline_of(main_pid))
+    if mode is not None:
+        return mode
+    try:
+        rec = json.loads(launch_record_path(config.vllm.argv_file).read_text(encoding="utf-8"))
+        ref = processes.ref_of(main_pid)
+        if ref is None or [rec["pid"], rec["start_ticks"]] != [ref.pid, ref.start_ticks]:
+            return None
+        argv = rec["argv"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return mode_of_argv(config, argv) if isinstance(argv, list) else None

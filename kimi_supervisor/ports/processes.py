@@ -1,0 +1,360 @@
+"""The processes port: reading /proc and sending signals by identity.
+
+A process is identified by (pid, start time in clock ticks since boot), never by PID alone: a PID
+can be reused between a scan and a kill. Signals go through a pidfd opened and then checked
+against the start time, so a recycled PID is never hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import os
+import signal
+import stat
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimi_supervisor.model import ProcessDescription
+
+PROC = Path("/proc")
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, order=True)
+class ProcessRef:
+    """A process's identity: its PID plus when it started."""
+
+    pid: int
+    start_ticks: int
+
+
+class SignalResult:
+    DELIVERED = "delivered"
+    GONE = "already gone"
+    RECYCLED = "not sent: the PID now belongs to another process"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may hold spaces and parens)."""
+    try:
+        raw = (PROC / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except OSError as e:
+        if e.errno in (errno.ESRCH, errno.ENOENT):
+            return None
+        raise
+    close = raw.rfind(b")")
+    return raw[close + 2 :].decode().split()
+
+
+def start_ticks(pid: int) -> int | None:
+    fields = _stat_fields(pid)
+    # stat field 22 (starttime) is index 19 after the state field's position 3.
+    return int(fields[19]) if fields else None
+
+
+def ref_of(pid: int) -> ProcessRef | None:
+    ticks = start_ticks(pid)
+    return ProcessRef(pid, ticks) if ticks is not None else None
+
+
+def is_alive(ref: ProcessRef) -> bool:
+    """True while the process exists and is not a zombie (a zombie has closed its files)."""
+    fields = _stat_fields(ref.pid)
+    if not fields:
+        return False
+    return int(fields[19]) == ref.start_ticks and fields[0] not in ("Z", "X")
+
+
+def state_of(pid: int) -> str:
+    fields = _stat_fields(pid)
+    return fields[0] if fields else ""
+
+
+def ppid_of(pid: int) -> int:
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else 0
+
+
+def comm_of(pid: int) -> str:
+    try:
+        return (PROC / str(pid) / "comm").read_text().rstrip("\n")
+    except OSError:
+        return ""
+
+
+def exe_name(pid: int) -> str:
+    """The basename of the executable (/proc/PID/exe); "" where it cannot be read."""
+    try:
+        return os.path.basename(os.readlink(PROC / str(pid) / "exe").removesuffix(" (deleted)"))
+    except OSError:
+        return ""
+
+
+def cmdline_of(pid: int) -> list[str]:
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    parts = raw.split(b"\0")
+    if parts and parts[-1] == b"":
+        parts.pop()
+    out = [p.decode(errors="replace") for p in parts]
+    # setproctitle writes the title over argv and pads it: keep the title, not the padding.
+    while out and not out[-1].strip():
+        out.pop()
+    if out:
+        out[-1] = out[-1].rstrip()
+    return out
+
+
+def cgroup_of(pid: int) -> str:
+    """The process's cgroup path: the unified (v2) one, else the name=systemd (v1) one."""
+    try:
+        text = (PROC / str(pid) / "cgroup").read_text()
+    except OSError:
+        return ""
+    v1 = ""
+    for line in text.splitlines():
+        hier, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hier == "0" and controllers == "":
+            return path
+        if controllers == "name=systemd":
+            v1 = path
+    return v1
+
+
+def unit_of(pid: int) -> str:
+    """The systemd service a process runs in (the last `.service` of its cgroup path), or ""."""
+    for part in reversed(cgroup_of(pid).split("/")):
+        if part.endswith(".service"):
+            return part
+    return ""
+
+
+def boot_time() -> float:
+    for line in (PROC / "stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return float(line.split()[1])
+    raise RuntimeError("/proc/stat has no btime")
+
+
+_BOOT_TIME: float | None = None
+
+
+def start_time_epoch(ref: ProcessRef) -> float:
+    global _BOOT_TIME
+    if _BOOT_TIME is None:
+        _BOOT_TIME = boot_time()
+    return _BOOT_TIME + ref.start_ticks / _CLK_TCK
+
+
+def describe(ref: ProcessRef) -> ProcessDescription:
+    return ProcessDescription(
+        pid=ref.pid,
+        start_time=start_time_epoch(ref),
+        state=state_of(ref.pid),
+        comm=comm_of(ref.pid),
+        cmdline=cmdline_of(ref.pid),
+        cgroup=cgroup_of(ref.pid),
+    )
+
+
+def all_pids() -> list[int]:
+    return [int(n) for n in os.listdir(PROC) if n.isdigit()]
+
+
+def children_map() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for pid in all_pids():
+        tree.setdefault(ppid_of(pid), []).append(pid)
+    return tree
+
+
+def children_of(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children (cost: the size of the tree, not of the
+    host); None if the kernel does not provide the file (CONFIG_PROC_CHILDREN)."""
+    try:
+        tasks = os.listdir(PROC / str(pid) / "task")
+    except OSError:
+        return []
+    out: list[int] = []
+    for tid in tasks:
+        try:
+            out += [
+                int(c) for c in (PROC / str(pid) / "task" / tid / "children").read_text().split()
+            ]
+        except FileNotFoundError:
+            if not (PROC / str(pid) / "task" / tid).exists():
+                continue  # the thread ended
+            return None
+        except OSError:
+            continue
+    return out
+
+
+def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int]:
+    if tree is None and children_of(root) is not None:
+
+        def kids(pid: int) -> list[int]:
+            return children_of(pid) or []
+    else:
+        full = tree if tree is not None else children_map()
+
+        def kids(pid: int) -> list[int]:
+            return full.get(pid, [])
+
+    out, todo = [], kids(root)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(kids(pid))
+    return out
+
+
+def ancestors(pid: int) -> list[int]:
+    """PIDs from `pid`'s parent up to PID 1."""
+    out = []
+    while pid > 1:
+        pid = ppid_of(pid)
+        if pid <= 0:
+            break
+        out.append(pid)
+    return out
+
+
+def open_paths(pid: int) -> Iterator[tuple[int, str]]:
+    """(fd, target) for each open descriptor of `pid`; nothing if it is gone or unreadable."""
+    fd_dir = PROC / str(pid) / "fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return
+    for name in names:
+        with contextlib.suppress(OSError):
+            yield int(name), os.readlink(fd_dir / name)
+
+
+def _key(st: os.stat_result) -> tuple[int, ...]:
+    """A file as the kernel knows it: a character device by its device number (one driver node,
+    whatever /dev it sits in), anything else by its file system and inode."""
+    return (0, st.st_rdev) if stat.S_ISCHR(st.st_mode) else (1, st.st_dev, st.st_ino)
+
+
+@functools.lru_cache(maxsize=64)
+def _identities(
+    paths: frozenset[str], _second: int
+) -> tuple[dict[tuple[int, ...], str], dict[bytes, str], frozenset[str]]:
+    """For `paths`: their identities, their /proc/PID/maps tokens (" MAJ:MIN INODE "), their
+    names. Cached for the current second: a scan asks for the same files for every process,
+    and a device node made again (a driver reload) is seen a second later at most."""
+    keys: dict[tuple[int, ...], str] = {}
+    tokens: dict[bytes, str] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        keys[_key(st)] = p
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
+        tokens[f" {dev} {st.st_ino} ".encode()] = p
+    return keys, tokens, frozenset(os.path.basename(p) for p in paths)
+
+
+def holds_any(pid: int, paths: Iterable[str]) -> set[str]:
+    """Which of `paths` `pid` has open. Compared by identity, not by the path its descriptors
+    show: from a chroot, a container or through a bind mount or a hard link that path differs.
+    Only descriptors named like one of `paths` are looked at closer (a stat of any open file
+    could hang on a dead network mount)."""
+    keys, _tokens, names = _identities(frozenset(paths), int(time.monotonic()))
+    found: set[str] = set()
+    fd_dir = PROC / str(pid) / "fd"
+    for fd, target in open_paths(pid):
+        if os.path.basename(target.removesuffix(" (deleted)")) not in names:
+            continue
+        try:
+            path = keys.get(_key(os.stat(fd_dir / str(fd))))
+        except OSError:
+            continue
+        if path is not None:
+            found.add(path)
+    return found
+
+
+def maps_any(pid: int, prefix: str) -> set[str]:
+    """Files under `prefix` that `pid` has mapped (a mapping outlives the descriptor)."""
+    found: set[str] = set()
+    try:
+        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[5:]
+                if path and path[0].startswith(prefix):
+                    found.add(path[0].removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return found
+
+
+def maps_of(pid: int, wanted: set[str]) -> set[str]:
+    """Which of `wanted` files `pid` has mapped, by identity: each mapping line names its file's
+    device and inode (" MAJ:MIN INODE "), whatever path it shows. A CUDA process maps thousands
+    of files: the tokens are searched for in the raw text, not parsed line by line."""
+    _keys, tokens, _names = _identities(frozenset(wanted), int(time.monotonic()))
+    try:
+        data = (PROC / str(pid) / "maps").read_bytes()
+    except OSError:
+        return set()
+    return {p for token, p in tokens.items() if token in data}
+
+
+class PidHandle:
+    """A pidfd for a process whose identity was checked after opening it."""
+
+    def __init__(self, ref: ProcessRef, fd: int) -> None:
+        self.ref = ref
+        self.fd = fd
+
+    @classmethod
+    def open(cls, ref: ProcessRef) -> PidHandle | str:
+        """The handle, or a SignalResult string saying why there is none."""
+        try:
+            fd = os.pidfd_open(ref.pid)
+        except ProcessLookupError:
+            return SignalResult.GONE
+        # The pidfd now pins whatever process has this PID; if it started at another time it
+        # is not the one we meant.
+        if start_ticks(ref.pid) != ref.start_ticks:
+            os.close(fd)
+            return SignalResult.RECYCLED
+        return cls(ref, fd)
+
+    def send(self, sig: int) -> str:
+        try:
+            signal.pidfd_send_signal(self.fd, sig)
+        except ProcessLookupError:
+            return SignalResult.GONE
+        return SignalResult.DELIVERED
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> PidHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def send_signal(ref: ProcessRef, sig: int) -> str:
+    """Signal exactly the process `ref` names; returns a SignalResult string."""
+    handle = PidHandle.open(ref)
+    if isinstance(handle, str):
+        return handle
+    with handle:
+        return handle.send(sig)

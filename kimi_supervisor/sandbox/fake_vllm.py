@@ -1,0 +1,422 @@
+"""A fake vLLM with the CLI shape and the process tree of vLLM V1, for the sandbox and GPU tests.
+
+    vllm serve MODEL --tensor-parallel-size N --port P [--host H] [--profiler-config JSON] ...
+
+The API server (this process) starts an engine-core process titled `VLLM::EngineCore`, which
+starts N workers titled `VLLM::Worker_TP0..N-1`; each worker holds memory on its GPU (simulated,
+or real CUDA with KIMI_FAKE_CUDA=1). It prints vLLM's startup phases, listens only once ready (as
+real vLLM 0.16 does: /health refuses connections while loading, then answers 200 with an empty
+body), and answers GET /v1/models and POST /start_profile, /stop_profile.
+
+Fault switches come from the JSON file named by KIMI_FAKE_VLLM_CONFIG (see FakeOptions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import Any
+
+from setproctitle import setproctitle
+
+from kimi_supervisor.sandbox import holder
+
+
+@dataclass
+class FakeOptions:
+    load_s: float = 1.0  # time to "load the safetensors shards"
+    shards: int = 64
+    graph_capture_s: float = 0.2
+    mib_per_worker: int = 90_000
+    ignore_sigterm: bool = False  # every process of the tree ignores SIGTERM
+    # The API server's orderly shutdown takes this long: real vLLM 0.16 took 0.3 to 3.6 s from
+    # SIGTERM to its whole tree gone (CPU build, tensor parallel 2; tests/vllm_0_16.py).
+    shutdown_delay_s: float = 0.3
+    crash_during_load_at: int | None = None  # percent of shards: exit 1 there
+    hang_during_load_at: int | None = None  # percent of shards: stop making progress
+    # The two faults above hit only a vLLM started with --profiler-config (profile mode).
+    load_faults_only_when_profiling: bool = False
+    # A detached process started by worker 0 that escapes the unit's cgroup and keeps memory.
+    ghost_title: str | None = None
+    ghost_mib: int = 0
+    ghost_cgroup_procs: list[str] = field(default_factory=list)
+    profile_flush_s: float = 0.5
+    # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).
+    profiler_fault: str | None = None
+    devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i
+    # The trace names of vLLM 0.16 (`<id>-rank-N.<ts>.pt.trace.json.gz`) or 0.32 (`rankN.<ts>...`)
+    trace_naming: str = "0.16"
+
+    @classmethod
+    def load(cls) -> FakeOptions:
+        path = os.environ.get("KIMI_FAKE_VLLM_CONFIG", "")
+        if not path or not Path(path).exists():
+            return cls()
+        raw = json.loads(Path(path).read_text() or "{}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise SystemExit(f"{path}: unknown fake vLLM option(s): {', '.join(sorted(unknown))}")
+        return cls(**raw)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    print(f"INFO {stamp} [fake_vllm] {msg}", flush=True)
+
+
+# -- workers and engine core ---------------------------------------------------------------------
+def _child(role: str, *args: str, keep: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "kimi_supervisor.sandbox.fake_vllm", role, *args],
+        stdout=subprocess.PIPE,
+        pass_fds=keep,
+    )
+
+
+def _wait_line(proc: subprocess.Popen[bytes], expect: bytes) -> bytes:
+    """Waits for the child's line starting with `expect`; the rest of that line."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith(expect):
+        raise SystemExit(f"child {proc.pid} did not report {expect!r} (got {line!r})")
+    return line[len(expect) :].strip()
+
+
+_SOCKETS: list[socket.socket] = []
+
+
+def _ipc_socket() -> None:
+    """A ZMQ-like IPC socket bound at `$TMPDIR/<uuid4>` and never unlinked: real vLLM 0.16
+    leaves about 7 of these behind even after a clean stop."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(os.path.join(os.environ.get("TMPDIR", "/tmp"), str(uuid.uuid4())))
+    s.listen()
+    _SOCKETS.append(s)
+
+
+def _tracker_fds() -> tuple[int, ...]:
+    """The write end of the API server's multiprocessing resource tracker, inherited by the
+    engine and the workers as real vLLM's spawned processes inherit it. So the helper
+    (`python -c from multiprocessing.resource_tracker import main;main(N)`) outlives a
+    SIGKILLed API server while the orphaned engine lives, as measured with real vLLM 0.16."""
+    fd = os.environ.get("KIMI_FAKE_TRACKER_FD")
+    return (int(fd),) if fd else ()
+
+
+def _terminate_on_signal(opts: FakeOptions, on_term: Any) -> None:
+    handler = signal.SIG_IGN if opts.ignore_sigterm else on_term
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def worker_main(rank: int) -> None:
+    opts = FakeOptions.load()
+    setproctitle(f"VLLM::Worker_TP{rank}")
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+    device = opts.devices[rank] if opts.devices else rank
+    held = holder.hold([device], opts.mib_per_worker)
+    if rank == 0 and opts.ghost_title:
+        _spawn_ghost(opts)
+    sys.stdout.buffer.write(f"ready {os.getpid()}\n".encode())
+    sys.stdout.flush()
+    stop.wait()
+    held.release()
+
+
+def _spawn_ghost(opts: FakeOptions) -> None:
+    devices = ",".join(str(d) for d in (opts.devices or []))
+    args = [
+        sys.executable,
+        "-m",
+        "kimi_supervisor.sandbox.ghost",
+        "--title",
+        opts.ghost_title or "",
+        "--mib",
+        str(opts.ghost_mib),
+        "--gpu",
+        devices or "all",
+    ]
+    for procs in opts.ghost_cgroup_procs:
+        args += ["--cgroup-procs", procs]
+    ghost = subprocess.Popen(args, stdout=subprocess.PIPE, start_new_session=True)
+    _wait_line(ghost, b"ready")
+
+
+def engine_main(tp: int) -> None:
+    opts = FakeOptions.load()
+    setproctitle("VLLM::EngineCore")
+    _ipc_socket()
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+    workers = [_child("worker", str(rank), keep=_tracker_fds()) for rank in range(tp)]
+    pids = [_wait_line(w, b"ready") for w in workers]
+    sys.stdout.buffer.write(b"ready " + b" ".join(pids) + b"\n")
+    sys.stdout.flush()
+    stop.wait()
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.wait()
+
+
+# -- the API server ------------------------------------------------------------------------------
+class Server:
+    def __init__(self, args: argparse.Namespace, opts: FakeOptions) -> None:
+        self.args = args
+        self.opts = opts
+        self.ready = threading.Event()
+        self.profiling = False
+        self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
+        self.lock = threading.Lock()
+        self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
+        self.worker_pids: list[int] = []
+
+    def _fault(self) -> tuple[int, dict[str, Any]] | None:
+        fault = FakeOptions.load().profiler_fault
+        if fault == "hang":
+            time.sleep(60)
+        if fault == "404" or self.profiler is None:
+            return 404, {"detail": "Not Found"}
+        if fault == "500":
+            return 500, {"detail": "CUDA error: an illegal memory access was encountered"}
+        return None
+
+    def start_profile(self) -> tuple[int, dict[str, Any]]:
+        if (fault := self._fault()) is not None:
+            return fault
+        with self.lock:
+            self.profiling = True
+        log("Profiler started.")
+        return 200, {}
+
+    def stop_profile(self) -> tuple[int, dict[str, Any]]:
+        if (fault := self._fault()) is not None:
+            return fault
+        with self.lock:
+            was, self.profiling = self.profiling, False
+        if not was or self.profiler is None:
+            return 200, {}
+        out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
+        out.mkdir(parents=True, exist_ok=True)
+        opts = FakeOptions.load()
+        parts = {
+            out / _trace_name(opts.trace_naming, self.instance, r): _trace(r, pid)
+            for r, pid in enumerate(self.worker_pids)
+        }
+        # The API server's own trace, named the same in both versions.
+        parts[out / f"vm_{os.getpid()}.async_llm.{time.time_ns()}.pt.trace.json.gz"] = _trace(
+            None, os.getpid()
+        )
+        # Flushing takes a while and the files grow as it goes, as torch's exporter does: each
+        # part is a gzip member, and the members together are the trace.
+        steps = max(5, int(opts.profile_flush_s * 4))
+        for i in range(steps):
+            for path, text in parts.items():
+                n = len(text)
+                with gzip.open(path, "ab") as f:
+                    f.write(text[n * i // steps : n * (i + 1) // steps].encode())
+            time.sleep(opts.profile_flush_s / steps)
+        for r in range(len(self.worker_pids)):
+            (out / f"profiler_out_{r}.txt").write_text("Name  Self CPU %  Self CPU\n")
+        log(f"Profiler stopped; traces written to {out}")
+        return 200, {}
+
+
+def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+        def _send_empty(self, code: int) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _send(self, code: int, body: dict[str, Any] | None = None) -> None:
+            data = json.dumps(body or {}).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                # Real vLLM 0.16: 200 with an empty body; 503 once its engine is dead. While
+                # loading nothing listens (the connection is refused): see serve_main.
+                self._send_empty(200 if server.ready.is_set() else 503)
+            elif self.path == "/v1/models":
+                self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": server.args.model, "object": "model", "owned_by": "vllm"}],
+                    },
+                )
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:
+            if self.path == "/start_profile":
+                self._send(*server.start_profile())
+            elif self.path == "/stop_profile":
+                self._send(*server.stop_profile())
+            else:
+                self._send(404, {"detail": "Not Found"})
+
+    return Handler
+
+
+def _trace_name(naming: str, instance: str, rank: int) -> str:
+    if naming == "0.32":
+        return f"rank{rank}.{time.time_ns()}.pt.trace.json.gz"
+    return f"{instance}-rank-{rank}.{time.time_ns()}.pt.trace.json.gz"
+
+
+def _trace(rank: int | None, pid: int, steps: int = 6) -> str:
+    """A small Chrome trace shaped like a vLLM 0.16 CPU worker's: decode steps marked
+    `execute_context_0(0)_generation_4(4)` (one prefill first), each with a GEMM, an attention
+    and an all-reduce operator under a parent (own times: 600, 200 and 300 + 100 x rank us), and
+    the with_stack Python frames the summary skips. The API server's (rank None) has no steps."""
+    ev: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+         "args": {"name": "python" if rank is None else f"VLLM::Worker_TP{rank}"}},
+    ]  # fmt: skip
+
+    def op(cat: str, name: str, ts: float, dur: float) -> None:
+        ev.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": pid, "ts": ts,
+                   "dur": dur})  # fmt: skip
+
+    for i in range(steps if rank is not None else 0):
+        t = 1000.0 + i * 2000
+        prefill = i == 0
+        op("user_annotation", f"execute_context_{int(prefill)}({4 * prefill})_generation_"
+           f"{4 * (not prefill)}({4 * (not prefill)})", t, 1500)  # fmt: skip
+        op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, 1500)
+        op("cpu_op", "aten::linear", t + 10, 650)
+        op("cpu_op", "_C::onednn_mm", t + 20, 600)
+        op("cpu_op", "vllm::unified_attention_with_output", t + 700, 200)
+        op("cpu_op", "_C::shm_allreduce", t + 950, 300 + 100 * rank)  # type: ignore[operator]
+    return json.dumps({"schemaVersion": 1, "traceEvents": ev, "traceName": "fake"}, indent=1)
+
+
+def _load(opts: FakeOptions, profiling: bool, worker0: int) -> None:
+    """The shard progress as real vLLM 0.16 writes it: on stderr, from worker 0, each update
+    `\r...\n` behind the process prefix (tqdm's bar format ends in a newline)."""
+    shards = max(opts.shards, 1)
+    faults = profiling or not opts.load_faults_only_when_profiling
+
+    def bar(done: int) -> None:
+        sys.stderr.write(
+            f"(Worker_TP0 pid={worker0}) \rLoading safetensors checkpoint shards: "
+            f"{done * 100 // shards:3d}% Completed | {done}/{shards} [00:00<00:00, 3.2it/s]\n"
+        )
+        sys.stderr.flush()
+
+    bar(0)
+    for done in range(1, shards + 1):
+        pct = done * 100 // shards
+        if faults and opts.crash_during_load_at is not None and pct >= opts.crash_during_load_at:
+            log(f"ERROR: simulated crash while loading at {pct}%")
+            raise SystemExit(1)
+        if faults and opts.hang_during_load_at is not None and pct >= opts.hang_during_load_at:
+            log(f"loading stalls at {pct}% (simulated hang)")
+            threading.Event().wait()
+        time.sleep(opts.load_s / shards)
+        bar(done)
+
+
+def serve_main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="vllm serve")
+    p.add_argument("model")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--profiler-config", default=None)
+    args, _unknown = p.parse_known_args(argv)
+    opts = FakeOptions.load()
+    server = Server(args, opts)
+    stop = threading.Event()
+    _terminate_on_signal(opts, lambda *_: stop.set())
+
+    log(
+        f"vLLM API server version 0.16.0 (fake) serving {args.model} "
+        f"with tensor parallel {args.tensor_parallel_size}"
+    )
+    if server.profiler is not None:
+        log(f"Torch profiler enabled: {json.dumps(server.profiler)}")
+    _ipc_socket()
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker._fd  # type: ignore[attr-defined]
+    os.environ["KIMI_FAKE_TRACKER_FD"] = str(tracker)
+    engine = _child("engine", str(args.tensor_parallel_size), keep=(tracker,))
+    listening: list[ThreadingHTTPServer] = []
+
+    def boot() -> None:
+        try:
+            server.worker_pids = [int(p) for p in _wait_line(engine, b"ready").split()]
+            _load(opts, server.profiler is not None, server.worker_pids[0])
+            log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
+            time.sleep(opts.graph_capture_s)
+            # As real vLLM 0.16 (measured with its CPU build): the API server binds its port only
+            # now, so /health refuses connections while loading; there is no 503 phase.
+            http = ThreadingHTTPServer((args.host, args.port), _handler(server))
+            listening.append(http)
+            threading.Thread(target=http.serve_forever, daemon=True).start()
+            log(f"Starting vLLM API server 0 on http://{args.host}:{args.port}")
+            server.ready.set()
+            print("INFO:     Application startup complete.", flush=True)
+        except SystemExit as e:
+            with contextlib.suppress(ProcessLookupError):
+                engine.kill()
+            os._exit(int(e.code or 1))
+
+    threading.Thread(target=boot, daemon=True).start()
+    stop.wait()
+    log("Shutting down")
+    if opts.shutdown_delay_s:
+        time.sleep(opts.shutdown_delay_s)
+    server.ready.clear()
+    for http in listening:
+        http.shutdown()
+    engine.terminate()
+    engine.wait()
+    log("Shutdown complete")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: vllm serve MODEL [--tensor-parallel-size N] [--port P] ...")
+    role, rest = argv[0], argv[1:]
+    if role == "serve":
+        serve_main(rest)
+    elif role == "engine":
+        engine_main(int(rest[0]))
+    elif role == "worker":
+        worker_main(int(rest[0]))
+    else:
+        raise SystemExit(f"fake vllm: unknown command {role!r} (expected serve)")
+
+
+if __name__ == "__main__":
+    main()

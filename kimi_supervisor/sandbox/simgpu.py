@@ -1,0 +1,200 @@
+"""A simulated GPU host that owns memory the way the NVIDIA driver does, as measured.
+
+Layout of the host's directory:
+  host.json            devices (index, total, baseline), release delay, driver version
+  dev/nvidiaN          stand-ins for /dev/nvidiaN; dev/nvidiactl, dev/nvidia-uvm (one page each,
+                       so that they can be mapped)
+  alloc/PID.KEY        one context: creator's identity, device, MiB, listed or hidden, its key
+  released/...         when a context was first seen closed (for the release delay)
+  last_sample          when a reader last looked (monotonic seconds)
+  leak/N.M             memory held with no process at all (a driver leak)
+
+The rules, each copying a measurement on 2x H200, driver 580.159.04
+(`bench/results/h200x2-2026-11-30-cuda-probe.json`, made by `bench/cuda_probe.py`; issue 13):
+
+1. Memory belongs to an open device file (the context), not to a PID. A context is an open file
+   description of dev/nvidiaN that holds an OFD byte-range lock at its own KEY; memory counts while
+   that lock exists, that is while any process still has that open file. Measured: a CUDA
+   process with 42,101 MiB used forked a helper and was SIGKILLed; the memory stayed at 42,101
+   MiB as long as the helper lived, and went back to 615 MiB 0.163 s after the helper's SIGKILL.
+2. A fork shares the context (it inherits the open file, so the lock). It is freed when the last
+   process holding it exits or closes it.
+3. NVML lists the PID that created the context for as long as the context exists, even after
+   that PID died. Measured: `listed_after_parent_death` is the dead parent's PID; the helper is
+   listed nowhere.
+4. A CUDA process opens every device file, nvidiactl and nvidia-uvm, and maps the device files
+   of the GPUs it can see, nvidiactl and nvidia-uvm. Measured: a process using GPU 0 with every
+   GPU visible mapped /dev/nvidia0 and /dev/nvidia1; one with CUDA_VISIBLE_DEVICES=1 opened
+   both but mapped only /dev/nvidia1. Its forked helper mapped the device files and nvidiactl but
+   not nvidia-uvm (here: the uvm mapping is MADV_DONTFORK).
+5. An NVML client opens every device file and maps none (`nvml_client`: 6 files open, 0 mapped).
+6. A process that closed its descriptors but keeps its mappings holds no memory. Measured: the
+   forked helper closed every descriptor, its parent was SIGKILLed, and the memory came back at
+   once although the helper still mapped /dev/nvidia0. Here the mappings are made from
+   descriptors other than the context's, so they do not keep the context's open file alive.
+7. The driver frees a context's memory `release_delay_s` after its last holder is gone, and NVML
+   lists the creator until then. Measured: 0.150-0.158 s from SIGKILL to NVML at baseline
+   (`cuda_start`), 0.163 s for the helper; DRIVER_RELEASE_S is the default. On the real host
+   that time is the holder's own exit (the driver tears the context down as the process exits,
+   so memory is back by the time it is reaped: `fork_helper_closed_fds`); a simulated holder
+   exits at once, so the delay runs after it, counted from the last look (by any reader) before
+   the context was seen closed. Seen through NVML the two read the same, for a reader that polls
+   and for one that looks once, long after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import secrets
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.gpu import GpuUnavailable
+from kimi_supervisor.sandbox.simreader import F_OFD_SETLK, FLOCK
+from kimi_supervisor.sandbox.simreader import (
+    SimGpu as SimGpu,  # the reader, for the sandbox's users
+)
+from kimi_supervisor.sandbox.simreader import device_file as device_file
+from kimi_supervisor.sandbox.simreader import hold_files as hold_files
+from kimi_supervisor.sandbox.simreader import shared_files as shared_files
+
+H200_TOTAL_MIB = 143771
+H200_BASELINE_MIB = 615
+# Rule 7: SIGKILL to NVML at baseline on an H200 (bench/results/h200x2-2026-11-30-cuda-probe.json).
+DRIVER_RELEASE_S = 0.15
+PAGE = 4096
+
+
+def create_host(
+    root: Path,
+    gpus: int,
+    total_mib: int = H200_TOTAL_MIB,
+    baseline_mib: int = H200_BASELINE_MIB,
+    release_delay_s: float = DRIVER_RELEASE_S,
+) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for sub in ("dev", "alloc", "released", "leak"):
+        (root / sub).mkdir(exist_ok=True)
+    for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
+        (root / "dev" / name).write_bytes(bytes(PAGE))
+    host = {
+        "devices": [
+            {
+                "index": i,
+                "total_mib": total_mib,
+                "baseline_mib": baseline_mib,
+                "uuid": f"GPU-sim-{i:04d}",
+                "name": "Simulated NVIDIA H200",
+            }
+            for i in range(gpus)
+        ],
+        "release_delay_s": release_delay_s,
+        "driver_version": "sim-580.159",
+    }
+    _write_json(root / "host.json", host)
+    return root
+
+
+def set_release_delay(root: Path, seconds: float) -> None:
+    host = json.loads((root / "host.json").read_text())
+    host["release_delay_s"] = seconds
+    _write_json(root / "host.json", host)
+
+
+def _write_json(path: Path, data: object) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _device_indices(root: Path) -> list[int]:
+    return sorted(
+        int(p.name.removeprefix("nvidia"))
+        for p in (root / "dev").iterdir()
+        if p.name.removeprefix("nvidia").isdigit()
+    )
+
+
+def _lock(fd: int, key: int) -> None:
+    fcntl.fcntl(fd, F_OFD_SETLK, struct.pack(FLOCK, fcntl.F_WRLCK, os.SEEK_SET, key, 1, 0))
+
+
+class Runtime:
+    """What a CUDA process holds besides its contexts (rule 4): every device file, nvidiactl and
+    nvidia-uvm open; the visible GPUs' device files, nvidiactl and nvidia-uvm mapped."""
+
+    def __init__(self, root: Path, visible: Sequence[int] | None = None) -> None:
+        everything = [device_file(root, i) for i in _device_indices(root)] + shared_files(root)
+        self.fds = hold_files(everything)
+        seen = _device_indices(root) if visible is None else list(visible)
+        ctl, uvm = shared_files(root)
+        self.maps: list[mmap.mmap] = []
+        for path in [device_file(root, i) for i in seen] + [ctl, uvm]:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                m = mmap.mmap(fd, PAGE, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)  # the mapping stays; it keeps no context alive (rule 6)
+            if path == uvm:
+                m.madvise(mmap.MADV_DONTFORK)  # a forked helper does not map nvidia-uvm
+            self.maps.append(m)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        for m in self.maps:
+            m.close()
+        self.fds, self.maps = [], []
+
+
+def visible_devices(root: Path) -> list[int]:
+    """The GPUs a CUDA process sees: CUDA_VISIBLE_DEVICES (physical indices here), else all."""
+    spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if spec is None:
+        return _device_indices(root)
+    return [int(x) for x in spec.split(",") if x.strip().isdigit()]
+
+
+class Context:
+    """Memory on one simulated GPU, owned by an open file of its device file (rules 1-3)."""
+
+    def __init__(self, root: Path, index: int, mib: int, hidden: bool = False) -> None:
+        path = device_file(root, index)
+        if not path.exists():
+            raise GpuUnavailable(f"simulated GPU {index} does not exist under {root}")
+        self.fd = os.open(path, os.O_RDWR)
+        key = secrets.randbits(40) + 1
+        _lock(self.fd, key)  # before the record: a reader never sees a record without its lock
+        ref = processes.ref_of(os.getpid())
+        assert ref is not None
+        self.record = root / "alloc" / f"{ref.pid}.{key}"
+        _write_json(
+            self.record,
+            {
+                "pid": ref.pid,
+                "start_ticks": ref.start_ticks,
+                "device": index,
+                "mib": mib,
+                "hidden": hidden,
+                "key": key,
+            },
+        )
+
+    def free(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.record.unlink()
+        os.close(self.fd)
+
+
+def leak(root: Path, index: int, mib: int) -> Path:
+    """Memory that stays used with no process behind it."""
+    path = root / "leak" / f"{index}.{time.monotonic_ns()}"
+    _write_json(path, {"device": index, "mib": mib})
+    return path

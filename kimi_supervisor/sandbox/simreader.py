@@ -1,0 +1,214 @@
+"""The GPU port over a simulated GPU host: a directory that `sandbox/simgpu.py` makes
+and its fake processes fill, read here the way NVML reads the driver.
+
+The layout and the rules it follows (each copying a measurement on H200s) are in the sandbox
+module's docstring. What this reader relies on: a context is a record in alloc/ plus an OFD lock
+at the record's key on dev/nvidiaN, held for as long as some process has the context's open
+file; memory counts while the lock exists, and for `release_delay_s` after (counted from the last
+look by any reader); NVML's list is each live context's creator. Like an NVML client, the reader
+opens every device file and maps none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
+
+# struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding)
+FLOCK = "hhqqi4x"
+F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+
+
+def device_file(root: Path, index: int) -> Path:
+    return root / "dev" / f"nvidia{index}"
+
+
+def shared_files(root: Path) -> list[Path]:
+    return [root / "dev" / "nvidiactl", root / "dev" / "nvidia-uvm"]
+
+
+def _locked(fd: int, key: int) -> bool:
+    """Whether another open file description holds the lock at `key` (rules 1-2)."""
+    probe = struct.pack(FLOCK, fcntl.F_WRLCK, os.SEEK_SET, key, 1, 0)
+    l_type = struct.unpack(FLOCK, fcntl.fcntl(fd, F_OFD_GETLK, probe))[0]
+    return bool(l_type != fcntl.F_UNLCK)
+
+
+def hold_files(paths: Sequence[Path]) -> list[int]:
+    """Open device files without allocating, as nvidia-persistenced or an NVML client does."""
+    return [os.open(p, os.O_RDWR) for p in paths]
+
+
+@dataclass(frozen=True)
+class _Device:
+    index: int
+    total_mib: int
+    baseline_mib: int
+
+
+class SimGpu:
+    """GpuPort over a simulated host directory."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root)
+        self._loaded: list[_Device] | None = None
+        self._driver = "sim"
+        self._delay, self._delay_mtime = 0.0, -1
+        self._held: list[int] = []
+        self._device_fd: dict[int, int] = {}
+
+    @property
+    def _devices(self) -> list[_Device]:
+        """Opened on first use, as NVML is: a host that is not there yet (the driver not loaded)
+        is GpuUnavailable then, and found once it appears."""
+        if self._loaded is not None:
+            return self._loaded
+        try:
+            host = json.loads((self.root / "host.json").read_text())
+        except (OSError, ValueError) as e:
+            raise GpuUnavailable(
+                f"no simulated GPU host at {self.root} ({e}): create it with "
+                "`kimi-supervisor sandbox up`"
+            ) from e
+        devices = [_Device(d["index"], d["total_mib"], d["baseline_mib"]) for d in host["devices"]]
+        self._driver = str(host.get("driver_version", "sim"))
+        # Like an NVML client (rule 5), keep every device file open, mapping none.
+        self._held = hold_files(
+            [device_file(self.root, d.index) for d in devices] + shared_files(self.root)
+        )
+        self._device_fd = {d.index: fd for d, fd in zip(devices, self._held, strict=False)}
+        self._loaded = devices
+        return devices
+
+    def _release_delay(self) -> float:
+        # Re-read only when host.json changed (tests change the delay at run time); a teardown
+        # samples every 10 ms and should not parse it each time.
+        path = self.root / "host.json"
+        try:
+            mtime = path.stat().st_mtime_ns
+            if mtime != self._delay_mtime:
+                self._delay = float(json.loads(path.read_text())["release_delay_s"])
+                self._delay_mtime = mtime
+        except (OSError, ValueError, KeyError):
+            return 0.0
+        return self._delay
+
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def _device(self, index: int) -> _Device:
+        for d in self._devices:
+            if d.index == index:
+                return d
+        raise GpuUnavailable(
+            f"GPU {index} does not exist: the simulated host has {len(self._devices)} GPU(s)"
+        )
+
+    def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        devices = [self._device(i) for i in indices]
+        used = {d.index: d.baseline_mib for d in devices}
+        listed: dict[int, dict[int, int]] = {d.index: {} for d in devices}
+        delay = self._release_delay()
+        now = time.monotonic()
+        # A context found closed was closed after the last look by any reader: count its delay
+        # from then, so that a reader that looks rarely sees what the driver would show by now.
+        previous = _read_time(self.root / "last_sample", now)
+        _write_time(self.root / "last_sample", now)
+        for entry in os.scandir(self.root / "alloc"):
+            rec = _read(entry.path)
+            if rec is None or rec.get("device") not in used or "key" not in rec:
+                continue
+            dev = rec["device"]
+            if _locked(self._device_fd[dev], rec["key"]):
+                used[dev] += rec["mib"]
+                if not rec["hidden"]:  # rule 3: the creator, alive or not
+                    listed[dev][rec["pid"]] = listed[dev].get(rec["pid"], 0) + rec["mib"]
+                continue
+            # The context's last holder is gone: the driver frees it after the delay (rule 7).
+            marker = self.root / "released" / entry.name
+            if now - _released_at(marker, previous) < delay:
+                used[dev] += rec["mib"]
+                if not rec["hidden"]:
+                    listed[dev][rec["pid"]] = listed[dev].get(rec["pid"], 0) + rec["mib"]
+            else:
+                for p in (Path(entry.path), marker):
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+        for entry in os.scandir(self.root / "leak"):
+            rec = _read(entry.path)
+            if rec is not None and rec["device"] in used:
+                used[rec["device"]] += rec["mib"]
+        return [
+            DeviceSample(
+                d.index,
+                min(used[d.index], d.total_mib),
+                d.total_mib,
+                tuple(GpuProcess(pid, mib) for pid, mib in sorted(listed[d.index].items())),
+            )
+            for d in devices
+        ]
+
+    def device_path(self, index: int) -> str:
+        return str(device_file(self.root, self._device(index).index))
+
+    def uuid(self, index: int) -> str:
+        """As NVML names one (`GPU-` and a UUID), stable per simulated device."""
+        self._device(index)
+        return f"GPU-5e1f0000-0000-4000-8000-{index:012d}"
+
+    def driver_version(self) -> str:
+        self._devices  # noqa: B018 - loads the host
+        return self._driver
+
+    def baseline_of(self, index: int) -> int:
+        return self._device(index).baseline_mib
+
+    def close(self) -> None:
+        self._loaded = None
+        for fd in self._held:
+            os.close(fd)
+        self._held, self._device_fd = [], {}
+
+
+def _read(path: str) -> dict[str, int] | None:
+    try:
+        data: dict[str, int] = json.loads(Path(path).read_text())
+        return data
+    except (OSError, ValueError):
+        return None  # removed or being replaced: the next sample sees it
+
+
+def _read_time(path: Path, default: float) -> float:
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def _write_time(path: Path, t: float) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(repr(t))
+    os.replace(tmp, path)
+
+
+def _released_at(marker: Path, now: float) -> float:
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        try:
+            return float(marker.read_text() or now)
+        except (OSError, ValueError):
+            return now
+    with os.fdopen(fd, "w") as f:
+        f.write(repr(now))
+    return now

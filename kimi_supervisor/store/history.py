@@ -1,0 +1,122 @@
+"""The history file: one JSON line per record (teardown, transition, incident, capture), appended
+and fsynced, kept across restarts. Appends are all or nothing (a torn tail is repaired before
+the next one); reading skips a torn line, never fatal, and reads from the end."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.model import TeardownReport
+from kimi_supervisor.store.state import StateError, open_trusted
+
+
+def history_path(state_dir: Path) -> Path:
+    return state_dir / "history.jsonl"
+
+
+def append(
+    state_dir: Path,
+    kind: str,
+    record: TeardownReport | dict[str, Any],
+    max_bytes: int = 64 << 20,
+    keep: int = 5,
+) -> None:
+    """One record, all or nothing: a torn tail (a crash or a full disk mid-write) is cut off
+    first, and a write that fails is undone, so the next record never lands glued to half of
+    one. Once the file passes `max_bytes` it is rotated (`keep` older files are kept). Raises
+    StateError (with the reason) when the record could not be written."""
+    body = record.model_dump(mode="json") if isinstance(record, TeardownReport) else record
+    line = (json.dumps({"kind": kind, **body}, ensure_ascii=False) + "\n").encode()
+    path = history_path(state_dir)
+    fd = open_trusted(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    try:
+        size = _repair_tail(fd)
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, "short write")
+            os.fsync(fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise StateError(f"cannot append to {path}: {e}") from e
+        size += len(line)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        _rotate(path, keep)
+
+
+def _rotate(path: Path, keep: int) -> None:
+    """history.jsonl -> .1 -> .2 ... -> .keep (the oldest is dropped). Renames only: a reader
+    sees either file whole."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"{path}.{keep}")
+    for i in range(keep - 1, 0, -1):
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(f"{path}.{i}", f"{path}.{i + 1}")
+    os.rename(path, f"{path}.1")
+
+
+def _repair_tail(fd: int) -> int:
+    """Cut a last line that has no newline (a torn write); returns the file's size after."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    pos = size
+    while pos > 0:
+        step = min(65536, pos)
+        chunk = os.pread(fd, step, pos - step)
+        nl = chunk.rfind(b"\n")
+        if nl >= 0:
+            pos = pos - step + nl + 1
+            break
+        pos -= step
+    os.ftruncate(fd, pos)
+    return pos
+
+
+def read(state_dir: Path, last: int | None = None) -> list[dict[str, Any]]:
+    """The last `last` records (all if None), oldest first, across the rotated files. Reads
+    from the end of each file, so a long history costs only what is asked for."""
+    path = history_path(state_dir)
+    out: list[dict[str, Any]] = []
+    for i in range(0, 101):
+        f_path = path if i == 0 else Path(f"{path}.{i}")
+        want = None if last is None else last - len(out)
+        try:
+            records = _read_one(f_path, want)
+        except FileNotFoundError:
+            if i == 0:
+                continue
+            break
+        out = records + out
+        if last is not None and len(out) >= last:
+            return out[-last:]
+    return out
+
+
+def _read_one(path: Path, last: int | None) -> list[dict[str, Any]]:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if last is None:
+            data = f.read()
+        else:
+            end = f.seek(0, os.SEEK_END)
+            data, pos = b"", end
+            while pos > 0 and data.count(b"\n") <= last:
+                step = min(65536, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    out = []
+    for line in data.splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a torn line, or the cut-off first line of the tail read
+    return out[-last:] if last else out

@@ -1,0 +1,254 @@
+"""The persisted state: desired mode, the transition in progress, the baseline, and when each
+changed, in one file (`state.dir`/state.json).
+
+Writes are atomic: a temporary file in the same directory (created exclusively, never through a
+symlink), fsync, rename over the old file, fsync of the directory. Read-modify-write goes through
+`update`, under an flock, so the daemon and `kimi-supervisor calibrate` never lose each other's
+change. A file that cannot be read as a valid state (truncated, corrupt, a symlink) is moved
+aside with a timestamp and the defaults are used (production); the caller reports the warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import stat
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kimi_supervisor.model import Mode, utcnow
+
+STATE_VERSION: Literal[1] = 1
+
+
+class StateError(Exception):
+    """The state directory cannot be used (permissions, a full disk); the message says which."""
+
+
+class Baseline(BaseModel):
+    driver_version: str
+    calibrated_at: datetime
+    devices: dict[int, int]  # GPU index -> MiB
+
+
+class TransitionRecord(BaseModel):
+    """A mode switch in progress: from the start of its teardown until the new mode is ready."""
+
+    id: str
+    target: Mode
+    previous: Mode | None = None
+    kind: Literal["switch", "boot", "recover", "rollback", "retry"] = "switch"
+    reason: str = ""
+    requested_by: str = ""
+    started_at: datetime
+    # "teardown", "teardown:<step>" or "starting"
+    step: str = "teardown"
+    step_changed_at: datetime
+    # Set when the unit was started: a daemon restarted mid-load resumes waiting until then.
+    start_deadline_at: datetime | None = None
+
+    def finished(
+        self, at: datetime, outcome: str, message: str, detail: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The history's record of this transition, ended at `at` with `outcome`."""
+        return {
+            "id": self.id,
+            "target": self.target.value,
+            "previous": self.previous.value if self.previous else None,
+            "trigger": self.kind,
+            "reason": self.reason,
+            "requested_by": self.requested_by,
+            "started_at": self.started_at.isoformat(),
+            "finished_at": at.isoformat(),
+            "duration_s": round((at - self.started_at).total_seconds(), 3),
+            "outcome": outcome,
+            "message": message,
+            **detail,
+        }
+
+
+class PersistedState(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1] = STATE_VERSION
+    desired_mode: Mode = Mode.PRODUCTION
+    desired_changed_at: datetime | None = None
+    desired_by: str = "default"
+    transition: TransitionRecord | None = None
+    transition_changed_at: datetime | None = None
+    baseline: Baseline | None = None
+    baseline_changed_at: datetime | None = None
+    # Timed profile mode: when it expires, production is desired again.
+    profile_until: datetime | None = None
+    profile_until_changed_at: datetime | None = None
+
+
+def untrusted(st: os.stat_result, what: str) -> str | None:
+    """Why a state directory or file must not be trusted, as sshd's StrictModes judges: it is
+    owned by another user than the daemon's, or others (or its group) may write it."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        return (
+            f"{what} is owned by uid {st.st_uid}, not by the daemon's user (uid {me}): "
+            f"`chown {me} {what}`"
+        )
+    if st.st_mode & 0o022:
+        return (
+            f"{what} is writable by its group or by others (mode {st.st_mode & 0o7777:o}): "
+            f"`chmod go-w {what}`"
+        )
+    return None
+
+
+def open_trusted(path: Path, flags: int, mode: int = 0o640) -> int:
+    """Open a state file without following a link, and only if the daemon's user owns it and
+    nobody else may write it (StateError otherwise)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise StateError(
+                f"{path} is a symlink: remove it (state files are never followed)"
+            ) from None
+        raise
+    problem = untrusted(os.fstat(fd), str(path))
+    if problem:
+        os.close(fd)
+        raise StateError(f"refusing to use {problem}")
+    return fd
+
+
+class StateStore:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.path = directory / "state.json"
+        self.lock_path = directory / "state.lock"
+
+    def _ensure_dir(self) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+            st = os.lstat(self.dir)
+        except OSError as e:
+            raise StateError(f"cannot create the state directory {self.dir}: {e}") from e
+        if not stat.S_ISDIR(st.st_mode):
+            raise StateError(f"the state directory {self.dir} is not a directory (or a symlink)")
+        problem = untrusted(st, str(self.dir))
+        if problem:
+            raise StateError(f"refusing the state directory: {problem}")
+
+    def check(self) -> None:
+        """At start: the state directory and its files can be trusted (StateError if not)."""
+        self._ensure_dir()
+        for name in ("state.json", "state.lock", "history.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                os.close(open_trusted(self.dir / name, os.O_RDONLY))
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self._ensure_dir()
+        fd = open_trusted(self.lock_path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def read(self) -> tuple[PersistedState, str | None]:
+        """The state, and a warning if the file was unusable and has been moved aside."""
+        self._ensure_dir()
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return PersistedState(), None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return PersistedState(), self._move_aside("it is a symlink")
+            raise StateError(f"cannot read {self.path}: {e}") from e
+        problem = untrusted(os.fstat(fd), str(self.path))
+        if problem:
+            os.close(fd)
+            return PersistedState(), self._move_aside(f"it cannot be trusted: {problem}")
+        try:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise StateError(f"cannot read {self.path}: {e}") from e
+        try:
+            return PersistedState.model_validate(json.loads(raw)), None
+        except (ValueError, ValidationError) as e:
+            first = str(e).splitlines()[0][:200]
+            return PersistedState(), self._move_aside(f"it is not a valid state ({first})")
+
+    def _move_aside(self, why: str) -> str:
+        aside = self.path.with_name(f"state.json.corrupt-{utcnow():%Y%m%dT%H%M%S.%fZ}")
+        os.rename(self.path, aside)  # renames a symlink itself, never its target
+        return (
+            f"{self.path} was unusable: {why}. Moved to {aside}; starting from defaults "
+            "(desired mode: production)"
+        )
+
+    def write(self, state: PersistedState) -> None:
+        self._ensure_dir()
+        data = state.model_dump_json(indent=2).encode() + b"\n"
+        tmp = self.dir / f".state.json.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # left by a crash of this PID's predecessor
+        try:
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
+            )
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+            dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise StateError(f"cannot write {self.path}: {e}") from e
+
+    def update(
+        self,
+        change: Callable[[PersistedState], PersistedState],
+        fallback: PersistedState | None = None,
+    ) -> tuple[PersistedState, str | None]:
+        """Read, change and write under the lock; returns the new state and any read warning.
+        A file found unusable (moved aside) is replaced by `fallback` changed, when given: the
+        daemon's last known state, so that nothing it holds is lost to a truncated file."""
+        with self._locked():
+            current, warning = self.read()
+            if warning and fallback is not None:
+                current = fallback
+                warning += "; rewritten from the daemon's state in memory"
+            new = change(current)
+            self.write(new)
+            return new, warning
+
+
+def with_desired(state: PersistedState, mode: Mode, by: str) -> PersistedState:
+    if state.desired_mode is mode:
+        return state.model_copy(update={"desired_by": by})
+    return state.model_copy(
+        update={"desired_mode": mode, "desired_changed_at": utcnow(), "desired_by": by}
+    )
+
+
+def with_transition(state: PersistedState, tr: TransitionRecord | None) -> PersistedState:
+    return state.model_copy(update={"transition": tr, "transition_changed_at": utcnow()})
+
+
+def with_baseline(state: PersistedState, baseline: Baseline) -> PersistedState:
+    return state.model_copy(update={"baseline": baseline, "baseline_changed_at": utcnow()})

@@ -1,0 +1,197 @@
+"""The managed GPUs as a teardown sees them: memory, who NVML lists, and who holds what.
+
+It samples the GPUs, tracks which listed PIDs are live holders (and when each died), and picks
+the processes the evidence ladder (teardown/ownership.py) says hold a managed GPU: rung 1 (a
+live process NVML lists there) and rung 2 (the device file open and mapped, where no live listed
+process explains the memory). It signals nothing: the teardown does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_supervisor.model import DeviceReading, Evidence
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.clock import Clock
+from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
+from kimi_supervisor.ports.processes import ProcessRef
+from kimi_supervisor.teardown.ownership import GpuFiles, judge
+from kimi_supervisor.teardown.scan import device_users
+
+# After a process that held a managed GPU dies, its memory is on its way out: the driver frees
+# it as the process's exit runs, 0.150-0.163 s from SIGKILL to NVML at baseline on an H200
+# (bench/results/h200x2-2026-11-30-cuda-probe.json). For this long after such a death, memory
+# is waited for rather than blamed on an open-and-mapped holder.
+DRIVER_RELEASE_GRACE_S = 1.0
+
+
+@dataclass
+class Target:
+    ref: ProcessRef
+    evidence: Evidence
+    reason: str
+
+
+@dataclass
+class GpuView:
+    gpu: GpuPort
+    clock: Clock
+    baselines: dict[int, int]
+    tolerance_mib: int
+    on_event: Callable[[str, dict[str, Any]], None] = field(default=lambda kind, data: None)
+
+    def __post_init__(self) -> None:
+        self.indices = sorted(self.baselines)
+        self.paths = {i: self.gpu.device_path(i) for i in self.indices}
+        self.devices: list[DeviceReading] = []
+        self._files: GpuFiles | None = None
+        self._last_drain: dict[int, int] = {}
+        # Listed PIDs seen alive with their GPU's device file open (rung 1), and when they died.
+        self.alive_listed: dict[int, ProcessRef] = {}
+        self._died_at: dict[int, float] = {}
+
+    # -- observation --
+    def sample(self) -> list[DeviceReading]:
+        samples = self.gpu.sample(self.indices)
+        self.devices = [
+            DeviceReading(
+                index=s.index,
+                used_mib=s.used_mib,
+                baseline_mib=self.baselines[s.index],
+                tolerance_mib=self.tolerance_mib,
+                processes=sorted({p.pid for p in s.processes}),
+            )
+            for s in samples
+        ]
+        self._track_listed()
+        drain = {d.index: d.used_mib for d in self.devices}
+        if drain != self._last_drain:
+            self._last_drain = drain
+            self.on_event("gpus", {"devices": [d.model_dump() for d in self.devices]})
+        return self.devices
+
+    def clean(self) -> bool:
+        return all(d.clean for d in self.sample())
+
+    def _track_listed(self) -> None:
+        """Which listed PIDs are live holders (rung 1), and when each of them died. A listed PID
+        that does not exist, or exists without the device file open (recycled, or from a PID
+        namespace we cannot see), explains nothing."""
+        for d in self.devices:
+            for pid in d.processes:
+                if pid in self.alive_listed or pid in self._died_at:
+                    continue
+                ref = processes.ref_of(pid)
+                if ref and processes.holds_any(pid, [self.paths[d.index]]):
+                    self.alive_listed[pid] = ref
+        now = self.clock.monotonic()
+        for pid, ref in self.alive_listed.items():
+            if pid not in self._died_at and not processes.is_alive(ref):
+                self._died_at[pid] = now
+
+    def live_listed(self) -> dict[int, set[int]]:
+        """PID -> the managed GPUs NVML lists it on, for live holders only."""
+        out: dict[int, set[int]] = {}
+        for d in self.devices:
+            for pid in d.processes:
+                if pid in self.alive_listed and pid not in self._died_at:
+                    out.setdefault(pid, set()).add(d.index)
+        return out
+
+    def files(self) -> GpuFiles:
+        """Device files of the managed GPUs and of the host's others (found once)."""
+        if self._files is None:
+            try:
+                others = [i for i in range(self.gpu.device_count()) if i not in self.baselines]
+                other_paths = {i: self.gpu.device_path(i) for i in others}
+            except GpuUnavailable:
+                other_paths = {}
+            self._files = GpuFiles(self.paths, other_paths)
+        return self._files
+
+    def all_files(self) -> list[str]:
+        """Every GPU's device file, nvidiactl and nvidia-uvm."""
+        folder = os.path.dirname(next(iter(self.paths.values()), "/dev/nvidia0"))
+        controls = [os.path.join(folder, n) for n in ("nvidiactl", "nvidia-uvm")]
+        return [*self.files().all().values(), *controls]
+
+    def listed_anywhere(self) -> dict[int, set[int]]:
+        """PID -> every GPU (managed or not) NVML lists it on, for live processes only."""
+        out = self.live_listed()
+        others = list(self.files().others)
+        try:
+            samples = self.gpu.sample(others) if others else []
+        except GpuUnavailable:
+            samples = []
+        for s in samples:
+            for p in s.processes:
+                ref = processes.ref_of(p.pid)
+                if ref and processes.is_alive(ref):
+                    out.setdefault(p.pid, set()).add(s.index)
+        return out
+
+    def uses_managed_gpu(self, pid: int) -> bool:
+        """Rung 1 or 2 evidence on a managed GPU, for one process."""
+        if pid in self.live_listed():
+            return True
+        held = processes.holds_any(pid, set(self.paths.values()))
+        return bool(held & processes.maps_of(pid, held))
+
+    # -- the ladder --
+    def draining(self, gpu: int | None = None) -> bool:
+        """Whether NVML still lists, on `gpu` (default: any managed GPU), a holder seen alive in
+        this teardown that died less than DRIVER_RELEASE_GRACE_S ago: its memory is on its way
+        out. A PID listed dead from the start (a ghost's creator) drains nothing."""
+        now = self.clock.monotonic()
+        return any(
+            now - self._died_at.get(pid, float("-inf")) < DRIVER_RELEASE_GRACE_S
+            for d in self.devices
+            if gpu is None or d.index == gpu
+            for pid in d.processes
+        )
+
+    def unexplained(self) -> set[int]:
+        """Managed GPUs above baseline that no live listed process explains, once the memory of
+        any listed holder that just died there has had time to come back."""
+        live = self.live_listed()
+        return {
+            d.index
+            for d in self.devices
+            if not d.clean
+            and not any(d.index in gpus for gpus in live.values())
+            and not self.draining(d.index)
+        }
+
+    def listed_targets(self) -> dict[ProcessRef, Target]:
+        """Rung 1: live processes NVML lists on managed GPUs."""
+        out: dict[ProcessRef, Target] = {}
+        for pid, gpus in self.live_listed().items():
+            ref = self.alive_listed[pid]
+            where = ", ".join(map(str, sorted(gpus)))
+            out[ref] = Target(ref, Evidence.NVML_LISTED, f"listed on managed GPU {where}")
+        return out
+
+    def mapped_targets(self, never: set[int]) -> dict[ProcessRef, Target]:
+        """Rung 2: on unexplained GPUs, processes that have the device file open and mapped
+        (`never`: our own PIDs, whose NVML handles explain nothing)."""
+        unexplained = self.unexplained()
+        if not unexplained:
+            return {}
+        holding = [self.paths[i] for i in sorted(unexplained)]
+        users = device_users(self.all_files(), holding)
+        listed = self.listed_anywhere() if users else {}
+        out: dict[ProcessRef, Target] = {}
+        for pid, use in users.items():
+            ref = processes.ref_of(pid)
+            if ref is None or pid in never:
+                continue
+            v = judge(use, self.files(), listed.get(pid, set()), unexplained)
+            if v.evidence is Evidence.OPEN_AND_MAPPED:
+                above = ", ".join(map(str, v.gpus))
+                out[ref] = Target(
+                    ref, v.evidence, f"{v.seen}; GPU {above} above baseline, unexplained"
+                )
+        return out

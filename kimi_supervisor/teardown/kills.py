@@ -1,0 +1,85 @@
+"""Signalling a teardown's targets, and the record of every signal sent (the report's kills).
+
+Targets are signalled through pidfds checked against their start time, so a recycled PID is never
+hit; a set of targets is SIGSTOPped before it is SIGKILLed (no respawn in between); a protected
+target is recorded as spared once per teardown and never signalled.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kimi_supervisor.model import KillRecord, ProcessDescription, Step, TeardownReport, utcnow
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.processes import PidHandle, ProcessRef
+from kimi_supervisor.teardown.gpuview import Target
+from kimi_supervisor.teardown.scan import Protection
+
+
+@dataclass
+class Kills:
+    protection: Protection
+    report: TeardownReport
+    on_event: Callable[[str, dict[str, Any]], None]
+    # Everything that got SIGKILL, and everything spared, in this teardown.
+    killed: dict[ProcessRef, KillRecord] = field(default_factory=dict)
+    spared: set[ProcessRef] = field(default_factory=set)
+
+    def all_dead(self) -> bool:
+        return not any(processes.is_alive(r) for r in self.killed)
+
+    def record(
+        self,
+        ref: ProcessRef,
+        sig: str,
+        step: Step,
+        target: Target,
+        result: str,
+        desc: ProcessDescription | None = None,
+    ) -> KillRecord:
+        rec = KillRecord(
+            at=utcnow(),
+            signal=sig,
+            step=step,
+            evidence=target.evidence,
+            reason=target.reason,
+            process=desc or processes.describe(ref),
+            result=result,
+        )
+        self.report.kills.append(rec)
+        self.on_event("kill", rec.model_dump(mode="json"))
+        return rec
+
+    def kill_set(self, step: Step, targets: list[Target]) -> int:
+        """SIGSTOP every target, then SIGKILL every target; returns how many were signalled.
+        A protected target is recorded as spared once per teardown, never signalled."""
+        handles: list[tuple[Target, PidHandle, ProcessDescription]] = []
+        for t in targets:
+            if t.ref in self.killed or t.ref in self.spared:
+                continue  # already got SIGKILL (waited for), or already spared
+            why = self.protection.why_protected(t.ref.pid)
+            if why:
+                self.spared.add(t.ref)
+                self.on_event("spared", {"pid": t.ref.pid, "why": why, "step": step.value})
+                continue
+            h = PidHandle.open(t.ref)
+            if isinstance(h, str):
+                self.record(
+                    t.ref, "SIGKILL", step, t, h, ProcessDescription(pid=t.ref.pid, start_time=0.0)
+                )
+                continue
+            handles.append((t, h, processes.describe(t.ref)))
+        try:
+            for t, h, desc in handles:
+                self.record(t.ref, "SIGSTOP", step, t, h.send(signal.SIGSTOP), desc)
+            for t, h, desc in handles:
+                self.killed[t.ref] = self.record(
+                    t.ref, "SIGKILL", step, t, h.send(signal.SIGKILL), desc
+                )
+        finally:
+            for _t, h, _d in handles:
+                h.close()
+        return len(handles)
