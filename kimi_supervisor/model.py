@@ -6,7 +6,7 @@ Plain data only; nothing here has side effects.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sized
+from collections.abc import Sequence, Sized
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
@@ -42,6 +42,26 @@ UNIT_UP_STATES = frozenset({"active", "activating", "reloading"})
 
 def unit_up(active_state: str) -> bool:
     return active_state in UNIT_UP_STATES
+
+
+class CapturePhase(enum.StrEnum):
+    """Where a profiler capture is: the first four are under way."""
+
+    STARTING = "starting"
+    RECORDING = "recording"
+    FLUSHING = "flushing"
+    SUMMARIZING = "summarizing"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def active(self) -> bool:
+        return self not in (CapturePhase.DONE, CapturePhase.FAILED)
+
+    @property
+    def stoppable(self) -> bool:
+        """Still before the flush: a stop (or a switch) can end the recording."""
+        return self in (CapturePhase.STARTING, CapturePhase.RECORDING)
 
 
 class Step(enum.StrEnum):
@@ -90,6 +110,18 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+# How much of a process's command line is shown: a title in a line (TITLE_CHARS), the whole of it
+# kept in a status (CMDLINE_CHARS).
+TITLE_CHARS = 80
+CMDLINE_CHARS = 200
+
+
+def title(cmdline: Sequence[str], comm: str, width: int = TITLE_CHARS) -> str:
+    """A process as a person reads it: its command line cut to `width`, else its `comm` (a kernel
+    thread, or a process that emptied its argv). The one place a title is made."""
+    return " ".join(cmdline)[:width] or comm
+
+
 class ProcessDescription(BaseModel):
     pid: int
     start_time: float = Field(description="process start, seconds since the epoch")
@@ -97,6 +129,9 @@ class ProcessDescription(BaseModel):
     comm: str = ""
     cmdline: list[str] = Field(default_factory=list)
     cgroup: str = ""
+
+    def title(self, width: int = TITLE_CHARS) -> str:
+        return title(self.cmdline, self.comm, width)
 
 
 class KillRecord(BaseModel):

@@ -7,11 +7,9 @@ kimi-mode loads none of the loop to read it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, Field, computed_field
 
-from kimi_supervisor.model import at_baseline
+from kimi_supervisor.model import CapturePhase, Mode, Outcome, Role, State, at_baseline
 
 
 class Holder(BaseModel):
@@ -55,27 +53,105 @@ class DaemonInfo(BaseModel):
     loop_heartbeat_age_s: float | None = None
 
 
+class TransitionStatus(BaseModel):
+    """The mode switch in progress (the persisted TransitionRecord, as the wire carries it)."""
+
+    id: str
+    target: Mode
+    previous: Mode | None = None
+    kind: str
+    reason: str = ""
+    requested_by: str = ""
+    started_at: str
+    step: str
+    step_changed_at: str
+    start_deadline_at: str | None = None
+
+
+class EtaStatus(BaseModel):
+    """While vLLM loads: what past loads of the same mode and argv predict (decide/eta.py)."""
+
+    expected_s: float
+    remaining_s: float
+    elapsed_s: float
+    past_loads: int
+    slower_than_past: bool
+    text: str
+
+
+class CaptureStatus(BaseModel):
+    capture: str  # its id
+    phase: CapturePhase
+    started_at: str
+    seconds: float | None = None
+    then: str
+    bytes: int
+    by: str
+
+
+class KillSummary(BaseModel):
+    pid: int
+    comm: str
+    cmdline: str
+    step: str
+    evidence: str
+    result: str
+
+
+class RemainingSummary(BaseModel):
+    pid: int
+    name: str
+    role: Role
+    devices: list[int] = Field(default_factory=list)
+    why: str = ""
+    check: str = ""
+
+
+class TeardownSummary(BaseModel):
+    outcome: Outcome
+    started_at: str
+    duration_s: float
+    kills: list[KillSummary] = Field(default_factory=list)
+    diagnosis: str = ""
+    next_action: str = ""
+    remaining: list[RemainingSummary] = Field(default_factory=list)
+
+
+class IntruderStatus(BaseModel):
+    pid: int
+    gpu: int
+    name: str
+
+
+class IntrusionStatus(BaseModel):
+    """A process outside vLLM's unit that took a managed GPU while vLLM loaded."""
+
+    at: str
+    what: str
+    incident: str = "gpu_intrusion"
+    processes: list[IntruderStatus] = Field(default_factory=list)
+
+
 class Status(BaseModel):
-    desired_mode: str
-    mode: str | None = None
-    state: str
+    desired_mode: Mode
+    mode: Mode | None = None
+    state: State
     state_since: str  # times are ISO 8601 strings, as every message on the wire carries them
     status_line: str
     mode_since: str | None = None
-    transition: dict[str, Any] | None = None
+    transition: TransitionStatus | None = None
     progress: ProgressStatus | None = None
     unit: UnitStatus
     gpus: list[GpuStatus] = Field(default_factory=list)
     gpus_age_s: float | None = None
     baseline_provisional: bool = False
-    last_teardown: dict[str, Any] | None = None
+    last_teardown: TeardownSummary | None = None
     failures_in_window: int = 0
     next_attempt_in_s: float | None = None
     warnings: list[str] = Field(default_factory=list)
-    last_intrusion: dict[str, Any] | None = None
+    last_intrusion: IntrusionStatus | None = None
     profile_until: str | None = None
     profile_left_s: int | None = None
-    capture: dict[str, Any] | None = None
-    # While vLLM loads: what past loads of the same mode and argv predict (eta.py).
-    eta: dict[str, Any] | None = None
+    capture: CaptureStatus | None = None
+    eta: EtaStatus | None = None
     daemon: DaemonInfo

@@ -68,7 +68,7 @@ def teardown(
             gpu,
             SystemClock(),
             baselines,
-            on_event=lambda kind, data: events.append((kind, data)),
+            on_event=lambda e: events.append((e.kind, e.data())),
         ).run()
     finally:
         gpu.close()

@@ -24,8 +24,9 @@ from typing import Any
 from kimi_supervisor.capture import ranks as capturesummary
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
-from kimi_supervisor.model import utcnow
+from kimi_supervisor.model import CapturePhase, utcnow
 from kimi_supervisor.ports.http import HttpResult, request
+from kimi_supervisor.status import CaptureStatus
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,7 @@ class Capture:
         self.started_at = utcnow()
         # The UTC start to the millisecond: folders sort by time and two quick captures differ.
         self.id = f"{self.started_at:%Y%m%dT%H%M%S}.{self.started_at.microsecond // 1000:03d}Z"
-        self.phase = "starting"  # starting, recording, flushing, summarizing, done, failed
+        self.phase = CapturePhase.STARTING
         self.stop = threading.Event()
         self.ok = False
         self.message = ""
@@ -159,18 +160,18 @@ class Capture:
 
     @property
     def active(self) -> bool:
-        return self.phase in ("starting", "recording", "flushing", "summarizing")
+        return self.phase.active
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "capture": self.id,
-            "phase": self.phase,
-            "started_at": self.started_at.isoformat(),
-            "seconds": self.spec.seconds,
-            "then": self.spec.then,
-            "bytes": self.bytes_written,
-            "by": self.spec.by,
-        }
+    def describe(self) -> CaptureStatus:
+        return CaptureStatus(
+            capture=self.id,
+            phase=self.phase,
+            started_at=self.started_at.isoformat(),
+            seconds=self.spec.seconds,
+            then=self.spec.then,
+            bytes=self.bytes_written,
+            by=self.spec.by,
+        )
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True, name=f"capture-{self.id}").start()
@@ -180,7 +181,7 @@ class Capture:
 
     def _end(self, ok: bool, message: str, **data: Any) -> None:
         self.ok, self.message = ok, message
-        self.phase = "done" if ok else "failed"
+        self.phase = CapturePhase.DONE if ok else CapturePhase.FAILED
         self.log(
             "capture_finished",
             level="info" if ok else "warning",
@@ -224,10 +225,10 @@ class Capture:
         if not r.ok:
             self._end(False, explain(r, "/start_profile", p.start_timeout_s))
             return
-        self.phase = "recording"
+        self.phase = CapturePhase.RECORDING
         self._event("capture_recording", seconds=self.spec.seconds)
         self.stop.wait(self.spec.seconds)
-        self.phase = "flushing"
+        self.phase = CapturePhase.FLUSHING
         t0 = time.monotonic()
         self._event("capture_flushing")
         result: list[HttpResult] = []
@@ -299,7 +300,7 @@ class Capture:
         """summary.json for the traces just saved. The traces are the capture: a summary that
         cannot be made or written (a full disk) is reported in it, and the capture still ends
         well."""
-        self.phase = "summarizing"
+        self.phase = CapturePhase.SUMMARIZING
         self._event("capture_summarizing", files=len(names))
         summary = capturesummary.summarize(fd, names, self.config.profiling.summary_timeout_s)
         try:

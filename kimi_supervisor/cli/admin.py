@@ -76,7 +76,7 @@ def cmd_teardown(args: argparse.Namespace) -> int:
         gpu,
         SystemClock(),
         base,
-        on_event=lambda kind, data: logger.info(kind, **data),
+        on_event=lambda e: logger.info(e.kind, **e.data()),
     ).run()
     history.append(config.state.dir, "teardown", report)
     if args.json:
@@ -94,7 +94,7 @@ def format_report(report: TeardownReport) -> str:
         lines.append(f"  {s.step.value:<17} {s.duration_s:6.2f} s  {s.note}")
     for k in report.kills:
         if k.signal == "SIGKILL":
-            title = " ".join(k.process.cmdline)[:60] or k.process.comm
+            title = k.process.title(60)
             lines.append(
                 f"  killed PID {k.process.pid} ({title}) in {k.step.value}: "
                 f"{k.evidence.value}; {k.result}"
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from kimi_supervisor.ports.gpu import GpuUnavailable
         from kimi_supervisor.ports.systemd import SystemdError
-        from kimi_supervisor.sandbox.sandbox import SandboxError
+        from kimi_supervisor.sandbox.sandboxconfig import SandboxError
         from kimi_supervisor.sandbox.usermanager import ManagerUnavailable
         from kimi_supervisor.store.baseline import BaselineError
 

@@ -14,6 +14,7 @@ from typing import Any, TextIO
 
 from kimi_supervisor.capture.ranks import SUMMARY
 from kimi_supervisor.capture.ranks import render as render_summary
+from kimi_supervisor.model import Outcome, title
 from kimi_supervisor.status import Status
 
 
@@ -57,13 +58,13 @@ def format_status(data: dict[str, Any]) -> str:
     tr = s.transition
     if tr:
         lines.append(
-            f"transition:    {tr['id']} to {tr['target']} ({tr['kind']}), step {tr['step']}, "
-            f"since {_hhmmss(tr['started_at'])}; {tr['reason']}"
+            f"transition:    {tr.id} to {tr.target} ({tr.kind}), step {tr.step}, "
+            f"since {_hhmmss(tr.started_at)}; {tr.reason}"
         )
     if s.progress:
         lines.append(f"progress:      {s.progress.text}")
     if s.eta:
-        lines.append(f"eta:           {s.eta['text']}")
+        lines.append(f"eta:           {s.eta.text}")
     if s.profile_until:
         lines.append(
             f"profile ends:  {_hhmmss(s.profile_until)} "
@@ -72,8 +73,8 @@ def format_status(data: dict[str, Any]) -> str:
     c = s.capture
     if c:
         lines.append(
-            f"capture:       {c['capture']} {c['phase']} since {_hhmmss(c['started_at'])}, "
-            f"{c['bytes'] / 1e6:.1f} MB written, then {c['then']}"
+            f"capture:       {c.capture} {c.phase} since {_hhmmss(c.started_at)}, "
+            f"{c.bytes / 1e6:.1f} MB written, then {c.then}"
         )
     health = unit.health
     lines.append(
@@ -94,21 +95,22 @@ def format_status(data: dict[str, Any]) -> str:
     td = s.last_teardown
     if td:
         lines.append(
-            f"last teardown: {td['outcome'].upper()} in {td['duration_s']:.2f} s, "
-            f"{_ago(td['started_at'])} ago, {len(td['kills'])} process(es) killed"
+            f"last teardown: {td.outcome.upper()} in {td.duration_s:.2f} s, "
+            f"{_ago(td.started_at)} ago, {len(td.kills)} process(es) killed"
         )
-        for k in td["kills"]:
+        for k in td.kills:
             lines.append(
-                f"                 PID {k['pid']} {k['cmdline'][:60] or k['comm']} "
-                f"({k['step']}: {k['evidence']})"
+                f"                 PID {k.pid} {title([k.cmdline], k.comm, 60)} "
+                f"({k.step}: {k.evidence})"
             )
-        if td["outcome"] != "clean":
-            lines.append(f"                 {td['diagnosis']}")
-            lines += ["                 " + x for x in format_remaining(td.get("remaining", []))]
-            lines.append(f"                 next: {td['next_action']}")
+        if td.outcome is not Outcome.CLEAN:
+            lines.append(f"                 {td.diagnosis}")
+            remaining = [r.model_dump(mode="json") for r in td.remaining]
+            lines += ["                 " + x for x in format_remaining(remaining)]
+            lines.append(f"                 next: {td.next_action}")
     if s.last_intrusion:
         i = s.last_intrusion
-        lines.append(f"last intrusion: {_hhmmss(i['at'])} {i['what']}")
+        lines.append(f"last intrusion: {_hhmmss(i.at)} {i.what}")
     if s.next_attempt_in_s is not None:
         lines.append(
             f"next attempt:  in {s.next_attempt_in_s:.0f} s "
@@ -137,7 +139,7 @@ def format_remaining(remaining: list[dict[str, Any]]) -> list[str]:
             lines.append(heading)
         for h in group:
             p = h.get("process", h)
-            name = h.get("name") or " ".join(p.get("cmdline", []))[:80] or p.get("comm", "")
+            name = h.get("name") or title(p.get("cmdline", []), p.get("comm", ""))
             lines.append(f"  PID {p['pid']} {name}: {h['why']}")
             if h.get("check"):
                 lines.append(f"    check: {h['check']}")
@@ -163,8 +165,8 @@ def format_history(entries: list[dict[str, Any]]) -> str:
             )
             for k in kills:
                 p = k["process"]
-                title = " ".join(p.get("cmdline", []))[:60] or p.get("comm", "")
-                lines.append(f"{'':21}killed PID {p['pid']} {title} ({k['step']}: {k['evidence']})")
+                name = title(p.get("cmdline", []), p.get("comm", ""), 60)
+                lines.append(f"{'':21}killed PID {p['pid']} {name} ({k['step']}: {k['evidence']})")
             if e["outcome"] != "clean":
                 lines.append(f"{'':21}{e.get('diagnosis', '')}")
                 lines += [f"{'':21}{x}" for x in format_remaining(e.get("remaining", []))]
@@ -232,8 +234,8 @@ class Follower:
                 self.say(f"  teardown {data['step']:<17} {mark:>8}  {data.get('note', '')}")
         elif name == "kill" and data.get("signal") == "SIGKILL":
             p = data["process"]
-            title = " ".join(p.get("cmdline", []))[:50] or p.get("comm", "")
-            line = f"killed PID {p['pid']} {title} ({data['step']}: {data['evidence']})"
+            name = title(p.get("cmdline", []), p.get("comm", ""), 50)
+            line = f"killed PID {p['pid']} {name} ({data['step']}: {data['evidence']})"
             self.kills.append(line)
             if not self.tty:
                 self.say(f"  {line}")

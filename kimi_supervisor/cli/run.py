@@ -80,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         daemon.boot()
         daemon.loop()
-        if daemon.reexec_requested and not daemon.stop_requested:
+        if daemon.s.reexec_requested and not daemon.s.stop_requested:
             emit("reexec", message="re-executing; vLLM keeps running and is adopted")
             server.close()
             if metrics is not None:

@@ -14,7 +14,6 @@ from kimi_supervisor.control.protocol import (
     CaptureRequest,
     CaptureStopRequest,
     End,
-    Event,
     HistoryRequest,
     Reply,
     StatusRequest,
@@ -145,25 +144,14 @@ class Handlers:
             conn.send(reply)
             if sub is None or not reply.ok or reply.code not in ("accepted", "joined"):
                 return
-            follow: str | None = None
-            if reply.code == "joined":
-                follow = reply.data["transition"]["id"]
+            # The reply names the transition this switch is (or joined): follow it alone.
+            follow = reply.data.get("transition_id")
             while conn.alive and not sub.overflowed:
                 msg = sub.get(1.0)
                 if msg is None:
                     if conn.hung_up():
                         return  # Ctrl-C on the client: the switch goes on
                     continue
-                if follow is None:
-                    # accepted: the switch is the next transition to our mode that starts
-                    if (
-                        isinstance(msg, Event)
-                        and msg.event == "transition_started"
-                        and msg.data.get("target") == request.mode
-                    ):
-                        follow = msg.transition
-                    else:
-                        continue
                 if isinstance(msg, End):
                     if msg.data.get("transition") == follow:
                         conn.send(msg)

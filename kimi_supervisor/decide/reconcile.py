@@ -70,6 +70,9 @@ class Intent:
     mode: Mode
     by: str
     force: bool = False
+    # The id its transition will have, made when it was accepted: the reply carries it, so the
+    # asker follows its own transition and no other.
+    id: str = ""
 
 
 @dataclass(frozen=True)

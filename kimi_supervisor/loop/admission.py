@@ -13,7 +13,7 @@ import os
 from kimi_supervisor.capture.job import Capture, CaptureSpec, check_out
 from kimi_supervisor.decide import policy
 from kimi_supervisor.decide.reconcile import Intent
-from kimi_supervisor.loop.context import Context
+from kimi_supervisor.loop.context import Context, new_id
 from kimi_supervisor.loop.inbox import CaptureDone, CaptureStart, CaptureStop, Switch
 from kimi_supervisor.loop.publish import status_line
 from kimi_supervisor.messages import Reply
@@ -76,12 +76,14 @@ class Desk:
                 )
             case policy.Admit.JOIN:
                 assert tr is not None
+                # The switch that follows a teardown under way (a take-over) is the one joined.
+                follow = s.intent.id if s.intent is not None else tr.id
                 return Reply(
                     ok=True,
                     code="joined",
                     message=f"already switching to {r.mode.value} since "
                     f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
-                    data=info,
+                    data=info | {"transition_id": follow},
                 )
             case policy.Admit.REFUSE_BUSY:
                 assert tr is not None
@@ -112,15 +114,16 @@ class Desk:
             )
         if verdict is policy.Admit.TAKE_OVER:
             assert tr is not None
-            s.intent = Intent(r.mode, r.by, force=True)
+            s.intent = Intent(r.mode, r.by, force=True, id=new_id())
             return Reply(
                 ok=True,
                 code="accepted",
                 message=f"taking over from the switch to {tr.target.value}",
-                data=info,
+                data=info | {"transition_id": s.intent.id},
             )
         s.failures = ()  # an operator's request starts a fresh count
-        s.intent = Intent(r.mode, r.by, force=r.force)
+        s.intent = intent = Intent(r.mode, r.by, force=r.force, id=new_id())
+        ids = {"transition_id": intent.id}
         c = s.capture
         if verdict is policy.Admit.ACCEPT_AFTER_CAPTURE and c is not None:
             return Reply(
@@ -128,8 +131,11 @@ class Desk:
                 code="accepted",
                 message=f"switch to {r.mode.value} accepted: it waits for capture {c.id} "
                 f"({c.phase}) to finish flushing; --force cuts the capture short",
+                data=ids,
             )
-        return Reply(ok=True, code="accepted", message=f"switch to {r.mode.value} accepted")
+        return Reply(
+            ok=True, code="accepted", message=f"switch to {r.mode.value} accepted", data=ids
+        )
 
     # -- timed profile mode --
     def set_expiry(self, mode: Mode, for_s: float | None, by: str) -> str:
@@ -177,7 +183,7 @@ class Desk:
                 ok=False,
                 code="busy",
                 message=f"capture {c.id} is {c.phase} (since {c.started_at:%H:%M:%S})",
-                data={"capture": c.describe()},
+                data={"capture": c.describe().model_dump(mode="json")},
             )
         if s.transition is not None or s.intent is not None or s.busy:
             return Reply(ok=False, code="busy", message=f"a switch is in progress: {self._line()}")
@@ -203,14 +209,14 @@ class Desk:
             self.ctx.log,
         )
         c.start()
-        self.ctx.log("capture_started", **c.describe())
+        self.ctx.log("capture_started", **c.describe().model_dump(mode="json"))
         self.ctx.publish()
         return Reply(
             ok=True,
             code="accepted",
             message=f"capture {c.id} starting"
             + (f" for {spec.seconds:g} s" if spec.seconds else " until stopped"),
-            data={"capture": c.describe()},
+            data={"capture": c.describe().model_dump(mode="json")},
         )
 
     def capture_done(self, c: Capture) -> None:
@@ -218,7 +224,7 @@ class Desk:
         production` production is desired again (the switch waits for nothing now)."""
         s = self.ctx.s
         record = {
-            **c.describe(),
+            **c.describe().model_dump(mode="json"),
             "finished_at": utcnow().isoformat(),
             "ok": c.ok,
             "message": c.message,
@@ -231,11 +237,11 @@ class Desk:
             by = f"capture {c.id} (--then production)"
             self.ctx.desire(Mode.PRODUCTION, by)
             self.set_expiry(Mode.PRODUCTION, None, "capture")
-            s.intent = Intent(Mode.PRODUCTION, by)
+            s.intent = Intent(Mode.PRODUCTION, by, id=new_id())
 
     def capture_stop(self, r: CaptureStop) -> Reply:
         c = self.ctx.s.capture
-        if c is None or c.phase not in ("starting", "recording"):
+        if c is None or not c.phase.stoppable:
             return Reply(ok=False, code="no_capture", message="no capture is recording")
         c.stop.set()
         return Reply(ok=True, code="accepted", message=f"capture {c.id}: stopping, flushing")

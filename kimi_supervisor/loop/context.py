@@ -13,6 +13,7 @@ from typing import Any
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.eta import Estimate, argv_key, estimate
+from kimi_supervisor.decide.progress import advance
 from kimi_supervisor.loop.events import EventBus
 from kimi_supervisor.loop.loopstate import LoopState
 from kimi_supervisor.loop.observer import Observer
@@ -68,6 +69,22 @@ class Context:
         self.observer = Observer(
             self.config, self.systemd, self.gpu, self.clock, self.warn, self.unwarn
         )
+
+    def follow_output(self) -> None:
+        """vLLM's new output lines, read into the load's progress (an event when it moves)."""
+        s = self.s
+        before = s.progress
+        for line in self.output.read_new():
+            s.progress = advance(s.progress, line)
+        if s.progress != before:
+            p = s.progress
+            eta = s.eta_text(self.clock.monotonic())
+            self.event(
+                "progress",
+                {"phase": p.phase, "percent": p.percent, "text": p.describe(), "eta": eta},
+            )
+            if p.phase != before.phase:
+                self.log("vllm_progress", phase=p.phase, percent=p.percent)
 
     def set_state(self, state: State, why: str = "") -> None:
         s = self.s

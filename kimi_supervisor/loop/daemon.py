@@ -116,17 +116,6 @@ class Daemon:
         """From any thread: hand a request to the loop, which answers through its `reply`."""
         self.inbox.put(request)
 
-    def request_from_signal(self, kind: str) -> None:
-        self.inbox.put(Stop() if kind == "stop" else Reexec())
-
-    @property
-    def stop_requested(self) -> bool:
-        return self.s.stop_requested
-
-    @property
-    def reexec_requested(self) -> bool:
-        return self.s.reexec_requested
-
     # ---------------------------------------------------------------- status
     def snapshot(self) -> dict[str, Any]:
         """The last published status, with its ages as of now (any thread)."""
@@ -162,7 +151,7 @@ class Daemon:
             m.set_state(s.state.value, [x.value for x in State])
             for g in st.gpus:
                 m.set_gpu(g.index, self._uuid(g.index), g.used_mib, g.baseline_mib)
-            m.start_eta.set(st.eta["remaining_s"] if st.eta else 0)
+            m.start_eta.set(st.eta.remaining_s if st.eta else 0)
 
     def _uuid(self, index: int) -> str:
         """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
@@ -196,32 +185,43 @@ class Daemon:
     # ---------------------------------------------------------------- the loop
     def loop(self) -> None:
         """Until a re-exec is asked for, or a stop has torn down (`stopped_clean` is set)."""
+        while self.turn():
+            self.wait()
+
+    def turn(self) -> bool:
+        """One message, followed by a pass if it made one due (a switch accepted is begun before
+        the next request is admitted, which then joins it), and the status published. False once
+        the loop is to end."""
         s, clock = self.s, self.ctx.clock
-        while True:
-            # One message at a time, each followed by a pass if it made one due: a switch
-            # accepted is begun before the next request is admitted (which then joins it).
-            msg = self.inbox.take()
-            if msg is not None:
-                self._handle(msg)
-            if s.stopped_clean is not None:
-                return
-            if s.reexec_requested and not s.stop_requested and not s.busy:
-                self.ctx.verify_state()  # the new image must read what this one knows
-                return
-            if not s.busy:
-                if s.stop_requested and s.state is not State.STOPPING:
-                    self.life.begin_shutdown()
-                elif s.state is not State.STOPPING and clock.monotonic() >= self._step_due():
-                    self._last_step = clock.monotonic()
-                    self._step()
-                    self._next_step = clock.monotonic() + self._interval()
-            self._publish()
-            watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
-            self.wakeup.watch(watch)
-            exited = self.wakeup.wait(0.0 if len(self.inbox) else self._timeout())
-            self._feed_watchdog()
-            if exited:
-                self.inbox.put(MainExited(exited))
+        msg = self.inbox.take()
+        if msg is not None:
+            self._handle(msg)
+        if s.stopped_clean is not None:
+            return False
+        if s.reexec_requested and not s.stop_requested and not s.busy:
+            self.ctx.verify_state()  # the new image must read what this one knows
+            return False
+        if not s.busy:
+            if s.stop_requested and s.state is not State.STOPPING:
+                self.life.begin_shutdown()
+            elif s.state is not State.STOPPING and clock.monotonic() >= self._step_due():
+                self._last_step = clock.monotonic()
+                self._step()
+                self._next_step = clock.monotonic() + self._interval()
+        self._publish()
+        return True
+
+    def wait(self, max_s: float | None = None) -> None:
+        """Sleep until a message rings, the served MainPID exits, or the next deadline (at most
+        `max_s`: the in-process tests, whose clock is not the one select waits on)."""
+        s = self.s
+        watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
+        self.wakeup.watch(watch)
+        timeout = 0.0 if len(self.inbox) else self._timeout()
+        exited = self.wakeup.wait(timeout if max_s is None else min(timeout, max_s))
+        self._feed_watchdog()
+        if exited:
+            self.inbox.put(MainExited(exited))
 
     def _interval(self) -> float:
         d = self.config.daemon
@@ -336,7 +336,7 @@ class Daemon:
         if self._exited is not None and not self._exit_seen():
             return
         if s.state is State.STARTING:
-            life.follow_output()
+            self.ctx.follow_output()
         self.desk.check_expiry()
         obs = s.observed = self._observe()
         if obs is None:

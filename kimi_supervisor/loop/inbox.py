@@ -12,13 +12,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import Mode, TeardownReport
 
 if TYPE_CHECKING:
     from kimi_supervisor.capture.job import Capture
+    from kimi_supervisor.teardown.events import TeardownEvent
 
 
 @dataclass
@@ -78,8 +79,7 @@ class CaptureDone:
 class JobEvent:
     """The teardown job reports progress (a step began, a kill, the GPUs' drain)."""
 
-    kind: str
-    data: dict[str, Any]
+    event: TeardownEvent
 
 
 @dataclass

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kimi_supervisor.model import Mode, utcnow
+from kimi_supervisor.model import Mode, title, utcnow
 from kimi_supervisor.ports import processes
 
 
@@ -39,7 +39,7 @@ def foreign(
             if ref is None or not processes.holds_any(pid, [device_paths[gpu]]):
                 continue
             argv = processes.cmdline_of(pid)
-            out.append(Intruder(pid, gpu, " ".join(argv)[:80] or processes.comm_of(pid)))
+            out.append(Intruder(pid, gpu, title(argv, processes.comm_of(pid))))
     return out
 
 

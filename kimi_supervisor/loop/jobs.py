@@ -18,6 +18,7 @@ from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message
 from kimi_supervisor.loop.loopstate import Job
 from kimi_supervisor.model import Outcome, TeardownReport, utcnow
 from kimi_supervisor.teardown.escalation import Teardown
+from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepStarted
 
 
 def shutdown_budget_s(config: Config) -> float:
@@ -51,7 +52,7 @@ class Jobs:
         s, ctx = self.s, self.ctx
         if not s.baselines:
             boot.resolve_baseline(ctx)
-        s.job = Job(purpose.value, reason, detail or {}, attempt, cause)
+        s.job = Job(purpose, reason, detail or {}, attempt, cause)
         put = self._put
         td = Teardown(
             ctx.config,
@@ -59,7 +60,7 @@ class Jobs:
             ctx.gpu,
             ctx.clock,
             dict(s.baselines),
-            on_event=lambda kind, data: put(JobEvent(kind, data)),
+            on_event=lambda e: put(JobEvent(e)),
             in_daemon=True,
         )
 
@@ -71,22 +72,24 @@ class Jobs:
 
         threading.Thread(target=run, name="teardown", daemon=True).start()
 
-    def apply(self, e: JobEvent) -> None:
-        s, ctx = self.s, self.ctx
+    def apply(self, job_event: JobEvent) -> None:
+        s, ctx, e = self.s, self.ctx, job_event.event
         tid = s.transition.id if s.transition else None
-        ctx.log(e.kind, transition=tid, **e.data)
-        if e.kind == "step_started" and s.transition is not None:
-            s.transition = s.transition.model_copy(
-                update={"step": f"teardown:{e.data['step']}", "step_changed_at": utcnow()}
-            )
-            ctx.persist_transition()
-        if e.kind == "gpus":
-            ctx.observer.gpus_from_teardown(e.data["devices"])
-        if e.kind == "kill" and e.data.get("signal") == "SIGKILL" and ctx.metrics:
-            ctx.metrics.kills.labels(e.data.get("step", ""), e.data.get("evidence", "")).inc()
-        if e.kind == "spared" and ctx.metrics:
-            ctx.metrics.spared.inc()
-        ctx.event(e.kind, e.data)
+        data = e.data()
+        ctx.log(e.kind, transition=tid, **data)
+        match e:
+            case StepStarted(step=step) if s.transition is not None:
+                s.transition = s.transition.model_copy(
+                    update={"step": f"teardown:{step.value}", "step_changed_at": utcnow()}
+                )
+                ctx.persist_transition()
+            case GpusRead(devices=devices):
+                ctx.observer.gpus_from_teardown(devices)
+            case Signalled(record=r) if r.signal == "SIGKILL" and ctx.metrics:
+                ctx.metrics.kills.labels(r.step.value, r.evidence.value).inc()
+            case Spared() if ctx.metrics:
+                ctx.metrics.spared.inc()
+        ctx.event(e.kind, data)
         ctx.publish()
 
     def finish(self, done: JobDone) -> tuple[Job, TeardownReport, bool]:

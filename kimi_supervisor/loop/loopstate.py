@@ -11,9 +11,11 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kimi_supervisor.decide.eta import Estimate
+from kimi_supervisor.decide.policy import Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
+from kimi_supervisor.status import IntrusionStatus
 from kimi_supervisor.store.state import TransitionRecord
 
 if TYPE_CHECKING:
@@ -31,7 +33,7 @@ class Serving:
 class Job:
     """A teardown running on the job thread, and what follows it (policy.after_teardown)."""
 
-    purpose: str  # policy.Purpose value
+    purpose: Purpose
     reason: str
     detail: dict[str, Any] = field(default_factory=dict)
     attempt: int = 1
@@ -71,7 +73,7 @@ class LoopState:
     baselines: dict[int, int] = field(default_factory=dict)
     baseline_provisional: bool = False
     last_teardown: TeardownReport | None = None
-    last_intrusion: dict[str, Any] | None = None
+    last_intrusion: IntrusionStatus | None = None
     capture: Capture | None = None
     warnings: list[str] = field(default_factory=list)
     stop_requested: bool = False

@@ -8,14 +8,14 @@ Everything here is read-only towards the world; warnings go back to the caller.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.reconcile import Observed
 from kimi_supervisor.loop import intrusion
 from kimi_supervisor.loop.intrusion import Intruder
-from kimi_supervisor.model import Mode
+from kimi_supervisor.model import DeviceReading, Mode, title
 from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
@@ -117,7 +117,7 @@ class Observer:
 
     def _title(self, pid: int) -> str:
         if pid not in self._titles:
-            self._titles[pid] = title(pid)
+            self._titles[pid] = title_of(pid)
         return self._titles[pid]
 
     def sample(self, indices: list[int], baselines: dict[int, int]) -> bool:
@@ -148,19 +148,15 @@ class Observer:
         ]
         return all(g.clean for g in self.gpus)
 
-    def gpus_from_teardown(self, devices: list[dict[str, object]]) -> None:
+    def gpus_from_teardown(self, devices: Iterable[DeviceReading]) -> None:
         """The teardown's readings (its drain events) stand in for the loop's own."""
-        tol = self.config.gpus.tolerance_mib
         self.gpus = [
             GpuStatus(
-                index=int(d["index"]),  # type: ignore[call-overload]
-                used_mib=int(d["used_mib"]),  # type: ignore[call-overload]
-                baseline_mib=int(d["baseline_mib"]),  # type: ignore[call-overload]
-                tolerance_mib=tol,
-                holders=[
-                    Holder(pid=p, name=self._title(p))
-                    for p in d["processes"]  # type: ignore[attr-defined]
-                ],
+                index=d.index,
+                used_mib=d.used_mib,
+                baseline_mib=d.baseline_mib,
+                tolerance_mib=d.tolerance_mib,
+                holders=[Holder(pid=p, name=self._title(p)) for p in d.processes],
             )
             for d in devices
         ]
@@ -181,6 +177,6 @@ class Observer:
         return intrusion.foreign(self._listed, self._unit_pids, paths)
 
 
-def title(pid: int) -> str:
+def title_of(pid: int) -> str:
     """What an operator recognises a process by: its (possibly retitled) command line."""
-    return " ".join(processes.cmdline_of(pid))[:48] or processes.comm_of(pid)
+    return title(processes.cmdline_of(pid), processes.comm_of(pid), 48)

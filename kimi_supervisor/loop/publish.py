@@ -6,10 +6,21 @@ from __future__ import annotations
 
 import os
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kimi_supervisor.model import State, TeardownReport
-from kimi_supervisor.status import DaemonInfo, GpuStatus, ProgressStatus, Status, UnitStatus
+from kimi_supervisor.model import CMDLINE_CHARS, State, TeardownReport
+from kimi_supervisor.status import (
+    DaemonInfo,
+    EtaStatus,
+    GpuStatus,
+    KillSummary,
+    ProgressStatus,
+    RemainingSummary,
+    Status,
+    TeardownSummary,
+    TransitionStatus,
+    UnitStatus,
+)
 
 if TYPE_CHECKING:
     from kimi_supervisor.loop.loopstate import LoopState
@@ -43,23 +54,23 @@ def build(
     eta = None
     if s.state is State.STARTING and s.eta is not None and s.load_started is not None:
         elapsed = now - s.load_started
-        eta = {
-            "expected_s": round(s.eta.expected_s, 1),
-            "remaining_s": round(s.eta.remaining_s(elapsed), 1),
-            "elapsed_s": round(elapsed, 1),
-            "past_loads": s.eta.past,
-            "slower_than_past": s.eta.slower(elapsed),
-            "text": s.eta.describe(elapsed),
-        }
+        eta = EtaStatus(
+            expected_s=round(s.eta.expected_s, 1),
+            remaining_s=round(s.eta.remaining_s(elapsed), 1),
+            elapsed_s=round(elapsed, 1),
+            past_loads=s.eta.past,
+            slower_than_past=s.eta.slower(elapsed),
+            text=s.eta.describe(elapsed),
+        )
     return Status(
         eta=eta,
-        desired_mode=s.desired.value,
-        mode=s.serving.mode.value if s.serving else None,
-        state=s.state.value,
+        desired_mode=s.desired,
+        mode=s.serving.mode if s.serving else None,
+        state=s.state,
         state_since=s.state_since.isoformat(),
         status_line=status_line(s, now),
         mode_since=s.serving.since.isoformat() if s.serving else None,
-        transition=tr.model_dump(mode="json") if tr else None,
+        transition=TransitionStatus.model_validate(tr.model_dump(mode="json")) if tr else None,
         progress=(
             ProgressStatus(
                 phase=s.progress.phase, percent=s.progress.percent, text=s.progress.describe()
@@ -92,34 +103,34 @@ def build(
     )
 
 
-def teardown_summary(r: TeardownReport) -> dict[str, Any]:
-    return {
-        "outcome": r.outcome.value,
-        "started_at": r.started_at.isoformat(),
-        "duration_s": round(r.duration_s, 3),
-        "kills": [
-            {
-                "pid": k.process.pid,
-                "comm": k.process.comm,
-                "cmdline": " ".join(k.process.cmdline)[:200],
-                "step": k.step.value,
-                "evidence": k.evidence.value,
-                "result": k.result,
-            }
+def teardown_summary(r: TeardownReport) -> TeardownSummary:
+    return TeardownSummary(
+        outcome=r.outcome,
+        started_at=r.started_at.isoformat(),
+        duration_s=round(r.duration_s, 3),
+        kills=[
+            KillSummary(
+                pid=k.process.pid,
+                comm=k.process.comm,
+                cmdline=" ".join(k.process.cmdline)[:CMDLINE_CHARS],
+                step=k.step.value,
+                evidence=k.evidence.value,
+                result=k.result,
+            )
             for k in r.kills
             if k.signal == "SIGKILL"
         ],
-        "diagnosis": r.diagnosis,
-        "next_action": r.next_action,
-        "remaining": [
-            {
-                "pid": h.process.pid,
-                "name": " ".join(h.process.cmdline)[:80] or h.process.comm,
-                "role": h.role.value,
-                "devices": h.devices,
-                "why": h.why,
-                "check": h.check,
-            }
+        diagnosis=r.diagnosis,
+        next_action=r.next_action,
+        remaining=[
+            RemainingSummary(
+                pid=h.process.pid,
+                name=h.process.title(),
+                role=h.role,
+                devices=h.devices,
+                why=h.why,
+                check=h.check,
+            )
             for h in r.remaining
         ],
-    }
+    )

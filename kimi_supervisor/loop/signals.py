@@ -8,6 +8,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from kimi_supervisor.loop.inbox import Reexec, Stop
 from kimi_supervisor.ports.notify import Notifier
 
 if TYPE_CHECKING:
@@ -27,9 +28,9 @@ def block_signals() -> None:
 
 
 def install_signal_handlers(daemon: Daemon) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: daemon.request_from_signal("stop"))
-    signal.signal(signal.SIGINT, lambda *_: daemon.request_from_signal("stop"))
-    signal.signal(signal.SIGHUP, lambda *_: daemon.request_from_signal("reexec"))
+    signal.signal(signal.SIGTERM, lambda *_: daemon.ask(Stop()))
+    signal.signal(signal.SIGINT, lambda *_: daemon.ask(Stop()))
+    signal.signal(signal.SIGHUP, lambda *_: daemon.ask(Reexec()))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # pending ones are handled now
 
 

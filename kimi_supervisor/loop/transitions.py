@@ -18,7 +18,7 @@ from typing import Any
 
 from kimi_supervisor.decide import policy
 from kimi_supervisor.decide.policy import Next, Purpose
-from kimi_supervisor.decide.progress import Progress, advance
+from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Action, Do, Observed
 from kimi_supervisor.loop.context import Context, new_id
 from kimi_supervisor.loop.inbox import JobDone, Message
@@ -29,6 +29,7 @@ from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.systemd import SystemdError
+from kimi_supervisor.status import IntrusionStatus
 from kimi_supervisor.store import history
 from kimi_supervisor.store.state import TransitionRecord
 
@@ -62,7 +63,7 @@ class Lifecycle:
                 self.died(action.reason)
             case Do.HOLD_FOR_CAPTURE:
                 c = s.capture
-                if c is not None and c.phase in ("starting", "recording") and not c.stop.is_set():
+                if c is not None and c.phase.stoppable and not c.stop.is_set():
                     log("capture_stopped_for_switch", capture=c.id)
                     c.stop.set()
             case Do.SWITCH if s.intent is not None:
@@ -71,7 +72,9 @@ class Lifecycle:
                 if s.transition is not None:
                     why = f"superseded by a switch to {intent.mode.value}"
                     self.end_transition(False, "preempted", why)
-                self.begin_transition(intent.mode, "switch", f"asked by {intent.by}", intent.by)
+                self.begin_transition(
+                    intent.mode, "switch", f"asked by {intent.by}", intent.by, intent.id
+                )
             case Do.SWITCH | Do.RETRY:
                 kind, reason = ("retry" if action.do is Do.RETRY else "switch"), action.reason
                 if s.interrupted is not None:
@@ -127,7 +130,9 @@ class Lifecycle:
         ctx.set_state(State.STARTING, "a load was in progress when the daemon started")
 
     # ------------------------------------------------------------------ a switch
-    def begin_transition(self, target: Mode, kind: str, reason: str, by: str) -> None:
+    def begin_transition(self, target: Mode, kind: str, reason: str, by: str, id: str = "") -> None:
+        """A transition begins: recorded, persisted, announced, and its teardown started. `id`:
+        the one made when an operator's switch was accepted (else a new one)."""
         s, ctx = self.s, self.ctx
         now = utcnow()
         obs = s.observed
@@ -135,7 +140,7 @@ class Lifecycle:
         if previous is None and obs is not None and obs.unit_up:
             previous = obs.running_mode
         tr = TransitionRecord(
-            id=new_id(),
+            id=id or new_id(),
             target=target,
             previous=previous,
             kind=kind,  # type: ignore[arg-type]
@@ -185,25 +190,10 @@ class Lifecycle:
         ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
         ctx.set_state(State.STARTING, f"started {ctx.unit} in {tr.target.value}")
 
-    def follow_output(self) -> None:
-        s = self.s
-        before = s.progress
-        for line in self.ctx.output.read_new():
-            s.progress = advance(s.progress, line)
-        if s.progress != before:
-            p = s.progress
-            eta = s.eta_text(self.ctx.clock.monotonic())
-            self.ctx.event(
-                "progress",
-                {"phase": p.phase, "percent": p.percent, "text": p.describe(), "eta": eta},
-            )
-            if p.phase != before.phase:
-                self.ctx.log("vllm_progress", phase=p.phase, percent=p.percent)
-
     def ready(self, obs: Observed) -> None:
         s, ctx = self.s, self.ctx
         tr = s.transition
-        self.follow_output()
+        ctx.follow_output()
         mode = tr.target if tr else s.desired
         s.serving = Serving(mode, obs.main_pid, utcnow())
         s.progress = Progress("ready")
@@ -223,7 +213,7 @@ class Lifecycle:
         s, ctx = self.s, self.ctx
         tr = s.transition
         assert tr is not None
-        self.follow_output()
+        ctx.follow_output()
         tail = ctx.output.tail()
         ctx.log(
             "vllm_start_failed",
@@ -257,7 +247,7 @@ class Lifecycle:
         tr = s.transition
         assert tr is not None
         reason, record = incident(found, ctx.unit, tr.target)
-        s.last_intrusion = record
+        s.last_intrusion = IntrusionStatus.model_validate(record)
         ctx.incident(record)
         ctx.log("gpu_intrusion", level="warning", **record)
         ctx.event("gpu_intrusion", record)
@@ -352,7 +342,7 @@ class Lifecycle:
 
     def _after_teardown(self, job: Job, report: TeardownReport, clean: bool) -> None:
         s, ctx = self.s, self.ctx
-        purpose, detail = Purpose(job.purpose), job.detail
+        purpose, detail = job.purpose, job.detail
         tr = s.transition
         back = policy.rollback_target(tr.target, tr.previous) if tr else None
         then = policy.after_failed_start(
@@ -377,7 +367,8 @@ class Lifecycle:
                 why = f"superseded by a switch to {intent.mode.value}"
                 self.end_transition(False, "preempted", why, detail)
                 by = intent.by
-                self.begin_transition(intent.mode, "switch", f"asked by {by} (took over)", by)
+                why = f"asked by {by} (took over)"
+                self.begin_transition(intent.mode, "switch", why, by, intent.id)
             case Next.START:
                 self.start()
             case Next.ROLLBACK:

@@ -34,6 +34,7 @@ from typing import Any
 from setproctitle import setproctitle
 
 from kimi_supervisor.sandbox import holder
+from kimi_supervisor.sandbox.fake_traces import trace, trace_name
 
 
 @dataclass
@@ -219,11 +220,11 @@ class Server:
         out.mkdir(parents=True, exist_ok=True)
         opts = FakeOptions.load()
         parts = {
-            out / _trace_name(opts.trace_naming, self.instance, r): _trace(r, pid)
+            out / trace_name(opts.trace_naming, self.instance, r): trace(r, pid)
             for r, pid in enumerate(self.worker_pids)
         }
         # The API server's own trace, named the same in both versions.
-        parts[out / f"vm_{os.getpid()}.async_llm.{time.time_ns()}.pt.trace.json.gz"] = _trace(
+        parts[out / f"vm_{os.getpid()}.async_llm.{time.time_ns()}.pt.trace.json.gz"] = trace(
             None, os.getpid()
         )
         # Flushing takes a while and the files grow as it goes, as torch's exporter does: each
@@ -284,39 +285,6 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"detail": "Not Found"})
 
     return Handler
-
-
-def _trace_name(naming: str, instance: str, rank: int) -> str:
-    if naming == "0.32":
-        return f"rank{rank}.{time.time_ns()}.pt.trace.json.gz"
-    return f"{instance}-rank-{rank}.{time.time_ns()}.pt.trace.json.gz"
-
-
-def _trace(rank: int | None, pid: int, steps: int = 6) -> str:
-    """A small Chrome trace shaped like a vLLM 0.16 CPU worker's: decode steps marked
-    `execute_context_0(0)_generation_4(4)` (one prefill first), each with a GEMM, an attention
-    and an all-reduce operator under a parent (own times: 600, 200 and 300 + 100 x rank us), and
-    the with_stack Python frames the summary skips. The API server's (rank None) has no steps."""
-    ev: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-         "args": {"name": "python" if rank is None else f"VLLM::Worker_TP{rank}"}},
-    ]  # fmt: skip
-
-    def op(cat: str, name: str, ts: float, dur: float) -> None:
-        ev.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": pid, "ts": ts,
-                   "dur": dur})  # fmt: skip
-
-    for i in range(steps if rank is not None else 0):
-        t = 1000.0 + i * 2000
-        prefill = i == 0
-        op("user_annotation", f"execute_context_{int(prefill)}({4 * prefill})_generation_"
-           f"{4 * (not prefill)}({4 * (not prefill)})", t, 1500)  # fmt: skip
-        op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, 1500)
-        op("cpu_op", "aten::linear", t + 10, 650)
-        op("cpu_op", "_C::onednn_mm", t + 20, 600)
-        op("cpu_op", "vllm::unified_attention_with_output", t + 700, 200)
-        op("cpu_op", "_C::shm_allreduce", t + 950, 300 + 100 * rank)  # type: ignore[operator]
-    return json.dumps({"schemaVersion": 1, "traceEvents": ev, "traceName": "fake"}, indent=1)
 
 
 def _load(opts: FakeOptions, profiling: bool, worker0: int) -> None:

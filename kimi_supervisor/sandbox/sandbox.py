@@ -22,11 +22,9 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +35,17 @@ from kimi_supervisor.ports.gpu import GpuPort, NvmlGpu
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.sandbox import simgpu
 from kimi_supervisor.sandbox.fake_vllm import FakeOptions
+from kimi_supervisor.sandbox.sandboxconfig import (
+    SandboxError,
+    extra_paths,
+    free_port,
+    project_file,
+    render_config,
+)
 from kimi_supervisor.sandbox.simreader import SimGpu
 from kimi_supervisor.sandbox.usermanager import UserManager
 from kimi_supervisor.store import baseline
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 UNIT = "vllm-kimi-k25.service"
 # Unit settings a manager applies by building a mount namespace for the unit.
 MOUNT_SETTINGS = frozenset(
@@ -52,69 +56,6 @@ MOUNT_SETTINGS = frozenset(
     }
 )  # fmt: skip
 DAEMON_UNIT = "kimi-supervisor.service"
-
-
-class SandboxError(Exception):
-    pass
-
-
-def project_file(*parts: str) -> Path:
-    path = PROJECT_ROOT.joinpath(*parts)
-    if not path.exists():
-        raise SandboxError(
-            f"{path} is missing: run from a checkout of kimi-supervisor "
-            "installed with `pip install -e .`"
-        )
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _extra_paths() -> list[str]:
-    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _fill(value: Any, sandbox: str) -> Any:
-    if isinstance(value, str):
-        return value.replace("{sandbox}", sandbox)
-    if isinstance(value, list):
-        return [_fill(v, sandbox) for v in value]
-    if isinstance(value, dict):
-        return {k: _fill(v, sandbox) for k, v in value.items()}
-    return value
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def render_config(
-    root: Path,
-    gpus: int,
-    port: int,
-    bus_address: str,
-    real_gpus: bool = False,
-    overrides: dict[str, Any] | None = None,
-) -> Config:
-    raw = tomllib.loads(project_file("config", "sandbox.toml").read_text())
-    raw = _fill(_merge(raw, overrides or {}), str(root))
-    if real_gpus:
-        # The host's own GPUs through NVML; the fake vLLM and ghosts allocate with CUDA.
-        raw["gpus"] = {"backend": "nvml", "managed": list(range(gpus)), "tolerance_mib": 256}
-    raw.setdefault("vllm", {})["port"] = port
-    raw.setdefault("metrics", {})["port"] = _free_port()
-    raw["systemd"]["bus_address"] = bus_address
-    cmd = raw["vllm"]["command"]
-    if "--tensor-parallel-size" in cmd:
-        cmd[cmd.index("--tensor-parallel-size") + 1] = str(gpus)
-    return Config.model_validate(raw)
 
 
 @dataclass
@@ -229,7 +170,7 @@ class Sandbox:
         self, gpus: int, overrides: dict[str, Any] | None, vllm_env: dict[str, str]
     ) -> None:
         config = render_config(
-            self.root, gpus, _free_port(), self.manager.bus_address, self.real_gpus, overrides
+            self.root, gpus, free_port(), self.manager.bus_address, self.real_gpus, overrides
         )
         # Other users must reach the control socket for the permission tests (the socket itself
         # is 0660 and checked per connection).
@@ -239,7 +180,7 @@ class Sandbox:
         parse_config(self.config_path.read_text(), str(self.config_path))  # round-trips
         FakeOptions().save(self.fake_options_path)
         # Units do not inherit this shell's PYTHONPATH: the entry points carry it.
-        prelude = f"import sys\nsys.path[:0] = {_extra_paths()!r}\n"
+        prelude = f"import sys\nsys.path[:0] = {extra_paths()!r}\n"
         entry = self.root / "bin" / "vllm"
         entry.write_text(
             f"#!{sys.executable}\n"
@@ -259,8 +200,8 @@ class Sandbox:
             if self.real_gpus
             else f"Environment=KIMI_SIM_GPU_DIR={self.gpu_dir}\n"
         )
-        if _extra_paths():  # the fake's children are started with `python -m`
-            gpu_env += f"Environment=PYTHONPATH={os.pathsep.join(_extra_paths())}\n"
+        if extra_paths():  # the fake's children are started with `python -m`
+            gpu_env += f"Environment=PYTHONPATH={os.pathsep.join(extra_paths())}\n"
         unit_dir = self.manager.unit_dir
         mounts: list[str] = []
         for unit in project_file("units").glob("*.service"):

@@ -26,8 +26,7 @@ from __future__ import annotations
 import re
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.model import (
@@ -44,8 +43,10 @@ from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
+from kimi_supervisor.teardown import events as ev
 from kimi_supervisor.teardown import leftovers
 from kimi_supervisor.teardown.diagnosis import Scene, diagnose
+from kimi_supervisor.teardown.events import EventSink
 from kimi_supervisor.teardown.gpuview import GpuView, Target
 from kimi_supervisor.teardown.kills import Kills
 from kimi_supervisor.teardown.scan import (
@@ -55,7 +56,6 @@ from kimi_supervisor.teardown.scan import (
     listeners,
 )
 
-EventSink = Callable[[str, dict[str, Any]], None]
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
 # a respawner outside every unit is killed with its child in the second round (issue 13).
 LATE_ROUNDS = 3
@@ -73,7 +73,7 @@ class Teardown:
     gpu: GpuPort
     clock: Clock
     baselines: dict[int, int]
-    on_event: EventSink = field(default=lambda kind, data: None)
+    on_event: EventSink = ev.ignore
     protection: Protection | None = None
     # The daemon's teardown: its own service's other processes (its helpers) are spared.
     in_daemon: bool = False
@@ -149,7 +149,7 @@ class Teardown:
             status = self.systemd.status(self.unit)
             pids.update(self.systemd.cgroup_pids(self.unit))
         except SystemdError as e:
-            self.on_event("warning", {"message": f"cannot read {self.unit}: {e}"})
+            self.on_event(ev.Warned(f"cannot read {self.unit}: {e}"))
             return []
         if status.main_pid:
             pids.add(status.main_pid)
@@ -282,7 +282,7 @@ class Teardown:
         if not live:
             return False
         watch_s = self.config.teardown.respawn_watch_s
-        self.on_event("respawn_watch", {"parents": sorted(live), "seconds": watch_s})
+        self.on_event(ev.RespawnWatch(tuple(sorted(live)), watch_s))
         return self._poll_until(lambda: not self._gpus_clean(), watch_s)
 
     def _late_holders(self) -> list[ProcessRef]:
@@ -316,7 +316,7 @@ class Teardown:
     # -- the run --
     def run(self) -> TeardownReport:
         start = self.clock.monotonic()
-        self.on_event("teardown_started", {"unit": self.unit})
+        self.on_event(ev.TeardownStarted(self.unit))
         snapshot = self._snapshot = self._snapshot_tree()
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [
@@ -336,7 +336,7 @@ class Teardown:
             if skippable and self._clean():
                 note, skipped = "skipped: GPUs clean", True
             else:
-                self.on_event("step_started", {"step": step.value})
+                self.on_event(ev.StepStarted(step))
                 try:
                     note, skipped = action(), False
                 except SystemdError as e:
@@ -350,7 +350,7 @@ class Teardown:
                 devices_after=list(self._devices),
             )
             self.report.steps.append(rep)
-            self.on_event("step_finished", rep.model_dump(mode="json"))
+            self.on_event(ev.StepFinished(rep))
             if self._late:
                 # A holder appeared while waiting for the release: escalate again.
                 self._late, self._rounds = False, self._rounds + 1
@@ -376,7 +376,7 @@ class Teardown:
             )
         )
         r.duration_s = self.clock.monotonic() - start
-        self.on_event("teardown_finished", {"outcome": r.outcome.value, "duration_s": r.duration_s})
+        self.on_event(ev.TeardownFinished(r.outcome, r.duration_s))
 
     def _diagnose(self) -> None:
         assert self.protection is not None

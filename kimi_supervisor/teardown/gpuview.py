@@ -9,15 +9,14 @@ process explains the memory). It signals nothing: the teardown does.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from kimi_supervisor.model import DeviceReading, Evidence
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
 from kimi_supervisor.ports.processes import ProcessRef
+from kimi_supervisor.teardown.events import EventSink, GpusRead, ignore
 from kimi_supervisor.teardown.ownership import GpuFiles, judge
 from kimi_supervisor.teardown.scan import device_users
 
@@ -41,7 +40,7 @@ class GpuView:
     clock: Clock
     baselines: dict[int, int]
     tolerance_mib: int
-    on_event: Callable[[str, dict[str, Any]], None] = field(default=lambda kind, data: None)
+    on_event: EventSink = ignore
 
     def __post_init__(self) -> None:
         self.indices = sorted(self.baselines)
@@ -70,7 +69,7 @@ class GpuView:
         drain = {d.index: d.used_mib for d in self.devices}
         if drain != self._last_drain:
             self._last_drain = drain
-            self.on_event("gpus", {"devices": [d.model_dump() for d in self.devices]})
+            self.on_event(GpusRead(tuple(self.devices)))
         return self.devices
 
     def clean(self) -> bool:

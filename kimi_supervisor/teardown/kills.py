@@ -8,13 +8,12 @@ target is recorded as spared once per teardown and never signalled.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kimi_supervisor.model import KillRecord, ProcessDescription, Step, TeardownReport, utcnow
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.processes import PidHandle, ProcessRef
+from kimi_supervisor.teardown.events import EventSink, Signalled, Spared
 from kimi_supervisor.teardown.gpuview import Target
 from kimi_supervisor.teardown.scan import Protection
 
@@ -23,7 +22,7 @@ from kimi_supervisor.teardown.scan import Protection
 class Kills:
     protection: Protection
     report: TeardownReport
-    on_event: Callable[[str, dict[str, Any]], None]
+    on_event: EventSink
     # Everything that got SIGKILL, and everything spared, in this teardown.
     killed: dict[ProcessRef, KillRecord] = field(default_factory=dict)
     spared: set[ProcessRef] = field(default_factory=set)
@@ -50,7 +49,7 @@ class Kills:
             result=result,
         )
         self.report.kills.append(rec)
-        self.on_event("kill", rec.model_dump(mode="json"))
+        self.on_event(Signalled(rec))
         return rec
 
     def kill_set(self, step: Step, targets: list[Target]) -> int:
@@ -63,7 +62,7 @@ class Kills:
             why = self.protection.why_protected(t.ref.pid)
             if why:
                 self.spared.add(t.ref)
-                self.on_event("spared", {"pid": t.ref.pid, "why": why, "step": step.value})
+                self.on_event(Spared(t.ref.pid, why, step))
                 continue
             h = PidHandle.open(t.ref)
             if isinstance(h, str):

@@ -12,13 +12,12 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kimi_supervisor.config import TeardownConfig
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.sockets import bound_unix_paths
+from kimi_supervisor.teardown.events import EventSink, LeftoverKept
 
 # A ZMQ IPC socket of vLLM: `$TMPDIR/<uuid4>` (vllm/utils/network_utils.py get_open_zmq_ipc_path).
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -70,9 +69,7 @@ def in_use(paths: set[Path]) -> set[Path]:
     return {Path(p) for p in used}
 
 
-def remove(
-    t: TeardownConfig, removed: list[str], on_event: Callable[[str, dict[str, Any]], None]
-) -> str:
+def remove(t: TeardownConfig, removed: list[str], on_event: EventSink) -> str:
     """Remove the leftovers `t` names that nothing uses (appending each to `removed`); the step's
     note."""
     found = leftovers(t.shm_dir, t.shm_patterns)
@@ -91,6 +88,6 @@ def remove(
         except FileNotFoundError:
             pass
         except OSError as e:
-            on_event("leftover_not_removed", {"path": str(path), "error": str(e)})
+            on_event(LeftoverKept(str(path), str(e)))
     note = f"; {len(kept)} still in use, kept" if kept else ""
     return f"{len(removed)} leftover(s) removed{note}"

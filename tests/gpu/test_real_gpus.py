@@ -30,9 +30,9 @@ from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.clock import SystemClock
 from kimi_supervisor.ports.gpu import GpuUnavailable, NvmlGpu
 from kimi_supervisor.ports.processes import ProcessRef
-from tests.fakes import NoSystemd
 from kimi_supervisor.store import baseline
 from kimi_supervisor.teardown.escalation import Teardown
+from tests.fakes import NoSystemd
 
 
 def _nvml_reason() -> str | None:

@@ -21,8 +21,8 @@ from kimi_supervisor.model import Evidence, Outcome, TeardownReport
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.clock import SystemClock
 from kimi_supervisor.ports.processes import ProcessRef
-from tests.fakes import NoSystemd
 from kimi_supervisor.teardown.escalation import Teardown
+from tests.fakes import NoSystemd
 
 from .test_real_gpus import GIB, REASON, Host, assert_alive, killed, timing
 from .test_real_gpus import bystanders as shared_bystanders

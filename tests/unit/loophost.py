@@ -1,0 +1,338 @@
+"""An in-memory host for the loop's fast tests: the daemon's ports as plain objects, on a fake
+clock, around real processes.
+
+- `FakeSystemd` runs vLLM's "unit" as a real child process, through `kimi-supervisor
+  launch-vllm` as the unit's ExecStart does; stopping it is SIGTERM then SIGKILL, and a child
+  that exits leaves the unit `failed` with its exit code, as systemd reports them.
+- the child is a tiny stand-in for vLLM's API server: it listens on vLLM's port after
+  `load_s` of real time and answers /health, /start_profile and /stop_profile with 200, or exits
+  with 1 at once in a mode named in `fail_modes`.
+- `FakeGpu` reads every GPU at its baseline plus what a test leaves on it (`extra`), with no
+  process listed: memory no teardown can free, as a holder the supervisor must not kill leaves it.
+
+`LoopHost.until` drives the daemon in-process, one `turn` at a time. Between turns the fake clock
+moves on towards the loop's next deadline (at most `STEP_S` at a time), except while something
+real is under way (a teardown on its thread, the child loading), and the loop's own wait is cut
+to a few real milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.loop.daemon import Daemon
+from kimi_supervisor.model import Mode, State
+from kimi_supervisor.ports.gpu import DeviceSample
+from kimi_supervisor.ports.notify import Notifier
+from kimi_supervisor.ports.output import FileOutput
+from kimi_supervisor.ports.systemd import UnitStatus, Who
+from tests.fakes import FakeClock
+
+UNIT = "vllm-kimi-k25.service"
+STEP_S = 0.25  # the most the fake clock moves between two turns
+
+FAKE_VLLM = r"""
+import http.server, os, sys, time
+argv = sys.argv[1:]
+if os.environ.get("FAKE_FAIL"):
+    print("fake vLLM: this mode fails to start", flush=True)
+    sys.exit(1)
+time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))
+class H(http.server.BaseHTTPRequestHandler):
+    def _ok(self):
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    do_GET = do_POST = _ok
+    def log_message(self, *a):
+        pass
+port = int(argv[argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+LAUNCH = (
+    "import sys; from kimi_supervisor.cli.admin import main; "
+    "sys.exit(main(['launch-vllm', '--argv-file', sys.argv[1]]))"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config_for(root: Path, **daemon: float) -> Config:
+    for d in ("state", "shm", "tmp", "run", "captures", "traces"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    settings = {
+        "tick_s": 1.0,
+        "start_poll_s": 0.25,
+        "start_timeout_s": 600,
+        "health_grace_s": 5,
+        "restart_backoff_initial_s": 4,
+        "restart_backoff_max_s": 300,
+        "max_failures": 3,
+        "failure_window_s": 600,
+        "stuck_retry_s": 10,
+        "driver_retry_max_s": 2,
+    } | daemon
+    lines = "\n".join(f"{k} = {v}" for k, v in settings.items())
+    code = json.dumps(FAKE_VLLM)
+    return parse_config(
+        f"""
+[service]
+unit = "{UNIT}"
+[vllm]
+command = ["{sys.executable}", "-c", {code}]
+host = "127.0.0.1"
+port = {free_port()}
+argv_file = "{root}/run/vllm-argv.json"
+log_file = "{root}/vllm.log"
+[modes.production]
+args = ["--mode-production"]
+[modes.profile]
+args = [
+  "--mode-profile",
+  "--profiler-config", '{{"profiler": "torch", "torch_profiler_dir": "{root}/traces"}}',
+]
+[teardown]
+term_grace_s = 2
+cgroup_kill_timeout_s = 2
+strays_timeout_s = 2
+holders_timeout_s = 2
+release_timeout_s = 2
+poll_interval_s = 0.01
+respawn_watch_s = 0
+shm_dir = "{root}/shm"
+tmp_dir = "{root}/tmp"
+[state]
+dir = "{root}/state"
+[daemon]
+{lines}
+[control]
+socket = "{root}/control.sock"
+[metrics]
+enabled = false
+[profiling]
+captures_dir = "{root}/captures"
+start_timeout_s = 2
+"""
+    )
+
+
+class FakeSystemd:
+    def __init__(self, config: Config, log: Path) -> None:
+        self.config = config
+        self.log = log
+        self.fail_modes: set[Mode] = set()
+        self.load_s = 0.0
+        self.child: subprocess.Popen[bytes] | None = None
+        self.stopped = True  # by us (inactive), or it exited by itself (failed)
+        self.starts: list[Mode] = []
+        # Set by a test to hold every stop until it is released: a teardown that lasts.
+        self.hold: threading.Event | None = None
+        self._lock = threading.Lock()
+
+    def status(self, unit: str) -> UnitStatus:
+        with self._lock:
+            c = self.child
+            if unit != UNIT or c is None:
+                return UnitStatus(unit, "loaded", "inactive", "dead", 0, 0, "success")
+            code = c.poll()
+            if code is None:
+                return UnitStatus(unit, "loaded", "active", "running", c.pid, 0, "success")
+            if self.stopped or code == 0:
+                return UnitStatus(unit, "loaded", "inactive", "dead", 0, code, "success")
+            return UnitStatus(unit, "loaded", "failed", "failed", 0, code, "exit-code")
+
+    def start(self, unit: str) -> None:
+        mode = Mode(json.loads(self.config.vllm.argv_file.read_text())["mode"])
+        env = dict(os.environ, FAKE_LOAD_S=str(self.load_s))
+        if mode in self.fail_modes:
+            env["FAKE_FAIL"] = "1"
+        with self._lock, self.log.open("ab") as out:
+            self.starts.append(mode)
+            self.stopped = False
+            # As the unit's ExecStart does: `kimi-supervisor launch-vllm` records what it
+            # launches (its PID and start time) and execs the argv file's argv.
+            launch = [sys.executable, "-c", LAUNCH, str(self.config.vllm.argv_file)]
+            self.child = subprocess.Popen(launch, env=env, stdout=out, stderr=out)
+
+    def stop(self, unit: str) -> None:
+        if self.hold is not None:
+            self.hold.wait(10)
+        with self._lock:
+            self.stopped = True
+        c = self.child
+        if c is not None and c.poll() is None:
+            c.send_signal(signal.SIGTERM)
+            try:
+                c.wait(2)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+
+    def kill(self, unit: str, who: Who, sig: int) -> None:
+        c = self.child
+        if c is not None and c.poll() is None:
+            c.send_signal(sig)
+            if sig == signal.SIGKILL:
+                c.wait()
+
+    def reset_failed(self, unit: str) -> None:
+        with self._lock:
+            self.stopped = True
+
+    def cgroup_pids(self, unit: str) -> list[int]:
+        c = self.child
+        return [c.pid] if c is not None and c.poll() is None else []
+
+    def daemon_reload(self) -> None:
+        pass
+
+    def loading(self) -> bool:
+        """The child runs and does not listen yet: real time must pass, not the fake clock's."""
+        c = self.child
+        if c is None or c.poll() is not None:
+            return False
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", self.config.vllm.port)) != 0
+
+    def jobs(self) -> dict[str, str]:
+        return {}
+
+    def close(self) -> None:
+        self.stop(UNIT)
+
+
+class FakeGpu:
+    def __init__(self, count: int = 2, baseline_mib: int = 500) -> None:
+        self.count = count
+        self.baseline_mib = baseline_mib
+        self.extra = dict.fromkeys(range(count), 0)
+
+    def device_count(self) -> int:
+        return self.count
+
+    def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        return [DeviceSample(i, self.baseline_mib + self.extra[i], 143_771) for i in indices]
+
+    def device_path(self, index: int) -> str:
+        return f"/nonexistent/nvidia{index}"
+
+    def uuid(self, index: int) -> str:
+        return f"GPU-fake-{index}"
+
+    def driver_version(self) -> str:
+        return "580.0"
+
+    def close(self) -> None:
+        pass
+
+
+class SleepWatch(FakeClock):
+    """The fake clock, which also notes every sleep taken on the loop's thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop_thread = threading.get_ident()
+        self.loop_sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        if threading.get_ident() == self.loop_thread:
+            self.loop_sleeps.append(seconds)
+        super().sleep(seconds)
+
+
+class LoopHost:
+    def __init__(self, root: Path, **daemon: float) -> None:
+        self.root = root
+        self.config = config_for(root, **daemon)
+        self.clock = SleepWatch()
+        self.systemd = FakeSystemd(self.config, root / "vllm.log")
+        self.gpu = FakeGpu()
+        self.lines: list[dict[str, Any]] = []
+        self.daemon = self.new_daemon()
+
+    def new_daemon(self) -> Daemon:
+        """A daemon over this host's state directory (a second one: a restart, a re-exec)."""
+
+        def log(event: str, level: str = "info", **kw: Any) -> None:
+            self.lines.append({"event": event, "level": level, **kw})
+
+        d = Daemon(
+            self.config,
+            self.systemd,
+            self.gpu,
+            FileOutput(self.root / "vllm.log"),
+            Notifier(""),
+            log,
+            clock=self.clock,
+        )
+        d.boot()
+        self.daemon = d
+        return d
+
+    @property
+    def state(self) -> State:
+        return self.daemon.s.state
+
+    def status(self) -> dict[str, Any]:
+        return self.daemon.snapshot()
+
+    def ask(self, msg: Any) -> Any:
+        """Put a request in the inbox; its reply once a turn has answered it."""
+        self.daemon.ask(msg)
+        self.until(msg.reply.done, "the request to be answered")
+        return msg.reply.result()
+
+    def until(self, cond: Callable[[], bool], what: str, real_s: float = 20.0) -> None:
+        d, deadline = self.daemon, time.monotonic() + real_s
+        while True:
+            if not d.turn():
+                if cond():
+                    return
+                raise AssertionError(f"the loop ended before {what}{self.tail()}")
+            if cond():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"timed out waiting for {what}; state {d.s.state}{self.tail()}"
+                )
+            if not len(d.inbox):
+                # The fake clock moves only while nothing real is under way (a teardown on its
+                # thread, the child loading); then the loop's wait is what passes.
+                if not d.s.busy and not self.systemd.loading():
+                    self.clock.now += min(d._timeout(), STEP_S)
+                d.wait(max_s=0.005)
+
+    def tail(self, n: int = 15) -> str:
+        """The daemon's last log lines, for a failure's message."""
+        return "".join(f"\n  {e}" for e in self.lines[-n:])
+
+    def serving(self, mode: Mode) -> None:
+        s = self.daemon.s
+        self.until(
+            lambda: s.state is State.SERVING and s.serving is not None and s.serving.mode is mode,
+            f"{mode.value} to be served",
+        )
+
+    def history(self, kind: str) -> list[dict[str, Any]]:
+        from kimi_supervisor.store import history
+
+        return [e for e in history.read(self.config.state.dir) if e.get("kind") == kind]
+
+    def close(self) -> None:
+        self.systemd.close()

@@ -1,0 +1,178 @@
+"""The daemon's loop, driven in-process: in-memory ports (tests/unit/loophost.py), a fake clock,
+and a real child process as vLLM. The rows of what the loop must do with a switch, a failed
+start, a STUCK teardown, a capture and a reload; each runs in a fraction of a second."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.loop.inbox import CaptureStart, Reexec, Switch
+from kimi_supervisor.model import Mode, State
+from kimi_supervisor.ports.launcher import launch_record_path
+
+from .loophost import LoopHost
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[LoopHost]:
+    h = LoopHost(tmp_path)
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def booted(host: LoopHost) -> LoopHost:
+    host.serving(Mode.PRODUCTION)
+    return host
+
+
+def transitions(host: LoopHost) -> list[tuple[str, str]]:
+    return [(e["target"], e["outcome"]) for e in host.history("transition")]
+
+
+def test_the_daemon_boots_into_production_and_serves_it(host: LoopHost) -> None:
+    booted(host)
+    status = host.status()
+    assert status["state"] == "serving" and status["mode"] == "production"
+    assert host.systemd.starts == [Mode.PRODUCTION]
+    assert transitions(host) == [("production", "ready")]
+
+
+def test_a_switch_is_followed_by_the_transition_id_its_reply_carries(host: LoopHost) -> None:
+    booted(host)
+    reply = host.ask(Switch(Mode.PROFILE, "op"))
+    assert reply.code == "accepted"
+    host.serving(Mode.PROFILE)
+    last = host.history("transition")[-1]
+    assert last["id"] == reply.data["transition_id"]
+    assert (last["target"], last["outcome"], last["requested_by"]) == ("profile", "ready", "op")
+
+
+def test_during_a_teardown_the_same_mode_joins_the_other_is_refused_and_force_takes_over(
+    host: LoopHost,
+) -> None:
+    booted(host)
+    host.systemd.hold = hold = threading.Event()  # the teardown lasts until released
+    first = host.ask(Switch(Mode.PROFILE, "alice"))
+    host.until(lambda: host.daemon.s.busy, "the teardown to run")
+    joined = host.ask(Switch(Mode.PROFILE, "bob"))
+    assert joined.code == "joined"
+    assert joined.data["transition_id"] == first.data["transition_id"]
+    refused = host.ask(Switch(Mode.PRODUCTION, "carol"))
+    assert (refused.ok, refused.code) == (False, "busy")
+    forced = host.ask(Switch(Mode.PRODUCTION, "dave", force=True))
+    assert (forced.ok, forced.code) == (True, "accepted")
+    assert host.daemon.s.intent is not None  # the next intent, begun when the teardown ends
+    hold.set()
+    host.serving(Mode.PRODUCTION)
+    ended = {e["id"]: e["outcome"] for e in host.history("transition")}
+    assert ended[first.data["transition_id"]] == "preempted"
+    assert ended[forced.data["transition_id"]] == "ready"
+    assert host.systemd.starts == [Mode.PRODUCTION, Mode.PRODUCTION]  # profile never started
+
+
+def test_a_failed_start_rolls_back_once_then_backs_off(host: LoopHost) -> None:
+    booted(host)
+    host.systemd.fail_modes = {Mode.PROFILE}
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PRODUCTION)  # rolled back to the mode that worked
+    assert transitions(host)[-3:] == [
+        ("production", "ready"),
+        ("profile", "rolled_back"),
+        ("production", "ready"),
+    ]
+    # Now production fails too: its rollback is not rolled back again, but a failure, retried
+    # after a backoff that doubles, until FAILED after max_failures (3).
+    host.systemd.fail_modes = {Mode.PROFILE, Mode.PRODUCTION}
+    host.ask(Switch(Mode.PROFILE, "op"))
+    waits = []
+    for _ in range(2):
+        host.until(lambda: host.state is State.BACKOFF, "a backoff")
+        s = host.daemon.s
+        assert s.next_attempt_at is not None
+        waits.append(round(s.next_attempt_at - host.clock.now))
+        host.until(lambda: host.state is not State.BACKOFF, "the retry")
+    assert waits == [4, 8]
+    host.until(lambda: host.state is State.FAILED, "FAILED after max_failures")
+    assert host.status()["state"] == "failed"
+    assert transitions(host)[3:] == [
+        ("profile", "rolled_back"),
+        ("production", "failed"),
+        ("production", "failed"),
+        ("production", "failed"),
+    ]
+    assert host.systemd.starts[3:] == [Mode.PROFILE] + [Mode.PRODUCTION] * 3
+
+
+def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> None:
+    booted(host)
+    host.gpu.extra[1] = 20_000  # held by nothing the teardown may kill
+    host.ask(Switch(Mode.PROFILE, "op"))
+    waits = []
+    for _ in range(3):
+        host.until(lambda: host.state is State.STUCK, "STUCK")
+        s = host.daemon.s
+        assert s.next_attempt_at is not None
+        waits.append(round(s.next_attempt_at - host.clock.now))
+        host.until(lambda: host.state is not State.STUCK, "the retry")
+    assert waits == [10, 20, 40]
+    assert host.systemd.starts == [Mode.PRODUCTION]  # never started on an occupied GPU
+    host.gpu.extra[1] = 0
+    host.serving(Mode.PROFILE)
+
+
+def test_a_capture_holds_a_switch_until_it_has_flushed(host: LoopHost) -> None:
+    booted(host)
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PROFILE)
+    started = host.ask(CaptureStart(by="op", then="stay"))
+    assert started.ok, started.message
+    capture = host.daemon.s.capture
+    assert capture is not None
+    host.until(lambda: capture.phase == "recording", "the capture to record")
+    reply = host.ask(Switch(Mode.PRODUCTION, "op"))
+    assert reply.code == "accepted" and "waits for capture" in reply.message
+    host.until(capture.stop.is_set, "the switch to stop the recording")
+    assert host.state is State.SERVING  # nothing torn down while the capture is on
+    host.until(lambda: not capture.active, "the capture to end")
+    host.serving(Mode.PRODUCTION)
+    assert any(e["event"] == "capture_stopped_for_switch" for e in host.lines)
+
+
+def test_a_reload_during_a_start_is_adopted_by_the_new_image_without_a_second_load(
+    host: LoopHost,
+) -> None:
+    booted(host)
+    host.systemd.load_s = 1.0
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.until(lambda: host.state is State.STARTING, "the profile start")
+    loading = host.systemd.child
+    assert loading is not None
+    record = launch_record_path(host.config.vllm.argv_file)  # launch-vllm has exec'd vLLM
+    host.until(lambda: record.exists() and f'"pid": {loading.pid}' in record.read_text(), "exec")
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()  # the loop ends for the re-exec, the unit left running
+    host.new_daemon()
+    host.serving(Mode.PROFILE)
+    assert host.systemd.child is loading, host.tail(40)
+    assert host.systemd.starts.count(Mode.PROFILE) == 1
+    assert transitions(host)[-1] == ("profile", "ready")
+
+
+def test_the_loop_never_sleeps_on_its_own_thread(host: LoopHost) -> None:
+    booted(host)
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PROFILE)
+    child = host.systemd.child
+    assert child is not None
+    child.kill()  # vLLM's MainPID exits: the loop waits for systemd to see it, by passes
+    child.wait()
+    host.until(lambda: host.state is not State.SERVING, "the death to be noticed")
+    host.serving(Mode.PROFILE)
+    assert host.clock.loop_sleeps == []
