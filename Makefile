@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint typecheck pytest bench demo clean install
+.PHONY: setup test lint typecheck pytest unit bench demo clean install
 
 # `make install` (as root): the package in its own virtualenv under PREFIX, the commands in
 # BINDIR, the units, sysusers.d and tmpfiles.d, the config (kept if present) and the docs.
@@ -34,6 +34,10 @@ typecheck: setup
 
 pytest: setup
 	$(BIN)/pytest -q
+
+# The fast layer alone (seconds): pure logic per wing, the loop in-process, the import layers.
+unit: setup
+	$(BIN)/pytest -q tests/unit
 
 # The whole suite: lint (with the import layers), types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest

@@ -1,6 +1,6 @@
-"""ansible-playbook as an operator runs it, against the collection in ansible/ (tests/test_fleet.py,
-tests/booted/test_fleet_ssh.py and bench/fleet_bench.py): its own ANSIBLE_HOME and temporary
-folders, no colour, and the play recap read back per host."""
+"""ansible-playbook as an operator runs it, against the collection in ansible/
+(tests/sandbox/test_fleet.py, tests/booted/test_fleet_ssh.py and bench/fleet_bench.py): its own
+ANSIBLE_HOME and temporary folders, no colour, and the play recap read back per host."""
 
 from __future__ import annotations
 

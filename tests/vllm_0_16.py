@@ -1,6 +1,6 @@
 """What vLLM 0.16 does, as measured with its CPU build in the real-vLLM tier: checks that run on
-the fake vLLM (tests/test_sandbox.py) and on real vLLM (tests/realvllm), so that the two cannot
-drift apart. /health's behaviour is checked by conftest's HealthWatch and
+the fake vLLM (tests/sandbox/test_sandbox.py) and on real vLLM (tests/realvllm), so that the two
+cannot drift apart. /health's behaviour is checked by conftest's HealthWatch and
 assert_starts_like_vllm_0_16."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import DaemonHelper, SandboxHelper, as_user, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, as_user, wait_until
 
 # A member of the sandbox's control group ("users"), as setpriv options.
 MEMBER = ["--reuid=65534", "--regid=65534", "--groups=100"]

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import CHECKOUT, SandboxHelper
+from ..conftest import CHECKOUT, SandboxHelper
 
 pytestmark = pytest.mark.systemd
 
 TESTS = [
     # In-process teardown: the ghost shares the suite's own cgroup, and is still killed.
-    "tests/test_teardown.py::test_a_ghost_with_an_innocuous_title_on_every_gpu_is_killed_as_a_gpu_holder",
+    "tests/sandbox/test_teardown.py::test_a_ghost_with_an_innocuous_title_on_every_gpu_is_killed_as_a_gpu_holder",
     # Ctrl-C reaches kimi-mode although the suite ignores SIGINT.
-    "tests/test_kimi_mode.py::test_ctrl_c_while_following_stops_following_and_the_switch_completes",
+    "tests/sandbox/test_kimi_mode.py::test_ctrl_c_while_following_stops_following_and_the_switch_completes",
 ]
 
 

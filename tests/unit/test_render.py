@@ -73,7 +73,7 @@ def test_term_dumb_or_no_terminal_gets_plain_lines() -> None:
 SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
-from tests.test_display import events
+from tests.unit.test_render import events
 from kimi_supervisor.cli.render import Follower, redraws
 import os
 f = Follower(sys.stdout, redraws(sys.stdout, os.environ))
@@ -95,7 +95,7 @@ def test_in_a_real_terminal_the_redraw_leaves_one_header_at_any_width(
     columns: int, tmp_path: Path
 ) -> None:
     script = tmp_path / "follow.py"
-    script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parent.parent)))
+    script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parents[2])))
     server = f"kimi-display-{os.getpid()}-{columns}"
     tmux = ["tmux", "-L", server, "-f", "/dev/null"]
     env = {**os.environ, "TERM": "xterm-256color"}

@@ -12,7 +12,7 @@ import pytest
 from kimi_supervisor.config import ConfigError, load_config, parse_config
 from kimi_supervisor.model import Mode
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 MINIMAL = """
 [vllm]

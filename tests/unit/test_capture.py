@@ -21,9 +21,9 @@ import pytest
 from kimi_supervisor.capture import trace as tracesummary
 from kimi_supervisor.capture.ranks import rank_of, render, summarize_folder
 
-from .conftest import as_user
+from ..conftest import as_user
 
-FIXTURE = Path(__file__).parent / "fixtures" / "gpu-allreduce-2xh200"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpu-allreduce-2xh200"
 
 
 def load_whole(path: Path) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import pytest
 
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
 
 pytestmark = pytest.mark.systemd
 

@@ -12,7 +12,7 @@ import pytest
 
 from kimi_supervisor.store import baseline
 
-from .conftest import SandboxHelper
+from ..conftest import SandboxHelper
 
 pytestmark = pytest.mark.systemd
 

@@ -17,8 +17,8 @@ import pytest
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from .conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
-from .vllm_0_16 import assert_traces_like_vllm_0_16
+from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from ..vllm_0_16 import assert_traces_like_vllm_0_16
 
 pytestmark = pytest.mark.systemd
 

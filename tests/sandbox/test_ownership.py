@@ -21,7 +21,7 @@ from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.teardown.ownership import DeviceUse, GpuFiles, judge
 from kimi_supervisor.teardown.scan import Protection, bind_conflicts
 
-from .conftest import SandboxHelper, wait_until
+from ..conftest import SandboxHelper, wait_until
 from .test_teardown import Run, assert_clean, teardown
 
 MANAGED = [0, 1, 2]

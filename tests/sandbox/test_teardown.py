@@ -24,7 +24,7 @@ from kimi_supervisor.sandbox.sandbox import UNIT
 from kimi_supervisor.store import baseline
 from kimi_supervisor.teardown.escalation import Teardown
 
-from .conftest import SandboxHelper, wait_until
+from ..conftest import SandboxHelper, wait_until
 
 pytestmark = pytest.mark.systemd
 

@@ -18,14 +18,14 @@ from kimi_supervisor.ports.http import request
 from kimi_supervisor.ports.launcher import write_argv_file
 from kimi_supervisor.sandbox.sandbox import UNIT
 
-from .conftest import (
+from ..conftest import (
     HealthWatch,
     SandboxHelper,
     assert_starts_like_vllm_0_16,
     health,
     wait_until,
 )
-from .vllm_0_16 import (
+from ..vllm_0_16 import (
     assert_load_output_like_vllm_0_16,
     assert_stops_like_vllm_0_16,
     assert_traces_like_vllm_0_16,

@@ -19,9 +19,9 @@ from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
 from kimi_supervisor.store.state import StateStore
 
-from .conftest import DaemonHelper, SandboxHelper, health, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, health, wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.systemd
 

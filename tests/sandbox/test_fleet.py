@@ -20,8 +20,8 @@ import pytest
 from kimi_supervisor.sandbox.sandbox import Sandbox
 from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
-from .conftest import DaemonHelper, SandboxHelper
-from .fleet import BIN, COLLECTION, Ansible, local_inventory
+from ..conftest import DaemonHelper, SandboxHelper
+from ..fleet import BIN, COLLECTION, Ansible, local_inventory
 
 HOSTS = ("h1", "h2", "h3")
 

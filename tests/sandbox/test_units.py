@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-UNITS = sorted((Path(__file__).resolve().parents[1] / "units").glob("*.service"))
+UNITS = sorted((Path(__file__).resolve().parents[2] / "units").glob("*.service"))
 SYSTEM_UNITS = next(
     (p for p in (Path("/lib/systemd/system"), Path("/usr/lib/systemd/system")) if p.is_dir()), None
 )
