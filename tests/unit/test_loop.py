@@ -35,6 +35,18 @@ def transitions(host: LoopHost) -> list[tuple[str, str]]:
     return [(e["target"], e["outcome"]) for e in host.history("transition")]
 
 
+def retry_waits(host: LoopHost, state: State, n: int) -> list[int]:
+    """How long the loop waits in `state` before each of its next `n` retries (seconds)."""
+    waits = []
+    for _ in range(n):
+        host.until(lambda: host.state is state, state.value)
+        s = host.daemon.s
+        assert s.next_attempt_at is not None
+        waits.append(round(s.next_attempt_at - host.clock.now))
+        host.until(lambda: host.state is not state, "the retry")
+    return waits
+
+
 def test_the_daemon_boots_into_production_and_serves_it(host: LoopHost) -> None:
     booted(host)
     status = host.status()
@@ -90,14 +102,7 @@ def test_a_failed_start_rolls_back_once_then_backs_off(host: LoopHost) -> None:
     # after a backoff that doubles, until FAILED after max_failures (3).
     host.systemd.fail_modes = {Mode.PROFILE, Mode.PRODUCTION}
     host.ask(Switch(Mode.PROFILE, "op"))
-    waits = []
-    for _ in range(2):
-        host.until(lambda: host.state is State.BACKOFF, "a backoff")
-        s = host.daemon.s
-        assert s.next_attempt_at is not None
-        waits.append(round(s.next_attempt_at - host.clock.now))
-        host.until(lambda: host.state is not State.BACKOFF, "the retry")
-    assert waits == [4, 8]
+    assert retry_waits(host, State.BACKOFF, 2) == [4, 8]
     host.until(lambda: host.state is State.FAILED, "FAILED after max_failures")
     assert host.status()["state"] == "failed"
     assert transitions(host)[3:] == [
@@ -113,14 +118,7 @@ def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> No
     booted(host)
     host.gpu.extra[1] = 20_000  # held by nothing the teardown may kill
     host.ask(Switch(Mode.PROFILE, "op"))
-    waits = []
-    for _ in range(3):
-        host.until(lambda: host.state is State.STUCK, "STUCK")
-        s = host.daemon.s
-        assert s.next_attempt_at is not None
-        waits.append(round(s.next_attempt_at - host.clock.now))
-        host.until(lambda: host.state is not State.STUCK, "the retry")
-    assert waits == [10, 20, 40]
+    assert retry_waits(host, State.STUCK, 3) == [10, 20, 40]
     assert host.systemd.starts == [Mode.PRODUCTION]  # never started on an occupied GPU
     host.gpu.extra[1] = 0
     host.serving(Mode.PROFILE)
