@@ -76,9 +76,14 @@ def real() -> Iterator[DaemonHelper]:
     # OOM killer took one (seen in CI: /stop_profile answered 500 and the engine died).
     profiler = json.dumps({"profiler": "torch", "torch_profiler_dir": "{sandbox}/traces",
                            "torch_profiler_with_stack": False})  # fmt: skip
+    # Block size 16: with the default (128) vLLM 0.16 picks its AMX attention on a CPU that has
+    # AMX, and the avx512bf16 build has no AMX kernel ("Unsupported CPU attention configuration:
+    # head_dim=32 isa=0" at the first request, seen on a Sapphire Rapids CI machine); 16 takes the
+    # vec16 kernel, which every AVX-512 build has, whatever the CPU.
     overrides = {
         "vllm": {"command": [str(venv / "bin" / "vllm"), "serve", str(model),
-                             "--tensor-parallel-size", "2", "--dtype", "bfloat16"]},
+                             "--tensor-parallel-size", "2", "--dtype", "bfloat16",
+                             "--block-size", "16"]},
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
         "daemon": {"start_timeout_s": READY_S},
