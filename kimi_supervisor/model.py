@@ -64,6 +64,10 @@ class CapturePhase(enum.StrEnum):
         return self in (CapturePhase.STARTING, CapturePhase.RECORDING)
 
 
+# A capture's summary, written beside its traces.
+SUMMARY = "summary.json"
+
+
 class Step(enum.StrEnum):
     """Teardown steps, in the order they escalate."""
 

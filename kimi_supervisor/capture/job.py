@@ -24,7 +24,7 @@ from typing import Any
 from kimi_supervisor.capture import ranks as capturesummary
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
-from kimi_supervisor.model import CapturePhase, utcnow
+from kimi_supervisor.model import SUMMARY, CapturePhase, utcnow
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
 
@@ -306,9 +306,7 @@ class Capture:
         try:
             capturesummary.write(fd, summary, self.spec.uid, self.spec.gid)
         except OSError as e:
-            summary["errors"].append(
-                {"rank": None, "file": capturesummary.SUMMARY, "error": f"not written: {e}"}
-            )
+            summary["errors"].append({"rank": None, "file": SUMMARY, "error": f"not written: {e}"})
         self._event("capture_summarized", took_s=summary["took_s"])
         return summary
 

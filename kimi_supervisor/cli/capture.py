@@ -13,11 +13,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.capture.ranks import SUMMARY, summarize_folder
-from kimi_supervisor.capture.ranks import render as render_summary
 from kimi_supervisor.cli import switch as km
-from kimi_supervisor.cli.render import format_capture
+from kimi_supervisor.cli.render import format_capture, format_summary
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
+from kimi_supervisor.model import SUMMARY
 
 
 def _stop_capture(sock: Path) -> None:
@@ -46,6 +45,8 @@ def _open_out(out: str) -> int | str:
 def cmd_summarize(args: argparse.Namespace) -> int:
     """`capture --summarize DIR`: an existing capture's summary, made here as the caller (no
     daemon needed), written beside the traces when the folder lets us."""
+    from kimi_supervisor.capture.ranks import summarize_folder  # the summarizer, only here
+
     folder = Path(args.summarize)
     try:
         summary, not_written = summarize_folder(folder)
@@ -55,7 +56,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        print(render_summary(summary))
+        print(format_summary(summary))
         print(not_written or f"written to {folder / SUMMARY}")
     if not summary["ranks"]:
         return km.EXIT_FAILED

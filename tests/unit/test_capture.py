@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.capture import trace as tracesummary
-from kimi_supervisor.capture.ranks import rank_of, render, summarize_folder
+from kimi_supervisor.capture.ranks import rank_of, summarize_folder
+from kimi_supervisor.cli.render import format_summary as render
 
 from ..conftest import as_user
 

@@ -89,7 +89,7 @@ def test_a_new_module_outside_every_layer_breaks_the_contract_the_day_it_is_adde
     assert "kimi_supervisor.helpers" in r.stdout
 
 
-def test_kimi_mode_status_loads_none_of_the_daemons_wings(tmp_path: Path) -> None:
+def test_kimi_mode_status_loads_the_client_and_plain_data_and_none_of_the_daemons_wings(tmp_path: Path) -> None:
     r = subprocess.run(
         [
             sys.executable,
@@ -114,7 +114,7 @@ def test_kimi_mode_status_loads_none_of_the_daemons_wings(tmp_path: Path) -> Non
     }
     ours = {m for m in loaded if m.startswith("kimi_supervisor")}
     assert "kimi_supervisor.control.client" in ours
-    wings = ("loop", "decide", "teardown", "store")
+    wings = ("loop", "decide", "teardown", "store", "capture", "ports", "sandbox")
     daemons = {m for m in ours if m.split(".")[1:2] and m.split(".")[1] in wings}
     assert daemons == set()
 
