@@ -76,14 +76,12 @@ class Desk:
                 )
             case policy.Admit.JOIN:
                 assert tr is not None
-                # The switch that follows a teardown under way (a take-over) is the one joined.
-                follow = s.intent.id if s.intent is not None else tr.id
                 return Reply(
                     ok=True,
                     code="joined",
                     message=f"already switching to {r.mode.value} since "
                     f"{tr.started_at:%H:%M:%S} ({tr.step}): following it",
-                    data=info | {"transition_id": follow},
+                    data=info | {"transition_id": tr.id},
                 )
             case policy.Admit.REFUSE_BUSY:
                 assert tr is not None
