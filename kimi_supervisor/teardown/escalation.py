@@ -54,6 +54,7 @@ from kimi_supervisor.teardown.scan import (
     device_users,
     has_vllm_signature,
     listeners,
+    unit_tree,
 )
 
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
@@ -142,20 +143,6 @@ class Teardown:
         )
 
     # -- the steps --
-    def _snapshot_tree(self) -> list[ProcessRef]:
-        """The unit's processes when the teardown begins: its cgroup and MainPID's descendants."""
-        pids: set[int] = set()
-        try:
-            status = self.systemd.status(self.unit)
-            pids.update(self.systemd.cgroup_pids(self.unit))
-        except SystemdError as e:
-            self.on_event(ev.Warned(f"cannot read {self.unit}: {e}"))
-            return []
-        if status.main_pid:
-            pids.add(status.main_pid)
-            pids.update(processes.descendants(status.main_pid))
-        return [r for r in map(processes.ref_of, pids) if r is not None]
-
     def _step_stop_unit(self) -> str:
         if self._unit_inactive():
             return "unit already inactive"
@@ -291,10 +278,21 @@ class Teardown:
         done = self.kills.killed.keys() | self.kills.spared
         return [r for r in self.view.listed_targets() if r not in done]
 
+    def _held_by_spared(self) -> list[int]:
+        """The spared live holders, when they alone hold what is left and nothing killed is
+        still alive: no release can come then (empty otherwise)."""
+        if not self.kills.all_dead():
+            return []
+        return self.view.held_only_by({r.pid for r in self.kills.spared})
+
     def _step_wait_release(self) -> str:
         again = self._rounds < LATE_ROUNDS
         self._poll_until(
-            lambda: self._gpus_clean() or (again and bool(self._late_holders())),
+            lambda: (
+                self._gpus_clean()
+                or (again and bool(self._late_holders()))
+                or bool(self._held_by_spared())
+            ),
             self.config.teardown.release_timeout_s,
         )
         ok = all(d.clean for d in self._devices)
@@ -303,6 +301,9 @@ class Teardown:
             self._late = True
             pids = ", ".join(str(r.pid) for r in late)
             return f"new holder(s) listed after the kills ({pids}): killing again"
+        if not ok and (kept := self._held_by_spared()):
+            pids = ", ".join(map(str, kept))
+            return f"memory held by spared live process(es) {pids}: no release can come"
         alive = [r for r in self.kills.killed if processes.is_alive(r)]
         note = "memory back at baseline" if ok else "memory still above baseline"
         if alive:
@@ -317,7 +318,7 @@ class Teardown:
     def run(self) -> TeardownReport:
         start = self.clock.monotonic()
         self.on_event(ev.TeardownStarted(self.unit))
-        snapshot = self._snapshot = self._snapshot_tree()
+        snapshot = self._snapshot = unit_tree(self.systemd, self.unit, self.on_event)
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),

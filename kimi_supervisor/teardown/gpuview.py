@@ -152,6 +152,21 @@ class GpuView:
             for pid in d.processes
         )
 
+    def held_only_by(self, spared: set[int]) -> list[int]:
+        """The holders in `spared` (live processes the teardown will not signal), when they alone
+        explain what is left: every managed GPU above baseline has a live listed holder, all of
+        them in `spared`, and nothing listed there is draining. Empty otherwise."""
+        live = self.live_listed()
+        held: set[int] = set()
+        for d in self.devices:
+            if d.clean:
+                continue
+            on = {pid for pid, gpus in live.items() if d.index in gpus}
+            if not on or not on <= spared or self.draining(d.index):
+                return []
+            held |= on
+        return sorted(held)
+
     def unexplained(self) -> set[int]:
         """Managed GPUs above baseline that no live listed process explains, once the memory of
         any listed holder that just died there has had time to come back."""

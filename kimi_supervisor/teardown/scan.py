@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.sockets import Address, listening_inodes
+from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
+from kimi_supervisor.teardown.events import EventSink, Warned
 from kimi_supervisor.teardown.ownership import DeviceUse
 
 # Never signalled, whatever they hold: the driver's helpers, the DCGM stack and the managers.
@@ -163,3 +165,18 @@ def device_users(
             if held & select or mapped:
                 out[pid] = DeviceUse(pid, frozenset(held), frozenset(mapped))
     return out
+
+
+def unit_tree(systemd: SystemdPort, unit: str, on_event: EventSink) -> list[processes.ProcessRef]:
+    """The unit's processes when a teardown begins: its cgroup and MainPID's descendants."""
+    pids: set[int] = set()
+    try:
+        status = systemd.status(unit)
+        pids.update(systemd.cgroup_pids(unit))
+    except SystemdError as e:
+        on_event(Warned(f"cannot read {unit}: {e}"))
+        return []
+    if status.main_pid:
+        pids.add(status.main_pid)
+        pids.update(processes.descendants(status.main_pid))
+    return [r for r in map(processes.ref_of, pids) if r is not None]

@@ -263,6 +263,24 @@ def test_the_seeds_incident_ghost_is_found_and_only_it_is_killed(host: Host) -> 
     assert os.getpid() not in killed(report)
 
 
+def test_memory_only_a_protected_live_holder_keeps_is_reported_stuck_at_once(host: Host) -> None:
+    # Real CUDA memory held by a process under a protected name (DCGM's host engine): it is
+    # spared, so no release can come, and the teardown says STUCK without waiting for one.
+    engine = host.ghost("nv-hostengine", 20 * GIB)
+    planted = bystanders(host)
+    assert host.used()[0] - host.baselines[0] > 19 * GIB
+    seconds, report = host.teardown()
+    timing("spared-holder STUCK teardown", seconds)
+    r: Any = report
+    assert r.outcome is Outcome.STUCK and killed(r) == set()
+    holders = [s for s in r.steps if s.step.value == "kill_gpu_holders"][-1]
+    after = (r.started_at - holders.started_at).total_seconds() + r.duration_s - holders.duration_s
+    timing("spared-holder STUCK after the kill steps", after)
+    assert after < 1.0
+    assert processes.is_alive(engine)
+    assert_alive(planted)
+
+
 def test_a_worker_ignoring_sigterm_and_a_stopped_holder_are_killed(host: Host) -> None:
     host.vllm(mib_per_worker=8 * GIB, load_s=0.2, shards=4, ignore_sigterm=True)
     stopped = host.ghost("python", 4 * GIB, gpus="0")

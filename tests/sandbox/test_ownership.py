@@ -11,6 +11,7 @@ import signal
 import sys
 import textwrap
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -280,6 +281,25 @@ def test_only_protected_holders_end_stuck_with_one_spared_record_each_and_no_bus
     assert set(suspects) == {fm.pid, dcgm.pid}
     assert "not signalled" in suspects[fm.pid].why
     assert "by hand" in run.report.next_action
+
+
+def test_memory_only_a_spared_live_holder_keeps_ends_stuck_at_once_instead_of_waiting_for_it(
+    sandbox: SandboxHelper,
+) -> None:
+    # The release can never come: the only holder is alive and protected. Waiting the whole
+    # release_timeout_s (60 s shipped) would only delay the STUCK report.
+    fm = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")
+    config = with_release_timeout(sandbox, 10.0)
+    run = teardown(sandbox, MANAGED, config)
+    assert run.report.outcome is Outcome.STUCK and run.killed() == set()
+    assert spared_events(run) == [fm.pid]
+    holders = [s for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS][-1]
+    ended = run.report.started_at + timedelta(seconds=run.report.duration_s)
+    after_kills = (ended - holders.started_at).total_seconds() - holders.duration_s
+    assert after_kills < 1.0, f"STUCK came {after_kills:.2f} s after the kill steps"
+    wait = next(s for s in run.report.steps if s.step is Step.WAIT_RELEASE)
+    assert str(fm.pid) in wait.note and "no release can come" in wait.note
+    assert processes.is_alive(fm)
 
 
 def test_a_process_exec_d_under_the_fabric_managers_real_name_is_never_killed(

@@ -89,7 +89,9 @@ def test_a_new_module_outside_every_layer_breaks_the_contract_the_day_it_is_adde
     assert "kimi_supervisor.helpers" in r.stdout
 
 
-def test_kimi_mode_status_loads_the_client_and_plain_data_and_none_of_the_daemons_wings(tmp_path: Path) -> None:
+def test_kimi_mode_status_loads_the_client_and_plain_data_and_none_of_the_daemons_wings(
+    tmp_path: Path,
+) -> None:
     r = subprocess.run(
         [
             sys.executable,
