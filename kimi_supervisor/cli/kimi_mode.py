@@ -1,12 +1,5 @@
 """`kimi-mode`: what an operator types. Argument parsing and output only; the daemon does the
-work. Exit codes (as documented in docs/control-protocol.md):
-
-    0  done (or nothing to do)
-    1  the switch failed, or its teardown ended STUCK
-    2  usage error
-    3  the daemon is unreachable, or refused the request
-    4  timed out waiting (the switch goes on)
-  130  interrupted with Ctrl-C while following (the switch goes on)
+work. The exit codes every command shares are in cli/switch.py (and docs/control-protocol.md).
 """
 
 from __future__ import annotations
