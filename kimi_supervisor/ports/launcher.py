@@ -100,9 +100,17 @@ def running_mode(config: Config, main_pid: int) -> Mode | None:
     no configured mode (another argv, an edited config, or not vLLM at all)."""
     if main_pid <= 0:
         return None
-    mode = mode_of_argv(config, processes.cmdline_of(main_pid))
+    cmdline = processes.cmdline_of(main_pid)
+    mode = mode_of_argv(config, cmdline)
     if mode is not None:
         return mode
+    if cmdline[-3:] == ["launch-vllm", "--argv-file", str(config.vllm.argv_file)]:
+        # The unit's ExecStart before its exec (its first tenth of a second): it runs what the
+        # argv file says, which the daemon wrote before starting the unit.
+        try:
+            return mode_of_argv(config, read_argv_file(config.vllm.argv_file))
+        except LaunchError:
+            return None
     try:
         rec = json.loads(launch_record_path(config.vllm.argv_file).read_text(encoding="utf-8"))
         ref = processes.ref_of(main_pid)

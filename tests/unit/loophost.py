@@ -60,12 +60,6 @@ http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
-LAUNCH = (
-    "import sys; from kimi_supervisor.cli.admin import main; "
-    "sys.exit(main(['launch-vllm', '--argv-file', sys.argv[1]]))"
-)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,7 +160,15 @@ class FakeSystemd:
             self.stopped = False
             # As the unit's ExecStart does: `kimi-supervisor launch-vllm` records what it
             # launches (its PID and start time) and execs the argv file's argv.
-            launch = [sys.executable, "-c", LAUNCH, str(self.config.vllm.argv_file)]
+            argv_file = str(self.config.vllm.argv_file)
+            launch = [
+                sys.executable,
+                "-m",
+                "kimi_supervisor.cli.admin",
+                "launch-vllm",
+                "--argv-file",
+                argv_file,
+            ]
             self.child = subprocess.Popen(launch, env=env, stdout=out, stderr=out)
 
     def stop(self, unit: str) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from kimi_supervisor.loop.inbox import CaptureStart, Reexec, Switch
 from kimi_supervisor.model import Mode, State
+from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.launcher import launch_record_path
 
 from .loophost import LoopHost
@@ -161,6 +162,25 @@ def test_a_reload_during_a_start_is_adopted_by_the_new_image_without_a_second_lo
     assert host.systemd.child is loading, host.tail(40)
     assert host.systemd.starts.count(Mode.PROFILE) == 1
     assert transitions(host)[-1] == ("profile", "ready")
+
+
+def test_a_reload_before_the_launcher_has_exec_d_vllm_is_adopted_too(host: LoopHost) -> None:
+    # The new image looks at MainPID while it is still `kimi-supervisor launch-vllm`: what it
+    # will run is the argv file's mode, not "an argv matching no mode" to tear down.
+    booted(host)
+    host.systemd.load_s = 1.0
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.until(lambda: host.state is State.STARTING, "the profile start")
+    launching = host.systemd.child
+    assert launching is not None
+    assert "launch-vllm" in processes.cmdline_of(launching.pid)
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()
+    host.new_daemon()
+    host.serving(Mode.PROFILE)
+    assert host.systemd.child is launching, host.tail(40)
+    assert host.systemd.starts.count(Mode.PROFILE) == 1
 
 
 def test_the_loop_never_sleeps_on_its_own_thread(host: LoopHost) -> None:
