@@ -7,6 +7,7 @@ simulated GPU host of the sandbox. NVML is initialised lazily; its failures beco
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -40,6 +41,11 @@ class GpuPort(Protocol):
     def uuid(self, index: int) -> str: ...
     def driver_version(self) -> str: ...
     def close(self) -> None: ...
+
+    def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
+        """What the driver takes the node `st` (readable at `path`) for, where its file identity
+        (a character device's number, another file's inode) is not enough; None: it is."""
+        ...
 
 
 class NvmlGpu:
@@ -112,6 +118,12 @@ class NvmlGpu:
         except nv.NVMLError as e:
             raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
         return u.decode() if isinstance(u, bytes) else str(u)
+
+    def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
+        """None: the driver finds a GPU by the node's device number (195:minor), which is its
+        file identity already, in any /dev (a container's nodes are other inodes, the same
+        numbers: issue 25, measured on an H200)."""
+        return None
 
     def driver_version(self) -> str:
         v = self._lib().nvmlSystemGetDriverVersion()

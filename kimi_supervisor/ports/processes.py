@@ -7,14 +7,10 @@ against the start time, so a recycled PID is never hit.
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import functools
 import os
 import signal
-import stat
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -229,88 +225,9 @@ def ancestors(pid: int) -> list[int]:
     return out
 
 
-def open_paths(pid: int) -> Iterator[tuple[int, str]]:
-    """(fd, target) for each open descriptor of `pid`; nothing if it is gone or unreadable."""
-    fd_dir = PROC / str(pid) / "fd"
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return
-    for name in names:
-        with contextlib.suppress(OSError):
-            yield int(name), os.readlink(fd_dir / name)
-
-
-def _key(st: os.stat_result) -> tuple[int, ...]:
-    """A file as the kernel knows it: a character device by its device number (one driver node,
-    whatever /dev it sits in), anything else by its file system and inode."""
-    return (0, st.st_rdev) if stat.S_ISCHR(st.st_mode) else (1, st.st_dev, st.st_ino)
-
-
-@functools.lru_cache(maxsize=64)
-def _identities(
-    paths: frozenset[str], _second: int
-) -> tuple[dict[tuple[int, ...], str], dict[bytes, str], frozenset[str]]:
-    """For `paths`: their identities, their /proc/PID/maps tokens (" MAJ:MIN INODE "), their
-    names. Cached for the current second: a scan asks for the same files for every process,
-    and a device node made again (a driver reload) is seen a second later at most."""
-    keys: dict[tuple[int, ...], str] = {}
-    tokens: dict[bytes, str] = {}
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        keys[_key(st)] = p
-        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}"
-        tokens[f" {dev} {st.st_ino} ".encode()] = p
-    return keys, tokens, frozenset(os.path.basename(p) for p in paths)
-
-
-def holds_any(pid: int, paths: Iterable[str]) -> set[str]:
-    """Which of `paths` `pid` has open. Compared by identity, not by the path its descriptors
-    show: from a chroot, a container or through a bind mount or a hard link that path differs.
-    Only descriptors named like one of `paths` are looked at closer (a stat of any open file
-    could hang on a dead network mount)."""
-    keys, _tokens, names = _identities(frozenset(paths), int(time.monotonic()))
-    found: set[str] = set()
-    fd_dir = PROC / str(pid) / "fd"
-    for fd, target in open_paths(pid):
-        if os.path.basename(target.removesuffix(" (deleted)")) not in names:
-            continue
-        try:
-            path = keys.get(_key(os.stat(fd_dir / str(fd))))
-        except OSError:
-            continue
-        if path is not None:
-            found.add(path)
-    return found
-
-
-def maps_any(pid: int, prefix: str) -> set[str]:
-    """Files under `prefix` that `pid` has mapped (a mapping outlives the descriptor)."""
-    found: set[str] = set()
-    try:
-        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[5:]
-                if path and path[0].startswith(prefix):
-                    found.add(path[0].removesuffix(" (deleted)"))
-    except OSError:
-        pass
-    return found
-
-
-def maps_of(pid: int, wanted: set[str]) -> set[str]:
-    """Which of `wanted` files `pid` has mapped, by identity: each mapping line names its file's
-    device and inode (" MAJ:MIN INODE "), whatever path it shows. A CUDA process maps thousands
-    of files: the tokens are searched for in the raw text, not parsed line by line."""
-    _keys, tokens, _names = _identities(frozenset(wanted), int(time.monotonic()))
-    try:
-        data = (PROC / str(pid) / "maps").read_bytes()
-    except OSError:
-        return set()
-    return {p for token, p in tokens.items() if token in data}
+def now_ticks() -> int:
+    """Now, in the clock of a process's start time (/proc/PID/stat's clock ticks since boot)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)
 
 
 class PidHandle:

@@ -304,9 +304,20 @@ class Sandbox:
         extra_env: dict[str, str] | None = None,
         fork_helper: str | None = None,
         helper_closes_fds: bool = False,
+        own_dev: bool = False,
+        at_pid: int | None = None,
     ) -> list[ProcessRef]:
-        """start_ghost, and with `fork_helper` the helper it forked: [ghost, helper]."""
-        args = [sys.executable, "-m", "kimi_supervisor.sandbox.ghost", "--detach"]
+        """start_ghost, and with `fork_helper` the helper it forked: [ghost, helper]. With
+        `own_dev`, it runs behind a /dev of its own, as in a container (sandbox/owndev.py); with
+        `at_pid`, as that PID, as a recycled one (sandbox/atpid.py, root only)."""
+        prefix: list[str] = []
+        if at_pid is not None:
+            prefix += [sys.executable, "-m", "kimi_supervisor.sandbox.atpid", str(at_pid), "--"]
+        if own_dev:
+            prefix += [sys.executable, "-m", "kimi_supervisor.sandbox.owndev"]
+            prefix += ["--dev", str(self.gpu_dir / "dev"), "--"]
+        args = [*prefix, sys.executable, "-m", "kimi_supervisor.sandbox.ghost"]
+        args += [] if at_pid is not None else ["--detach"]  # atpid detaches it already
         args += ["--gpu", gpu, "--mib", str(mib), "--title", title]
         flags = {"--hidden": hidden, "--ignore-sigterm": ignore_sigterm}
         flags["--helper-closes-fds"] = helper_closes_fds

@@ -3,7 +3,9 @@
 Layout of the host's directory:
   host.json            devices (index, total, baseline), release delay, driver version
   dev/nvidiaN          stand-ins for /dev/nvidiaN; dev/nvidiactl, dev/nvidia-uvm (one page each,
-                       so that they can be mapped)
+                       so that they can be mapped), each stamped with the host and its device
+                       number (195:N, 195:255 for nvidiactl, as the driver numbers them)
+  driver/N             GPU N's side in the driver: its contexts' locks
   alloc/PID.KEY        one context: creator's identity, device, MiB, listed or hidden, its key
   released/...         when a context was first seen closed (for the release delay)
   last_sample          when a reader last looked (monotonic seconds)
@@ -40,6 +42,13 @@ The rules, each copying a measurement on 2x H200, driver 580.159.04
    exits at once, so the delay runs after it, counted from the last look (by any reader) before
    the context was seen closed. Seen through NVML the two read the same, for a reader that polls
    and for one that looks once, long after.
+8. The driver knows a node by its device number, not its path or inode. A container's own /dev
+   (Docker's or podman's with the NVIDIA toolkit, systemd-nspawn's, a chroot's) holds other
+   inodes with the same numbers, and a process that opens one reaches the same GPU. Measured
+   (issue 25, an H200): a process in its own mount namespace with fresh nodes (mknod 195:0)
+   held a dead parent's 40 GiB, which NVML showed; its maps named the container's node, by the
+   container's file system and inode. Here a node is a stamped page at any inode; a context,
+   made through any node, is a lock on the GPU's driver file; `owndev.py` builds such a /dev.
 """
 
 from __future__ import annotations
@@ -57,7 +66,14 @@ from pathlib import Path
 
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.gpu import GpuUnavailable
-from kimi_supervisor.sandbox.simreader import F_OFD_SETLK, FLOCK
+from kimi_supervisor.sandbox.simreader import (
+    F_OFD_SETLK,
+    FLOCK,
+    NODE_MAGIC,
+    PAGE,
+    driver_file,
+    read_stamp,
+)
 from kimi_supervisor.sandbox.simreader import (
     SimGpu as SimGpu,  # the reader, for the sandbox's users
 )
@@ -69,7 +85,10 @@ H200_TOTAL_MIB = 143771
 H200_BASELINE_MIB = 615
 # Rule 7: SIGKILL to NVML at baseline on an H200 (bench/results/h200x2-2026-11-30-cuda-probe.json).
 DRIVER_RELEASE_S = 0.15
-PAGE = 4096
+# The NVIDIA driver's character major for /dev/nvidiaN and nvidiactl (minor 255); nvidia-uvm's
+# major is given out at load time, so any free one stands for it.
+NVIDIA_MAJOR = 195
+UVM_NUMBER = "509:0"
 
 
 def create_host(
@@ -80,11 +99,18 @@ def create_host(
     release_delay_s: float = DRIVER_RELEASE_S,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    for sub in ("dev", "alloc", "released", "leak"):
+    for sub in ("dev", "driver", "alloc", "released", "leak"):
         (root / sub).mkdir(exist_ok=True)
-    for name in [f"nvidia{i}" for i in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
-        (root / "dev" / name).write_bytes(bytes(PAGE))
+    host_id = secrets.token_hex(8)
+    numbers = {f"nvidia{i}": f"{NVIDIA_MAJOR}:{i}" for i in range(gpus)}
+    numbers |= {"nvidiactl": f"{NVIDIA_MAJOR}:255", "nvidia-uvm": UVM_NUMBER}
+    for name, number in numbers.items():
+        stamp = NODE_MAGIC + f"{host_id} {number}\n".encode()
+        (root / "dev" / name).write_bytes(stamp.ljust(PAGE, b"\0"))
+    for i in range(gpus):
+        driver_file(root, i).write_bytes(b"")
     host = {
+        "host_id": host_id,
         "devices": [
             {
                 "index": i,
@@ -169,7 +195,15 @@ class Context:
         path = device_file(root, index)
         if not path.exists():
             raise GpuUnavailable(f"simulated GPU {index} does not exist under {root}")
-        self.fd = os.open(path, os.O_RDWR)
+        # The node as this process sees it (its own /dev's, maybe), and through it the GPU its
+        # number names (rule 8).
+        self.node = os.open(path, os.O_RDWR)
+        stamp = read_stamp(self.node)
+        if stamp is None or not stamp[1].startswith(f"{NVIDIA_MAJOR}:"):
+            os.close(self.node)
+            raise GpuUnavailable(f"{path} is not a simulated GPU's device node")
+        index = int(stamp[1].split(":")[1])
+        self.fd = os.open(driver_file(root, index), os.O_RDWR)
         key = secrets.randbits(40) + 1
         _lock(self.fd, key)  # before the record: a reader never sees a record without its lock
         ref = processes.ref_of(os.getpid())
@@ -191,6 +225,7 @@ class Context:
         with contextlib.suppress(FileNotFoundError):
             self.record.unlink()
         os.close(self.fd)
+        os.close(self.node)
 
 
 def leak(root: Path, index: int, mib: int) -> Path:

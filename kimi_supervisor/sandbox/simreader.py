@@ -3,10 +3,12 @@ and its fake processes fill, read here the way NVML reads the driver.
 
 The layout and the rules it follows (each copying a measurement on H200s) are in the sandbox
 module's docstring. What this reader relies on: a context is a record in alloc/ plus an OFD lock
-at the record's key on dev/nvidiaN, held for as long as some process has the context's open
-file; memory counts while the lock exists, and for `release_delay_s` after (counted from the last
-look by any reader); NVML's list is each live context's creator. Like an NVML client, the reader
-opens every device file and maps none.
+at the record's key on the GPU's driver file (driver/N), held for as long as some process has the
+context's open file; memory counts while the lock exists, and for `release_delay_s` after
+(counted from the last look by any reader); NVML's list is each live context's creator. Like an
+NVML client, the reader opens every device file and maps none. A device node is known by the
+stamp it carries (its host and device number), as the driver knows a node by its device number:
+`node_key`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import struct
 import time
 from collections.abc import Sequence
@@ -27,6 +30,7 @@ from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
 FLOCK = "hhqqi4x"
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+PAGE = 4096
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -35,6 +39,42 @@ def device_file(root: Path, index: int) -> Path:
 
 def shared_files(root: Path) -> list[Path]:
     return [root / "dev" / "nvidiactl", root / "dev" / "nvidia-uvm"]
+
+
+def driver_file(root: Path, index: int) -> Path:
+    """Where GPU `index`'s contexts live (the driver's side, reached through any node of it)."""
+    return root / "driver" / str(index)
+
+
+# A simulated node's first bytes: b"kimi-sim-node HOST MAJOR:MINOR\n", the rest of its page zero.
+NODE_MAGIC = b"kimi-sim-node "
+NODE_STAMP_MAX = 128
+
+
+def read_stamp(fd: int) -> tuple[str, str] | None:
+    """(host, "major:minor") of the simulated node open at `fd`, or None if it is not one."""
+    head = os.pread(fd, NODE_STAMP_MAX, 0)
+    if not head.startswith(NODE_MAGIC) or b"\n" not in head:
+        return None
+    fields = head[len(NODE_MAGIC) : head.index(b"\n")].decode(errors="replace").split()
+    return (fields[0], fields[1]) if len(fields) == 2 else None
+
+
+def node_stamp(path: Path, expect: os.stat_result | None = None) -> tuple[str, str] | None:
+    """The stamp of the node at `path` (that very inode, if `expect` is given), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if expect is not None and (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino):
+            return None
+        return read_stamp(fd) if stat.S_ISREG(st.st_mode) else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _locked(fd: int, key: int) -> bool:
@@ -86,7 +126,11 @@ class SimGpu:
         self._held = hold_files(
             [device_file(self.root, d.index) for d in devices] + shared_files(self.root)
         )
-        self._device_fd = {d.index: fd for d, fd in zip(devices, self._held, strict=False)}
+        # The contexts are probed on the driver's side, as NVML asks the driver, not a node.
+        self._device_fd = {
+            d.index: os.open(driver_file(self.root, d.index), os.O_RDONLY | os.O_CLOEXEC)
+            for d in devices
+        }
         self._loaded = devices
         return devices
 
@@ -173,9 +217,18 @@ class SimGpu:
     def baseline_of(self, index: int) -> int:
         return self._device(index).baseline_mib
 
+    def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
+        """A simulated node is known by its stamp (host and device number), at any inode: a
+        container's own /dev holds copies (issue 25: fresh nodes with the same numbers reach the
+        same GPU, measured on an H200). Only a one-page regular file is read."""
+        if not stat.S_ISREG(st.st_mode) or st.st_size != PAGE:
+            return None
+        stamp = node_stamp(Path(path), st)
+        return ("sim-node", *stamp) if stamp is not None else None
+
     def close(self) -> None:
         self._loaded = None
-        for fd in self._held:
+        for fd in [*self._held, *self._device_fd.values()]:
             os.close(fd)
         self._held, self._device_fd = [], {}
 

@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 
 from kimi_supervisor.config import TeardownConfig
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.sockets import bound_unix_paths
 from kimi_supervisor.teardown.events import EventSink, LeftoverKept
 
@@ -61,11 +61,11 @@ def in_use(paths: set[Path]) -> set[Path]:
     files = {str(p) for p in paths} - sockets
     prefixes = {str(Path(p).parent) + "/" for p in files}
     for pid in processes.all_pids() if files else []:
-        for _fd, target in processes.open_paths(pid):
+        for _fd, target in openfiles.open_paths(pid):
             if target.removesuffix(" (deleted)") in files:
                 used.add(target.removesuffix(" (deleted)"))
         for prefix in prefixes:
-            used |= processes.maps_any(pid, prefix) & files
+            used |= openfiles.maps_any(pid, prefix) & files
     return {Path(p) for p in used}
 
 

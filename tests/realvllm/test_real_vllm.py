@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.http import request
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from kimi_supervisor.sandbox.usermanager import unavailable_reason
@@ -320,7 +320,7 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
     sockets = {p for p in tmp.iterdir() if p.is_socket() and p != theirs}
     # What the tree maps there and is still named (multiprocessing and glibc unlink their
     # semaphores' names at once).
-    shm = {p for pid in tree for p in map(Path, processes.maps_any(pid, "/dev/shm/")) if p.exists()}
+    shm = {p for pid in tree for p in map(Path, openfiles.maps_any(pid, "/dev/shm/")) if p.exists()}
     assert sockets and shm, (sockets, shm)  # vLLM's ZMQ sockets and shared memory
     teardowns = real.teardown_count()
     processes.send_signal(processes.ref_of(api), signal.SIGKILL)  # type: ignore[arg-type]

@@ -240,6 +240,9 @@ class FakeGpu:
     def driver_version(self) -> str:
         return "580.0"
 
+    def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
+        return None
+
     def close(self) -> None:
         pass
 
