@@ -107,6 +107,7 @@ class Role(enum.StrEnum):
 
     SUSPECT = "suspect"  # rung 1 or 2: it holds the memory, but was not cleared (see why)
     CANDIDATE = "candidate"  # rung 3: might hold it; never killed on that; check by hand
+    UNKNOWN = "unknown"  # its mappings could not be read: never killed, never called a monitor
     BYSTANDER = "bystander"  # protected, another GPU's job, or a monitor: not the holder
 
 

@@ -123,6 +123,7 @@ def format_status(data: dict[str, Any]) -> str:
 ROLE_HEADINGS = {
     "suspect": "suspects (hold a managed GPU, not cleared):",
     "candidate": "candidates (might hold it; never killed on that evidence):",
+    "unknown": "unknown (what they map could not be read; never killed):",
     "bystander": "bystanders (not the holder; never killed):",
 }
 

@@ -100,6 +100,6 @@ def refusal_exit(code: str) -> int:
     or the daemon refused the caller or failed (3)."""
     if code in ("bad_request", "bad_json", "too_long", "unsupported_version"):
         return EXIT_USAGE
-    if code in ("busy", "wrong_mode", "stopping", "no_capture"):
+    if code in ("busy", "wrong_mode", "stopping", "no_capture", "port_taken"):
         return EXIT_FAILED
     return EXIT_UNREACHABLE

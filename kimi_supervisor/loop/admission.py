@@ -19,6 +19,7 @@ from kimi_supervisor.loop.publish import status_line
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import SWITCHING_STATES, Mode, State, utcnow
 from kimi_supervisor.store.state import StateError
+from kimi_supervisor.teardown.strays import port_blockers
 
 
 class Desk:
@@ -101,6 +102,8 @@ class Desk:
                     message=f"{r.mode.value} is already running and healthy (vLLM PID "
                     f"{pid}); nothing to do",
                 )
+        if blocked := self._port_blocked(r.mode):
+            return blocked
         try:
             self.ctx.desire(r.mode, r.by, must=True)
         except StateError as e:
@@ -133,6 +136,29 @@ class Desk:
             )
         return Reply(
             ok=True, code="accepted", message=f"switch to {r.mode.value} accepted", data=ids
+        )
+
+    def _port_blocked(self, mode: Mode) -> Reply | None:
+        """A refusal, before anything stops, when a process that no teardown would stop holds
+        vLLM's port (teardown/blockers.py): the switch could only end with no vLLM at all."""
+        ctx, s = self.ctx, self.ctx.s
+        if not s.baselines:
+            return None  # not calibrated yet: which GPUs are managed is not known
+        found = port_blockers(
+            ctx.config, ctx.systemd, ctx.gpu, s.baselines, ctx.clock,
+            ctx.observer.first_listed.snapshot(),
+        )  # fmt: skip
+        if not found:
+            return None
+        v = ctx.config.vllm
+        who = "; ".join(b.describe(v.port) for b in found)
+        return Reply(
+            ok=False,
+            code="port_taken",
+            message=f"not switching to {mode.value}: {who}. The teardown never stops such a "
+            f"process, so the new vLLM could not listen. Stop or move it, or set another "
+            f"vllm.port (or vllm.host); nothing was stopped",
+            data={"blockers": [{"pid": b.pid, "name": b.name, "what": b.what} for b in found]},
         )
 
     # -- timed profile mode --

@@ -3,8 +3,10 @@
 A teardown's CLEAN holds only until something else takes a GPU. vLLM takes minutes to load (30+
 on the real host), and a process that starts on a managed GPU meanwhile makes it run out of
 memory with no explanation. While loading, every live process NVML lists on a managed GPU must be
-in vLLM's unit; anything else is an intruder. As in the teardown's rung 1, a listed PID that is
-dead, or alive without the device file open (recycled, another PID namespace), explains nothing.
+in vLLM's unit; anything else is an intruder. As in the teardown's rung 1, a listed PID names a
+process only if it is the one NVML means (teardown/listing.py: alive, started before it was
+first seen listed, that GPU's device file open and mapped); a dead, recycled or foreign-namespace
+PID, an NVML client or another GPU's job explains nothing and is no intruder.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 
 from kimi_supervisor.model import Mode, title, utcnow
 from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.openfiles import NodeKey
+from kimi_supervisor.teardown.listing import FirstListed
 
 
 @dataclass(frozen=True)
@@ -28,15 +32,17 @@ def foreign(
     listed: Mapping[int, Iterable[int]],
     unit_pids: set[int],
     device_paths: Mapping[int, str],
+    first_listed: FirstListed,
+    node_key: NodeKey | None = None,
 ) -> list[Intruder]:
-    """Live processes listed on managed GPUs (`listed`: GPU -> PIDs) that are not in vLLM's unit."""
+    """Live processes listed on managed GPUs (`listed`: GPU -> PIDs) that are not in vLLM's unit.
+    `first_listed` has seen the sample `listed` comes from."""
     out: list[Intruder] = []
     for gpu, pids in sorted(listed.items()):
         for pid in pids:
             if pid in unit_pids:
                 continue
-            ref = processes.ref_of(pid)
-            if ref is None or not processes.holds_any(pid, [device_paths[gpu]]):
+            if first_listed.holder(gpu, pid, device_paths[gpu], node_key) is None:
                 continue
             argv = processes.cmdline_of(pid)
             out.append(Intruder(pid, gpu, title(argv, processes.comm_of(pid))))

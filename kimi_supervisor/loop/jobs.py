@@ -62,6 +62,7 @@ class Jobs:
             dict(s.baselines),
             on_event=lambda e: put(JobEvent(e)),
             in_daemon=True,
+            listed_since=ctx.observer.first_listed.snapshot(),
         )
 
         def run() -> None:

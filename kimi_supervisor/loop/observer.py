@@ -22,6 +22,7 @@ from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
 from kimi_supervisor.ports.http import request as http_request
 from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
 from kimi_supervisor.status import GpuStatus, Holder
+from kimi_supervisor.teardown.listing import FirstListed
 
 # Without a stored baseline (state lost while vLLM ran), teardowns judge "clean" against this
 # until the GPUs are next seen idle and calibrated. An idle H200 with persistence mode reads
@@ -45,6 +46,7 @@ class Observer:
         self._mode_of_pid: tuple[int, Mode | None] = (0, None)
         self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
         self._listed: dict[int, list[int]] = {}  # GPU -> PIDs NVML listed at the last sample
+        self.first_listed = FirstListed()  # when each (GPU, PID) was first seen listed
         self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
         self._titles: dict[int, str] = {}
 
@@ -130,6 +132,7 @@ class Observer:
         self.unwarn("cannot read the GPUs")
         self.gpus_at = self.clock.monotonic()
         self._listed = {s.index: [p.pid for p in s.processes] for s in samples}
+        self.first_listed.saw((s.index, p.pid) for s in samples for p in s.processes)
         holders = {p.pid for s in samples for p in s.processes}
         self._titles = {pid: t for pid, t in self._titles.items() if pid in holders}
         self.gpus = [
@@ -150,6 +153,8 @@ class Observer:
 
     def gpus_from_teardown(self, devices: Iterable[DeviceReading]) -> None:
         """The teardown's readings (its drain events) stand in for the loop's own."""
+        devices = list(devices)
+        self.first_listed.saw((d.index, p) for d in devices for p in d.processes)
         self.gpus = [
             GpuStatus(
                 index=d.index,
@@ -174,7 +179,9 @@ class Observer:
         if main_pid:  # vLLM's own tree is vLLM's, even where a child left the unit's cgroup
             self._unit_pids |= {main_pid, *processes.descendants(main_pid)}
         paths = {i: self.gpu.device_path(i) for i in self._listed}
-        return intrusion.foreign(self._listed, self._unit_pids, paths)
+        return intrusion.foreign(
+            self._listed, self._unit_pids, paths, self.first_listed, self.gpu.node_key
+        )
 
 
 def title_of(pid: int) -> str:

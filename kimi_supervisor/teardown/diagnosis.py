@@ -103,7 +103,10 @@ def diagnose(scene: Scene) -> tuple[list[RemainingHolder], str, str]:
             f"(+{d.tolerance_mib} tolerance), processes {listed or 'none'}"
         )
         if dead:
-            text += f"; NVML also lists {dead}, not running (a dead PID explains nothing)"
+            text += (
+                f"; NVML also lists {dead}, which name no live holder (dead, or the PID now "
+                "belongs to a newer process or an NVML client): a listed PID alone explains nothing"
+            )
         lines.append(text)
     pids = set(scene.users) | set(scene.listed_alive)
     remaining = [

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.model import (
@@ -49,13 +49,9 @@ from kimi_supervisor.teardown.diagnosis import Scene, diagnose
 from kimi_supervisor.teardown.events import EventSink
 from kimi_supervisor.teardown.gpuview import GpuView, Target
 from kimi_supervisor.teardown.kills import Kills
-from kimi_supervisor.teardown.scan import (
-    Protection,
-    device_users,
-    has_vllm_signature,
-    listeners,
-    unit_tree,
-)
+from kimi_supervisor.teardown.listing import Sighting
+from kimi_supervisor.teardown.scan import Protection, device_users, listeners, unit_tree
+from kimi_supervisor.teardown.strays import stray_targets
 
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
 # a respawner outside every unit is killed with its child in the second round (issue 13).
@@ -78,6 +74,8 @@ class Teardown:
     protection: Protection | None = None
     # The daemon's teardown: its own service's other processes (its helpers) are spared.
     in_daemon: bool = False
+    # When the daemon first saw each (GPU, PID) listed (teardown/listing.py).
+    listed_since: Mapping[Sighting, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         t = self.config.teardown
@@ -90,7 +88,12 @@ class Teardown:
         self.report = TeardownReport(unit=self.unit, started_at=utcnow())
         self.kills = Kills(protection, self.report, self.on_event)
         self.view = GpuView(
-            self.gpu, self.clock, self.baselines, self.config.gpus.tolerance_mib, self.on_event
+            self.gpu,
+            self.clock,
+            self.baselines,
+            self.config.gpus.tolerance_mib,
+            self.on_event,
+            self.listed_since,
         )
         self._unit_active = True
         self._ppids: dict[ProcessRef, int] = {}
@@ -174,33 +177,10 @@ class Teardown:
         return f"SIGKILL to {len(pids)} process(es)" + ("" if ok else "; unit still not inactive")
 
     def _step_kill_strays(self, snapshot: list[ProcessRef]) -> str:
-        targets: dict[ProcessRef, Target] = {}
-        for ref in snapshot:
-            if processes.is_alive(ref):
-                targets[ref] = Target(ref, Evidence.ESCAPED_UNIT, "escaped the unit's cgroup")
-        # A listener is a target only where vLLM binds (its address or the wildcard), and only
-        # if it is vLLM or uses a managed GPU: a port alone is no evidence.
-        port = self.config.vllm.port
-        for pid, addrs in self._listeners().items():
-            lref = processes.ref_of(pid)
-            if lref is None or lref in targets:
-                continue
-            where = f"listens on {', '.join(sorted(addrs))} port {port}, where vLLM binds"
-            if has_vllm_signature(pid, self.patterns):
-                targets[lref] = Target(lref, Evidence.LISTENS_ON_PORT, f"{where}; vLLM")
-            elif self.view.uses_managed_gpu(pid):
-                targets[lref] = Target(
-                    lref, Evidence.LISTENS_ON_PORT, f"{where}; uses a managed GPU"
-                )
-        # vLLM's signature counts only on live processes NVML lists on a managed GPU: a vLLM
-        # serving other GPUs of this host is not ours.
-        for pid, gpus in self.view.live_listed().items():
-            vref = self.view.alive_listed[pid]
-            if vref not in targets and has_vllm_signature(pid, self.patterns):
-                targets[vref] = Target(
-                    vref, Evidence.VLLM_SIGNATURE, f"vLLM process on managed GPU {min(gpus)}"
-                )
-        n = self.kills.kill_set(Step.KILL_STRAYS, list(targets.values()))
+        targets = stray_targets(
+            snapshot, self._listeners(), self.config.vllm.port, self.view, self.patterns
+        )
+        n = self.kills.kill_set(Step.KILL_STRAYS, targets)
         self._wait_dead_or(self.config.teardown.strays_timeout_s)
         return f"{n} stray(s) killed"
 
@@ -382,7 +362,9 @@ class Teardown:
     def _diagnose(self) -> None:
         assert self.protection is not None
         dirty = [self.view.paths[d.index] for d in self._devices if not d.clean]
-        users = device_users(self.view.all_files(), dirty or None, mapped_too=True)
+        users = device_users(
+            self.view.all_files(), dirty or None, mapped_too=True, node_key=self.view.node_key
+        )
         scene = Scene(
             unit=self.unit,
             unit_active=self._unit_active,

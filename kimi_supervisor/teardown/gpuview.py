@@ -1,15 +1,18 @@
 """The managed GPUs as a teardown sees them: memory, who NVML lists, and who holds what.
 
-It samples the GPUs, tracks which listed PIDs are live holders (and when each died), and picks
-the processes the evidence ladder (teardown/ownership.py) says hold a managed GPU: rung 1 (a
-live process NVML lists there) and rung 2 (the device file open and mapped, where no live listed
-process explains the memory). It signals nothing: the teardown does.
+It samples the GPUs, tracks which listed PIDs are live holders (teardown/listing.py: alive,
+older than the listing, the device file open and mapped) and when each died, and picks the
+processes the evidence ladder (teardown/ownership.py) says hold a managed GPU: rung 1 (a live
+holder NVML lists there) and rung 2 (the device file open and mapped, where no live listed
+process explains the memory). Device files are compared as the GPU port's driver tells them
+apart, so a container's own nodes count. It signals nothing: the teardown does.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from kimi_supervisor.model import DeviceReading, Evidence
 from kimi_supervisor.ports import processes
@@ -17,7 +20,8 @@ from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.teardown.events import EventSink, GpusRead, ignore
-from kimi_supervisor.teardown.ownership import GpuFiles, judge
+from kimi_supervisor.teardown.listing import FirstListed, Sighting
+from kimi_supervisor.teardown.ownership import DeviceUse, GpuFiles, judge
 from kimi_supervisor.teardown.scan import device_users
 
 # After a process that held a managed GPU dies, its memory is on its way out: the driver frees
@@ -41,16 +45,22 @@ class GpuView:
     baselines: dict[int, int]
     tolerance_mib: int
     on_event: EventSink = ignore
+    # When the daemon first saw each (GPU, PID) listed, before this teardown (its observer's
+    # samples): a PID recycled before the teardown began is known by it.
+    listed_since: Mapping[Sighting, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.indices = sorted(self.baselines)
         self.paths = {i: self.gpu.device_path(i) for i in self.indices}
+        self.node_key = self.gpu.node_key
+        self.first_listed = FirstListed(self.listed_since)
         self.devices: list[DeviceReading] = []
         self._files: GpuFiles | None = None
         self._last_drain: dict[int, int] = {}
         # Listed PIDs seen alive with their GPU's device file open (rung 1), and when they died.
         self.alive_listed: dict[int, ProcessRef] = {}
         self._died_at: dict[int, float] = {}
+        self._others_listed = FirstListed(self.listed_since)
 
     # -- observation --
     def sample(self) -> list[DeviceReading]:
@@ -77,14 +87,15 @@ class GpuView:
 
     def _track_listed(self) -> None:
         """Which listed PIDs are live holders (rung 1), and when each of them died. A listed PID
-        that does not exist, or exists without the device file open (recycled, or from a PID
-        namespace we cannot see), explains nothing."""
+        that does not name its holder (dead, recycled, another PID namespace's, an NVML client
+        or another GPU's job: teardown/listing.py) explains nothing."""
+        self.first_listed.saw((d.index, pid) for d in self.devices for pid in d.processes)
         for d in self.devices:
             for pid in d.processes:
                 if pid in self.alive_listed or pid in self._died_at:
                     continue
-                ref = processes.ref_of(pid)
-                if ref and processes.holds_any(pid, [self.paths[d.index]]):
+                ref = self.first_listed.holder(d.index, pid, self.paths[d.index], self.node_key)
+                if ref is not None:
                     self.alive_listed[pid] = ref
         now = self.clock.monotonic()
         for pid, ref in self.alive_listed.items():
@@ -125,19 +136,28 @@ class GpuView:
             samples = self.gpu.sample(others) if others else []
         except GpuUnavailable:
             samples = []
+        self._others_listed.saw((s.index, p.pid) for s in samples for p in s.processes)
         for s in samples:
             for p in s.processes:
-                ref = processes.ref_of(p.pid)
-                if ref and processes.is_alive(ref):
+                path = self.files().others[s.index]
+                if self._others_listed.holder(s.index, p.pid, path, self.node_key):
                     out.setdefault(p.pid, set()).add(s.index)
         return out
 
-    def uses_managed_gpu(self, pid: int) -> bool:
-        """Rung 1 or 2 evidence on a managed GPU, for one process."""
+    def use_of(self, pid: int, mapped_too: bool = False) -> DeviceUse:
+        """What `pid` has open and mapped of every GPU's files (as `device_users` reads it)."""
+        users = device_users(self.all_files(), None, mapped_too, self.node_key, pids=[pid])
+        return users.get(pid, DeviceUse(pid))
+
+    def holds_managed_gpu(self, pid: int) -> bool:
+        """Whether the ladder's own rules say `pid` holds a managed GPU: rung 1, or rung 2 where
+        a managed GPU's memory is unexplained. A process listed only on unmanaged GPUs, or
+        mapping only their files, never does, whatever its command line."""
         if pid in self.live_listed():
             return True
-        held = processes.holds_any(pid, set(self.paths.values()))
-        return bool(held & processes.maps_of(pid, held))
+        listed = self.listed_anywhere()
+        v = judge(self.use_of(pid), self.files(), listed.get(pid, set()), self.unexplained())
+        return v.evidence is not None
 
     # -- the ladder --
     def draining(self, gpu: int | None = None) -> bool:
@@ -195,7 +215,7 @@ class GpuView:
         if not unexplained:
             return {}
         holding = [self.paths[i] for i in sorted(unexplained)]
-        users = device_users(self.all_files(), holding)
+        users = device_users(self.all_files(), holding, node_key=self.node_key)
         listed = self.listed_anywhere() if users else {}
         out: dict[ProcessRef, Target] = {}
         for pid, use in users.items():

@@ -9,20 +9,26 @@ GPUs it can see.
 
 The ladder, strongest first, as `judge` applies it:
 
-1. Rung 1, suspect, killed: NVML lists it, alive, on a managed GPU, and it has that GPU's device
-   file open.
+1. Rung 1, suspect, killed: NVML lists it on a managed GPU and it is the process NVML means
+   (teardown/listing.py: alive, started before it was first seen listed, that GPU's device file
+   open and mapped).
    - Listed alive on unmanaged GPUs only: a bystander (another GPU's job), never killed.
 2. Rung 2, suspect, killed: it has a managed GPU's device file open and mapped, and no live
    listed process explains that GPU's memory.
    - Protected (by name, unit, or being ourselves): a bystander, never killed.
 3. Rung 3, never killed, named in the diagnosis:
+   - its mappings could not be read: unknown (never "a monitor": nothing is known of it);
    - it maps no GPU's device file (an NVML client, a monitor): a bystander;
    - it maps only unmanaged GPUs' device files: a bystander (another GPU's job);
-   - anything else (a managed device file only open, or only mapped): a candidate.
+   - it maps a managed GPU's device file with no descriptor of it open: a bystander (the driver
+     frees a context with its last open file, measured);
+   - anything else (a managed device file open and mapped where a live holder explains the
+     memory, or only control files mapped): a candidate.
 
-A listed PID that does not exist, or exists without the device file open (recycled, or from a
-PID namespace we cannot see), explains nothing. A protected process with rung 1 or 2 evidence is
-still a suspect (it may hold the memory) but is never signalled.
+Device files are compared by what the driver takes them for (a character device's number), so a
+node in a container's own /dev is the host's GPU. A listed PID that is not the process NVML means
+(dead, recycled, another PID namespace's) explains nothing. A protected process with rung 1 or 2
+evidence is still a suspect (it may hold the memory) but is never signalled.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class DeviceUse:
     pid: int
     open: frozenset[str] = frozenset()
     mapped: frozenset[str] = frozenset()
+    maps_unreadable: bool = False  # /proc/PID/maps could not be read: `mapped` is not known
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,13 @@ def judge(
         return _suspect(Evidence.OPEN_AND_MAPPED, suspect_gpus, seen, guard)
     if protected:
         return Verdict(Role.BYSTANDER, (), f"protected: {protected}")
+    if use.maps_unreadable:
+        return Verdict(
+            Role.UNKNOWN,
+            tuple(sorted(i for i, p in managed.items() if p in use.open)),
+            f"has {_names(set(use.open)) or 'nothing'} open; what it maps could not be read",
+            check="read `grep nvidia /proc/PID/maps` as root: a CUDA job maps its GPUs' files",
+        )
     gpu_paths = set(files.all().values())
     mapped_gpus = use.mapped & gpu_paths
     if not mapped_gpus:
@@ -128,7 +142,22 @@ def judge(
         )
     if not mapped_gpus & set(managed.values()):
         return Verdict(Role.BYSTANDER, (), f"a job on another GPU: maps only {_names(mapped_gpus)}")
-    return _candidate(use, managed, _weak_seen(use, managed), _weak_check(use, managed))
+    if not any(p in use.open and p in use.mapped for p in managed.values()):
+        mapped_only = _names({p for p in managed.values() if p in use.mapped})
+        return Verdict(
+            Role.BYSTANDER,
+            (),
+            f"maps {mapped_only} with no descriptor of it open: a mapping alone holds no memory "
+            "(the driver frees a context with its last open file; measured on an H200, a helper "
+            "that closed its descriptors kept the mapping and the memory came back at once)",
+        )
+    return _candidate(
+        use,
+        managed,
+        f"has {_names({p for p in managed.values() if p in use.mapped and p in use.open})} open "
+        "and mapped, on a GPU a live listed process explains",
+        "check `nvidia-smi` for the processes that use this GPU",
+    )
 
 
 def _gpus(indices: tuple[int, ...]) -> str:
@@ -148,24 +177,3 @@ def _suspect(evidence: Evidence, gpus: tuple[int, ...], seen: str, protected: st
 def _candidate(use: DeviceUse, managed: Mapping[int, str], seen: str, check: str) -> Verdict:
     gpus = tuple(sorted(i for i, p in managed.items() if p in use.open | use.mapped))
     return Verdict(Role.CANDIDATE, gpus, seen, check=check)
-
-
-def _weak_seen(use: DeviceUse, managed: Mapping[int, str]) -> str:
-    mapped_only = {p for p in managed.values() if p in use.mapped and p not in use.open}
-    both = {p for p in managed.values() if p in use.mapped and p in use.open}
-    parts = []
-    if mapped_only:
-        parts.append(f"maps {_names(mapped_only)} with no descriptor of it open")
-    if both:
-        parts.append(f"has {_names(both)} open and mapped, on a GPU a live listed process explains")
-    return "; ".join(parts) or f"has {_names(set(use.open))} open"
-
-
-def _weak_check(use: DeviceUse, managed: Mapping[int, str]) -> str:
-    if any(p in use.mapped and p not in use.open for p in managed.values()):
-        return (
-            "the driver frees a context with its last open descriptor, so a mapping alone "
-            "should hold no memory (measured); see `grep nvidia /proc/PID/maps` and whether "
-            "the memory returns if it exits"
-        )
-    return "check `nvidia-smi` for the processes that use this GPU"

@@ -13,7 +13,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
+from kimi_supervisor.ports.openfiles import NodeKey
 from kimi_supervisor.ports.sockets import Address, listening_inodes
 from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
 from kimi_supervisor.teardown.events import EventSink, Warned
@@ -136,7 +137,7 @@ def listeners(port: int, host: str, likely: Iterable[int] = ()) -> dict[int, set
         found: dict[int, set[str]] = {}
         seen: set[str] = set()
         for pid in pids:
-            held = {t for _fd, t in processes.open_paths(pid) if t in sockets}
+            held = {t for _fd, t in openfiles.open_paths(pid) if t in sockets}
             if held:
                 found[pid] = {str(sockets[t]) for t in held}
                 seen |= held
@@ -150,20 +151,27 @@ def device_users(
     files: Iterable[str],
     holding: Iterable[str] | None = None,
     mapped_too: bool = False,
+    node_key: NodeKey | None = None,
+    pids: Iterable[int] | None = None,
 ) -> dict[int, DeviceUse]:
-    """How the host's processes use `files`, the GPUs' device files with nvidiactl
+    """How the host's processes (or `pids`) use `files`, the GPUs' device files with nvidiactl
     and nvidia-uvm: those holding any of `holding` (default: any of `files`) open, with what they
-    have open and mapped of `files`. With `mapped_too`, also those that only map one: that reads
-    every process's maps, so it is for a STUCK diagnosis, not for the teardown's fast path."""
+    have open and mapped of `files`, compared as `node_key` (the GPU port's) tells device nodes
+    apart. With `mapped_too`, also those that only map one, or whose maps cannot be read: that
+    reads every process's maps, so it is for a STUCK diagnosis, not for the teardown's fast
+    path."""
     wanted = set(files)
     select = set(holding) if holding is not None else wanted
     out: dict[int, DeviceUse] = {}
-    for pid in processes.all_pids():
-        held = processes.holds_any(pid, wanted)
+    for pid in processes.all_pids() if pids is None else pids:
+        held = openfiles.holds_any(pid, wanted, node_key)
         if held & select or mapped_too:
-            mapped = processes.maps_of(pid, wanted)
-            if held & select or mapped:
-                out[pid] = DeviceUse(pid, frozenset(held), frozenset(mapped))
+            mapped = openfiles.maps_of(pid, wanted, node_key)
+            unreadable = mapped is None and processes.ref_of(pid) is not None
+            if held & select or mapped or (unreadable and held):
+                out[pid] = DeviceUse(
+                    pid, frozenset(held), frozenset(mapped or ()), maps_unreadable=unreadable
+                )
     return out
 
 

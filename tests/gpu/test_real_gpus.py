@@ -131,7 +131,8 @@ dir = "{tmp}/state"
             assert proc.stdout is not None
             line = proc.stdout.readline().split()
             assert line[:1] == [b"ready"], line
-            refs += [r for r in map(processes.ref_of, map(int, line[2:])) if r is not None]
+            # The "ready" PIDs: the process itself, or the one a starter (atpid) left running.
+            refs = [r for r in map(processes.ref_of, map(int, line[1:])) if r is not None]
         return refs
 
     def ghost(self, title: str, mib: int, gpus: str = "all", **kw: Any) -> ProcessRef:
@@ -144,10 +145,13 @@ dir = "{tmp}/state"
         gpus: str = "all",
         env: dict[str, str] | None = None,
         fork_helper: str = "",
+        prefix: list[str] | None = None,
         **kw: bool,
     ) -> list[ProcessRef]:
-        """A ghost (and, with `fork_helper`, the helper it forked after taking the memory)."""
+        """A ghost (and, with `fork_helper`, the helper it forked after taking the memory);
+        `prefix` runs it through a starter (owndev, atpid)."""
         args = [
+            *(prefix or []),
             sys.executable,
             "-m",
             "kimi_supervisor.sandbox.ghost",

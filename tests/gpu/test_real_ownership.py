@@ -7,18 +7,21 @@ plants bystanders and checks after each teardown that they all live.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from kimi_supervisor.model import Evidence, Outcome, TeardownReport
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.clock import SystemClock
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.teardown.escalation import Teardown
@@ -71,10 +74,28 @@ def forked_holder(host: Host, closes_fds: bool = False) -> tuple[ProcessRef, Pro
 def test_case_1_the_forked_helper_nvml_does_not_name_is_the_only_process_killed(
     host: Host,
 ) -> None:
-    planted = bystanders(host)
+    floor_and_teardown(
+        host,
+        bystanders(host),
+        forked_holder,
+        "case 1: forked helper holds a dead process's 40 GiB",
+        "case-1",
+    )
+
+
+def floor_and_teardown(
+    host: Host,
+    planted: dict[str, ProcessRef],
+    make: Callable[[Host], tuple[ProcessRef, ProcessRef]],
+    result: str,
+    name: str,
+) -> None:
+    """Three times: the floor (SIGKILL of the helper `make` leaves holding a dead parent's 40
+    GiB, until NVML reads baseline), then a teardown of the same, which must kill that helper
+    alone on rung 2 and leave every `planted` bystander alive. The ratio goes in RESULTS."""
     floors, teardowns = [], []
     for _ in range(3):
-        parent, helper = forked_holder(host)
+        parent, helper = make(host)
         (d,) = host.gpu.sample([0])
         assert d.used_mib - host.baselines[0] > 39 * GIB, "the helper keeps the memory"
         assert [p.pid for p in d.processes] == [parent.pid], "NVML lists the dead parent"
@@ -85,7 +106,7 @@ def test_case_1_the_forked_helper_nvml_does_not_name_is_the_only_process_killed(
             time.sleep(0.005)
         floors.append(time.monotonic() - t0)
 
-        parent, helper = forked_holder(host)
+        parent, helper = make(host)
         seconds, report = manage_gpu0(host)
         assert report.outcome is Outcome.CLEAN, report.diagnosis
         assert killed(report) == {helper.pid}
@@ -94,10 +115,10 @@ def test_case_1_the_forked_helper_nvml_does_not_name_is_the_only_process_killed(
         assert_alive(planted)
         teardowns.append(seconds)
     f, t = sum(floors) / len(floors), sum(teardowns) / len(teardowns)
-    timing("case-1 floor mean", f)
-    timing("case-1 teardown mean", t)
-    print(f"RATIO case-1 teardown/floor {t / f:.2f}")
-    RESULTS["case 1: forked helper holds a dead process's 40 GiB"] = {
+    timing(f"{name} floor mean", f)
+    timing(f"{name} teardown mean", t)
+    print(f"RATIO {name} teardown/floor {t / f:.2f}")
+    RESULTS[result] = {
         "floor_ms": [round(x * 1000) for x in floors],
         "teardown_ms": [round(x * 1000) for x in teardowns],
         "ratio": t / f,
@@ -115,7 +136,7 @@ def test_a_helper_that_closed_its_descriptors_holds_nothing_and_is_not_killed(
     while not gpu0_clean(host):
         assert time.monotonic() < deadline, "memory follows the open file, not the mapping"
         time.sleep(0.01)
-    assert processes.maps_any(helper.pid, "/dev/nvidia0")
+    assert openfiles.maps_any(helper.pid, "/dev/nvidia0")
     _seconds, report = manage_gpu0(host)
     assert report.outcome is Outcome.CLEAN and killed(report) == set()
     assert processes.is_alive(helper)
@@ -167,3 +188,81 @@ def _write_results(host: Host) -> None:
                 indent=2,
             )
         )
+
+
+# -- issue 25: a holder behind its own /dev, a recycled listed PID --
+
+OWN_DEV = [sys.executable, "-m", "kimi_supervisor.sandbox.owndev", "--dev", "/dev", "--"]
+
+
+def own_dev_unavailable() -> str | None:
+    """Why a process cannot be given a /dev of its own here (as a container runtime does)."""
+    r = subprocess.run(
+        [*OWN_DEV, sys.executable, "-c", "import os; os.stat('/dev/nvidiactl')"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return None if r.returncode == 0 else f"owndev failed: {r.stderr.strip()[-300:]}"
+
+
+def container_forked_holder(host: Host) -> tuple[ProcessRef, ProcessRef]:
+    """The seed's class in a container: 40 GiB on GPU 0 taken through fresh nodes of the same
+    numbers (mknod 195:0 ...), a forked helper, the parent SIGKILLed."""
+    parent, helper = host.ghost_tree(
+        "python", 40 * GIB, gpus="0", fork_helper="helper", prefix=OWN_DEV
+    )
+    st = os.stat("/dev/nvidia0")
+    host_token = f" {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino} "
+    maps = Path(f"/proc/{helper.pid}/maps").read_text()
+    assert "/dev/nvidia0" in maps and host_token not in maps, "its maps name other inodes"
+    assert openfiles.maps_of(helper.pid, ["/dev/nvidia0"]) == {"/dev/nvidia0"}, "by number"
+    processes.send_signal(parent, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while processes.is_alive(parent) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return parent, helper
+
+
+def test_issue_25_a_holder_behind_its_own_dev_is_the_only_process_killed(host: Host) -> None:
+    reason = own_dev_unavailable()
+    if reason:
+        pytest.skip(reason)
+    planted = bystanders(host)
+    planted["NVML monitor in a container"] = host.ghost("nvtop", 0, prefix=OWN_DEV)
+    floor_and_teardown(
+        host,
+        planted,
+        container_forked_holder,
+        "issue 25: a container's forked helper holds a dead process's 40 GiB",
+        "container",
+    )
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="pinning a PID (ns_last_pid) needs root")
+def test_issue_25_an_nvml_monitor_that_took_the_dead_creators_pid_is_never_signalled(
+    host: Host,
+) -> None:
+    planted = bystanders(host)
+    parent, helper = forked_holder(host)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(parent.pid, 0)  # we are its parent: free its PID
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{parent.pid}"):
+        assert time.monotonic() < deadline, "the dead creator's PID never came free"
+        time.sleep(0.01)
+    atpid = [sys.executable, "-m", "kimi_supervisor.sandbox.atpid", str(parent.pid), "--"]
+    monitor = host.ghost("nvtop", 0, prefix=atpid)
+    assert monitor.pid == parent.pid and monitor != parent
+    (d,) = host.gpu.sample([0])
+    assert [p.pid for p in d.processes] == [parent.pid], "NVML lists the PID, now the monitor's"
+    seconds, report = manage_gpu0(host)
+    assert report.outcome is Outcome.CLEAN, report.diagnosis
+    assert killed(report) == {helper.pid}
+    assert processes.is_alive(monitor)
+    assert_alive(planted)
+    RESULTS["issue 25: an NVML monitor on the dead creator's recycled PID"] = {
+        "teardown_ms": [round(seconds * 1000)],
+        "monitor_alive": processes.is_alive(monitor),
+    }
+    _write_results(host)

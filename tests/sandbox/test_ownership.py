@@ -17,7 +17,7 @@ import pytest
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.model import Evidence, Outcome, Role, Step
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.teardown.ownership import DeviceUse, GpuFiles, judge
 from kimi_supervisor.teardown.scan import Protection, bind_conflicts
@@ -86,11 +86,19 @@ ALL = frozenset({"/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidiactl
             None,
         ),
         (
-            "helper that closed its descriptors: mapped only",
+            "helper that closed its descriptors: mapped only (holds nothing, measured)",
             DeviceUse(1, frozenset(), ALL),
             set(),
             None,
-            Role.CANDIDATE,
+            Role.BYSTANDER,
+            None,
+        ),
+        (
+            "maps could not be read: unknown, never a monitor",
+            DeviceUse(1, ALL, maps_unreadable=True),
+            set(),
+            None,
+            Role.UNKNOWN,
             None,
         ),
         (
@@ -229,7 +237,7 @@ def test_a_helper_that_closed_its_descriptors_holds_nothing_and_is_left_alone(
     )
     processes.send_signal(ghost, signal.SIGKILL)
     wait_until(lambda: sandbox.used()[1] == 615, 5, "memory to follow the closed file back")
-    assert processes.maps_any(helper.pid, str(sandbox.sb.gpu_dir / "dev" / "nvidia1"))
+    assert openfiles.maps_any(helper.pid, str(sandbox.sb.gpu_dir / "dev" / "nvidia1"))
     run = teardown(sandbox, MANAGED, also_gone={ghost.pid})
     assert_clean(sandbox, run)
     assert run.killed() == set()
@@ -239,7 +247,7 @@ def test_a_driver_leak_among_monitors_ends_stuck_in_time_naming_candidates_and_k
     sandbox: SandboxHelper,
 ) -> None:
     bystanders = plant_bystanders(sandbox)
-    # A candidate: it maps GPU 0's device file but holds no descriptor of it.
+    # A bystander: it maps GPU 0's device file but holds no descriptor of it (holds nothing).
     ghost, mapper = sandbox.ghost_tree(
         gpu="0", mib=1_000, fork_helper="mapper", helper_closes_fds=True
     )
@@ -255,14 +263,13 @@ def test_a_driver_leak_among_monitors_ends_stuck_in_time_naming_candidates_and_k
     assert run.killed() == set()
     assert elapsed < t.holders_timeout_s + t.release_timeout_s + 2
     roles = {h.process.pid: h.role for h in run.report.remaining}
-    assert roles[mapper.pid] is Role.CANDIDATE
+    assert roles[mapper.pid] is Role.BYSTANDER
     for name in ("nvtop", "exporter", "nvidia-smi -l 1", "persistenced"):
         assert roles[bystanders[name].pid] is Role.BYSTANDER, name
-    assert str(mapper.pid) in run.report.next_action and "no process behind it" in (
-        run.report.next_action
-    )
+    assert "no process behind it" in run.report.next_action
     holder = next(h for h in run.report.remaining if h.process.pid == mapper.pid)
-    assert "no descriptor" in holder.seen and holder.check
+    assert "no descriptor" in holder.seen and "holds no memory" in holder.seen
+    assert processes.is_alive(mapper) and all(processes.is_alive(r) for r in bystanders.values())
 
 
 def test_only_protected_holders_end_stuck_with_one_spared_record_each_and_no_busy_wait(

@@ -17,7 +17,7 @@ import pytest
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.model import Evidence, Outcome, Step, TeardownReport
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.clock import SystemClock
 from kimi_supervisor.sandbox import simgpu
 from kimi_supervisor.sandbox.sandbox import UNIT
@@ -53,9 +53,11 @@ def teardown(
     managed: list[int] | None = None,
     config: Config | None = None,
     also_gone: set[int] = frozenset(),  # type: ignore[assignment]
+    listed_since: dict[tuple[int, int], int] | None = None,
 ) -> Run:
     """One teardown over `managed` GPUs (default: all); then every process the test started
-    that the teardown did not kill (and that is not in `also_gone`) must still be alive."""
+    that the teardown did not kill (and that is not in `also_gone`) must still be alive.
+    `listed_since`: what the daemon's own samples saw listed before (teardown/listing.py)."""
     events: list[tuple[str, dict[str, Any]]] = []
     base = baseline.load(sandbox.config.state.dir)
     assert base is not None, "sandbox up calibrates the baseline"
@@ -69,6 +71,7 @@ def teardown(
             SystemClock(),
             baselines,
             on_event=lambda e: events.append((e.kind, e.data())),
+            listed_since=listed_since or {},
         ).run()
     finally:
         gpu.close()
@@ -224,7 +227,7 @@ def test_a_holder_that_reached_the_device_by_another_path_is_found_by_identity(
             gpu="1", mib=6_000, title="python", hidden=True,
             extra_env={"KIMI_SIM_GPU_DIR": str(view)},
         )  # fmt: skip
-        assert str(view / "dev" / "nvidia1") in dict(processes.open_paths(hidden.pid)).values()
+        assert str(view / "dev" / "nvidia1") in dict(openfiles.open_paths(hidden.pid)).values()
         run = teardown(sandbox)
         assert_clean(sandbox, run)
         assert run.killed() == {hidden.pid}
@@ -243,7 +246,7 @@ def test_a_holder_nvml_does_not_list_is_found_open_and_mapped_and_protected_ones
     control_only = sandbox.spawn(
         [sys.executable, "-c", f"import time; f = open({str(ctl)!r}); time.sleep(600)"]
     )
-    wait_until(lambda: processes.holds_any(control_only.pid, [str(ctl)]), 5, "ctl opened")
+    wait_until(lambda: openfiles.holds_any(control_only.pid, [str(ctl)]), 5, "ctl opened")
     run = teardown(sandbox)
     assert_clean(sandbox, run)
     assert run.killed() == {hidden.pid}
@@ -303,7 +306,7 @@ def test_leftover_shared_memory_nobody_uses_is_removed_and_nothing_else(
             f"import time; f = open({str(shm / 'nccl-in-use')!r}); time.sleep(600)",
         ]
     )
-    wait_until(lambda: processes.holds_any(user.pid, [str(shm / "nccl-in-use")]), 5, "open")
+    wait_until(lambda: openfiles.holds_any(user.pid, [str(shm / "nccl-in-use")]), 5, "open")
     try:
         run = teardown(sandbox)
         assert_clean(sandbox, run)
@@ -336,7 +339,7 @@ def test_vllms_dead_zmq_sockets_and_dist_files_in_its_tmpdir_are_removed_and_not
     )  # fmt: skip
     (tmp / "vllm_dist_link").symlink_to(plain)
     wait_until(lambda: live.exists(), 5, "the live socket")
-    wait_until(lambda: processes.holds_any(holder.pid, [str(tmp / "vllm_dist_held")]), 5, "open")
+    wait_until(lambda: openfiles.holds_any(holder.pid, [str(tmp / "vllm_dist_held")]), 5, "open")
     before = {p.name for p in tmp.iterdir()}
     run = teardown(sandbox)  # vLLM is not running: its own sockets from earlier runs go too
     assert_clean(sandbox, run)
