@@ -22,6 +22,8 @@ from bench.common import write_section
 
 CASE_1 = "case 1: forked helper holds a dead process's 40 GiB"
 CASE_3 = "case 3: respawning parent, watched"
+CONTAINER = "issue 25: a container's forked helper holds a dead process's 40 GiB"
+RECYCLED = "issue 25: an NVML monitor on the dead creator's recycled PID"
 
 
 def _ms(values: list[float]) -> str:
@@ -118,6 +120,43 @@ def cases_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     )
 
 
+def issue_25_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
+    """Issue 25's cases, for the runs that have them (empty if none)."""
+    rows = []
+    for source, data in runs:
+        c, r = data.get(CONTAINER), data.get(RECYCLED)
+        if c is None and r is None:
+            continue
+        ratio = (
+            f"{statistics.mean(c['teardown_ms']) / statistics.mean(c['floor_ms']):.2f}"
+            if c
+            else "-"
+        )
+        monitor = (
+            f"CLEAN in {', '.join(map(str, r['teardown_ms']))} ms, the monitor "
+            + ("alive" if r["monitor_alive"] else "KILLED")
+            if r
+            else "-"
+        )
+        rows.append(
+            f"| `{source.name}` | {', '.join(map(str, c['floor_ms'])) if c else '-'} | "
+            f"{', '.join(map(str, c['teardown_ms'])) if c else '-'} | {ratio} | {monitor} |"
+        )
+    if not rows:
+        return ""
+    return (
+        "Issue 25. *Container*: case 1 inside a container (a private mount namespace whose "
+        "/dev is a tmpfs with the nodes made again by `mknod`, as a container runtime does: "
+        "`kimi_supervisor/sandbox/owndev.py`); the teardown must find the helper by the "
+        "nodes' device numbers, kill it alone, and leave an NVML monitor in another such "
+        "container alive. *Recycled PID*: after case 1's parent died and was reaped, an NVML "
+        "monitor is started as its PID (`sandbox/atpid.py`); NVML lists that PID, the teardown "
+        "must kill the helper alone.\n\n"
+        "| run | container floor, ms | container teardown, ms | ratio of the means | "
+        "recycled PID |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--probe", type=Path, required=True)
@@ -125,7 +164,10 @@ def main() -> None:
     p.add_argument("--write", type=Path, default=None)
     args = p.parse_args()
     body = probe_table(args.probe, json.loads(args.probe.read_text()))
-    body += "\n" + cases_table([(r, json.loads(r.read_text())) for r in args.results])
+    runs = [(r, json.loads(r.read_text())) for r in args.results]
+    body += "\n" + cases_table(runs)
+    if extra := issue_25_table(runs):
+        body += "\n" + extra
     print(body)
     if args.write:
         write_section(args.write, "gpu-ownership", body)
