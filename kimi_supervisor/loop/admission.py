@@ -144,6 +144,10 @@ class Desk:
         ctx, s = self.ctx, self.ctx.s
         if not s.baselines:
             return None  # not calibrated yet: which GPUs are managed is not known
+        if s.job is not None:
+            # A teardown runs on the job thread, which owns the ports meanwhile (one D-Bus
+            # connection, one thread); it judges the port itself (--force over a switch).
+            return None
         found = port_blockers(
             ctx.config, ctx.systemd, ctx.gpu, s.baselines, ctx.clock,
             ctx.observer.first_listed.snapshot(),

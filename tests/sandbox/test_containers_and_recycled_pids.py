@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 
@@ -277,7 +278,17 @@ def test_a_switch_is_refused_before_anything_stops_while_a_stranger_holds_vllms_
     plain = LISTENER.replace("holder.hold([3], 3000)", "None")
     squatter = sandbox.spawn([sys.executable, "-c", plain, "team2-api", str(port)], wait_ready=True)
     daemon.start()  # READY after boot; its own teardown spares the squatter (STUCK)
-    r = daemon.kimi_mode("profile", "--force")
+
+    def refused() -> subprocess.CompletedProcess[str]:
+        # Between its retries of the teardown (stuck_retry_s, doubling), the daemon is STUCK.
+        daemon.wait_state("stuck")
+        return daemon.kimi_mode("profile")
+
+    r = refused()
+    for _ in range(3):  # a retry began in between: the switch was "busy", not judged
+        if "in progress" not in r.stderr:
+            break
+        r = refused()
     assert r.returncode == 1, r.stderr
     assert f"PID {squatter.pid} (team2-api)" in r.stderr and "uses no GPU" in r.stderr
     assert "vllm.port" in r.stderr and "nothing was stopped" in r.stderr
