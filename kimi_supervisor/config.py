@@ -7,6 +7,7 @@ the host before `load_config` has returned, so a bad file never leaves half-done
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -109,6 +110,15 @@ class GpusConfig(_Strict):
         return self
 
 
+# Directories a leftovers folder may never be: what the system and its users keep there is not
+# vLLM's scratch, whatever its name.
+SYSTEM_DIRS = frozenset(
+    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
+     "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/usr",
+     "/var", "/var/lib", "/var/log", "/var/cache", "/usr/lib", "/usr/local", "/usr/bin"}
+)  # fmt: skip
+
+
 class TeardownConfig(_Strict):
     term_grace_s: PositiveSeconds = 30.0
     cgroup_kill_timeout_s: PositiveSeconds = 10.0
@@ -170,6 +180,25 @@ class TeardownConfig(_Strict):
     @classmethod
     def _empty_is_off(cls, d: object) -> object:
         return None if d == "" else d
+
+    @field_validator("shm_dir", "tmp_dir")
+    @classmethod
+    def _a_scratch_directory(cls, d: Path | None) -> Path | None:
+        # The daemon removes entries there as root: a relative path would depend on its working
+        # directory, and a system directory holds what nobody may remove by a name pattern.
+        if d is None:
+            return d
+        if not d.is_absolute():
+            raise ValueError(f"{str(d)!r} is relative: give an absolute path such as /dev/shm")
+        if "\0" in str(d):
+            raise ValueError("a path with a NUL byte")
+        norm = os.path.normpath(str(d))
+        if norm in SYSTEM_DIRS or norm.startswith(("/proc/", "/sys/")):
+            raise ValueError(
+                f"{norm!r} is a system directory: name the scratch directory vLLM writes to "
+                "(/dev/shm for shared memory, vLLM's TMPDIR for its sockets)"
+            )
+        return Path(norm)
 
 
 class StateConfig(_Strict):

@@ -151,6 +151,20 @@ def start_time_epoch(ref: ProcessRef) -> float:
     return _BOOT_TIME + ref.start_ticks / _CLK_TCK
 
 
+def started_at(ref: ProcessRef) -> float:
+    """When the process started, in epoch seconds, to a clock tick (10 ms): against the boot
+    clock now, not /proc/stat's btime, which is whole seconds."""
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ref.start_ticks / _CLK_TCK)
+
+
+def uid_of(pid: int) -> int | None:
+    """The effective uid a process runs as (the owner of /proc/PID), or None if it is gone."""
+    try:
+        return os.stat(PROC / str(pid)).st_uid
+    except OSError:
+        return None
+
+
 def describe(ref: ProcessRef) -> ProcessDescription:
     return ProcessDescription(
         pid=ref.pid,

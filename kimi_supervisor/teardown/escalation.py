@@ -292,13 +292,16 @@ class Teardown:
         return note
 
     def _step_host_leftovers(self) -> str:
-        return leftovers.remove(self.config.teardown, self.report.shm_removed, self.on_event)
+        return leftovers.remove(
+            self.config.teardown, self.report.shm_removed, self.on_event, self._owner
+        )
 
     # -- the run --
     def run(self) -> TeardownReport:
         start = self.clock.monotonic()
         self.on_event(ev.TeardownStarted(self.unit))
         snapshot = self._snapshot = unit_tree(self.systemd, self.unit, self.on_event)
+        self._owner = leftovers.Owner.of(snapshot)  # vLLM's user, while its processes live
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),

@@ -363,3 +363,71 @@ def test_every_signal_is_in_the_history_file_after_the_teardown(sandbox: Sandbox
         (ghost.pid, "SIGSTOP"),
         (ghost.pid, "SIGKILL"),
     ]
+
+
+needs_root_to_chown = pytest.mark.skipif(
+    os.geteuid() != 0, reason="planting another user's files needs root"
+)
+
+
+@needs_root_to_chown
+def test_the_leftovers_step_never_removes_another_users_files_or_a_directory_in_use(
+    sandbox: SandboxHelper,
+) -> None:
+    """Issue 26: planted as uid 65534 under vLLM's own names, all were deleted before."""
+    shm, tmp = sandbox.config.teardown.shm_dir, sandbox.config.teardown.tmp_dir
+    assert tmp is not None
+    theirs = [shm / "psm_team2cache", shm / "sem.mp-team2", tmp / "vllm_dist_team2"]
+    for p in theirs:
+        p.write_bytes(b"team2")
+    their_dir = shm / "vllm-team2"
+    their_dir.mkdir()
+    (their_dir / "kv.bin").write_bytes(b"k" * 4096)
+    for p in [*theirs, their_dir, their_dir / "kv.bin"]:
+        os.chown(p, 65534, 65534)
+    in_use = shm / "vllm-cache"  # vLLM's user's, but a file inside is open and mapped
+    in_use.mkdir()
+    (in_use / "kv.bin").write_bytes(b"k" * 4096)
+    user = sandbox.spawn(
+        [sys.executable, "-c",
+         "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+         "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); print('ready', flush=True); "
+         "time.sleep(600)", str(in_use / "kv.bin")],
+        wait_ready=True,
+    )  # fmt: skip
+    ours = [shm / "psm_3f2a9c", shm / "vllm-dead"]
+    ours[0].write_bytes(b"x")
+    ours[1].mkdir()
+    (ours[1] / "part").write_bytes(b"x")
+    try:
+        run = teardown(sandbox)
+        assert_clean(sandbox, run)
+        assert sorted(run.report.shm_removed) == sorted(map(str, ours))
+        for p in [*theirs, their_dir / "kv.bin", in_use / "kv.bin"]:
+            assert p.exists(), f"{p} was removed"
+        kept = {d["path"]: d["error"] for kind, d in run.events if kind == "leftover_not_removed"}
+        assert "uid 65534" in kept[str(shm / "psm_team2cache")]
+        assert processes.is_alive(user)
+    finally:
+        for p in [*theirs, *ours]:
+            if p.is_dir():
+                shutil.rmtree(p)
+            p.unlink(missing_ok=True)
+        shutil.rmtree(their_dir, ignore_errors=True)
+        shutil.rmtree(in_use, ignore_errors=True)
+
+
+def test_a_leftover_older_than_the_running_vllm_that_names_none_of_its_pids_is_kept(
+    sandbox: SandboxHelper,
+) -> None:
+    shm = sandbox.config.teardown.shm_dir
+    before = shm / "psm_older"
+    before.write_bytes(b"x")
+    time.sleep(0.05)
+    sandbox.start_vllm()
+    try:
+        run = teardown(sandbox)
+        assert_clean(sandbox, run)
+        assert before.exists() and str(before) not in run.report.shm_removed
+    finally:
+        before.unlink(missing_ok=True)

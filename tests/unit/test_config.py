@@ -41,8 +41,10 @@ def test_the_shipped_host_config_is_valid_and_has_eight_gpus_with_the_profiler_j
     assert "--profiler-config" not in config.launch_argv(Mode.PRODUCTION)
 
 
-def test_the_shipped_sandbox_config_is_valid() -> None:
-    config = load_config(ROOT / "config" / "sandbox.toml")
+def test_the_shipped_sandbox_config_is_valid(tmp_path: Path) -> None:
+    # The sandbox fills in its own directory where the template says {sandbox}.
+    text = (ROOT / "config" / "sandbox.toml").read_text().replace("{sandbox}", str(tmp_path))
+    config = parse_config(text, "sandbox.toml")
     assert config.gpus.backend == "sim"
     assert config.systemd.scope == "user"
 
@@ -222,3 +224,28 @@ def test_a_leftover_pattern_that_would_remove_anything_is_refused(line: str, say
 def test_an_empty_tmp_dir_turns_the_tmpdir_leftovers_off() -> None:
     config = parse_config(MINIMAL + '[teardown]\ntmp_dir = ""\n', "test.toml")
     assert config.teardown.tmp_dir is None
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "said"),
+    [
+        ("shm_dir", "/", "system directory"),
+        ("shm_dir", "/etc", "system directory"),
+        ("tmp_dir", "/usr/lib", "system directory"),
+        ("tmp_dir", "/proc/1", "system directory"),
+        ("shm_dir", "/dev/../etc", "'/etc' is a system directory"),
+        ("shm_dir", "dev/shm", "is relative"),
+    ],
+)
+def test_a_leftovers_directory_must_be_an_absolute_scratch_directory(
+    key: str, value: str, said: str
+) -> None:
+    """The daemon removes entries there as root (issue 26: `shm_dir = "/"` was accepted)."""
+    (line,) = [e for e in errors_of(MINIMAL + f'[teardown]\n{key} = "{value}"\n') if key in e]
+    assert said in line
+
+
+def test_the_usual_scratch_directories_are_accepted_as_leftovers_directories() -> None:
+    text = MINIMAL + '[teardown]\nshm_dir = "/dev/shm"\ntmp_dir = "/var/tmp/vllm"\n'
+    t = parse_config(text, "test.toml").teardown
+    assert (str(t.shm_dir), str(t.tmp_dir)) == ("/dev/shm", "/var/tmp/vllm")
