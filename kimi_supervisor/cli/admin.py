@@ -67,7 +67,9 @@ def cmd_teardown(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     systemd, gpu = ports(config)
     indices = managed_indices(config, gpu)
-    base = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
+    base, fresh = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
+    if fresh is not None:
+        baseline.save(config.state.dir, fresh)
     log.configure(stream=sys.stderr)
     logger = log.get()
     report = Teardown(

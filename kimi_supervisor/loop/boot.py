@@ -11,6 +11,7 @@ from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
 from kimi_supervisor.model import utcnow
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.store import baseline
+from kimi_supervisor.store.state import with_baseline
 
 
 def load_state(ctx: Context) -> None:
@@ -23,7 +24,8 @@ def load_state(ctx: Context) -> None:
         ctx.warn(warning)
         ctx.log("state_file_corrupt", level="error", message=warning)
         ctx.incident({"at": utcnow().isoformat(), "what": warning})
-        ctx.store.write(st)
+        # Guarded: a full disk keeps the defaults in memory, says so, and writes at each pass.
+        ctx.persist(lambda _aside: st)
     s.desired = st.desired_mode
     s.profile_until = st.profile_until
     s.interrupted = st.transition
@@ -61,7 +63,7 @@ def resolve_baseline(ctx: Context) -> None:
     s = ctx.s
     fixed = ctx.config.gpus.baseline_mib
     try:
-        s.baselines = baseline.resolve(ctx.gpu, s.indices, fixed, ctx.config.state.dir)
+        s.baselines, fresh = baseline.resolve(ctx.gpu, s.indices, fixed, ctx.config.state.dir)
     except baseline.BaselineError as e:
         s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
         s.baseline_provisional = True
@@ -70,6 +72,10 @@ def resolve_baseline(ctx: Context) -> None:
             f"{PROVISIONAL_BASELINE_MIB} MiB until the GPUs are next idle, then calibrating"
         )
         return
+    if fresh is not None:
+        # Guarded like every state write: unsaved, it is used from memory and written again
+        # at the next pass (a full disk at boot is not a crash loop).
+        ctx.persist(lambda st: with_baseline(st, fresh))
     if s.baseline_provisional:
         ctx.log("baseline_calibrated", devices=s.baselines)
     s.baseline_provisional = False

@@ -32,6 +32,7 @@ from kimi_supervisor.loop import boot
 from kimi_supervisor.loop.admission import Desk
 from kimi_supervisor.loop.context import Context, Log
 from kimi_supervisor.loop.events import EventBus
+from kimi_supervisor.loop.guard import StepGuard
 from kimi_supervisor.loop.inbox import (
     CaptureDone,
     CaptureStart,
@@ -108,6 +109,7 @@ class Daemon:
         self._status: Status | None = None
         self._next_step = 0.0  # the regular pass (monotonic)
         self._last_step = float("-inf")  # when the last pass began
+        self.guard = StepGuard(ctx)  # a pass's unexpected error: shown, retried, never fatal
         self._exited: tuple[int, float] | None = None  # a MainPID's exit systemd has yet to see
         self._publish()  # a status asked for before boot has begun is complete, too
 
@@ -206,8 +208,8 @@ class Daemon:
                 self.life.begin_shutdown()
             elif s.state is not State.STOPPING and clock.monotonic() >= self._step_due():
                 self._last_step = clock.monotonic()
-                self._step()
-                self._next_step = clock.monotonic() + self._interval()
+                retry_in = self.guard.run(self._step)
+                self._next_step = clock.monotonic() + (retry_in or self._interval())
         self._publish()
         return True
 

@@ -7,6 +7,7 @@ simulated GPU host of the sandbox. NVML is initialised lazily; its failures beco
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,49 +75,65 @@ class NvmlGpu:
         self._nvml = pynvml
         return pynvml
 
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        """One NVML call. Every error is GpuUnavailable, which the callers treat as data (as
+        nvitop's nvmlQuery does): "GPU is lost", "driver not loaded", an unknown error, a
+        descriptor limit (OSError) alike. After one, the handles and the library are dropped,
+        so that a driver that comes back (reloaded, a GPU reset) is picked up by the next call
+        without a restart."""
+        nv = self._lib()
+        try:
+            return fn(*args)
+        except (nv.NVMLError, OSError) as e:
+            self._forget()
+            raise GpuUnavailable(f"{what}: NVML query failed: {e}") from e
+
+    def _forget(self) -> None:
+        self._handles.clear()
+        nv, self._nvml = self._nvml, None
+        if nv is not None:
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
+
     def _handle(self, index: int) -> Any:
         if index not in self._handles:
             nv = self._lib()
-            count = nv.nvmlDeviceGetCount()
+            count = self._call("the GPU count", nv.nvmlDeviceGetCount)
             if not 0 <= index < count:
                 raise GpuUnavailable(f"GPU {index} does not exist: NVML reports {count} GPU(s)")
-            self._handles[index] = nv.nvmlDeviceGetHandleByIndex(index)
+            self._handles[index] = self._call(f"GPU {index}", nv.nvmlDeviceGetHandleByIndex, index)
         return self._handles[index]
 
     def device_count(self) -> int:
-        return int(self._lib().nvmlDeviceGetCount())
+        return int(self._call("the GPU count", self._lib().nvmlDeviceGetCount))
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
         nv = self._lib()
         out = []
         for index in indices:
             h = self._handle(index)
-            try:
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
-                procs = [
-                    GpuProcess(p.pid, _mib(p.usedGpuMemory), "compute")
-                    for p in nv.nvmlDeviceGetComputeRunningProcesses(h)
-                ] + [
-                    GpuProcess(p.pid, _mib(p.usedGpuMemory), "graphics")
-                    for p in nv.nvmlDeviceGetGraphicsRunningProcesses(h)
-                ]
-            except nv.NVMLError as e:
-                raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
+            what = f"GPU {index}"
+            mem = self._call(what, nv.nvmlDeviceGetMemoryInfo, h)
+            procs = [
+                GpuProcess(p.pid, _mib(p.usedGpuMemory), "compute")
+                for p in self._call(what, nv.nvmlDeviceGetComputeRunningProcesses, h)
+            ] + [
+                GpuProcess(p.pid, _mib(p.usedGpuMemory), "graphics")
+                for p in self._call(what, nv.nvmlDeviceGetGraphicsRunningProcesses, h)
+            ]
             out.append(
                 DeviceSample(index, int(mem.used) // MIB, int(mem.total) // MIB, tuple(procs))
             )
         return out
 
     def device_path(self, index: int) -> str:
-        return f"/dev/nvidia{int(self._lib().nvmlDeviceGetMinorNumber(self._handle(index)))}"
+        h = self._handle(index)
+        minor = self._call(f"GPU {index}", self._lib().nvmlDeviceGetMinorNumber, h)
+        return f"/dev/nvidia{int(minor)}"
 
     def uuid(self, index: int) -> str:
         """The GPU's UUID (`GPU-...`), the label dcgm-exporter's series carry too."""
-        nv = self._lib()
-        try:
-            u = nv.nvmlDeviceGetUUID(self._handle(index))
-        except nv.NVMLError as e:
-            raise GpuUnavailable(f"GPU {index}: NVML query failed: {e}") from e
+        u = self._call(f"GPU {index}", self._lib().nvmlDeviceGetUUID, self._handle(index))
         return u.decode() if isinstance(u, bytes) else str(u)
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
@@ -126,7 +143,7 @@ class NvmlGpu:
         return None
 
     def driver_version(self) -> str:
-        v = self._lib().nvmlSystemGetDriverVersion()
+        v = self._call("the driver version", self._lib().nvmlSystemGetDriverVersion)
         return v.decode() if isinstance(v, bytes) else str(v)
 
     def close(self) -> None:

@@ -49,20 +49,20 @@ def load(state_dir: Path) -> Baseline | None:
 
 def resolve(
     gpu: GpuPort, indices: list[int], fixed: dict[str, int], state_dir: Path
-) -> dict[int, int]:
+) -> tuple[dict[int, int], Baseline | None]:
     """Baseline MiB per managed GPU: fixed in config first, then persisted (same driver), else
-    calibrated now and persisted."""
+    calibrated now; with the calibration, for the caller to persist (`save`, or the daemon's
+    guarded write: a full disk must not stop a baseline measured in memory from being used)."""
     out = {i: fixed[str(i)] for i in indices if str(i) in fixed}
     missing = [i for i in indices if i not in out]
     if not missing:
-        return out
+        return out, None
     stored = load(state_dir)
     if (
         stored
         and stored.driver_version == gpu.driver_version()
         and all(i in stored.devices for i in missing)
     ):
-        return out | {i: stored.devices[i] for i in missing}
+        return out | {i: stored.devices[i] for i in missing}, None
     fresh = calibrate(gpu, indices)
-    save(state_dir, fresh)
-    return out | {i: fresh.devices[i] for i in missing}
+    return out | {i: fresh.devices[i] for i in missing}, fresh

@@ -439,3 +439,35 @@ def test_a_client_passing_a_descriptor_with_every_byte_leaves_the_daemon_holding
     finally:
         sock.close()
         os.close(passed)
+
+
+def test_a_full_disk_at_boot_serves_from_memory_says_so_and_writes_once_there_is_room(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """Issue 26: a state.json to move aside and rewrite, and a baseline to calibrate, on a full
+    disk at boot were a crash loop (9 restarts in 25 s)."""
+    state_dir = sandbox.config.state.dir
+    ns = ["nsenter", "-t", str(sandbox.sb.manager.pid), "-m"]  # the daemon's unit starts there
+    tiny = ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0750", "tmpfs", str(state_dir)]
+    subprocess.run([*ns, *tiny], check=True, timeout=30)
+    try:
+        fill = f"printf '{{not json' > {state_dir}/state.json; cat /dev/zero > {state_dir}/fill"
+        subprocess.run([*ns, "sh", "-c", fill + " 2>/dev/null; true"], check=True, timeout=30)
+        daemon.start(wait=False)
+        status = daemon.wait_serving("production", 60)
+        pid = daemon.pid()
+        assert any("cannot persist the state" in w for w in status["warnings"]), status
+        assert any("was unusable" in w for w in status["warnings"])
+        time.sleep(3)  # several passes, each trying to write
+        assert daemon.pid() == pid and daemon.unit() == "active", "no crash, no restart"
+        subprocess.run([*ns, "rm", "-f", f"{state_dir}/fill"], check=True, timeout=30)
+        wait_until(
+            lambda: not any("cannot persist" in w for w in daemon.status()["warnings"]),
+            30,
+            "the state to be written",
+        )
+        on_disk = json.loads(_read_as_daemon(daemon, state_dir / "state.json"))
+        assert on_disk["desired_mode"] == "production" and on_disk["baseline"] is not None
+    finally:
+        daemon.stop()
+        subprocess.run([*ns, "umount", "-l", str(state_dir)], check=False, timeout=30)

@@ -224,11 +224,14 @@ class FakeGpu:
         self.count = count
         self.baseline_mib = baseline_mib
         self.extra = dict.fromkeys(range(count), 0)
+        self.fault: Exception | None = None  # raised by sample (a port's unexpected error)
 
     def device_count(self) -> int:
         return self.count
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        if self.fault is not None:
+            raise self.fault
         return [DeviceSample(i, self.baseline_mib + self.extra[i], 143_771) for i in indices]
 
     def device_path(self, index: int) -> str:

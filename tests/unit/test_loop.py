@@ -194,3 +194,31 @@ def test_the_loop_never_sleeps_on_its_own_thread(host: LoopHost) -> None:
     host.until(lambda: host.state is not State.SERVING, "the death to be noticed")
     host.serving(Mode.PROFILE)
     assert host.clock.loop_sleeps == []
+
+
+def test_an_unexpected_error_in_a_pass_is_shown_retried_with_backoff_and_never_ends_the_loop(
+    host: LoopHost,
+) -> None:
+    """Issue 26: an NVML error other than "unavailable" ended the loop, systemd restarted the
+    daemon into the same error and gave up, and vLLM ran unsupervised."""
+    booted(host)
+    vllm = host.daemon.s.serving.pid if host.daemon.s.serving else 0
+    host.gpu.fault = RuntimeError("GPU is lost")
+    failures: list[float] = []
+
+    def failed_again() -> bool:
+        lines = [ln for ln in host.lines if ln["event"] == "step_failed"]
+        if len(lines) > len(failures):
+            failures.append(lines[-1]["retry_in_s"])
+        return len(failures) >= 4
+
+    host.until(failed_again, "four failed passes")
+    assert failures == [1.0, 2.0, 4.0, 8.0]
+    warnings = host.status()["warnings"]
+    assert [w for w in warnings if "the loop's pass failed (RuntimeError: GPU is lost)" in w]
+    host.gpu.fault = None
+    host.until(lambda: not host.status()["warnings"], "the failure to clear")
+    assert any(ln["event"] == "step_recovered" for ln in host.lines)
+    status = host.status()
+    assert status["state"] == "serving" and host.daemon.s.serving is not None
+    assert host.daemon.s.serving.pid == vllm, "vLLM was never touched"
