@@ -59,6 +59,12 @@ class CapturePhase(enum.StrEnum):
         return self not in (CapturePhase.DONE, CapturePhase.FAILED)
 
     @property
+    def holds_switch(self) -> bool:
+        """vLLM's profiler is at work: a switch (or profile expiry) waits. A summary only reads
+        traces already saved, so it holds nothing: however long it takes, a switch goes on."""
+        return self in (CapturePhase.STARTING, CapturePhase.RECORDING, CapturePhase.FLUSHING)
+
+    @property
     def stoppable(self) -> bool:
         """Still before the flush: a stop (or a switch) can end the recording."""
         return self in (CapturePhase.STARTING, CapturePhase.RECORDING)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -39,6 +40,12 @@ def rank_traces(names: list[str]) -> list[tuple[int, str]]:
     return sorted((r, n) for n in names if TRACE.search(n) and (r := rank_of(n)) is not None)
 
 
+# What one rank's summarizer may take (address space, RLIMIT_AS; 8 ranks in parallel: 8 GiB at
+# most in all). A real rank's trace of 500,000 events needs 3.6 MB of Python's allocations
+# (docs/performance.md); a gzip bomb of 7 MB took 780 MB before this cap (issue 26).
+SUMMARY_MEMORY_MB = 1024
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The package this daemon runs from comes first, whatever else is called `kimi_supervisor`.
@@ -47,8 +54,34 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def summarize(dir_fd: int, names: list[str], timeout_s: float = 900.0) -> dict[str, Any]:
-    """The summary of the rank traces among `names` in the folder `dir_fd` (see the module)."""
+def open_trace(dir_fd: int, name: str) -> tuple[int | None, str]:
+    """`name` in the folder `dir_fd`, opened for reading if it is a regular file: never through
+    a link, and without blocking (a FIFO renamed over a trace would block an open for ever; the
+    descriptor is then checked to be a regular file). (fd, "") or (None, why not)."""
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
+    except OSError as e:
+        return None, f"cannot open it: {e.strerror}"
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError as e:
+        os.close(fd)
+        return None, f"cannot read it: {e.strerror}"
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return None, "not a regular file (a FIFO, a device or a socket is never read)"
+    os.set_blocking(fd, True)
+    return fd, ""
+
+
+def summarize(
+    dir_fd: int, names: list[str], timeout_s: float = 900.0, memory_mb: int = SUMMARY_MEMORY_MB
+) -> dict[str, Any]:
+    """The summary of the rank traces among `names` in the folder `dir_fd` (see the module).
+    Each rank's summarizer may use `memory_mb` of address space at most (a trace with more
+    events than that holds is an error, not a daemon out of memory)."""
     t0 = time.monotonic()
     traces = rank_traces(names)
     running: list[tuple[int, str, subprocess.Popen[bytes]]] = []
@@ -56,14 +89,14 @@ def summarize(dir_fd: int, names: list[str], timeout_s: float = 900.0) -> dict[s
     errors: list[dict[str, Any]] = []
     env = _child_env()
     for rank, name in traces:
-        try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-        except OSError as e:
-            errors.append({"rank": rank, "file": name, "error": f"cannot open it: {e.strerror}"})
+        fd, why = open_trace(dir_fd, name)
+        if fd is None:
+            errors.append({"rank": rank, "file": name, "error": why})
             continue
         try:
+            summarizer = ["-m", "kimi_supervisor.capture.trace", "--memory-mb", str(memory_mb)]
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kimi_supervisor.capture.trace"],
+                [sys.executable, *summarizer],
                 stdin=fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,

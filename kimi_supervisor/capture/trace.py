@@ -24,6 +24,7 @@ import bisect
 import gzip
 import json
 import re
+import resource
 import sys
 from array import array
 from collections.abc import Iterator
@@ -317,13 +318,27 @@ def summarize_file(raw: IO[bytes]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kimi_supervisor.capture.trace < TRACE`: the summary as JSON on stdout, or
-    {"error": ...}. The daemon runs one per rank, in parallel, each on a file it opened."""
-    del argv
+    """`python -m kimi_supervisor.capture.trace [--memory-mb N] < TRACE`: the summary as JSON
+    on stdout, or {"error": ...}. The daemon runs one per rank, in parallel, each on a file it
+    opened; with --memory-mb, this process's address space is capped there first (RLIMIT_AS),
+    and a trace that needs more is an error, whatever it holds."""
+    args = sys.argv[1:] if argv is None else argv
+    cap = int(args[1]) if args[:1] == ["--memory-mb"] and len(args) > 1 else 0
+    if cap > 0:
+        limit = cap * 2**20
+        _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
         out: dict[str, Any] = summarize_file(sys.stdin.buffer)
     except TraceError as e:
         out = {"error": str(e)}
+    except MemoryError:
+        out = {
+            "error": f"the trace needs more than {cap} MiB to summarize, the summarizer's cap "
+            "(a trace of a few steps needs tens of MB: is it a trace?)"
+        }
     json.dump(out, sys.stdout)
     return 0
 

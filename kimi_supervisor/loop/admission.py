@@ -62,7 +62,7 @@ class Desk:
                 else None
             ),
             desired=s.desired,
-            capture_active=s.capture is not None and s.capture.active,
+            capture_active=s.capture is not None and s.capture.phase.holds_switch,
         )
         verdict = policy.admit(r.mode, r.force, view)
         info = {"transition": tr.model_dump(mode="json")} if tr is not None and switching else {}

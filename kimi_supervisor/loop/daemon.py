@@ -348,7 +348,7 @@ class Daemon:
             if found:
                 life.intrusion(found)
                 return
-        capture = s.capture is not None
+        capture = s.capture is not None and s.capture.phase.holds_switch
         grace = self.config.daemon.health_grace_s
         now = self.ctx.clock.monotonic()
         action = decide(s.desired, s.memory(), obs, now, grace, s.intent, capture)

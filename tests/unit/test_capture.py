@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.capture import trace as tracesummary
-from kimi_supervisor.capture.ranks import rank_of, summarize_folder
+from kimi_supervisor.capture.ranks import rank_of, summarize, summarize_folder
 from kimi_supervisor.cli.render import format_summary as render
 
 from ..conftest import as_user
@@ -218,3 +219,40 @@ def summarize_as_another_user(tmp_path: Path) -> None:
     assert r.returncode == 2 and "No such file or directory" in r.stderr
     r = kimi_mode("--summarize", str(folder), "--seconds", "3")
     assert r.returncode == 2 and "--summarize takes no capture: drop --seconds" in r.stderr
+
+
+def test_a_fifo_swapped_over_a_rank_trace_is_refused_at_once_and_never_wedges_the_summary(
+    tmp_path: Path,
+) -> None:
+    """Issue 26: a group member renamed a FIFO over a trace after the handover; the summarizer's
+    open blocked for ever, and the capture stayed `summarizing`."""
+    shutil.copy(next(FIXTURE.glob("*rank-0*")), tmp_path / "9-rank-0.1.pt.trace.json.gz")
+    os.mkfifo(tmp_path / "9-rank-1.1.pt.trace.json.gz")
+    result: list[dict[str, Any]] = []
+    t = threading.Thread(target=lambda: result.append(summarize_folder(tmp_path)[0]), daemon=True)
+    t.start()
+    t.join(60)
+    assert result, "the summary blocked on the FIFO"
+    (summary,) = result
+    assert [r["rank"] for r in summary["ranks"]] == [0]
+    (error,) = summary["errors"]
+    assert error["rank"] == 1 and "not a regular file" in error["error"]
+
+
+def test_a_gzip_bomb_is_an_error_past_the_summarizers_memory_cap_not_a_daemon_out_of_memory(
+    tmp_path: Path,
+) -> None:
+    """8 MB gzipped, a million events with names that never repeat: 600 MB of memory and 19 s
+    without a cap on this VM; here a clear error under 100 MB."""
+    shutil.copy(next(FIXTURE.glob("*rank-0*")), tmp_path / "9-rank-0.1.pt.trace.json.gz")
+    event = '{"ph":"X","cat":"kernel","name":"kernel_%d","ts":%d,"dur":1,"pid":0,"tid":7}'
+    with gzip.open(tmp_path / "9-rank-1.1.pt.trace.json.gz", "wt", compresslevel=1) as f:
+        f.write('{"traceEvents":[' + ",".join(event % (i, i) for i in range(1_000_000)) + "]}")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        summary = summarize(fd, os.listdir(fd), timeout_s=120, memory_mb=100)
+    finally:
+        os.close(fd)
+    assert [r["rank"] for r in summary["ranks"]] == [0], "the real rank is still summarized"
+    (error,) = summary["errors"]
+    assert error["rank"] == 1 and "more than 100 MiB" in error["error"]

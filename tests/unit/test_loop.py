@@ -222,3 +222,37 @@ def test_an_unexpected_error_in_a_pass_is_shown_retried_with_backoff_and_never_e
     status = host.status()
     assert status["state"] == "serving" and host.daemon.s.serving is not None
     assert host.daemon.s.serving.pid == vllm, "vLLM was never touched"
+
+
+def test_a_summary_that_never_ends_holds_no_switch(
+    host: LoopHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26: a capture left `summarizing` (a FIFO swapped over a trace) held every switch
+    and profile expiry. The traces are saved before the summary starts: nothing waits on it."""
+    from kimi_supervisor.capture import job
+    from kimi_supervisor.loop.inbox import CaptureStop
+
+    release = threading.Event()
+
+    def wedged(*_args: object, **_kw: object) -> dict[str, object]:
+        release.wait(60)
+        return {"ranks": [], "errors": [], "took_s": 60.0}
+
+    monkeypatch.setattr(job.capturesummary, "summarize", wedged)
+    try:
+        booted(host)
+        host.ask(Switch(Mode.PROFILE, "op"))
+        host.serving(Mode.PROFILE)
+        assert host.ask(CaptureStart(by="op", then="stay")).ok
+        capture = host.daemon.s.capture
+        assert capture is not None
+        host.until(lambda: capture.phase == "recording", "the capture to record")
+        (host.root / "traces" / "1-rank-0.2.pt.trace.json.gz").write_bytes(b"x")  # vLLM's flush
+        assert host.ask(CaptureStop(by="op")).ok
+        host.until(lambda: capture.phase == "summarizing", "the summary to begin")
+        reply = host.ask(Switch(Mode.PRODUCTION, "op"))
+        assert reply.code == "accepted" and "waits for capture" not in reply.message
+        host.serving(Mode.PRODUCTION)
+        assert capture.phase == "summarizing", "the switch did not wait for the summary"
+    finally:
+        release.set()
