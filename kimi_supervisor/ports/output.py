@@ -3,6 +3,12 @@
 On a real host that is the journal (`journalctl -u UNIT -f`, read by a thread into a bounded
 buffer); the sandbox writes the unit's output to a file (`vllm.log_file`), which is read from the
 offset it had when following began. Either way the last lines are kept for failure reports.
+
+vLLM's output is an outsider's to the daemon (root), so memory is bounded whatever it holds: a
+line longer than MAX_LINE bytes is cut into pieces of that size, a file is read MAX_READ bytes at
+a time, and a file that runs further ahead than that is skipped to its last MAX_READ bytes (one
+line says how much was skipped). Issue 26: 300 MB with no newline took the daemon from 49 to
+774 MB.
 """
 
 from __future__ import annotations
@@ -14,6 +20,21 @@ import subprocess
 import threading
 from pathlib import Path
 from typing import Literal, Protocol
+
+MAX_LINE = 8192  # bytes of one line kept; vLLM's progress lines are under 300
+MAX_READ = 1 << 20  # bytes of a file read per pass
+MAX_NEW = 2000  # lines waiting to be read (the journal's reader)
+
+
+def _cut(data: bytes) -> tuple[list[bytes], bytes]:
+    """Complete lines of `data` (each cut into MAX_LINE pieces) and the partial last one (at
+    most MAX_LINE bytes: beyond that it is a piece too)."""
+    *lines, partial = data.split(b"\n")
+    out = [ln[i : i + MAX_LINE] for ln in lines for i in range(0, max(len(ln), 1), MAX_LINE)]
+    while len(partial) > MAX_LINE:
+        out.append(partial[:MAX_LINE])
+        partial = partial[MAX_LINE:]
+    return out, partial
 
 
 class OutputPort(Protocol):
@@ -44,13 +65,19 @@ class FileOutput:
                 size = os.fstat(f.fileno()).st_size
                 if size < self._offset:  # truncated or replaced: start over
                     self._offset, self._partial = 0, b""
+                skipped = 0
+                if size - self._offset > MAX_READ:  # far behind: only the latest counts
+                    skipped, self._offset = size - MAX_READ - self._offset, size - MAX_READ
+                    self._partial = b""
                 f.seek(self._offset)
-                data = f.read(max(size - self._offset, 0))
+                data = f.read(min(max(size - self._offset, 0), MAX_READ))
         except FileNotFoundError:
             return []
         self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
+        lines, self._partial = _cut(self._partial + data)
         out = [ln.decode(errors="replace") for ln in lines]
+        if skipped:
+            out.insert(0, f"[kimi-supervisor: {skipped} bytes of output skipped]")
         self._tail.extend(out)
         return out
 
@@ -68,7 +95,7 @@ class JournalOutput:
         self.unit = unit
         self.scope = scope
         self._proc: subprocess.Popen[bytes] | None = None
-        self._new: collections.deque[str] = collections.deque(maxlen=10_000)
+        self._new: collections.deque[str] = collections.deque(maxlen=MAX_NEW)
         self._tail: collections.deque[str] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
 
@@ -91,7 +118,7 @@ class JournalOutput:
 
     def _pump(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
-        for raw in proc.stdout:
+        while raw := proc.stdout.readline(MAX_LINE):  # a longer line comes in pieces
             line = raw.decode(errors="replace").rstrip("\n")
             with self._lock:
                 self._new.append(line)
