@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import threading
+from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +21,7 @@ from kimi_supervisor.control.protocol import (
     StatusRequest,
     SubscribeRequest,
     SwitchRequest,
+    encode,
 )
 from kimi_supervisor.control.server import Connection
 from kimi_supervisor.loop.inbox import CaptureStart, CaptureStop, Request
@@ -42,16 +45,47 @@ def _who(conn: Connection) -> str:
     return f"{name} (PID {conn.peer.pid})"
 
 
+# A history reply carries the newest records up to this many bytes (`truncated` says so).
+HISTORY_MAX_BYTES = 16 * 2**20
+
+
+class Readers:
+    """How many history reads run at once: `per_user` per uid (root: two), `total` in all. A
+    flood from one member then costs a few readers' memory, and root's requests their time."""
+
+    def __init__(self, per_user: int = 1, total: int = 4) -> None:
+        self.per_user, self.total = per_user, total
+        self._held: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, uid: int) -> str | None:
+        with self._lock:
+            mine, everyone = self._held.get(uid, 0), sum(self._held.values())
+            mine_max = self.per_user * 2 if uid == 0 else self.per_user
+            if mine >= mine_max:
+                return f"uid {uid} already has {mine} history read(s) running; ask again"
+            if everyone >= self.total and uid != 0:
+                return f"{everyone} history reads are running; ask again in a moment"
+            self._held[uid] = mine + 1
+            return None
+
+    def give(self, uid: int) -> None:
+        with self._lock:
+            self._held[uid] -= 1
+            if not self._held[uid]:
+                del self._held[uid]
+
+
 class Handlers:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+        self.readers = Readers()
 
     def __call__(self, request: Any, conn: Connection) -> None:
         if isinstance(request, StatusRequest):
             conn.send(Reply(ok=True, code="status", data=self.daemon.snapshot()))
         elif isinstance(request, HistoryRequest):
-            entries = history.read(self.daemon.config.state.dir, request.n)
-            conn.send(Reply(ok=True, code="history", data={"entries": entries}))
+            self._history(request, conn)
         elif isinstance(request, SubscribeRequest):
             sub = self.daemon.bus.subscribe()
             try:
@@ -71,6 +105,31 @@ class Handlers:
             self._capture(request, conn)
         elif isinstance(request, CaptureStopRequest):
             conn.send(self._ask(CaptureStop(by=_who(conn))))
+
+    def _history(self, request: HistoryRequest, conn: Connection) -> None:
+        """The last `n` records, streamed as their own JSON lines (at most HISTORY_MAX_BYTES),
+        by a bounded number of readers: one at a time per user (two for root), four in all."""
+        why = self.readers.take(conn.peer.uid)
+        if why is not None:
+            conn.send(Reply(ok=False, code="busy", message=f"not reading the history now: {why}"))
+            return
+        try:
+            lines, cut = history.read_lines(
+                self.daemon.config.state.dir, request.n, HISTORY_MAX_BYTES
+            )
+            head, tail = encode(
+                Reply(ok=True, code="history", data={"entries": [], "truncated": cut})
+            ).split(b'"entries":[]', 1)
+
+            def parts() -> Iterator[bytes]:
+                yield head + b'"entries":['
+                for i, line in enumerate(lines):
+                    yield line if i == 0 else b"," + line
+                yield b"]" + tail
+
+            conn.send_parts(parts())
+        finally:
+            self.readers.give(conn.peer.uid)
 
     def _ask(self, command: Request) -> Reply:
         """Hand a command to the loop and wait for its answer."""

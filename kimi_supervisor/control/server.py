@@ -24,7 +24,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,18 @@ class Connection:
                 return False
             try:
                 self.sock.sendall(data)
+            except OSError:
+                self.alive = False
+        return self.alive
+
+    def send_parts(self, parts: Iterable[bytes]) -> bool:
+        """One message sent in pieces, none of them joined in memory (a long history)."""
+        with self._lock:
+            if not self.alive:
+                return False
+            try:
+                for part in parts:
+                    self.sock.sendall(part)
             except OSError:
                 self.alive = False
         return self.alive

@@ -83,40 +83,70 @@ def _repair_tail(fd: int) -> int:
 def read(state_dir: Path, last: int | None = None) -> list[dict[str, Any]]:
     """The last `last` records (all if None), oldest first, across the rotated files. Reads
     from the end of each file, so a long history costs only what is asked for."""
+    lines, _cut = read_lines(state_dir, last)
+    return [json.loads(line) for line in lines]
+
+
+def read_lines(
+    state_dir: Path, last: int | None = None, max_bytes: int | None = None
+) -> tuple[list[bytes], bool]:
+    """The last `last` records as their JSON lines (each checked to parse), oldest first, and
+    at most `max_bytes` of them (the newest); True if that cap left older ones out. A reader
+    that serves an outsider holds only these bytes, never the records as objects."""
     path = history_path(state_dir)
-    out: list[dict[str, Any]] = []
+    out: list[bytes] = []
+    size = 0
     for i in range(0, 101):
         f_path = path if i == 0 else Path(f"{path}.{i}")
         want = None if last is None else last - len(out)
         try:
-            records = _read_one(f_path, want)
+            room = None if max_bytes is None else max_bytes - size
+            lines = _read_one(f_path, want, room)
         except FileNotFoundError:
             if i == 0:
                 continue
             break
-        out = records + out
+        if max_bytes is not None:
+            kept: list[bytes] = []
+            for line in reversed(lines):
+                size += len(line) + 1
+                if size > max_bytes:
+                    return kept[::-1] + out, True
+                kept.append(line)
+            lines = kept[::-1]
+        out = lines + out
         if last is not None and len(out) >= last:
-            return out[-last:]
-    return out
+            return out[-last:], False
+    return out, False
 
 
-def _read_one(path: Path, last: int | None) -> list[dict[str, Any]]:
+def _read_one(path: Path, last: int | None, max_bytes: int | None = None) -> list[bytes]:
+    """The file's last `last` records' lines (all if None), reading backwards in 64 KiB steps
+    and no further than `max_bytes` (and a step) from its end."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        if last is None:
+        if last is None and max_bytes is None:
             data = f.read()
         else:
             end = f.seek(0, os.SEEK_END)
-            data, pos = b"", end
-            while pos > 0 and data.count(b"\n") <= last:
+            chunks: list[bytes] = []
+            pos, newlines, read = end, 0, 0
+            while pos > 0 and (last is None or newlines <= last):
+                if max_bytes is not None and read > max_bytes:
+                    break
                 step = min(65536, pos)
                 pos -= step
                 f.seek(pos)
-                data = f.read(step) + data
+                chunk = f.read(step)
+                chunks.append(chunk)
+                newlines += chunk.count(b"\n")
+                read += len(chunk)
+            data = b"".join(reversed(chunks))
     out = []
     for line in data.splitlines():
         try:
-            out.append(json.loads(line))
+            json.loads(line)
         except ValueError:
             continue  # a torn line, or the cut-off first line of the tail read
+        out.append(line)
     return out[-last:] if last else out

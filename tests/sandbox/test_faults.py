@@ -471,3 +471,75 @@ def test_a_full_disk_at_boot_serves_from_memory_says_so_and_writes_once_there_is
     finally:
         daemon.stop()
         subprocess.run([*ns, "umount", "-l", str(state_dir)], check=False, timeout=30)
+
+
+HISTORY_FLOOD = """
+import json, socket, sys, threading
+path, n = sys.argv[1], int(sys.argv[2])
+codes = []
+def one():
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(120)
+        s.connect(path)
+        s.sendall(b'{"v": 1, "cmd": "history", "n": 10000}\\n')
+        line = s.makefile("rb").readline()
+        codes.append(json.loads(line)["code"] if line else "closed")
+threads = [threading.Thread(target=one) for _ in range(n)]
+for t in threads:
+    t.start()
+print("started", flush=True)
+for t in threads:
+    t.join()
+print(json.dumps(codes), flush=True)
+"""
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_root(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """Issue 26: 60 concurrent `history n=10000` against a 60 MB history took the daemon from
+    53 to 1,757 MB, and root's status up to 8.4 s."""
+    record = json.dumps({"kind": "incident", "at": "2026-12-01T00:00:00+00:00", "what": "x" * 6000})
+    with open(sandbox.config.state.dir / "history.jsonl", "w") as f:
+        for _ in range(10_000):  # 60 MB
+            f.write(record + "\n")
+    daemon.start()
+    daemon.wait_serving("production")
+    pid = daemon.pid()
+    before = peak = _rss_mb(pid)
+    flood = subprocess.Popen(
+        [*as_user(*MEMBER), "-c", HISTORY_FLOOD, str(daemon.socket), "60"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    took: list[float] = []
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline().strip() == "started"
+        while flood.poll() is None:
+            t0 = time.monotonic()
+            assert daemon.status()["state"] == "serving"
+            took.append(time.monotonic() - t0)
+            peak = max(peak, _rss_mb(pid))
+        codes = json.loads(flood.stdout.read())
+    finally:
+        if flood.poll() is None:
+            flood.kill()
+            flood.wait()
+    took.sort()
+    p99 = took[int(len(took) * 0.99)] if took else 0.0
+    replies = sorted(set(codes))
+    print(f"FIGURE history flood: rss {before:.0f} -> peak {peak:.0f} MB, root status p99 "
+          f"{p99 * 1000:.0f} ms over {len(took)} requests; replies {replies}")  # fmt: skip
+    assert "history" in codes and "busy" in codes and len(codes) == 60
+    assert peak - before < 200, f"the daemon grew by {peak - before:.0f} MB"
+    assert p99 < 2.0, took[-5:]
+    (reply,) = daemon.request({"cmd": "history", "n": 10000}, 60)
+    assert reply["ok"] and reply["data"]["truncated"] is True  # type: ignore[index]
+    assert len(reply["data"]["entries"]) < 10_000  # type: ignore[index,arg-type]
