@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
@@ -347,6 +348,14 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{source}: not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
+    try:
+        nul = _nul_at(raw)
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
+    if nul is not None:
+        raise ConfigError(f"{source}: {_loc(nul)}: a NUL byte (\\u0000) in a string: remove it")
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
@@ -358,15 +367,54 @@ def parse_config(text: str, source: str = "<config>") -> Config:
         raise ConfigError("\n".join(lines)) from None
 
 
+# A configuration file is a page or two; past this it is not one (`/dev/zero`, a log).
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path: Path | str) -> Config:
+    """The file at `path`, parsed. Only a regular file is read, opened without blocking (a FIFO
+    or a device given by mistake is refused at once, never waited on) and at most
+    MAX_CONFIG_BYTES of it."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{p}: no such file (pass --config PATH)") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read: {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{p}: not a regular file (a FIFO or a device?): give the TOML file")
+        try:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot read: {e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: more than {MAX_CONFIG_BYTES} bytes: not a configuration file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: cannot read: {e}") from None
     return parse_config(text, str(p))
+
+
+def _nul_at(value: object, where: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """Where a string with a NUL byte is in the parsed TOML (a path cannot hold one)."""
+    if isinstance(value, str):
+        return where if "\0" in value else None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for k, v in items:
+        found = _nul_at(v, (*where, k))
+        if found is not None:
+            return found
+    return None
 
 
 def _toml_value(v: object) -> str:

@@ -256,3 +256,13 @@ def test_a_gzip_bomb_is_an_error_past_the_summarizers_memory_cap_not_a_daemon_ou
     assert [r["rank"] for r in summary["ranks"]] == [0], "the real rank is still summarized"
     (error,) = summary["errors"]
     assert error["rank"] == 1 and "more than 100 MiB" in error["error"]
+
+
+def test_summarize_given_a_fifo_or_a_device_says_it_is_not_a_capture_folder_at_once(
+    tmp_path: Path,
+) -> None:
+    fifo = tmp_path / "capture"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        r = kimi_mode("--summarize", str(path))
+        assert r.returncode == 2 and "Not a directory" in r.stderr, r.stderr

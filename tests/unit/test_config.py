@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,29 @@ def test_the_usual_scratch_directories_are_accepted_as_leftovers_directories() -
     text = MINIMAL + '[teardown]\nshm_dir = "/dev/shm"\ntmp_dir = "/var/tmp/vllm"\n'
     t = parse_config(text, "test.toml").teardown
     assert (str(t.shm_dir), str(t.tmp_dir)) == ("/dev/shm", "/var/tmp/vllm")
+
+
+def test_a_fifo_or_a_device_given_as_the_config_is_refused_at_once_not_waited_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 26: check-config hung on a FIFO and on /dev/zero."""
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        assert "not a regular file" in str(e.value)
+    big = tmp_path / "big.toml"
+    big.write_bytes(b"#" * (2 << 20))
+    with pytest.raises(ConfigError, match="not a configuration file"):
+        load_config(big)
+
+
+def test_a_nul_byte_in_a_config_string_is_refused_naming_the_key() -> None:
+    (line,) = errors_of(MINIMAL + '[teardown]\nshm_dir = "/dev/shm\\u0000/x"\n')
+    assert "teardown.shm_dir" in line and "NUL byte" in line
+
+
+def test_toml_nested_too_deeply_is_an_error_not_a_traceback() -> None:
+    (line,) = errors_of("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert "nested too deeply" in line or "not valid TOML" in line
