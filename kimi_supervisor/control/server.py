@@ -15,20 +15,20 @@ own thread. Nothing here changes the daemon's state: requests go to `handle`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import grp
 import os
 import select
 import socket
 import stat
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.control.peers import Peer, Slots, allowed, peer_of
 from kimi_supervisor.control.protocol import (
     ProtocolError,
     Reply,
@@ -41,38 +41,10 @@ class ControlError(Exception):
     """The socket cannot be set up; the message says why and what to do."""
 
 
-@dataclass(frozen=True)
-class Peer:
-    pid: int
-    uid: int
-    gid: int
-
-    def describe(self) -> str:
-        return f"PID {self.pid}, uid {self.uid}, gid {self.gid}"
-
-
-def peer_of(sock: socket.socket) -> Peer:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return Peer(*struct.unpack("3i", raw))
-
-
-def _groups_of(pid: int) -> set[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
-
-
-def allowed(peer: Peer, group_gid: int | None) -> bool:
-    """Root, the daemon's own user, or a member of the control group (primary or supplementary)."""
-    if peer.uid in (0, os.geteuid()):
-        return True
-    if group_gid is None:
-        return False
-    return peer.gid == group_gid or group_gid in _groups_of(peer.pid)
+# accept(2) errors that say the daemon is out of a resource: retried after a doubling wait.
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
 
 
 class Connection:
@@ -158,42 +130,6 @@ def running_daemon(path: Path) -> int | None:
     return None
 
 
-# Slots that only root (and the daemon's own user) may take.
-ROOT_RESERVE = 8
-
-
-class Slots:
-    """Connections held, in all and per user: who may take one more."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.reserve = min(ROOT_RESERVE, max(total // 4, 1)) if total > 1 else 0
-        self.per_user = max((total - self.reserve) // 2, 1)
-        self._held: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def take(self, uid: int) -> str | None:
-        """None if `uid` got a slot; else why not."""
-        with self._lock:
-            n = sum(self._held.values())
-            mine = self._held.get(uid, 0)
-            privileged = uid in (0, os.geteuid())
-            if n >= self.total:
-                return f"all {self.total} connections are in use"
-            if not privileged and n >= self.total - self.reserve:
-                return f"the last {self.reserve} connections are kept for root"
-            if not privileged and mine >= self.per_user:
-                return f"uid {uid} already holds {mine} connections (at most {self.per_user})"
-            self._held[uid] = mine + 1
-            return None
-
-    def give_back(self, uid: int) -> None:
-        with self._lock:
-            self._held[uid] -= 1
-            if not self._held[uid]:
-                del self._held[uid]
-
-
 Handler = Callable[[Any, Connection], None]
 Logger = Callable[..., None]
 
@@ -220,6 +156,7 @@ class ControlServer:
         self._lock_fd: int | None = None
         self.group_gid: int | None = None
         self._closing = False
+        self._stopped = threading.Event()  # set by close: ends a backoff at once
 
     # -- set-up --
     def _check_directory(self) -> None:
@@ -295,6 +232,7 @@ class ControlServer:
 
     def close(self) -> None:
         self._closing = True
+        self._stopped.set()
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
@@ -308,13 +246,25 @@ class ControlServer:
 
     # -- serving --
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while not self._closing and self._sock is not None:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
+            except OSError as e:
                 if self._closing:
                     return
+                if e.errno not in OUT_OF_RESOURCES:
+                    continue
+                # Out of descriptors or memory: the client stays queued and accept fails at
+                # once again, so retrying at once spins a core. Wait, doubling, until it works.
+                if not backoff:
+                    self.log("control_accept_failed", level="error", error=str(e))
+                backoff = min(max(backoff * 2, ACCEPT_BACKOFF_S), ACCEPT_BACKOFF_MAX_S)
+                self._stopped.wait(backoff)
                 continue
+            if backoff:
+                self.log("control_accept_recovered")
+                backoff = 0.0
             try:
                 peer = peer_of(conn)
             except OSError:

@@ -1,0 +1,82 @@
+"""The control socket's accept loop when the daemon is out of descriptors: it waits, doubling,
+instead of spinning a core (issue 26: 99 % of a CPU), and serves again once descriptors free."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVER = """
+import json, os, resource, sys, time
+from pathlib import Path
+from kimi_supervisor.control.server import ControlServer
+from kimi_supervisor.control.protocol import Reply
+lines = []
+def handle(request, conn):
+    conn.send(Reply(ok=True, code="status", message="up"))
+server = ControlServer(Path(sys.argv[1]), "nogroup-kimi-test", handle,
+                       lambda event, **kw: lines.append(event))
+server.{start}()
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print("exhausted", flush=True)
+sys.stdin.readline()  # the client has connected and waited
+cpu = time.process_time()
+sys.stdin.readline()
+cpu = time.process_time() - cpu
+for fd in held:
+    os.close(fd)
+sys.stdin.readline()  # the client was served
+print(json.dumps({{"cpu_s": cpu, "events": lines}}), flush=True)
+"""
+
+
+def test_out_of_descriptors_the_accept_loop_waits_instead_of_spinning_and_then_serves() -> None:
+    from kimi_supervisor.control import server as control
+
+    start = "start" if hasattr(control.ControlServer, "start") else "open"
+    d = Path(tempfile.mkdtemp(prefix="kimi-accept-"))
+    path = d / "run" / "control.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER.format(start=start), str(path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline().strip() == "exhausted"
+        # A blocked accept holds a descriptor already: the first client gets it and keeps its
+        # connection; the second one waits in the queue, and accept fails with EMFILE.
+        first = socket.socket(socket.AF_UNIX)
+        first.connect(str(path))
+        client = socket.socket(socket.AF_UNIX)
+        client.settimeout(30)
+        client.connect(str(path))
+        client.sendall(b'{"v": 1, "cmd": "status"}\n')
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        time.sleep(1.0)  # a second of the server out of descriptors, a client waiting
+        proc.stdin.write("\n")  # measure, then free the descriptors
+        proc.stdin.flush()
+        reply = json.loads(client.makefile("rb").readline())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        result = json.loads(proc.stdout.readline())
+        first.close()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert reply["ok"], reply
+    assert result["cpu_s"] < 0.3, f"{result['cpu_s']:.2f} s of CPU in one second: it spun"
+    assert "control_accept_failed" in result["events"]
+    assert "control_accept_recovered" in result["events"]
