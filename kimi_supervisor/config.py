@@ -17,6 +17,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kimi_supervisor.model import Mode
+from kimi_supervisor.paths import nul_at, scratch_dir
+from kimi_supervisor.tomlwrite import to_toml
 
 # Every number is finite (allow_inf_nan=False below) and bounded: a duration beyond these is a
 # typo, and an unbounded one overflows the dates and deadlines computed from it.
@@ -111,15 +113,6 @@ class GpusConfig(_Strict):
         return self
 
 
-# Directories a leftovers folder may never be: what the system and its users keep there is not
-# vLLM's scratch, whatever its name.
-SYSTEM_DIRS = frozenset(
-    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32",
-     "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/usr",
-     "/var", "/var/lib", "/var/log", "/var/cache", "/usr/lib", "/usr/local", "/usr/bin"}
-)  # fmt: skip
-
-
 class TeardownConfig(_Strict):
     term_grace_s: PositiveSeconds = 30.0
     cgroup_kill_timeout_s: PositiveSeconds = 10.0
@@ -187,19 +180,7 @@ class TeardownConfig(_Strict):
     def _a_scratch_directory(cls, d: Path | None) -> Path | None:
         # The daemon removes entries there as root: a relative path would depend on its working
         # directory, and a system directory holds what nobody may remove by a name pattern.
-        if d is None:
-            return d
-        if not d.is_absolute():
-            raise ValueError(f"{str(d)!r} is relative: give an absolute path such as /dev/shm")
-        if "\0" in str(d):
-            raise ValueError("a path with a NUL byte")
-        norm = os.path.normpath(str(d))
-        if norm in SYSTEM_DIRS or norm.startswith(("/proc/", "/sys/")):
-            raise ValueError(
-                f"{norm!r} is a system directory: name the scratch directory vLLM writes to "
-                "(/dev/shm for shared memory, vLLM's TMPDIR for its sockets)"
-            )
-        return Path(norm)
+        return None if d is None else scratch_dir(d)
 
 
 class StateConfig(_Strict):
@@ -323,7 +304,7 @@ class Config(_Strict):
 
     def effective_toml(self) -> str:
         """The effective configuration, defaults included, as TOML."""
-        return _to_toml(self)
+        return to_toml(self)
 
 
 def _loc(loc: tuple[int | str, ...]) -> str:
@@ -351,7 +332,7 @@ def parse_config(text: str, source: str = "<config>") -> Config:
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
     try:
-        nul = _nul_at(raw)
+        nul = nul_at(raw)
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
     if nul is not None:
@@ -397,52 +378,3 @@ def load_config(path: Path | str) -> Config:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: cannot read: {e}") from None
     return parse_config(text, str(p))
-
-
-def _nul_at(value: object, where: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
-    """Where a string with a NUL byte is in the parsed TOML (a path cannot hold one)."""
-    if isinstance(value, str):
-        return where if "\0" in value else None
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for k, v in items:
-        found = _nul_at(v, (*where, k))
-        if found is not None:
-            return found
-    return None
-
-
-def _toml_value(v: object) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str | Path):
-        return json.dumps(str(v), ensure_ascii=False)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
-    raise TypeError(f"cannot write {type(v).__name__} as TOML")
-
-
-def _to_toml(model: BaseModel, prefix: str = "") -> str:
-    """Sub-models become [tables]; everything else is a key = value line. Unset optionals are
-    left out (TOML has no null)."""
-    lines: list[str] = []
-    tables: list[tuple[str, BaseModel]] = []
-    for name in type(model).model_fields:
-        value = getattr(model, name)
-        if isinstance(value, BaseModel):
-            tables.append((f"{prefix}.{name}" if prefix else name, value))
-        elif value is not None:
-            lines.append(f"{name} = {_toml_value(value)}")
-    out = ([f"[{prefix}]", *lines, ""] if prefix else [*lines, ""]) if lines else []
-    for table_name, sub in tables:
-        out.append(_to_toml(sub, table_name))
-    return "\n".join(out)

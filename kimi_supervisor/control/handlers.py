@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import pwd
-import threading
 from collections.abc import Iterator
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kimi_supervisor.control.peers import Readers
 from kimi_supervisor.control.protocol import (
     CaptureRequest,
     CaptureStopRequest,
@@ -47,33 +47,6 @@ def _who(conn: Connection) -> str:
 
 # A history reply carries the newest records up to this many bytes (`truncated` says so).
 HISTORY_MAX_BYTES = 16 * 2**20
-
-
-class Readers:
-    """How many history reads run at once: `per_user` per uid (root: two), `total` in all. A
-    flood from one member then costs a few readers' memory, and root's requests their time."""
-
-    def __init__(self, per_user: int = 1, total: int = 4) -> None:
-        self.per_user, self.total = per_user, total
-        self._held: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def take(self, uid: int) -> str | None:
-        with self._lock:
-            mine, everyone = self._held.get(uid, 0), sum(self._held.values())
-            mine_max = self.per_user * 2 if uid == 0 else self.per_user
-            if mine >= mine_max:
-                return f"uid {uid} already has {mine} history read(s) running; ask again"
-            if everyone >= self.total and uid != 0:
-                return f"{everyone} history reads are running; ask again in a moment"
-            self._held[uid] = mine + 1
-            return None
-
-    def give(self, uid: int) -> None:
-        with self._lock:
-            self._held[uid] -= 1
-            if not self._held[uid]:
-                del self._held[uid]
 
 
 class Handlers:
@@ -129,7 +102,7 @@ class Handlers:
 
             conn.send_parts(parts())
         finally:
-            self.readers.give(conn.peer.uid)
+            self.readers.give_back(conn.peer.uid)
 
     def _ask(self, command: Request) -> Reply:
         """Hand a command to the loop and wait for its answer."""
