@@ -42,6 +42,9 @@ class NoSystemd:
     def cgroup_pids(self, unit: str) -> list[int]:
         return []
 
+    def activated_at(self, unit: str) -> float | None:
+        return None
+
     def daemon_reload(self) -> None:
         pass
 

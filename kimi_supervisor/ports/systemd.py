@@ -47,6 +47,7 @@ class SystemdPort(Protocol):
     def kill(self, unit: str, who: Who, sig: int) -> None: ...
     def reset_failed(self, unit: str) -> None: ...
     def cgroup_pids(self, unit: str) -> list[int]: ...
+    def activated_at(self, unit: str) -> float | None: ...
     def daemon_reload(self) -> None: ...
     def jobs(self) -> dict[str, str]: ...
 
@@ -181,6 +182,12 @@ class PystemdSystemd:
     def reset_failed(self, unit: str) -> None:
         u = self._unit(unit)
         self._call(f"reset-failed {unit}", u.Unit.ResetFailed)
+
+    def activated_at(self, unit: str) -> float | None:
+        """When the unit last left `inactive` (epoch seconds; None if never, or unknown)."""
+        u = self._unit(unit)
+        usec = int(self._call(f"reading {unit}", lambda: u.Unit.InactiveExitTimestamp))
+        return usec / 1e6 if usec > 0 else None
 
     def cgroup_pids(self, unit: str) -> list[int]:
         u = self._unit(unit)

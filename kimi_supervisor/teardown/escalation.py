@@ -116,6 +116,13 @@ class Teardown:
             self._unit_active = False
         return not self._unit_active
 
+    def _activated_at(self) -> float | None:
+        """When vLLM's unit last started: what it left since then is its own."""
+        try:
+            return self.systemd.activated_at(self.unit)
+        except SystemdError:
+            return None
+
     def _listeners(self) -> dict[int, set[str]]:
         v = self.config.vllm
         return listeners(v.port, v.host, self._likely())
@@ -301,7 +308,7 @@ class Teardown:
         start = self.clock.monotonic()
         self.on_event(ev.TeardownStarted(self.unit))
         snapshot = self._snapshot = unit_tree(self.systemd, self.unit, self.on_event)
-        self._owner = leftovers.Owner.of(snapshot)  # vLLM's user, while its processes live
+        self._owner = leftovers.Owner.of(snapshot, self._activated_at())
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),

@@ -9,9 +9,9 @@ program). An entry is removed only if all of these hold:
 - it belongs to vLLM's user: the owner of vLLM's processes when the teardown began, else the
   unit's user as the teardown runs (root for the shipped unit), and everything inside a
   directory does too;
-- it is vLLM's by time: created or changed since vLLM's oldest process started (when the
-  teardown found vLLM running), or since boot; or its name carries a PID of vLLM's tree
-  (`<pid>-tp:0-0-cpushm_N` of the CPU build);
+- it is vLLM's by time: created or changed since its unit last left `inactive` (systemd's
+  InactiveExitTimestamp; else since vLLM's oldest process started, else since boot); or its
+  name carries a PID of vLLM's tree (`<pid>-tp:0-0-cpushm_N` of the CPU build);
 - no live process has it, or anything inside it, open, mapped or bound.
 Directories are judged by their contents (at most MAX_ENTRIES of them, links never followed);
 an entry that fails any rule is kept and reported.
@@ -49,15 +49,19 @@ class Owner:
     pids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
-    def of(cls, tree: list[ProcessRef]) -> Owner:
-        """From vLLM's processes when the teardown began; with none, the unit's user as this
-        teardown runs (its own uid) and this boot."""
+    def of(cls, tree: list[ProcessRef], activated_at: float | None = None) -> Owner:
+        """From vLLM's processes when the teardown began (their users) and when its unit last
+        left inactive (`activated_at`: everything vLLM made since, its API server's too, even
+        after that one died); without the unit's time, the oldest process's start, else this
+        boot. With no process, the unit's user as this teardown runs (its own uid)."""
         uids = {u for u in map(processes.uid_of, (r.pid for r in tree)) if u is not None}
-        boot = processes.boot_time()
-        if not uids or not tree:
-            return cls(frozenset({os.geteuid()}), boot)
-        since = min(processes.started_at(r) for r in tree)
-        return cls(frozenset(uids), since, frozenset(r.pid for r in tree))
+        if activated_at is not None:
+            since = activated_at
+        elif tree:
+            since = min(processes.started_at(r) for r in tree)
+        else:
+            since = processes.boot_time()
+        return cls(frozenset(uids or {os.geteuid()}), since, frozenset(r.pid for r in tree))
 
     def why_not(self, path: Path, st: os.stat_result) -> str | None:
         """Why `path` (lstat `st`) is not provably vLLM's; None if it is."""

@@ -196,6 +196,9 @@ class FakeSystemd:
         with self._lock:
             self.stopped = True
 
+    def activated_at(self, unit: str) -> float | None:
+        return None
+
     def cgroup_pids(self, unit: str) -> list[int]:
         c = self.child
         return [c.pid] if c is not None and c.poll() is None else []
