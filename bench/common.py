@@ -6,7 +6,9 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import signal
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -67,3 +69,17 @@ def write_section(doc: Path, name: str, body: str) -> None:
     else:
         text += f"\n{section}\n"
     doc.write_text(text)
+
+
+def grow_idle(idle: list[subprocess.Popen[bytes]], n: int) -> None:
+    """Start `sleep` children until `idle` holds `n`: idle processes for a scan to wade through."""
+    while len(idle) < n:
+        idle.append(subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL))
+
+
+def reap_idle(idle: list[subprocess.Popen[bytes]]) -> None:
+    """End and reap what `grow_idle` started (in a `finally`: also on failure)."""
+    for p in idle:
+        p.send_signal(signal.SIGKILL)
+    for p in idle:
+        p.wait()

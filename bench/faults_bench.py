@@ -25,6 +25,7 @@ from pathlib import Path
 from bench.common import machine, poll
 from bench.common import main as bench_main
 from kimi_supervisor.control.client import exchange
+from kimi_supervisor.sandbox.floods import HISTORY_FLOOD, rss_mb
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 
 FLOOD = """
@@ -96,26 +97,6 @@ def history_read(size_mb: int) -> tuple[float, float]:
     return took, grown_kb / 1024
 
 
-HISTORY_FLOOD = """
-import json, socket, sys, threading
-path, n = sys.argv[1], int(sys.argv[2])
-codes = []
-def one():
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(120)
-        s.connect(path)
-        s.sendall(b'{"v": 1, "cmd": "history", "n": 10000}\\n')
-        line = s.makefile("rb").readline()
-        codes.append(json.loads(line)["code"] if line else "closed")
-threads = [threading.Thread(target=one) for _ in range(n)]
-for t in threads:
-    t.start()
-print("started", flush=True)
-for t in threads:
-    t.join()
-print(json.dumps(codes), flush=True)
-"""
-
 OUTPUT = """
 import os, resource, sys
 from pathlib import Path
@@ -132,13 +113,6 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 """
 
 
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def history_flood(sb: Sandbox, readers: int = 60) -> tuple[list[float], float, float, list[str]]:
     """`readers` concurrent `history n=10000` from uid 65534 against a 60 MB history: root's
     status times meanwhile, the daemon's RSS before and at its peak, the replies' codes."""
@@ -148,7 +122,7 @@ def history_flood(sb: Sandbox, readers: int = 60) -> tuple[list[float], float, f
         f.write(record * 10_000)
     shown = sb.manager.systemctl("show", "--property=MainPID", "--value", DAEMON_UNIT)
     pid = int(shown.stdout.strip())
-    before = peak = _rss_mb(pid)
+    before = peak = rss_mb(pid)
     flood = subprocess.Popen(
         ["setpriv", "--reuid=65534", "--regid=65534", "--groups=100", sys.executable, "-c",
          HISTORY_FLOOD, str(config.control.socket), str(readers)],
@@ -162,7 +136,7 @@ def history_flood(sb: Sandbox, readers: int = 60) -> tuple[list[float], float, f
             replies = [m for _raw, m in exchange(config.control.socket, {"cmd": "status"}, 10)]
             took.append(time.perf_counter() - t0)
             assert replies[0]["ok"], replies
-            peak = max(peak, _rss_mb(pid))
+            peak = max(peak, rss_mb(pid))
         codes: list[str] = json.loads(flood.stdout.read())
     finally:
         if flood.poll() is None:

@@ -8,7 +8,6 @@ The idle processes are `sleep` children of this benchmark, reaped at the end (al
 
 from __future__ import annotations
 
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -16,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import fmt_ms, machine
+from bench.common import fmt_ms, grow_idle, machine, reap_idle
 from bench.common import main as bench_main
 from bench.teardown_bench import Bench
 from kimi_supervisor.ports import processes
@@ -67,8 +66,7 @@ def scans(runs: int) -> list[str]:
         indices = list(range(8))
         paths = [gpu.device_path(i) for i in indices]
         for extra in (1_000, 5_000, 10_000):
-            while len(idle) < extra:
-                idle.append(subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL))
+            grow_idle(idle, extra)
             total = len(processes.all_pids())
 
             def normal_path() -> None:
@@ -100,10 +98,7 @@ def scans(runs: int) -> list[str]:
         gpu.close()
         b.reset([])
     finally:
-        for p in idle:
-            p.send_signal(signal.SIGKILL)
-        for p in idle:
-            p.wait()
+        reap_idle(idle)
         sb.down()
     return rows
 

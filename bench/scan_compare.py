@@ -14,14 +14,13 @@ are `sleep` children of this benchmark, reaped at the end (also on failure).
 from __future__ import annotations
 
 import json
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import fmt_ms, machine
+from bench.common import fmt_ms, grow_idle, machine, reap_idle
 from bench.common import main as bench_main
 from bench.teardown_bench import Bench
 from kimi_supervisor.ports import processes
@@ -77,8 +76,7 @@ def run(runs: int, base: str = BASE) -> str:
         paths = [gpu.device_path(i) for i in range(8)]
         files = paths + [str(p) for p in simgpu.shared_files(sb.gpu_dir)]
         gpu.close()
-        while len(idle) < IDLE:
-            idle.append(subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL))
+        grow_idle(idle, IDLE)
         total = len(processes.all_pids())
         times: dict[str, list[float]] = {"base": [], "head": []}
         for _ in range(runs):  # in turn, so that a noisy moment hits both
@@ -86,10 +84,7 @@ def run(runs: int, base: str = BASE) -> str:
             times["head"] += measure(CHECKOUT, files, paths, sb.gpu_dir)
         b.reset([])
     finally:
-        for p in idle:
-            p.send_signal(signal.SIGKILL)
-        for p in idle:
-            p.wait()
+        reap_idle(idle)
         sb.down()
         subprocess.run([*git, "remove", "--force", str(old)], check=False)
     ratio = statistics.median(times["head"]) / statistics.median(times["base"])

@@ -60,7 +60,7 @@ class GpuView:
         # Listed PIDs seen alive with their GPU's device file open (rung 1), and when they died.
         self.alive_listed: dict[int, ProcessRef] = {}
         self._died_at: dict[int, float] = {}
-        self._others_listed = FirstListed(self.listed_since)
+        self._others_listed = FirstListed()  # the unmanaged GPUs, sampled by listed_anywhere
 
     # -- observation --
     def sample(self) -> list[DeviceReading]:

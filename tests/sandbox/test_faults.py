@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.sandbox.floods import HISTORY_FLOOD, rss_mb
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
 from ..conftest import DaemonHelper, SandboxHelper, as_user, wait_until
@@ -473,34 +474,6 @@ def test_a_full_disk_at_boot_serves_from_memory_says_so_and_writes_once_there_is
         subprocess.run([*ns, "umount", "-l", str(state_dir)], check=False, timeout=30)
 
 
-HISTORY_FLOOD = """
-import json, socket, sys, threading
-path, n = sys.argv[1], int(sys.argv[2])
-codes = []
-def one():
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(120)
-        s.connect(path)
-        s.sendall(b'{"v": 1, "cmd": "history", "n": 10000}\\n')
-        line = s.makefile("rb").readline()
-        codes.append(json.loads(line)["code"] if line else "closed")
-threads = [threading.Thread(target=one) for _ in range(n)]
-for t in threads:
-    t.start()
-print("started", flush=True)
-for t in threads:
-    t.join()
-print(json.dumps(codes), flush=True)
-"""
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_root(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
@@ -513,7 +486,7 @@ def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_ro
     daemon.start()
     daemon.wait_serving("production")
     pid = daemon.pid()
-    before = peak = _rss_mb(pid)
+    before = peak = rss_mb(pid)
     flood = subprocess.Popen(
         [*as_user(*MEMBER), "-c", HISTORY_FLOOD, str(daemon.socket), "60"],
         stdout=subprocess.PIPE, text=True,
@@ -526,7 +499,7 @@ def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_ro
             t0 = time.monotonic()
             assert daemon.status()["state"] == "serving"
             took.append(time.monotonic() - t0)
-            peak = max(peak, _rss_mb(pid))
+            peak = max(peak, rss_mb(pid))
         codes = json.loads(flood.stdout.read())
     finally:
         if flood.poll() is None:
