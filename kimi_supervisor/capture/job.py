@@ -2,7 +2,8 @@
 
     POST /start_profile -> record (S seconds, or until stopped) -> POST /stop_profile, waiting for
     the flush while the trace files grow -> the new files moved into the capture's own folder ->
-    each rank's trace summarized (summary.json beside them) -> retention of older captures.
+    each rank's trace summarized (summary.json beside them) -> retention of older captures
+    (capture/retention.py).
 
 It reports through the event bus (events carry `capture`: its id) and hands its end to the loop
 (`on_done`), which then goes back to production unless told to stay. It changes no daemon state.
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import stat
 import threading
 import time
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.capture import ranks as capturesummary
+from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import SUMMARY, CapturePhase, utcnow
@@ -103,35 +104,6 @@ def _files(d: Path) -> dict[str, tuple[int, int]]:
     except FileNotFoundError:
         pass
     return out
-
-
-def captures(captures_dir: Path) -> list[Path]:
-    """Capture folders, oldest first (their names start with the UTC time they began)."""
-    try:
-        return sorted(p for p in captures_dir.iterdir() if p.is_dir() and p.name[:1].isdigit())
-    except FileNotFoundError:
-        return []
-
-
-def _size(d: Path) -> int:
-    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-
-
-def retention(captures_dir: Path, keep: int, max_total_gb: float) -> list[str]:
-    """Remove the oldest captures beyond `keep`, then beyond `max_total_gb`; returns what went."""
-    removed = []
-    folders = captures(captures_dir)
-    while len(folders) > keep:
-        old = folders.pop(0)
-        shutil.rmtree(old, ignore_errors=True)
-        removed.append(str(old))
-    if max_total_gb > 0:
-        sizes = {f: _size(f) for f in folders}
-        while len(folders) > 1 and sum(sizes[f] for f in folders) > max_total_gb * 1e9:
-            old = folders.pop(0)
-            shutil.rmtree(old, ignore_errors=True)
-            removed.append(str(old))
-    return removed
 
 
 class Capture:
@@ -257,7 +229,9 @@ class Capture:
         flushed = time.monotonic() - t0
         new = self._new_files(trace_dir, before)
         spec = self.spec
-        if spec.out is not None and spec.out_fd is not None:
+        into_captures_dir = spec.out is None or spec.out_fd is None
+        if not into_captures_dir:
+            assert spec.out is not None and spec.out_fd is not None
             folder, parent_fd = spec.out / self.id, os.dup(spec.out_fd)
         else:
             p.captures_dir.mkdir(parents=True, exist_ok=True)
@@ -268,6 +242,8 @@ class Capture:
             fd = os.open(self.id, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
         finally:
             os.close(parent_fd)
+        if into_captures_dir:
+            retention.record(p.captures_dir, self.id)
         files: list[dict[str, Any]] = []
         summary: dict[str, Any] | None = None
         try:
@@ -281,7 +257,9 @@ class Capture:
         finally:
             os.close(fd)
         self.folder = folder
-        removed = retention(p.captures_dir, p.keep_captures, p.max_total_gb)
+        removed = retention.retention(
+            p.captures_dir, p.keep_captures, p.max_total_gb, newest=self.id
+        )
         for old in removed:
             self.log("capture_removed", folder=old, why="retention")
         total = sum(new.values())

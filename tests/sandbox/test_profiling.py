@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kimi_supervisor.capture.retention import oldest_first
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.systemd
 
 
 def captures(sandbox: SandboxHelper) -> list[Path]:
-    return sorted(p for p in sandbox.config.profiling.captures_dir.glob("*") if p.is_dir())
+    return oldest_first(sandbox.config.profiling.captures_dir)
 
 
 def state_file(sandbox: SandboxHelper) -> dict[str, Any]:
@@ -194,13 +195,22 @@ def test_retention_keeps_the_newest_captures_and_logs_what_it_removed(
     sandbox: SandboxHelper, profiling: DaemonHelper
 ) -> None:
     sandbox.fake(profile_flush_s=0.1)
-    made = []
+    # Two captures taken while the clock was a century ahead: their names sort after every
+    # capture taken now, and yet they are the oldest, and go first.
+    ahead = sandbox.config.profiling.captures_dir
+    ahead.mkdir(parents=True, exist_ok=True)
+    for name in ("21261201T100000.000Z", "21261201T110000.000Z"):
+        (ahead / name).mkdir()
+    (ahead / "notes.txt").write_text("an operator's file")
+    made = [ahead / "21261201T100000.000Z", ahead / "21261201T110000.000Z"]
     for _ in range(4):  # profiling.keep_captures = 3 in the sandbox
         r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay")
         assert r.returncode == 0, r.stdout + r.stderr
         made.append(captures(sandbox)[-1])
-    assert captures(sandbox) == made[1:]
-    assert f"removed by retention: {made[0]}" in r.stdout
+        assert f"traces in {made[-1]}" in r.stdout, r.stdout  # the one just taken is kept
+    assert captures(sandbox) == made[-3:]  # the newest three, by when they were made
+    assert (ahead / "notes.txt").exists()
+    assert f"removed by retention: {made[2]}" in r.stdout  # the last one took the first taken
     assert '"capture_removed"' in profiling.log()
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.capture.job import retention
+from kimi_supervisor.capture.retention import oldest_first, record, retention
 from kimi_supervisor.cli.kimi_mode import parse_duration
 from kimi_supervisor.control.protocol import ProtocolError, SwitchRequest, parse_request
 from kimi_supervisor.decide import policy
@@ -175,11 +175,53 @@ def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_pa
         d = tmp_path / f"20261130T10000{i}.000Z"
         d.mkdir()
         (d / "rank0.pt.trace.json.gz").write_bytes(b"x" * 1000 * (i + 1))
-    removed = retention(tmp_path, keep=3, max_total_gb=0)
+    removed = retention(tmp_path, keep=3, max_total_gb=0, newest="20261130T100004.000Z")
     assert [Path(r).name[:15] for r in removed] == ["20261130T100000", "20261130T100001"]
-    removed = retention(tmp_path, keep=3, max_total_gb=9e-6)  # 9 kB: only the newest two fit
-    assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]
-    assert len(list(tmp_path.iterdir())) == 2
+    removed = retention(tmp_path, keep=3, max_total_gb=9e-6, newest="20261130T100004.000Z")
+    assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]  # 9 kB: the newest two fit
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir())[0][:15] == "20261130T100003"
+
+
+def test_after_the_clock_steps_back_retention_removes_the_oldest_made_never_the_capture_just_taken(
+    tmp_path: Path,
+) -> None:
+    made = ["20261201T110000.000Z", "20261201T111000.000Z", "20261201T112000.000Z"]
+    made += ["20261201T100000.000Z"]  # the clock went back an hour and a half
+    for name in made:
+        (tmp_path / name).mkdir()
+        record(tmp_path, name)
+        retention(tmp_path, keep=3, max_total_gb=0, newest=name)
+    assert [p.name for p in oldest_first(tmp_path)] == made[1:]
+    (tmp_path / "20261201T100500.000Z").mkdir()  # and one more, five minutes later
+    record(tmp_path, "20261201T100500.000Z")
+    removed = retention(tmp_path, keep=3, max_total_gb=0, newest="20261201T100500.000Z")
+    assert [Path(r).name for r in removed] == ["20261201T111000.000Z"]
+    # Even when the size cap alone would take it, the capture just taken stays.
+    (tmp_path / "20261201T100500.000Z" / "rank0.json").write_bytes(b"x" * 5000)
+    assert retention(tmp_path, keep=3, max_total_gb=1e-6, newest="20261201T100500.000Z")
+    assert [p.name for p in oldest_first(tmp_path)] == ["20261201T100500.000Z"]
+
+
+def test_retention_removes_only_capture_folders_never_a_link_or_what_else_is_there(
+    tmp_path: Path,
+) -> None:
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not a capture")
+    captures_dir = tmp_path / "captures"
+    captures_dir.mkdir()
+    (captures_dir / "20261201T090000.000Z").symlink_to(outside)  # a link named as a capture
+    (captures_dir / "notes").mkdir()
+    (captures_dir / "20261201T090000.000Z.bak").mkdir()
+    (captures_dir / "20261201T080000.000Z").mkdir()  # made before the order was kept
+    for name in ("20261201T100000.000Z", "20261201T110000.000Z"):
+        (captures_dir / name).mkdir()
+        record(captures_dir, name)
+    removed = retention(captures_dir, keep=1, max_total_gb=0, newest="20261201T110000.000Z")
+    assert [Path(r).name for r in removed] == ["20261201T080000.000Z", "20261201T100000.000Z"]
+    assert (outside / "keep.txt").exists() and (captures_dir / "notes").is_dir()
+    assert (captures_dir / "20261201T090000.000Z.bak").is_dir()
+    assert (captures_dir / "20261201T090000.000Z").is_symlink()
 
 
 def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_last_intrusion() -> (
