@@ -57,10 +57,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         c.idle_timeout_s,
     )
     try:
-        server.start()
+        server.listen()  # the lock first: a second daemon touches no state
     except ControlError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
         return EXIT_FAILED
+    emit(
+        "daemon_starting",
+        pid=os.getpid(),
+        config=str(config_path(args.config)),
+        socket=str(c.socket),
+    )
+    try:
+        # The state is read before anything is answered: a status asked for meanwhile waits in
+        # the socket's queue, and the metrics are not served yet, rather than show the defaults.
+        daemon.boot()
+    except BaseException:
+        server.close()
+        raise
+    server.serve()
     if metrics is not None:
         try:
             metrics.serve(config.metrics.address, config.metrics.port)
@@ -71,14 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 message=f"cannot listen on {config.metrics.address}:{config.metrics.port}: {e}",
             )
     install_signal_handlers(daemon)
-    emit(
-        "daemon_starting",
-        pid=os.getpid(),
-        config=str(config_path(args.config)),
-        socket=str(c.socket),
-    )
     try:
-        daemon.boot()
         daemon.loop()
         if daemon.s.reexec_requested and not daemon.s.stop_requested:
             emit("reexec", message="re-executing; vLLM keeps running and is adopted")

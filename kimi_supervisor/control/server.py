@@ -192,6 +192,13 @@ class ControlServer:
         self._lock_fd = fd
 
     def start(self) -> None:
+        self.listen()
+        self.serve()
+
+    def listen(self) -> None:
+        """Take the daemon's lock and listen: a second daemon stops here, and a client that
+        connects from now on waits in the kernel's queue until `serve` (the daemon answers
+        nothing before it has read its state)."""
         self._check_directory()
         self._take_lock()
         try:
@@ -228,6 +235,9 @@ class ControlServer:
         os.chmod(self.path, 0o660 if self.group_gid is not None else 0o600)
         sock.listen(512)  # a burst of clients waits in the kernel's queue, not refused
         self._sock = sock
+
+    def serve(self) -> None:
+        """Answer clients, on a thread of its own."""
         threading.Thread(target=self._accept_loop, daemon=True, name="control-accept").start()
 
     def close(self) -> None:

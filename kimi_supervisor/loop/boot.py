@@ -16,9 +16,10 @@ from kimi_supervisor.store.state import with_baseline
 
 def load_state(ctx: Context) -> None:
     """The desired mode, profile expiry and an interrupted transition, from state.json. A
-    corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used."""
+    corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used.
+    Nothing is answered before this (cli/run.py): status never shows a mode not yet read."""
     s = ctx.s
-    st, warning = ctx.store.read()
+    st, warning = ctx.store.read_settled()
     ctx.saved, ctx.saved_stamp = st, ctx.stamp()
     if warning:
         ctx.warn(warning)

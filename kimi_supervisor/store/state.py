@@ -186,6 +186,12 @@ class StateStore:
             first = str(e).splitlines()[0][:200]
             return PersistedState(), self._move_aside(f"it is not a valid state ({first})")
 
+    def read_settled(self) -> tuple[PersistedState, str | None]:
+        """`read` once no writer holds the lock: a daemon that starts while `kimi-supervisor
+        calibrate` is writing boots from what it wrote."""
+        with self._locked():
+            return self.read()
+
     def _move_aside(self, why: str) -> str:
         aside = self.path.with_name(f"state.json.corrupt-{utcnow():%Y%m%dT%H%M%S.%fZ}")
         os.rename(self.path, aside)  # renames a symlink itself, never its target

@@ -5,6 +5,7 @@ the fault against the real daemon under the sandbox's systemd, then checks what 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -516,3 +517,49 @@ def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_ro
     (reply,) = daemon.request({"cmd": "history", "n": 10000}, 60)
     assert reply["ok"] and reply["data"]["truncated"] is True  # type: ignore[index]
     assert len(reply["data"]["entries"]) < 10_000  # type: ignore[index,arg-type]
+
+
+def test_a_restarted_daemon_answers_status_only_once_it_has_read_the_desired_mode(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    from kimi_supervisor.control.client import exchange
+
+    daemon.start()
+    daemon.wait_serving("production")
+    assert daemon.kimi_mode("profile").returncode == 0
+    daemon.wait_serving("profile")
+    daemon.override("Restart=no\n")
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to die")
+    sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
+    answers: list[dict[str, object]] = []
+
+    def ask() -> None:
+        answers.extend(msg for _raw, msg in exchange(daemon.socket, {"cmd": "status"}, 30))
+
+    # A calibrate writing as the daemon starts holds the state's lock: the new daemon listens,
+    # and a status asked for then waits for the state, never answering with the defaults.
+    fd = os.open(sandbox.config.state.dir / "state.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        daemon.start(wait=False)
+        wait_until(lambda: _connects(daemon.socket), 20, "the new daemon to listen")
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        asker.join(1.0)
+        assert asker.is_alive() and not answers, answers  # waiting, not answered from defaults
+    finally:
+        os.close(fd)  # the calibrate is done
+    asker.join(20)
+    (reply,) = answers
+    assert reply["ok"] and reply["data"]["desired_mode"] == "profile", reply  # type: ignore[index]
+    daemon.wait_serving("profile")
+
+
+def _connects(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
