@@ -307,7 +307,7 @@ class DaemonHelper:
         store = StateStore(self.config.state.dir)
         store.update(lambda st: with_transition(with_desired(st, Mode(desired), "test"), None))
         (self.config.state.dir / "history.jsonl").unlink(missing_ok=True)
-        for aside in self.config.state.dir.glob("state.json.corrupt-*"):
+        for aside in self.config.state.dir.glob("state.json.[co][ou]*-*"):  # corrupt, outside
             aside.unlink()
 
     def override(self, text: str) -> None:

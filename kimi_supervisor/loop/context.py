@@ -27,9 +27,11 @@ from kimi_supervisor.ports.output import OutputPort
 from kimi_supervisor.ports.systemd import SystemdPort
 from kimi_supervisor.store import history
 from kimi_supervisor.store.state import (
+    DAEMON_FIELDS,
     PersistedState,
     StateError,
     StateStore,
+    changed_outside,
     with_desired,
     with_transition,
 )
@@ -101,8 +103,10 @@ class Context:
         again at the next pass (`flush`). With `must`, it raises StateError instead, so that the
         caller refuses what it was asked before any effect. A file found corrupt is rewritten
         from what the daemon last knew, and recorded."""
+        kept: list[tuple[list[str], Mode, str]] = []
+        restore = self._restoring(kept)
         try:
-            new, warning = self.store.update(change, self.saved)
+            new, warning = self.store.update(lambda found: change(restore(found)), self.saved)
         except (StateError, OSError) as e:
             if must:
                 raise StateError(str(e)) from e
@@ -113,6 +117,7 @@ class Context:
         self.saved_stamp = self.stamp()
         self.unsaved_state = False
         self.unwarn("cannot persist the state")
+        self._report_outside(kept)
         if warning:
             self.warn(warning)
             self.log("state_file_corrupt", level="error", message=warning)
@@ -140,7 +145,43 @@ class Context:
             self.log("state_file_missing", level="error", message=what)
             self.incident({"at": utcnow().isoformat(), "what": what})
         elif now != self.saved_stamp:
-            self.persist(lambda st: st)
+            self.persist(lambda st: st)  # a calibrate's baseline taken; see _restoring
+
+    def _restoring(
+        self, kept: list[tuple[list[str], Mode, str]]
+    ) -> Callable[[PersistedState], PersistedState]:
+        """What every write of the state first does with the file found (under its lock).
+
+        state.json changed, and not by this daemon: a new baseline (a calibrate) is taken as
+        written. What only the daemon writes (DAEMON_FIELDS: the desired mode above all) found
+        changed is not taken: the daemon goes on with what it knows, which is what runs; the
+        file found is kept beside as state.json.outside-TIME (`kept`), and state.json written
+        again from memory. Taking it silently would switch at the next restart, with nobody
+        having asked the daemon. Not when the file on disk is known to be behind (a write that
+        failed) or is gone (verify_state reports that)."""
+        known, behind = self.saved, self.unsaved_state
+
+        def restore(found: PersistedState) -> PersistedState:
+            fields = changed_outside(known, found)
+            if not fields or behind or not self.store.path.exists():
+                return found
+            aside = self.store.keep_aside("outside")
+            kept.append((fields, found.desired_mode, str(aside)))
+            return found.model_copy(update={f: getattr(known, f) for f in DAEMON_FIELDS})
+
+        return restore
+
+    def _report_outside(self, kept: list[tuple[list[str], Mode, str]]) -> None:
+        for fields, mode, aside in kept:
+            what = (
+                f"{self.store.path} was changed outside the daemon ({', '.join(fields)}; "
+                f"desired mode {mode.value} there, {self.saved.desired_mode.value} here): not "
+                f"taken, kept as {aside} and written again from the daemon's state. To change "
+                "the mode, use kimi-mode"
+            )
+            self.warn(what)
+            self.log("state_file_changed", level="error", message=what, fields=fields)
+            self.incident({"at": utcnow().isoformat(), "what": what})
 
     def _unsaved(self, file: str, message: str) -> None:
         self.log("persist_failed", level="error", file=file, message=message)

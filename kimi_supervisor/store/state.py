@@ -90,6 +90,24 @@ class PersistedState(BaseModel):
     profile_until_changed_at: datetime | None = None
 
 
+# What only the daemon writes while it runs (kimi-mode's requests, its transitions, profile
+# expiry); the baseline is also written by `kimi-supervisor calibrate`.
+DAEMON_FIELDS = (
+    "desired_mode",
+    "desired_changed_at",
+    "desired_by",
+    "transition",
+    "transition_changed_at",
+    "profile_until",
+    "profile_until_changed_at",
+)
+
+
+def changed_outside(known: PersistedState, found: PersistedState) -> list[str]:
+    """The fields only the daemon writes that differ between what it knows and what is found."""
+    return [f for f in DAEMON_FIELDS if getattr(known, f) != getattr(found, f)]
+
+
 def untrusted(st: os.stat_result, what: str) -> str | None:
     """Why a state directory or file must not be trusted, as sshd's StrictModes judges: it is
     owned by another user than the daemon's, or others (or its group) may write it."""
@@ -191,6 +209,13 @@ class StateStore:
         calibrate` is writing boots from what it wrote."""
         with self._locked():
             return self.read()
+
+    def keep_aside(self, tag: str) -> Path:
+        """A second name for state.json as it is now (state.json.TAG-TIME), which the next
+        write then leaves in place: kept whole, with no moment without a state.json."""
+        aside = self.path.with_name(f"state.json.{tag}-{utcnow():%Y%m%dT%H%M%S.%fZ}")
+        os.link(self.path, aside, follow_symlinks=False)
+        return aside
 
     def _move_aside(self, why: str) -> str:
         aside = self.path.with_name(f"state.json.corrupt-{utcnow():%Y%m%dT%H%M%S.%fZ}")

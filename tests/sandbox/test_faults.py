@@ -556,6 +556,37 @@ def test_a_restarted_daemon_answers_status_only_once_it_has_read_the_desired_mod
     daemon.wait_serving("profile")
 
 
+def test_a_valid_state_file_rewritten_behind_the_daemon_is_kept_aside_shown_and_never_acted_on(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm = daemon.vllm_pid()
+    path = sandbox.config.state.dir / "state.json"
+    edited = json.loads(path.read_text()) | {"desired_mode": "profile", "desired_by": "vi"}
+    tmp = path.with_name("state.json.swp")
+    tmp.write_text(json.dumps(edited))
+    tmp.rename(path)  # as an editor saves it
+
+    def warnings() -> list[str]:
+        return [w for w in daemon.status()["warnings"] if "changed outside the daemon" in w]
+
+    wait_until(warnings, 15, "the daemon to notice")
+    (warning,) = warnings()
+    assert "desired mode profile there, production here" in warning, warning
+    (aside,) = sandbox.config.state.dir.glob("state.json.outside-*")
+    assert json.loads(aside.read_text())["desired_by"] == "vi"  # the edit is kept, whole
+    assert json.loads(path.read_text())["desired_mode"] == "production"
+    assert any("changed outside" in e.get("what", "") for e in daemon.history())
+    # A restart goes on serving what ran: no switch nobody asked the daemon for.
+    pid = daemon.pid()
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.pid() not in (0, pid), 20, "the daemon to be restarted")
+    daemon.wait_serving("production")
+    assert daemon.vllm_pid() == vllm
+    assert not [t for t in daemon.transitions() if t["target"] == "profile"]
+
+
 def _connects(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
