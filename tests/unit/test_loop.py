@@ -4,9 +4,12 @@ start, a STUCK teardown, a capture and a reload; each runs in a fraction of a se
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -256,3 +259,44 @@ def test_a_summary_that_never_ends_holds_no_switch(
         assert capture.phase == "summarizing", "the switch did not wait for the summary"
     finally:
         release.set()
+
+
+def test_descriptors_running_out_in_a_teardown_make_it_stuck_and_retried_never_end_the_loop(
+    host: LoopHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 26: EMFILE inside a teardown ended the loop. Here the process really runs out of
+    descriptors (RLIMIT_NOFILE) as the teardown begins, on the teardown's thread."""
+    import resource
+
+    from kimi_supervisor.teardown.escalation import Teardown
+
+    booted(host)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    real_run = Teardown.run
+
+    def run_out_of_descriptors(td: Teardown) -> Any:
+        if not fillers:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (3, hard))  # no new descriptor at all
+            with contextlib.suppress(OSError):
+                while True:  # 0, 1 and 2 taken, should one of them be free
+                    fillers.append(os.open(os.devnull, os.O_RDONLY))
+            fillers.append(-1)
+        return real_run(td)
+
+    def give_back() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in fillers:
+            if fd >= 0:
+                os.close(fd)
+
+    monkeypatch.setattr(Teardown, "run", run_out_of_descriptors)
+    try:
+        host.ask(Switch(Mode.PROFILE, "op"))
+        host.until(lambda: host.state is State.STUCK, "the teardown to fail")
+    finally:
+        give_back()
+    report = host.status()["last_teardown"]
+    assert "Too many open files" in report["diagnosis"], report
+    assert any(ln["event"] == "teardown_crashed" for ln in host.lines)
+    host.serving(Mode.PROFILE)  # the retry, with descriptors again, goes through
