@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
 import json
 import os
 import signal
@@ -25,69 +24,27 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, fields
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from multiprocessing import resource_tracker
-from pathlib import Path
 from typing import Any
 
 from setproctitle import setproctitle
 
 from kimi_supervisor.sandbox import holder
-from kimi_supervisor.sandbox.fake_traces import trace, trace_name
+from kimi_supervisor.sandbox.fake_api import EngineLink, Server, _handler
+from kimi_supervisor.sandbox.fake_options import FakeOptions, log
 
-
-@dataclass
-class FakeOptions:
-    load_s: float = 1.0  # time to "load the safetensors shards"
-    shards: int = 64
-    graph_capture_s: float = 0.2
-    mib_per_worker: int = 90_000
-    ignore_sigterm: bool = False  # every process of the tree ignores SIGTERM
-    # The API server's orderly shutdown takes this long: real vLLM 0.16 took 0.3 to 3.6 s from
-    # SIGTERM to its whole tree gone (CPU build, tensor parallel 2; tests/vllm_0_16.py).
-    shutdown_delay_s: float = 0.3
-    crash_during_load_at: int | None = None  # percent of shards: exit 1 there
-    hang_during_load_at: int | None = None  # percent of shards: stop making progress
-    # The two faults above hit only a vLLM started with --profiler-config (profile mode).
-    load_faults_only_when_profiling: bool = False
-    # A detached process started by worker 0 that escapes the unit's cgroup and keeps memory.
-    ghost_title: str | None = None
-    ghost_mib: int = 0
-    ghost_cgroup_procs: list[str] = field(default_factory=list)
-    profile_flush_s: float = 0.5
-    # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).
-    profiler_fault: str | None = None
-    devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i
-    # The trace names of vLLM 0.16 (`<id>-rank-N.<ts>.pt.trace.json.gz`) or 0.32 (`rankN.<ts>...`)
-    trace_naming: str = "0.16"
-
-    @classmethod
-    def load(cls) -> FakeOptions:
-        path = os.environ.get("KIMI_FAKE_VLLM_CONFIG", "")
-        if not path or not Path(path).exists():
-            return cls()
-        raw = json.loads(Path(path).read_text() or "{}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise SystemExit(f"{path}: unknown fake vLLM option(s): {', '.join(sorted(unknown))}")
-        return cls(**raw)
-
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self)))
-
-
-def log(msg: str) -> None:
-    stamp = time.strftime("%m-%d %H:%M:%S")
-    print(f"INFO {stamp} [fake_vllm] {msg}", flush=True)
+__all__ = ["FakeOptions", "main"]
 
 
 # -- workers and engine core ---------------------------------------------------------------------
-def _child(role: str, *args: str, keep: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+def _child(
+    role: str, *args: str, keep: tuple[int, ...] = (), talk: bool = False
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "kimi_supervisor.sandbox.fake_vllm", role, *args],
         stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE if talk else None,
         pass_fds=keep,
     )
 
@@ -162,6 +119,15 @@ def _spawn_ghost(opts: FakeOptions) -> None:
     _wait_line(ghost, b"ready")
 
 
+def _generate() -> None:
+    """The API server's requests, one at a time: `gen N` -> N tokens (1 ms each) -> `done N`."""
+    for line in sys.stdin.buffer:
+        n = int(line.split()[1])
+        time.sleep(n / 1000)
+        sys.stdout.buffer.write(f"done {n}\n".encode())
+        sys.stdout.flush()
+
+
 def engine_main(tp: int) -> None:
     opts = FakeOptions.load()
     setproctitle("VLLM::EngineCore")
@@ -172,119 +138,12 @@ def engine_main(tp: int) -> None:
     pids = [_wait_line(w, b"ready") for w in workers]
     sys.stdout.buffer.write(b"ready " + b" ".join(pids) + b"\n")
     sys.stdout.flush()
+    threading.Thread(target=_generate, daemon=True).start()
     stop.wait()
     for w in workers:
         w.terminate()
     for w in workers:
         w.wait()
-
-
-# -- the API server ------------------------------------------------------------------------------
-class Server:
-    def __init__(self, args: argparse.Namespace, opts: FakeOptions) -> None:
-        self.args = args
-        self.opts = opts
-        self.ready = threading.Event()
-        self.profiling = False
-        self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
-        self.lock = threading.Lock()
-        self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
-        self.worker_pids: list[int] = []
-
-    def _fault(self) -> tuple[int, dict[str, Any]] | None:
-        fault = FakeOptions.load().profiler_fault
-        if fault == "hang":
-            time.sleep(60)
-        if fault == "404" or self.profiler is None:
-            return 404, {"detail": "Not Found"}
-        if fault == "500":
-            return 500, {"detail": "CUDA error: an illegal memory access was encountered"}
-        return None
-
-    def start_profile(self) -> tuple[int, dict[str, Any]]:
-        if (fault := self._fault()) is not None:
-            return fault
-        with self.lock:
-            self.profiling = True
-        log("Profiler started.")
-        return 200, {}
-
-    def stop_profile(self) -> tuple[int, dict[str, Any]]:
-        if (fault := self._fault()) is not None:
-            return fault
-        with self.lock:
-            was, self.profiling = self.profiling, False
-        if not was or self.profiler is None:
-            return 200, {}
-        out = Path(self.profiler.get("torch_profiler_dir", "/tmp/vllm-traces"))
-        out.mkdir(parents=True, exist_ok=True)
-        opts = FakeOptions.load()
-        parts = {
-            out / trace_name(opts.trace_naming, self.instance, r): trace(r, pid)
-            for r, pid in enumerate(self.worker_pids)
-        }
-        # The API server's own trace, named the same in both versions.
-        parts[out / f"vm_{os.getpid()}.async_llm.{time.time_ns()}.pt.trace.json.gz"] = trace(
-            None, os.getpid()
-        )
-        # Flushing takes a while and the files grow as it goes, as torch's exporter does: each
-        # part is a gzip member, and the members together are the trace.
-        steps = max(5, int(opts.profile_flush_s * 4))
-        for i in range(steps):
-            for path, text in parts.items():
-                n = len(text)
-                with gzip.open(path, "ab") as f:
-                    f.write(text[n * i // steps : n * (i + 1) // steps].encode())
-            time.sleep(opts.profile_flush_s / steps)
-        for r in range(len(self.worker_pids)):
-            (out / f"profiler_out_{r}.txt").write_text("Name  Self CPU %  Self CPU\n")
-        log(f"Profiler stopped; traces written to {out}")
-        return 200, {}
-
-
-def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def _send_empty(self, code: int) -> None:
-            self.send_response(code)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _send(self, code: int, body: dict[str, Any] | None = None) -> None:
-            data = json.dumps(body or {}).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                # Real vLLM 0.16: 200 with an empty body; 503 once its engine is dead. While
-                # loading nothing listens (the connection is refused): see serve_main.
-                self._send_empty(200 if server.ready.is_set() else 503)
-            elif self.path == "/v1/models":
-                self._send(
-                    200,
-                    {
-                        "object": "list",
-                        "data": [{"id": server.args.model, "object": "model", "owned_by": "vllm"}],
-                    },
-                )
-            else:
-                self._send(404, {"detail": "Not Found"})
-
-        def do_POST(self) -> None:
-            if self.path == "/start_profile":
-                self._send(*server.start_profile())
-            elif self.path == "/stop_profile":
-                self._send(*server.stop_profile())
-            else:
-                self._send(404, {"detail": "Not Found"})
-
-    return Handler
 
 
 def _load(opts: FakeOptions, profiling: bool, worker0: int) -> None:
@@ -336,12 +195,13 @@ def serve_main(argv: list[str]) -> None:
     resource_tracker.ensure_running()
     tracker = resource_tracker._resource_tracker._fd  # type: ignore[attr-defined]
     os.environ["KIMI_FAKE_TRACKER_FD"] = str(tracker)
-    engine = _child("engine", str(args.tensor_parallel_size), keep=(tracker,))
+    engine = _child("engine", str(args.tensor_parallel_size), keep=(tracker,), talk=True)
     listening: list[ThreadingHTTPServer] = []
 
     def boot() -> None:
         try:
             server.worker_pids = [int(p) for p in _wait_line(engine, b"ready").split()]
+            server.link = EngineLink(engine)
             _load(opts, server.profiler is not None, server.worker_pids[0])
             log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
             time.sleep(opts.graph_capture_s)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kimi_supervisor.capture.retention import oldest_first
 from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.http import request
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
@@ -92,6 +93,9 @@ def real() -> Iterator[DaemonHelper]:
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
                      "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
         "profiling": {"keep_captures": 1},
+        # A frozen engine found within seconds here (production: 15, 120, 300, 60 s).
+        "liveness": {"metrics_interval_s": 2, "stall_s": 15, "canary_interval_s": 10,
+                     "canary_timeout_s": 30},
     }  # fmt: skip
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -259,10 +263,10 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
 
 
 def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> None:
-    before = sorted(real.config.profiling.captures_dir.iterdir())
+    before = oldest_first(real.config.profiling.captures_dir)
     assert len(before) == 1  # the capture above
     _out, folder = capture(real)
-    assert sorted(real.config.profiling.captures_dir.iterdir()) == [folder]  # keep_captures = 1
+    assert oldest_first(real.config.profiling.captures_dir) == [folder]  # keep_captures = 1
     assert not before[0].exists()
 
 
@@ -344,3 +348,42 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
     finally:
         processes.send_signal(bystander, signal.SIGKILL)
         processes.send_signal(binder, signal.SIGKILL)
+
+
+def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_again(
+    real: DaemonHelper,
+) -> None:
+    """Issue 27: VLLM::EngineCore frozen (SIGSTOP, as one stuck in a collective or the driver
+    is), the API server answered /health 200 and the daemon said `serving` for 10 minutes."""
+    api = real.vllm_pid()
+    (engine,) = [
+        ref for pid, title in unit_tree(real).items()
+        if title.startswith("VLLM::EngineCore") and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    hung = [e for e in real.history() if "vLLM hung" in e.get("what", "")]
+    # First the canary's cost, as real vLLM answers it (one every 10 s here).
+    seen = real.wait_status(lambda s: bool((s["liveness"] or {}).get("canary_ok")), 60, "canary")
+    record(canary_s=seen["liveness"]["canary_s"], canary_tokens=seen["liveness"]["canary_tokens"])
+    t0 = time.monotonic()
+    processes.send_signal(engine, signal.SIGSTOP)
+    try:
+        assert request(real.config.vllm.health_url).status == 200  # vLLM 0.16 says healthy
+        wait_until(
+            lambda: (
+                len([e for e in real.history() if "vLLM hung" in e.get("what", "")]) > len(hung)
+            ),
+            120,
+            "the hang to be recorded",
+        )
+        noticed_s = time.monotonic() - t0
+    finally:
+        if processes.is_alive(engine):
+            processes.send_signal(engine, signal.SIGCONT)
+    incident = [e for e in real.history() if "vLLM hung" in e.get("what", "")][-1]
+    assert "a one-token request got no answer within 30 s" in incident["what"], incident
+    assert incident["main_pid"] == api
+    wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+    real.wait_serving("production", READY_S)
+    assert not processes.is_alive(engine), "the frozen engine was ended"
+    record(hang_noticed_s=round(noticed_s, 1),
+           hang_served_again_s=round(time.monotonic() - t0, 1))  # fmt: skip
