@@ -25,6 +25,14 @@ ROWS = [
     ("orphans_killed_s", "SIGKILL of the API server alone → its orphaned engine and workers gone"),
     ("orphan_teardown_s", "that teardown, started by the daemon on the death → CLEAN"),
     ("leftovers_removed", "that teardown: ZMQ sockets and /dev/shm entries of the dead tree"),
+    ("canary_s", "a liveness canary (one token of the served model), idle: answered in"),
+    ("canary_tokens", "that canary: tokens, prompt and completion, as vLLM counts them"),
+    (
+        "hang_noticed_s",
+        "VLLM::EngineCore frozen (SIGSTOP) while idle → its incident recorded "
+        "(canary every 10 s, 30 s timeout)",
+    ),
+    ("hang_served_again_s", "the same freeze → serving again (teardown and a new load)"),
 ]
 
 

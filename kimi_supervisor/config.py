@@ -223,6 +223,21 @@ class DaemonConfig(_Strict):
     output_tail_lines: Annotated[int, Field(ge=1, le=1000)] = 30
 
 
+class LivenessConfig(_Strict):
+    """While vLLM serves (never while it loads), whether its engine does work (decide/liveness.py):
+    requests running and no token for `stall_s` means hung; idle, a one-token canary every
+    `canary_interval_s` must answer within `canary_timeout_s`. A hung vLLM is restarted as a
+    dead one is. Noticed within stall_s + metrics_interval_s under load, and within
+    canary_interval_s + canary_timeout_s idle."""
+
+    enabled: bool = True
+    metrics_interval_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
+    stall_s: PositiveSeconds = 120.0
+    canary_interval_s: PositiveSeconds = 300.0
+    canary_timeout_s: PositiveSeconds = 60.0
+    canary_prompt: Annotated[str, Field(min_length=1, max_length=1000)] = "Hello"
+
+
 class ControlConfig(_Strict):
     socket: Path = Path("/run/kimi-supervisor/control.sock")
     # Members of this group (and root) may use the socket; it is created 0660 root:group.
@@ -273,6 +288,7 @@ class Config(_Strict):
     teardown: TeardownConfig = Field(default_factory=TeardownConfig)
     state: StateConfig = Field(default_factory=StateConfig)
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    liveness: LivenessConfig = Field(default_factory=LivenessConfig)
     control: ControlConfig = Field(default_factory=ControlConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)

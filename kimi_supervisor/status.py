@@ -107,6 +107,37 @@ class RemainingSummary(BaseModel):
     check: str = ""
 
 
+class FailureStatus(BaseModel):
+    """The last start that failed, until one succeeds: what happened, what vLLM said about it
+    (decide/cause.py), and where to read all of its output."""
+
+    at: str
+    mode: Mode
+    reason: str
+    said: list[str] = Field(default_factory=list)
+    more: str = ""
+
+
+class LivenessStatus(BaseModel):
+    """What the liveness probe last saw of the serving vLLM (loop/liveness.py)."""
+
+    running: float | None = None  # vllm:num_requests_running (null: no /metrics)
+    tokens: float | None = None  # vllm:generation_tokens_total
+    canary_at: str | None = None
+    canary_ok: bool | None = None
+    canary_s: float | None = None
+    canary_tokens: int | None = None
+
+
+class StuckStatus(BaseModel):
+    """A STUCK episode: from the first teardown that could not make the GPUs clean until one
+    does. It lasts through its retries (and through any switch asked for meanwhile)."""
+
+    since: str
+    retries: int = 0  # teardowns tried again since
+    retrying: bool = False  # one runs now
+
+
 class TeardownSummary(BaseModel):
     outcome: Outcome
     started_at: str
@@ -148,6 +179,11 @@ class Status(BaseModel):
     last_teardown: TeardownSummary | None = None
     failures_in_window: int = 0
     next_attempt_in_s: float | None = None
+    stuck: StuckStatus | None = None
+    # What the daemon waits for and cannot go on without (the GPU driver, systemd); null if none.
+    waiting_for: str | None = None
+    liveness: LivenessStatus | None = None
+    last_failure: FailureStatus | None = None
     warnings: list[str] = Field(default_factory=list)
     last_intrusion: IntrusionStatus | None = None
     profile_until: str | None = None

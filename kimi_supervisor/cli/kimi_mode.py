@@ -96,8 +96,9 @@ NEEDS_A_PERSON = ("stuck", "failed")
 
 
 def cmd_status(args: argparse.Namespace, sock: Path) -> int:
-    """Exit 0, or 1 when the daemon is STUCK or FAILED, so that a script or a monitor can act on
-    `kimi-mode status` alone; 3 when the daemon cannot be asked."""
+    """Exit 0, or 1 when the daemon is STUCK or FAILED or waits for what it cannot go on
+    without (the GPU driver, systemd), so that a script or a monitor can act on `kimi-mode
+    status` alone; 3 when the daemon cannot be asked."""
     _raw, msg = _one_reply(sock, {"cmd": "status"})
     if not msg["ok"]:
         print(f"kimi-mode: {msg['message']}", file=sys.stderr)
@@ -106,7 +107,10 @@ def cmd_status(args: argparse.Namespace, sock: Path) -> int:
         print(json.dumps(msg["data"], indent=2))
     else:
         print(format_status(msg["data"]))
-    return EXIT_FAILED if msg["data"].get("state") in NEEDS_A_PERSON else EXIT_OK
+    data = msg["data"]
+    return (
+        EXIT_FAILED if data.get("state") in NEEDS_A_PERSON or data.get("waiting_for") else EXIT_OK
+    )
 
 
 def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
@@ -120,6 +124,8 @@ def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
     state, mode = data.get("state"), data.get("mode")
     if not args.quiet:
         print(f"{state} {mode}" if mode else str(state))
+        if data.get("waiting_for"):
+            print(f"kimi-mode: {data['waiting_for']}", file=sys.stderr)
     serving = state == "serving" and (args.mode is None or mode == args.mode)
     return EXIT_OK if serving else EXIT_FAILED
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, TextIO
 
-from kimi_supervisor.model import SUMMARY, Outcome, title
+from kimi_supervisor.model import SUMMARY, Outcome, State, title
 from kimi_supervisor.status import Status
 
 
@@ -53,6 +53,17 @@ def format_status(data: dict[str, Any]) -> str:
         + (f"  (for {_ago(since)}, since {_hhmmss(since)})" if mode else ""),
         f"state:         {s.state}: {s.status_line}",
     ]
+    f = s.last_failure
+    if f and s.state is not State.SERVING:
+        lines.append(f"last failure:  {f.mode} at {_hhmmss(f.at)}: {f.reason}")
+        if f.more:
+            lines.append(f"               all of vLLM's output: {f.more}")
+    if s.stuck:
+        now = "a retry runs now" if s.stuck.retrying else "the next is due"
+        lines.append(
+            f"stuck:         since {_hhmmss(s.stuck.since)} ({_ago(s.stuck.since)}), "
+            f"{s.stuck.retries} teardown(s) tried again; {now}"
+        )
     tr = s.transition
     if tr:
         lines.append(
@@ -74,6 +85,15 @@ def format_status(data: dict[str, Any]) -> str:
             f"capture:       {c.capture} {c.phase} since {_hhmmss(c.started_at)}, "
             f"{c.bytes / 1e6:.1f} MB written, then {c.then}"
         )
+    live = s.liveness
+    if live and (live.running is not None or live.canary_at):
+        parts = []
+        if live.running is not None:
+            parts.append(f"{live.running:g} request(s) running, {live.tokens or 0:g} tokens made")
+        if live.canary_at:
+            said = f"answered in {live.canary_s:.2f} s" if live.canary_ok else "refused"
+            parts.append(f"canary {said} at {_hhmmss(live.canary_at)}")
+        lines.append("liveness:      " + "; ".join(parts))
     health = unit.health
     lines.append(
         f"unit:          {unit.name} {unit.active_state}/{unit.sub_state}, "

@@ -45,6 +45,7 @@ def driver_up(ctx: Context) -> bool:
         ctx.gpu.sample(s.indices)
     except GpuUnavailable as e:
         msg = f"waiting for the GPU driver: {e}"
+        s.waiting_for = msg
         ctx.warn(msg)
         ctx.publish()
         ctx.notifier.status(msg)
@@ -52,7 +53,7 @@ def driver_up(ctx: Context) -> bool:
         s.driver_retry_s = min(s.driver_retry_s * 2, ctx.config.daemon.driver_retry_max_s)
         return False
     ctx.unwarn("waiting for the GPU driver")
-    s.driver_ready = True
+    s.driver_ready, s.waiting_for = True, ""
     resolve_baseline(ctx)
     return True
 

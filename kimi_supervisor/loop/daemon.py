@@ -40,6 +40,7 @@ from kimi_supervisor.loop.inbox import (
     Inbox,
     JobDone,
     JobEvent,
+    LivenessSeen,
     MainExited,
     Message,
     Reexec,
@@ -47,7 +48,7 @@ from kimi_supervisor.loop.inbox import (
     Stop,
     Switch,
 )
-from kimi_supervisor.loop.publish import build, status_line
+from kimi_supervisor.loop.publish import build, export, status_line
 from kimi_supervisor.loop.transitions import Lifecycle
 from kimi_supervisor.loop.wakeup import Wakeup
 from kimi_supervisor.messages import Reply
@@ -147,13 +148,8 @@ class Daemon:
         if st.status_line != self._last_line:
             self._last_line = st.status_line
             ctx.notifier.status(st.status_line)
-        m = ctx.metrics
-        if m:
-            m.set_modes(s.desired, s.serving.mode if s.serving else None)
-            m.set_state(s.state.value, [x.value for x in State])
-            for g in st.gpus:
-                m.set_gpu(g.index, self._uuid(g.index), g.used_mib, g.baseline_mib)
-            m.start_eta.set(st.eta.remaining_s if st.eta else 0)
+        if ctx.metrics:
+            export(ctx.metrics, s, st, self._uuid)
 
     def _uuid(self, index: int) -> str:
         """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
@@ -167,19 +163,22 @@ class Daemon:
 
     # ---------------------------------------------------------------- boot
     def boot(self) -> None:
-        """Read the persisted state (the loop then waits for the driver, and observes)."""
+        """Read the persisted state, then READY=1: the daemon has started, and whatever it
+        waits for next (the driver, the bus) it waits for running, with the reason in status
+        and in the unit's status text. `systemctl start`, an install, a provisioning run that
+        enables it before the driver is there, never hang on it."""
         boot.load_state(self.ctx)
         self.desk.check_expiry()
         self._publish()
+        self.ctx.notifier.ready(status_line(self.s, self.ctx.clock.monotonic()))
 
     def _driver_up(self) -> bool:
-        """BOOTING: once NVML answers (boot.driver_up), the first observation and READY=1."""
+        """BOOTING: once NVML answers (boot.driver_up), the first observation."""
         ctx, s = self.ctx, self.s
         if not boot.driver_up(ctx):
             return False
         s.observed = self._observe()
         self._publish()
-        ctx.notifier.ready(status_line(s, ctx.clock.monotonic()))
         unit = s.observed.describe_unit() if s.observed else "unknown"
         ctx.log("ready", desired=s.desired.value, state=s.state.value, unit=unit)
         return True
@@ -310,6 +309,8 @@ class Daemon:
             case MainExited(pid=pid):
                 self._main_exited(pid)
                 self._next_step = 0.0
+            case LivenessSeen(reading=reading):
+                self.life.liveness_seen(reading)
         return ok
 
     def _stop_without_teardown(self) -> str:
@@ -353,12 +354,14 @@ class Daemon:
         now = self.ctx.clock.monotonic()
         action = decide(s.desired, s.memory(), obs, now, grace, s.intent, capture)
         life.act(action, obs)
+        life.judge_liveness(obs)
 
     def _observe(self) -> Observed | None:
         s = self.s
         serving = s.serving.pid if s.serving and s.state is State.SERVING else 0
         starting = s.state is State.STARTING
         obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting)
+        s.waiting_for = "" if obs is not None else f"waiting for systemd: {self.ctx.observer.error}"
         if obs is not None:
             now = self.ctx.clock.monotonic()
             if obs.healthy or not obs.unit_up:

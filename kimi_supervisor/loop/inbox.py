@@ -19,6 +19,7 @@ from kimi_supervisor.model import Mode, TeardownReport
 
 if TYPE_CHECKING:
     from kimi_supervisor.capture.job import Capture
+    from kimi_supervisor.loop.liveness import Reading
     from kimi_supervisor.teardown.events import TeardownEvent
 
 
@@ -93,6 +94,13 @@ class MainExited:
     pid: int
 
 
+@dataclass
+class LivenessSeen:
+    """A liveness probe's reading of the vLLM with MainPID `pid` (loop/liveness.py)."""
+
+    reading: Reading
+
+
 Message = (
     Switch
     | Stop
@@ -103,6 +111,7 @@ Message = (
     | JobEvent
     | JobDone
     | MainExited
+    | LivenessSeen
 )
 
 

@@ -107,7 +107,13 @@ class Jobs:
         s.last_teardown = report
         tid = s.transition.id if s.transition else None
         body = report.model_dump(mode="json") | {"transition": tid, "reason": job.reason}
-        ctx.record("teardown", body)
+        stuck = report.outcome is Outcome.STUCK
+        # A STUCK episode's retry that killed nothing and found what the last record says is
+        # counted (the episode's incident), not recorded again: the history stays readable.
+        if not (stuck and s.stuck_since and not report.kills and
+                report.diagnosis == s.stuck_recorded):  # fmt: skip
+            ctx.record("teardown", body)
+            s.stuck_recorded = report.diagnosis if stuck else ""
         if ctx.metrics:
             ctx.metrics.teardown_seconds.labels(report.outcome.value).observe(report.duration_s)
         clean = report.outcome is Outcome.CLEAN

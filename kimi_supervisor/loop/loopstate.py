@@ -15,7 +15,7 @@ from kimi_supervisor.decide.policy import Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
-from kimi_supervisor.status import IntrusionStatus
+from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
 from kimi_supervisor.store.state import TransitionRecord
 
 if TYPE_CHECKING:
@@ -61,6 +61,10 @@ class LoopState:
     driver_retry_s: float = 0.5
     failures: tuple[float, ...] = ()
     stuck_retries: int = 0
+    # The STUCK episode under way (first STUCK teardown, until a CLEAN one), and the diagnosis
+    # its history last recorded (a retry that ends the same way is counted, not recorded).
+    stuck_since: datetime | None = None
+    stuck_recorded: str = ""
     progress: Progress = field(default_factory=Progress)
     # The load under way: when it began (monotonic), what past loads of the same mode and argv
     # predict (eta.py), and that argv's key, recorded with the transition when it is ready.
@@ -69,11 +73,15 @@ class LoopState:
     load_key: str = ""
     observed: Observed | None = None
     driver_ready: bool = False
+    # What the loop cannot go on without and waits for (the GPU driver, systemd), "" if nothing.
+    waiting_for: str = ""
     indices: list[int] = field(default_factory=list)
     baselines: dict[int, int] = field(default_factory=dict)
     baseline_provisional: bool = False
     last_teardown: TeardownReport | None = None
     last_intrusion: IntrusionStatus | None = None
+    last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
+    liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving
     capture: Capture | None = None
     warnings: list[str] = field(default_factory=list)
     stop_requested: bool = False

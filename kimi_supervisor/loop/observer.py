@@ -49,6 +49,7 @@ class Observer:
         self.first_listed = FirstListed()  # when each (GPU, PID) was first seen listed
         self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
         self._titles: dict[int, str] = {}
+        self.error = ""  # why the unit could not be read at the last observation
 
     def observe(
         self,
@@ -71,8 +72,10 @@ class Observer:
         try:
             st = self.systemd.status(self.unit)
         except SystemdError as e:
-            self.warn(f"cannot read {self.unit}: {e}")
+            self.error = f"cannot read {self.unit}: {e}"
+            self.warn(self.error)
             return None
+        self.error = ""
         self.unwarn(f"cannot read {self.unit}")
         up = st.up
         steady = serving_pid != 0 and st.main_pid == serving_pid

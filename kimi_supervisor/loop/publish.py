@@ -5,10 +5,12 @@ models are plain data in kimi_supervisor/status.py), and its one-line summary.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 from kimi_supervisor.model import CMDLINE_CHARS, State, TeardownReport
+from kimi_supervisor.ports.metrics import Metrics
 from kimi_supervisor.status import (
     DaemonInfo,
     EtaStatus,
@@ -17,6 +19,7 @@ from kimi_supervisor.status import (
     ProgressStatus,
     RemainingSummary,
     Status,
+    StuckStatus,
     TeardownSummary,
     TransitionStatus,
     UnitStatus,
@@ -31,6 +34,12 @@ def status_line(s: LoopState, now: float) -> str:
     tr = s.transition
     if s.state is State.SERVING and s.serving:
         return f"{s.serving.mode.value}: serving (vLLM PID {s.serving.pid})"
+    if s.state is State.STUCK and s.stuck_since is not None:
+        head = f"STUCK since {s.stuck_since:%H:%M:%S} UTC"
+        if s.job is not None:
+            return f"{head}: retrying the teardown (retry {s.stuck_retries})"
+        wait = max((s.next_attempt_at or now) - now, 0)
+        return f"{head}: retry {s.stuck_retries} of the teardown in {wait:.0f} s"
     if s.state is State.TEARING_DOWN and tr:
         return f"switching to {tr.target.value}: {tr.step}"
     if s.state is State.STARTING and tr:
@@ -43,6 +52,8 @@ def status_line(s: LoopState, now: float) -> str:
         return f"{s.state.value.upper()}: retrying {s.desired.value} in {wait:.0f} s"
     if s.state is State.FAILED:
         return f"FAILED: {s.desired.value} gave up; `kimi-mode {s.desired.value}` retries"
+    if s.waiting_for:
+        return f"{s.state.value}: {s.waiting_for}"
     return s.state.value
 
 
@@ -90,6 +101,15 @@ def build(
         baseline_provisional=s.baseline_provisional,
         last_teardown=teardown_summary(s.last_teardown) if s.last_teardown else None,
         failures_in_window=len(s.failures),
+        stuck=(
+            StuckStatus(
+                since=s.stuck_since.isoformat(),
+                retries=max(s.stuck_retries - 1, 0) + (1 if s.job is not None else 0),
+                retrying=s.job is not None,
+            )
+            if s.stuck_since is not None
+            else None
+        ),
         next_attempt_in_s=(
             round(max(s.next_attempt_at - now, 0.0), 1)
             if waiting and s.next_attempt_at is not None
@@ -97,6 +117,9 @@ def build(
         ),
         warnings=list(s.warnings),
         last_intrusion=s.last_intrusion,
+        last_failure=s.last_failure,
+        waiting_for=s.waiting_for or None,
+        liveness=s.liveness if s.state is State.SERVING else None,
         profile_until=s.profile_until.isoformat() if s.profile_until else None,
         capture=s.capture.describe() if s.capture else None,
         daemon=DaemonInfo(pid=os.getpid(), started_at=started_at.isoformat()),
@@ -134,3 +157,14 @@ def teardown_summary(r: TeardownReport) -> TeardownSummary:
             for h in r.remaining
         ],
     )
+
+
+def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> None:
+    """The published status, as the metrics say it."""
+    m.set_modes(s.desired, s.serving.mode if s.serving else None)
+    m.set_state(s.state.value, [x.value for x in State])
+    for g in st.gpus:
+        m.set_gpu(g.index, uuid(g.index), g.used_mib, g.baseline_mib)
+    m.start_eta.set(st.eta.remaining_s if st.eta else 0)
+    m.stuck_since.set(s.stuck_since.timestamp() if s.stuck_since else 0)
+    m.stuck_retries.set(st.stuck.retries if st.stuck else 0)

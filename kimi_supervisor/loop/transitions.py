@@ -4,9 +4,10 @@
                                                     failure | stuck | take over | stop
     start -> (the loop polls /health: reconcile) -> ready | start_failed -> teardown job ...
 
-A teardown runs on a job thread (loop/jobs.py), which changes nothing the loop owns: it reports its
-progress and its end through the loop's inbox, and the loop applies them. So nothing here calls
-itself, and requests keep being answered while a teardown runs.
+The setbacks (a failed start, a death, an intrusion, STUCK) and how a transition ends are in
+loop/setbacks.py. A teardown runs on a job thread (loop/jobs.py), which changes nothing the loop
+owns: it reports its progress and its end through the loop's inbox, and the loop applies them.
+So nothing here calls itself, and requests keep being answered while a teardown runs.
 """
 
 from __future__ import annotations
@@ -14,35 +15,31 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
 
 from kimi_supervisor.decide import policy
 from kimi_supervisor.decide.policy import Next, Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Action, Do, Observed
 from kimi_supervisor.loop.context import Context, new_id
-from kimi_supervisor.loop.inbox import JobDone, Message
-from kimi_supervisor.loop.intrusion import Intruder, incident
+from kimi_supervisor.loop.inbox import JobDone, LivenessSeen, Message
 from kimi_supervisor.loop.jobs import Jobs, shutdown_budget_s
+from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.loop.loopstate import Job, Serving
-from kimi_supervisor.messages import End
+from kimi_supervisor.loop.setbacks import Setbacks
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.systemd import SystemdError
-from kimi_supervisor.status import IntrusionStatus
-from kimi_supervisor.store import history
+from kimi_supervisor.status import LivenessStatus
 from kimi_supervisor.store.state import TransitionRecord
 
-# How many of the newest history records are searched for a transition already recorded.
-RECENT = 200
 
-
-class Lifecycle:
+class Lifecycle(Setbacks):
     def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
         self.ctx = ctx
         self.s = ctx.s
         self._put = put
         self.jobs = Jobs(ctx, put)
+        self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
 
     # ------------------------------------------------------------------ reconcile's actions
     def act(self, action: Action, obs: Observed) -> None:
@@ -102,7 +99,7 @@ class Lifecycle:
         s.interrupted = None
         self.ctx.log("adopted", mode=s.desired.value, main_pid=obs.main_pid, reason=reason)
         self.ctx.set_state(State.SERVING, reason)
-        s.stuck_retries = 0
+        s.stuck_retries, s.last_failure, s.liveness = 0, None, None
 
     def resume_start(self, obs: Observed) -> None:
         s, ctx = self.s, self.ctx
@@ -150,11 +147,13 @@ class Lifecycle:
             step="teardown",
             step_changed_at=now,
         )
-        s.transition, s.serving = tr, None
+        s.transition, s.serving, s.next_attempt_at = tr, None, None
         ctx.persist_transition()
         ctx.log("transition_started", **tr.model_dump(mode="json"))
         ctx.event("transition_started", tr.model_dump(mode="json"))
-        ctx.set_state(State.TEARING_DOWN, reason)
+        # STUCK lasts while it is true: the GPUs are not clean until a teardown says so, and
+        # neither a retry nor a switch asked for meanwhile makes them so.
+        ctx.set_state(State.STUCK if s.stuck_since else State.TEARING_DOWN, reason)
         self.jobs.run(Purpose.SWITCH, reason)
 
     def start(self) -> None:
@@ -204,132 +203,56 @@ class Lifecycle:
             ctx.metrics.start_seconds.labels(mode.value).observe(load["load_s"])
         ctx.event("ready", info | load)
         ctx.log("vllm_ready", **info, **load)
-        s.stuck_retries = 0
+        s.stuck_retries, s.last_failure, s.liveness = 0, None, None
         self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", load)
         ctx.set_state(State.SERVING, "GET /health answered 200")
 
-    # ------------------------------------------------------------------ failures
-    def start_failed(self, reason: str) -> None:
+    # ------------------------------------------------------------------ liveness
+    def judge_liveness(self, obs: Observed) -> None:
+        """A pass while vLLM serves: a liveness probe, when one is due (loop/liveness.py)."""
+        s = self.s
+        if s.state is State.SERVING and s.serving and obs.main_pid == s.serving.pid:
+            capturing = s.capture is not None and s.capture.active
+            self.liveness.serving(s.serving.pid, self.ctx.clock.monotonic(), capturing)
+
+    def liveness_seen(self, reading: Reading) -> None:
         s, ctx = self.s, self.ctx
-        tr = s.transition
-        assert tr is not None
-        ctx.follow_output()
-        tail = ctx.output.tail()
-        ctx.log(
-            "vllm_start_failed",
-            level="error",
-            mode=tr.target.value,
-            reason=reason,
-            output_tail=tail,
+        why = self.liveness.seen(reading, ctx.clock.monotonic())
+        c, w = reading.canary, reading.work
+        seen = (s.liveness or LivenessStatus()).model_copy(
+            update={"running": w.running if w else None, "tokens": w.tokens if w else None}
         )
-        ctx.event("start_failed", {"mode": tr.target.value, "reason": reason, "output_tail": tail})
-        s.transition = tr.model_copy(update={"step": "teardown"})
-        ctx.set_state(State.TEARING_DOWN, reason)
-        detail = {"reason": reason, "output_tail": tail}
-        why = f"start of {tr.target.value} failed: {reason}"
-        self.jobs.run(Purpose.START_FAILED, why, detail, cause=reason)
-
-    def died(self, reason: str) -> None:
-        s, ctx = self.s, self.ctx
-        mode = s.serving.mode.value if s.serving else None
-        ctx.log("vllm_died", level="error", reason=reason, mode=mode)
-        ctx.incident({"at": utcnow().isoformat(), "what": reason})
-        ctx.event("vllm_died", {"reason": reason})
-        s.serving = None
-        ctx.set_state(State.TEARING_DOWN, reason)
-        self.jobs.run(Purpose.DIED, f"vLLM died: {reason}", cause=reason)
-
-    def intrusion(self, found: list[Intruder]) -> None:
-        """While vLLM loads, a process outside its unit took a managed GPU: noticed (history,
-        event, metric, status), then torn down with vLLM's partial load (the teardown kills it
-        on NVML's evidence), then the load again after the failure backoff."""
-        s, ctx = self.s, self.ctx
-        tr = s.transition
-        assert tr is not None
-        reason, record = incident(found, ctx.unit, tr.target)
-        s.last_intrusion = IntrusionStatus.model_validate(record)
-        ctx.incident(record)
-        ctx.log("gpu_intrusion", level="warning", **record)
-        ctx.event("gpu_intrusion", record)
-        if ctx.metrics:
-            for f in found:
-                ctx.metrics.intrusions.labels(str(f.gpu)).inc()
-        s.transition = tr.model_copy(update={"step": "teardown"})
-        ctx.set_state(State.TEARING_DOWN, reason)
-        self.jobs.run(Purpose.INTRUSION, reason, {"intrusion": record}, cause=reason)
-
-    def failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
-        s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
-        now = ctx.clock.monotonic()
-        v = policy.after_failure(
-            s.failures,
-            now,
-            d.failure_window_s,
-            d.max_failures,
-            d.restart_backoff_initial_s,
-            d.restart_backoff_max_s,
-        )
-        s.failures = v.failures
-        n = len(v.failures)
-        if v.failed:
-            msg = (
-                f"{reason}; {n} failures within {d.failure_window_s:g} s: not retrying. "
-                f"Fix the cause, then `kimi-mode {s.desired.value}`"
-            )
-            self.end_transition(False, "failed", msg, detail)
-            ctx.log("failed", level="error", message=msg)
-            ctx.set_state(State.FAILED, msg)
-            return
-        s.next_attempt_at = now + v.backoff_s
-        msg = (
-            f"{reason}; starting {s.desired.value} again in {v.backoff_s:g} s (failure {n} "
-            f"of {d.max_failures})"
-        )
-        self.end_transition(False, outcome, msg, detail)
-        ctx.set_state(State.BACKOFF, msg)
-
-    def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
-        s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
-        wait = policy.stuck_retry_s(s.stuck_retries, d.stuck_retry_s, d.restart_backoff_max_s)
-        s.stuck_retries += 1
-        s.next_attempt_at = ctx.clock.monotonic() + wait
-        msg = (
-            f"teardown STUCK: {report.diagnosis}. Next: {report.next_action}. "
-            f"Retrying in {wait:g} s; vLLM is not started on occupied GPUs"
-        )
-        self.end_transition(False, "stuck", msg, detail or {})
-        ctx.log("stuck", level="error", message=msg)
-        ctx.set_state(State.STUCK, msg)
-
-    def end_transition(
-        self, ok: bool, outcome: str, message: str, detail: dict[str, Any] | None = None
-    ) -> None:
-        s, ctx = self.s, self.ctx
-        tr = s.transition
-        if tr is None:
-            return
-        record = tr.finished(utcnow(), outcome, message, detail or {})
-        # One record per transition, whatever the moment of a kill: a daemon killed between
-        # this append and clearing the persisted transition finds it here when it ends it again
-        # (only a transition inherited at boot can have been recorded already).
-        if tr.id != s.inherited_id or not any(
-            e.get("kind") == "transition" and e.get("id") == tr.id
-            for e in history.read(ctx.config.state.dir, RECENT)
-        ):
-            ctx.record("transition", record)
-        if ctx.metrics:
-            ctx.metrics.transitions.labels(tr.target.value, outcome).inc()
-        ctx.log("transition_finished", level="info" if ok else "warning", **record)
-        ctx.bus.publish(
-            End(ok=ok, outcome=outcome, message=message, data={"transition": tr.id, **record})
-        )
-        s.transition = None
-        ctx.persist_transition()
+        if c is not None:
+            seen = seen.model_copy(
+                update={"canary_at": utcnow().isoformat(), "canary_ok": c.ok,
+                        "canary_s": round(c.took_s, 3), "canary_tokens": c.tokens}
+            )  # fmt: skip
+        s.liveness = seen
+        if c is not None and c.answered and not c.ok:
+            ctx.warn(f"the liveness canary was refused ({c.detail}): only /metrics can tell")
+        elif c is not None and c.ok:
+            ctx.unwarn("the liveness canary was refused")
+        serving = s.state is State.SERVING and s.serving and s.serving.pid == reading.pid
+        if why and serving and not s.busy:
+            self.hung(why, reading)
 
     # ------------------------------------------------------------------ stopping
     def begin_shutdown(self) -> None:
-        """`systemctl stop`: teardown to CLEAN (up to policy.SHUTDOWN_ATTEMPTS tries)."""
-        ctx = self.ctx
+        """`systemctl stop`: teardown to CLEAN (up to policy.SHUTDOWN_ATTEMPTS tries). Stopped
+        while still waiting for the GPU driver, the daemon has started nothing, and no GPU can
+        be read: vLLM's unit is stopped (should anyone have started it) and the daemon ends,
+        with no teardown that could only fail."""
+        ctx, s = self.ctx, self.s
+        if not s.driver_ready:
+            ctx.set_state(State.STOPPING, "stop requested")
+            try:
+                ctx.systemd.stop(ctx.unit)
+                note = f"stopped {ctx.unit}; no GPU was read: {s.waiting_for or 'no driver'}"
+            except SystemdError as e:
+                note = f"{ctx.unit} not stopped ({e}); no GPU was read"
+            ctx.log("stopped", clean=None, desired=s.desired.value, note=note)
+            s.stopped_clean = True
+            return
         ctx.notifier.extend_timeout(shutdown_budget_s(ctx.config))
         ctx.set_state(State.STOPPING, "stop requested")
         ctx.notifier.stopping("stopping: tearing vLLM down")
@@ -348,10 +271,13 @@ class Lifecycle:
         then = policy.after_failed_start(
             ctx.config.daemon.rollback, tr is not None and tr.kind == "rollback", back
         )
+        if clean:
+            self.unstuck("a teardown made them clean")
         match policy.after_teardown(
             purpose, clean, s.stop_requested, s.intent is not None, then, job.attempt
         ):
             case Next.EXIT:
+                self.unstuck("the daemon stopped with them still not clean")
                 s.stopped_clean = clean
                 ctx.log("stopped", clean=clean, desired=s.desired.value)
             case Next.SHUTDOWN_AGAIN:

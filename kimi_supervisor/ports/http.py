@@ -1,8 +1,10 @@
-"""The HTTP port: vLLM's /health and profiler endpoints on localhost. Plain urllib, short
-timeouts; every failure becomes a status code or a message, never an exception upwards."""
+"""The HTTP port: vLLM's /health, /metrics, profiler and completion endpoints on localhost.
+Plain urllib, short timeouts; every failure becomes a status code or a message, never an
+exception upwards."""
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -19,12 +21,23 @@ class HttpResult:
         return 200 <= self.status < 300
 
 
-def request(url: str, method: str = "GET", timeout_s: float | None = 2.0) -> HttpResult:
-    """`timeout_s` None waits as long as the server takes (a profiler flush)."""
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def request(
+    url: str,
+    method: str = "GET",
+    timeout_s: float | None = 2.0,
+    json_body: dict[str, object] | None = None,
+    max_bytes: int = 4096,
+) -> HttpResult:
+    """`timeout_s` None waits as long as the server takes (a profiler flush); it bounds each
+    wait for the server, as urllib's does. At most `max_bytes` of the answer are read."""
+    data = json.dumps(json_body).encode() if json_body is not None else None
+    if data is None and method == "POST":
+        data = b""
+    headers = {"Content-Type": "application/json"} if json_body is not None else {}
+    req = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return HttpResult(int(r.status), r.read(4096).decode(errors="replace"))
+            return HttpResult(int(r.status), r.read(max_bytes).decode(errors="replace"))
     except urllib.error.HTTPError as e:
         body = e.read(4096).decode(errors="replace") if e.fp else ""
         return HttpResult(int(e.code), body, f"HTTP {e.code}")

@@ -58,6 +58,23 @@ class Metrics:
             "argv (0 when none is known or nothing loads)",
             registry=r,
         )
+        self.stuck_since = Gauge(
+            f"{ns}_stuck_since_timestamp_seconds",
+            "when the STUCK episode under way began (Unix time; 0 when not STUCK): it lasts "
+            "through its retries, until a teardown makes the GPUs clean",
+            registry=r,
+        )
+        self.stuck_retries = Gauge(
+            f"{ns}_stuck_retries",
+            "teardowns tried again in the STUCK episode under way (0 when not STUCK)",
+            registry=r,
+        )
+        self.hangs = Counter(
+            f"{ns}_vllm_hangs_total",
+            "times a serving vLLM was found doing no work (requests running and no token, or "
+            "an idle canary unanswered) and restarted",
+            registry=r,
+        )
         self.build_info = Gauge(
             f"{ns}_build_info", "1, labelled with the version running", ["version", "python"],
             registry=r,

@@ -38,6 +38,8 @@ def _cut(data: bytes) -> tuple[list[bytes], bytes]:
 
 
 class OutputPort(Protocol):
+    where: str  # where an operator reads all of it
+
     def begin(self) -> None: ...
     def read_new(self) -> list[str]: ...
     def tail(self) -> list[str]: ...
@@ -47,6 +49,7 @@ class OutputPort(Protocol):
 class FileOutput:
     def __init__(self, path: Path, keep: int = 30) -> None:
         self.path = path
+        self.where = str(path)
         self._offset = 0
         self._partial = b""
         self._tail: collections.deque[str] = collections.deque(maxlen=keep)
@@ -94,6 +97,7 @@ class JournalOutput:
     def __init__(self, unit: str, scope: Literal["system", "user"], keep: int = 30) -> None:
         self.unit = unit
         self.scope = scope
+        self.where = f"journalctl {'--user ' if scope == 'user' else ''}-u {unit}"
         self._proc: subprocess.Popen[bytes] | None = None
         self._new: collections.deque[str] = collections.deque(maxlen=MAX_NEW)
         self._tail: collections.deque[str] = collections.deque(maxlen=keep)

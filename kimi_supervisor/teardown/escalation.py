@@ -23,6 +23,7 @@ process is recorded once per teardown.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 from collections.abc import Callable, Mapping
@@ -156,6 +157,12 @@ class Teardown:
     def _step_stop_unit(self) -> str:
         if self._unit_inactive():
             return "unit already inactive"
+        # A frozen tree (SIGSTOPped, as a hung engine was in issue 27) acts on no SIGTERM; with
+        # KillMode=mixed systemd continues only the main process. Every process of the unit is
+        # continued first, as psutil's terminate does, so that the API server's orderly stop of
+        # its engine goes through instead of waiting out TimeoutStopSec.
+        with contextlib.suppress(SystemdError):  # the stop below says what systemd says
+            self.systemd.kill(self.unit, "all", signal.SIGCONT)
         self.systemd.stop(self.unit)
         ok = self._poll_until(self._unit_inactive, self.config.teardown.term_grace_s)
         return (

@@ -268,24 +268,41 @@ def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_ask
     assert daemon.kimi_mode("status").returncode == 0
 
 
-def test_at_boot_the_daemon_waits_for_the_gpu_driver_and_answers_status_meanwhile(
+def test_at_boot_the_daemon_waits_for_the_gpu_driver_without_holding_systemctl_and_says_so(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
+    """Issue 27: READY=1 came only once the driver answered, so `systemctl start` (and an
+    install that enables the unit before the driver is there) hung for TimeoutStartSec, while
+    status exited 0; a stop meanwhile crashed three teardowns."""
     host = sandbox.sb.gpu_dir / "host.json"
     hidden = host.with_name("host.json.away")
     host.rename(hidden)  # the "driver" is not loaded yet
     try:
-        daemon.start(wait=False)  # READY comes only once the world is known
-        status = daemon.wait_status(
-            lambda s: any("waiting for the GPU driver" in w for w in s["warnings"]), 20, "booting"
-        )
+        daemon.start()  # returns: the daemon has started, and waits running
+        assert sandbox.systemd.status(DAEMON_UNIT).active_state == "active"
+        status = daemon.wait_status(lambda s: s["waiting_for"] is not None, 20, "waiting")
         assert status["state"] == "booting"
-        assert sandbox.systemd.status(DAEMON_UNIT).active_state == "activating"
+        assert status["waiting_for"].startswith("waiting for the GPU driver")
+        assert status["status_line"] == f"booting: {status['waiting_for']}"
+        text = sandbox.sb.manager.systemctl("show", "-p", "StatusText", DAEMON_UNIT).stdout
+        assert "waiting for the GPU driver" in text
+        r = daemon.kimi_mode("status")
+        assert r.returncode == 1 and "waiting for the GPU driver" in r.stdout
+        r = daemon.kimi_mode("is-serving")
+        assert (r.returncode, r.stdout) == (1, "booting\n")
+        assert "waiting for the GPU driver" in r.stderr
+        # A stop while waiting ends at once, cleanly: nothing was started, no GPU can be read.
+        since = len(daemon.log())
+        daemon.stop()
+        assert sandbox.systemd.status(DAEMON_UNIT).active_state == "inactive"
+        assert "teardown_crashed" not in daemon.log()[since:]
+        daemon.start()
     finally:
         hidden.rename(host)
     status = daemon.wait_serving("production", 30)
+    assert status["waiting_for"] is None
     assert not any("GPU driver" in w for w in status["warnings"])
-    assert sandbox.systemd.status(DAEMON_UNIT).active_state == "active"
+    assert daemon.kimi_mode("status").returncode == 0
 
 
 def test_without_a_stored_baseline_and_busy_gpus_a_provisional_one_is_used_until_calibrated(
@@ -421,3 +438,100 @@ def test_the_daemon_runs_confined_by_its_units_hardening(daemon: DaemonHelper) -
     assert caps(own["CapBnd"]) == expected & here
     vllm = status_of(daemon.vllm_pid())
     assert caps(vllm["CapBnd"]) == {"sys_admin", "sys_nice", "sys_resource", "ipc_lock"} & here
+
+
+ALERT_DESCRIPTION = (
+    "`kimi-mode status` says why and what to do (docs/operations.md, What STUCK means)."
+)
+
+
+def _state_metric(sandbox: SandboxHelper) -> dict[str, float]:
+    m = sandbox.config.metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found = re.findall(r'^kimi_supervisor_state\{state="(\w+)"\} (\S+)$', text, re.M)
+    since = re.search(r"^kimi_supervisor_stuck_since_timestamp_seconds (\S+)$", text, re.M)
+    assert since is not None
+    return {k: float(v) for k, v in found} | {"stuck_since": float(since.group(1))}
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (the set-up installs it)")
+def test_stuck_stays_stuck_through_its_retries_in_status_metrics_exit_codes_and_the_alert(
+    sandbox: SandboxHelper, daemon: DaemonHelper, tmp_path: Path
+) -> None:
+    """Issue 27: each retry of a STUCK teardown showed `tearing_down`, so the STUCK alert never
+    fired, status exited 0 half the time, and the retries filled the history."""
+    daemon.start()
+    daemon.wait_serving("production")
+    leak = sandbox.sb.leak(1, 20_000)  # memory no teardown can free
+    r = daemon.kimi_mode("profile")
+    assert r.returncode == 1 and "STUCK" in r.stdout + r.stderr, r.stdout + r.stderr
+    samples: list[tuple[str, int, float, float]] = []
+    retrying_seen = False
+    while len(samples) < 40 or daemon.status()["stuck"]["retries"] < 3:
+        assert len(samples) < 200, samples[-3:]
+        status = daemon.status()
+        rc = daemon.kimi_mode("status").returncode
+        metric = _state_metric(sandbox)
+        samples.append((status["state"], rc, metric["stuck"], metric["stuck_since"]))
+        retrying_seen |= bool(status["stuck"] and status["stuck"]["retrying"])
+    assert retrying_seen
+    assert {(state, rc, stuck) for state, rc, stuck, _ in samples} == {("stuck", 1, 1.0)}
+    assert len({since for *_, since in samples}) == 1 and samples[0][3] > 0
+    # The shipped alert, fed the daemon's own series one sample per scrape, fires at its
+    # `for:` plus one scrape.
+    test = tmp_path / "stuck_test.yml"
+    rules = ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
+    values = " ".join(str(int(stuck)) for _, _, stuck, _ in samples)
+    test.write_text(f"""rule_files: ["{rules}"]
+evaluation_interval: 15s
+tests:
+  - interval: 15s
+    input_series:
+      - series: 'kimi_supervisor_state{{instance="h:9464",job="kimi",state="stuck"}}'
+        values: '{values}'
+    alert_rule_test:
+      - {{eval_time: 4m45s, alertname: KimiSupervisorStuckOrFailed, exp_alerts: []}}
+      - eval_time: 5m15s
+        alertname: KimiSupervisorStuckOrFailed
+        exp_alerts:
+          - exp_labels: {{instance: "h:9464", severity: critical}}
+            exp_annotations:
+              summary: "kimi-supervisor on h:9464 is STUCK or FAILED"
+              description: "{ALERT_DESCRIPTION}"
+""")
+    r = subprocess.run(["promtool", "test", "rules", str(test)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    history = daemon.history()
+    assert [e["trigger"] for e in history if e["kind"] == "transition"][-1] == "switch"
+    leak.unlink()  # the driver lets go
+    daemon.wait_serving("profile", 60)
+    (incident,) = [e for e in daemon.history() if "STUCK for" in e.get("what", "")]
+    assert incident["retries"] >= 3
+    assert daemon.status()["stuck"] is None and _state_metric(sandbox)["stuck_since"] == 0
+
+
+def test_a_missing_vllm_binary_is_named_in_status_history_and_the_switch_that_failed(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """Issue 27: status and history said only "the unit stopped during start (… exit status
+    1)"; the cause was in the journal, and nothing pointed there."""
+    vllm = sandbox.config.vllm.command[0]
+    away = Path(f"{vllm}.away")
+    daemon.start()
+    daemon.wait_serving("production")
+    os.rename(vllm, away)
+    try:
+        r = daemon.kimi_mode("profile")
+        status = daemon.wait_state("failed", 90)
+    finally:
+        os.rename(away, vllm)
+    said = f"cannot execute {vllm}: [Errno 2] No such file or directory"
+    assert r.returncode == 1 and said in r.stdout + r.stderr, r.stdout + r.stderr
+    failure = status["last_failure"]
+    assert said in failure["said"] and failure["more"] == str(sandbox.config.vllm.log_file)
+    text = daemon.kimi_mode("status").stdout
+    assert f"vLLM said: {said}" in text and f"all of vLLM's output: {failure['more']}" in text
+    assert said in daemon.transitions()[-1]["message"]
+    assert daemon.kimi_mode("production").returncode == 0
+    assert daemon.wait_serving("production")["last_failure"] is None

@@ -49,10 +49,24 @@ if os.environ.get("FAKE_FAIL"):
     print("fake vLLM: this mode fails to start", flush=True)
     sys.exit(1)
 time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))
+HUNG = os.environ.get("FAKE_HUNG_FILE", "/nonexistent")  # while it exists, no request ends
+METRICS = ("vllm:num_requests_running{{engine=\"0\"}} {running}\n"
+           "vllm:generation_tokens_total{{engine=\"0\"}} 7\n")
 class H(http.server.BaseHTTPRequestHandler):
-    def _ok(self):
-        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
-    do_GET = do_POST = _ok
+    def _send(self, body=b""):
+        self.send_response(200); self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def do_GET(self):
+        if self.path == "/metrics":
+            self._send(METRICS.format(running=int(os.path.exists(HUNG))).encode())
+        elif self.path == "/v1/models":
+            self._send(b'{"data": [{"id": "m"}]}')
+        else:
+            self._send()
+    def do_POST(self):
+        while self.path == "/v1/completions" and os.path.exists(HUNG):
+            time.sleep(0.05)
+        self._send(b"{}")
     def log_message(self, *a):
         pass
 port = int(argv[argv.index("--port") + 1])
@@ -116,6 +130,11 @@ dir = "{root}/state"
 {lines}
 [control]
 socket = "{root}/control.sock"
+[liveness]
+metrics_interval_s = 1
+stall_s = 3
+canary_interval_s = 5
+canary_timeout_s = 1
 [metrics]
 enabled = false
 [profiling]
@@ -130,6 +149,7 @@ class FakeSystemd:
         self.config = config
         self.log = log
         self.fail_modes: set[Mode] = set()
+        self.hung_file = config.state.dir.parent / "vllm-hung"  # while it exists, vLLM hangs
         self.load_s = 0.0
         self.child: subprocess.Popen[bytes] | None = None
         self.stopped = True  # by us (inactive), or it exited by itself (failed)
@@ -152,7 +172,7 @@ class FakeSystemd:
 
     def start(self, unit: str) -> None:
         mode = Mode(json.loads(self.config.vllm.argv_file.read_text())["mode"])
-        env = dict(os.environ, FAKE_LOAD_S=str(self.load_s))
+        env = dict(os.environ, FAKE_LOAD_S=str(self.load_s), FAKE_HUNG_FILE=str(self.hung_file))
         if mode in self.fail_modes:
             env["FAKE_FAIL"] = "1"
         with self._lock, self.log.open("ab") as out:
@@ -340,10 +360,11 @@ class LoopHost:
             f"{mode.value} to be served",
         )
 
-    def history(self, kind: str) -> list[dict[str, Any]]:
+    def history(self, kind: str | None = None) -> list[dict[str, Any]]:
         from kimi_supervisor.store import history
 
-        return [e for e in history.read(self.config.state.dir) if e.get("kind") == kind]
+        records = history.read(self.config.state.dir)
+        return [e for e in records if kind is None or e.get("kind") == kind]
 
     def close(self) -> None:
         self.systemd.close()

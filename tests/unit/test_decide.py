@@ -550,3 +550,60 @@ def test_the_eta_is_the_median_of_the_newest_loads_of_the_same_mode_and_argv() -
     assert e.describe(1900) == "about due: past loads took 30 min"
     assert e.describe(2600).startswith("slower than the last 5 load(s): 43 min so far")
     assert estimate(records, "profile", argv_key(["vllm", "serve", "other-model"])) is None
+
+
+@pytest.mark.parametrize(
+    ("tail", "said"),
+    [
+        # the launcher, with the unit's own exit after it
+        (["cannot execute /opt/vllm/bin/vllm: [Errno 2] No such file or directory"],
+         ["cannot execute /opt/vllm/bin/vllm: [Errno 2] No such file or directory"]),
+        # vLLM 0.16's two tracebacks: the engine's root cause first, the API server's last
+        (["INFO 12-01 10:00:00 [api_server.py:1] vLLM API server version 0.16.0",
+          "(EngineCore_DP0 pid=7) ERROR 12-01 10:00:09 [core.py:708] EngineCore failed to start.",
+          "(EngineCore_DP0 pid=7) Traceback (most recent call last):",
+          '  File "core.py", line 699, in run_engine_core',
+          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+          "Traceback (most recent call last):",
+          "RuntimeError: Engine core initialization failed. See root cause above."],
+         ["torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.",
+          "RuntimeError: Engine core initialization failed. See root cause above."]),
+        # no exception: the last line that says error, colours gone
+        (["loading", "\x1b[31mERROR\x1b[0m port 18000 is in use", "shutting down"],
+         ["ERROR port 18000 is in use"]),
+        (["loading weights", "", "bye"], ["bye"]),
+        ([], []),
+    ],
+)  # fmt: skip
+def test_a_failed_start_is_explained_by_the_lines_an_operator_looks_for(
+    tail: list[str], said: list[str]
+) -> None:
+    from kimi_supervisor.decide.cause import explain
+
+    assert explain(tail) == said
+
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {tokens}
+vllm:generation_tokens_created{{engine="0",model_name="m"}} 1.7e9
+"""
+
+
+def test_vllm_is_hung_only_when_requests_run_and_no_token_comes_for_the_stall_time() -> None:
+    from kimi_supervisor.decide.liveness import Stall, Work, parse
+
+    assert parse(VLLM_METRICS.format(running=2.0, tokens=310.0)) == Work(2.0, 310.0)
+    assert parse("# nothing of vLLM's\nup 1\n") is None
+    assert parse("not { metrics") is None
+    stall = Stall()
+    readings = [(0, 2, 100), (30, 2, 150), (60, 2, 150), (149, 2, 150), (150, 2, 150)]
+    verdicts = [stall.update(t, Work(r, k), 120) for t, r, k in readings]
+    assert verdicts[:4] == [None] * 4  # tokens came at 30 s: 120 s of stall only at 150 s
+    assert verdicts[4] is not None and "no token produced for 120 s" in verdicts[4]
+    idle = Stall()  # nothing running is not a stall, however long the counter stays
+    assert all(idle.update(t, Work(0, 500), 120) is None for t in range(0, 1000, 100))
+    assert idle.update(1000, Work(1, 500), 120) is None  # a request has just come

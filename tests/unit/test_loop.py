@@ -42,12 +42,12 @@ def transitions(host: LoopHost) -> list[tuple[str, str]]:
 def retry_waits(host: LoopHost, state: State, n: int) -> list[int]:
     """How long the loop waits in `state` before each of its next `n` retries (seconds)."""
     waits = []
+    s = host.daemon.s
     for _ in range(n):
-        host.until(lambda: host.state is state, state.value)
-        s = host.daemon.s
+        host.until(lambda: host.state is state and not s.busy, state.value)
         assert s.next_attempt_at is not None
         waits.append(round(s.next_attempt_at - host.clock.now))
-        host.until(lambda: host.state is not state, "the retry")
+        host.until(lambda: host.state is not state or host.daemon.s.busy, "the retry")
     return waits
 
 
@@ -126,6 +126,39 @@ def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> No
     assert host.systemd.starts == [Mode.PRODUCTION]  # never started on an occupied GPU
     host.gpu.extra[1] = 0
     host.serving(Mode.PROFILE)
+
+
+def test_stuck_stays_stuck_through_its_retries_and_the_history_keeps_the_operators_switch_in_view(
+    host: LoopHost,
+) -> None:
+    """Issue 27: each retry showed `tearing_down`, so monitoring never saw STUCK for long, and
+    the retries' records pushed the operator's own switch out of the history's default view."""
+    booted(host)
+    host.gpu.extra[1] = 20_000
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.until(lambda: host.state is State.STUCK, "STUCK")
+    seen: list[tuple[str, int, bool]] = []
+
+    def retried(n: int) -> bool:
+        st = host.status()
+        assert st["state"] == "stuck" and st["stuck"] is not None, st["status_line"]
+        seen.append((st["state"], st["stuck"]["retries"], st["stuck"]["retrying"]))
+        return st["stuck"]["retries"] >= n and not st["stuck"]["retrying"]
+
+    host.until(lambda: retried(4), "four retries")
+    assert any(retrying for _, _, retrying in seen)  # seen retrying, and stuck all the while
+    assert "STUCK since" in host.status()["status_line"]
+    history = host.history()
+    assert [(e["kind"], e.get("trigger")) for e in history if e["kind"] == "transition"] == [
+        ("transition", "boot"),
+        ("transition", "switch"),  # the operator's, ended stuck; the retries are counted
+    ]
+    assert len([e for e in history if e["kind"] == "teardown"]) == 2  # boot's, and the first STUCK
+    host.gpu.extra[1] = 0
+    host.serving(Mode.PROFILE)
+    (incident,) = [e for e in host.history("incident") if "STUCK for" in e["what"]]
+    assert incident["retries"] >= 5 and "made them clean" in incident["what"], incident
+    assert host.status()["stuck"] is None
 
 
 def test_a_capture_holds_a_switch_until_it_has_flushed(host: LoopHost) -> None:
@@ -300,3 +333,28 @@ def test_descriptors_running_out_in_a_teardown_make_it_stuck_and_retried_never_e
     assert "Too many open files" in report["diagnosis"], report
     assert any(ln["event"] == "teardown_crashed" for ln in host.lines)
     host.serving(Mode.PROFILE)  # the retry, with descriptors again, goes through
+
+
+def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_started_again(
+    host: LoopHost,
+) -> None:
+    """Issue 27: an engine frozen mid-collective left /health at 200 and the daemon said
+    `serving` for ten minutes while every request hung. Here the fake's requests stop ending
+    (its /metrics: one running, the token counter still): noticed by the stall, restarted."""
+    booted(host)
+    first = host.daemon.s.serving.pid if host.daemon.s.serving else 0
+    host.systemd.hung_file.touch()
+    try:
+        host.until(lambda: host.state is not State.SERVING, "the hang to be noticed")
+    finally:
+        host.systemd.hung_file.unlink()
+    (incident,) = host.history("incident")
+    # Whichever sign came first: the stall under load, or the idle canary that never returned.
+    stalled = "1 request(s) running and no token produced for"
+    unanswered = "idle, and a one-token request got no answer within 1 s"
+    assert incident["what"].startswith((f"vLLM hung: {stalled}", f"vLLM hung: {unanswered}"))
+    assert incident["main_pid"] == first
+    host.serving(Mode.PRODUCTION)  # torn down and started again, under the failure backoff
+    assert host.daemon.s.serving is not None and host.daemon.s.serving.pid != first
+    assert host.status()["failures_in_window"] == 1
+    assert not [w for w in host.status()["warnings"] if "canary" in w]

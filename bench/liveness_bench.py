@@ -1,0 +1,176 @@
+"""Issue 27's figures: how long a frozen engine (VLLM::EngineCore SIGSTOPped, /health still 200)
+takes to become an incident, idle (the canary) and under load (vLLM's /metrics), against the
+bound the configuration promises; and what liveness costs the daemon in CPU, against the same
+daemon with it off, over the same idle time.
+
+    .venv/bin/python -m bench.liveness_bench [--runs 3] [--write docs/performance.md]
+
+The sandbox's liveness settings: /metrics every 1 s, a stall of 5 s, a canary every 5 s with a
+5 s timeout; the shipped ones are 15, 120, 300 and 60 s, and scale the bounds the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.common import machine, poll
+from bench.common import main as bench_main
+from kimi_supervisor.config import LivenessConfig
+from kimi_supervisor.control.client import exchange
+from kimi_supervisor.ports import processes
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
+
+IDLE_WINDOW_S = 30.0
+
+
+def status(sb: Sandbox) -> dict[str, Any]:
+    (reply,) = [m for _raw, m in exchange(sb.config().control.socket, {"cmd": "status"}, 10)]
+    return reply["data"]  # type: ignore[no-any-return]
+
+
+def incidents(sb: Sandbox) -> list[dict[str, Any]]:
+    req = {"cmd": "history", "n": 1000}
+    (reply,) = [m for _raw, m in exchange(sb.config().control.socket, req, 10)]
+    return [e for e in reply["data"]["entries"] if "vLLM hung" in e.get("what", "")]
+
+
+def serving(sb: Sandbox, timeout_s: float = 60) -> dict[str, Any]:
+    poll(lambda: status(sb)["state"] == "serving", timeout_s)
+    return status(sb)
+
+
+def engine_of(main_pid: int) -> processes.ProcessRef:
+    for pid in processes.all_pids():
+        if processes.ppid_of(pid) == main_pid and processes.comm_of(pid).startswith("VLLM::Eng"):
+            ref = processes.ref_of(pid)
+            if ref is not None:
+                return ref
+    raise AssertionError(f"no engine under {main_pid}")
+
+
+def freeze(sb: Sandbox) -> float:
+    """Seconds from SIGSTOP of the serving vLLM's engine to its incident; then served again."""
+    before = len(incidents(sb))
+    main = status(sb)["unit"]["main_pid"]
+    engine = engine_of(main)
+    t0 = time.monotonic()
+    processes.send_signal(engine, signal.SIGSTOP)
+    try:
+        poll(lambda: len(incidents(sb)) > before, 60, every_s=0.05)
+        took = time.monotonic() - t0
+    finally:
+        if processes.is_alive(engine):
+            processes.send_signal(engine, signal.SIGCONT)
+    poll(lambda: status(sb)["state"] == "serving" and status(sb)["unit"]["main_pid"] != main, 90)
+    return took
+
+
+def load(sb: Sandbox, done: threading.Event) -> list[threading.Thread]:
+    v = sb.config().vllm
+    body = json.dumps({"model": v.command[2], "prompt": "hi", "max_tokens": 50}).encode()
+
+    def send() -> None:
+        while not done.is_set():
+            req = urllib.request.Request(
+                f"http://{v.host}:{v.port}/v1/completions", data=body, method="POST",
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    r.read()
+            except OSError:
+                done.wait(0.2)
+
+    threads = [threading.Thread(target=send, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu(sb: Sandbox) -> tuple[float, int]:
+    """The daemon's CPU seconds over IDLE_WINDOW_S of serving, and the canaries answered."""
+    pid = int(sb.manager.systemctl("show", "-p", "MainPID", "--value", DAEMON_UNIT).stdout)
+    seen: set[str] = set()
+    c0, t_end = cpu_s(pid), time.monotonic() + IDLE_WINDOW_S
+    while time.monotonic() < t_end:
+        live = status(sb).get("liveness") or {}
+        if live.get("canary_at"):
+            seen.add(live["canary_at"])
+        time.sleep(0.5)
+    return cpu_s(pid) - c0, len(seen)
+
+
+def run(runs: int) -> str:
+    root = Path(tempfile.mkdtemp(prefix="kimi-liveness-bench-"))
+    sb = Sandbox.up(root, gpus=2, daemon=True)
+    try:
+        serving(sb)
+        c = sb.config().liveness
+        idle = [freeze(sb) for _ in range(runs)]
+        loaded = []
+        for _ in range(runs):
+            done = threading.Event()
+            threads = load(sb, done)
+            poll(lambda: ((status(sb).get("liveness") or {}).get("running") or 0) > 0, 30)
+            loaded.append(freeze(sb))
+            done.set()
+            for t in threads:
+                t.join(35)
+        serving(sb)
+        on_cpu, canaries = idle_cpu(sb)
+        tokens = (status(sb).get("liveness") or {}).get("canary_tokens") or 0
+    finally:
+        sb.down()
+    root2 = Path(tempfile.mkdtemp(prefix="kimi-liveness-off-"))
+    off = Sandbox.up(root2, gpus=2, daemon=True, overrides={"liveness": {"enabled": False}})
+    try:
+        serving(off)
+        off_cpu, _ = idle_cpu(off)
+    finally:
+        off.down()
+    idle_bound = c.canary_interval_s + c.canary_timeout_s
+    load_bound = c.stall_s + c.metrics_interval_s
+    probes = IDLE_WINDOW_S / c.metrics_interval_s
+    per_probe_ms = max(on_cpu - off_cpu, 0.0) / probes * 1000
+    shipped = LivenessConfig()
+    per_hour = per_probe_ms / 1000 * 3600 / shipped.metrics_interval_s
+    return (
+        f"{machine()}; {runs} freezes each, the sandbox's fake vLLM (its engine frozen with "
+        f"SIGSTOP; /health stays 200, as real vLLM 0.16's does). The sandbox's liveness: "
+        f"/metrics every {c.metrics_interval_s:g} s, stall {c.stall_s:g} s, canary every "
+        f"{c.canary_interval_s:g} s, timeout {c.canary_timeout_s:g} s.\n\n"
+        "| figure | measured | bound (config) | ratio |\n|---|---|---|---|\n"
+        f"| idle: frozen → incident (the canary), median of {runs} | "
+        f"{statistics.median(idle):.1f} s (max {max(idle):.1f}) | {idle_bound:g} s | "
+        f"{max(idle) / idle_bound:.2f} |\n"
+        f"| under load: frozen → incident (/metrics stall), median of {runs} | "
+        f"{statistics.median(loaded):.1f} s (max {max(loaded):.1f}) | {load_bound:g} s | "
+        f"{max(loaded) / load_bound:.2f} |\n"
+        f"| daemon CPU over {IDLE_WINDOW_S:g} s serving idle, liveness on ({canaries} canaries) "
+        f"| {on_cpu * 1000:.0f} ms | off: {off_cpu * 1000:.0f} ms | "
+        f"{on_cpu / off_cpu if off_cpu else float('nan'):.2f} |\n\n"
+        f"CPU per probe (a /metrics read, every {c.canary_interval_s / c.metrics_interval_s:g}th "
+        f"with a canary): {per_probe_ms:.1f} ms; at the shipped cadence (/metrics every "
+        f"{shipped.metrics_interval_s:g} s, a canary every {shipped.canary_interval_s:g} s) at "
+        f"most {per_hour:.1f} s of CPU an hour. A canary is {tokens} token(s) as the fake "
+        f"counts them; {3600 / shipped.canary_interval_s:g} canaries an hour when idle (real "
+        "vLLM's count is in the real-vLLM table).\n"
+    )
+
+
+if __name__ == "__main__":
+    bench_main("liveness", run, runs=3)
