@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import statistics
 import tempfile
@@ -28,6 +30,7 @@ from kimi_supervisor.config import LivenessConfig
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
+from tests.promtool import stuck_alert_fires_at
 
 IDLE_WINDOW_S = 30.0
 
@@ -55,6 +58,13 @@ def engine_of(main_pid: int) -> processes.ProcessRef:
             if ref is not None:
                 return ref
     raise AssertionError(f"no engine under {main_pid}")
+
+
+def last_teardown_s(sb: Sandbox) -> float:
+    req = {"cmd": "history", "n": 200}
+    (reply,) = [m for _raw, m in exchange(sb.config().control.socket, req, 10)]
+    teardowns = [e for e in reply["data"]["entries"] if e["kind"] == "teardown"]
+    return float(teardowns[-1]["duration_s"])
 
 
 def freeze(sb: Sandbox) -> float:
@@ -114,6 +124,33 @@ def idle_cpu(sb: Sandbox) -> tuple[float, int]:
     return cpu_s(pid) - c0, len(seen)
 
 
+def stuck_to_alert(sb: Sandbox, samples: int = 40) -> tuple[float | None, int]:
+    """Memory leaked on a GPU, then a switch: STUCK, retried. The daemon's own
+    `kimi_supervisor_state{state="stuck"}`, sampled each second as one 15 s scrape, fed to
+    promtool with the shipped alert rules: the first evaluation at which the STUCK alert fires
+    (None: never, or no promtool), and the retries the samples spanned."""
+    leak = sb.leak(1, 20_000)
+    try:
+        req = {"cmd": "switch", "mode": "profile", "follow": False}
+        list(exchange(sb.config().control.socket, req, 10))
+        poll(lambda: status(sb)["state"] == "stuck", 60)
+        m = sb.config().metrics
+        values = []
+        for _ in range(samples):
+            with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            hit = re.search(r'^kimi_supervisor_state\{state="stuck"\} (\S+)$', text, re.M)
+            values.append(str(int(float(hit.group(1)))) if hit else "0")
+            time.sleep(1)
+        retries = (status(sb).get("stuck") or {}).get("retries", 0)
+    finally:
+        leak.unlink()
+    poll(lambda: status(sb)["state"] == "serving", 90)
+    if shutil.which("promtool") is None:
+        return None, retries
+    return stuck_alert_fires_at([int(v) for v in values]), retries
+
+
 def run(runs: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-liveness-bench-"))
     sb = Sandbox.up(root, gpus=2, daemon=True)
@@ -121,6 +158,7 @@ def run(runs: int) -> str:
         serving(sb)
         c = sb.config().liveness
         idle = [freeze(sb) for _ in range(runs)]
+        frozen_teardown = last_teardown_s(sb)
         loaded = []
         for _ in range(runs):
             done = threading.Event()
@@ -133,6 +171,8 @@ def run(runs: int) -> str:
         serving(sb)
         on_cpu, canaries = idle_cpu(sb)
         tokens = (status(sb).get("liveness") or {}).get("canary_tokens") or 0
+        fired_at, retries = stuck_to_alert(sb)
+        serving(sb)
     finally:
         sb.down()
     root2 = Path(tempfile.mkdtemp(prefix="kimi-liveness-off-"))
@@ -162,7 +202,13 @@ def run(runs: int) -> str:
         f"{max(loaded) / load_bound:.2f} |\n"
         f"| daemon CPU over {IDLE_WINDOW_S:g} s serving idle, liveness on ({canaries} canaries) "
         f"| {on_cpu * 1000:.0f} ms | off: {off_cpu * 1000:.0f} ms | "
-        f"{on_cpu / off_cpu if off_cpu else float('nan'):.2f} |\n\n"
+        f"{on_cpu / off_cpu if off_cpu else float('nan'):.2f} |\n"
+        f"| the teardown of the frozen tree (continued, then stopped; the unit's "
+        f"TimeoutStopSec would end it otherwise) | {frozen_teardown:.2f} s | - | - |\n"
+        f"| STUCK → the shipped STUCK alert firing (promtool, fed the daemon's own state series "
+        f"through {retries} retries, one sample per 15 s scrape) | "
+        f"{'never' if fired_at is None else f'{fired_at / 60:g} min'} | `for:` 5 min + one "
+        f"scrape | {'-' if fired_at is None else f'{fired_at / 315:.2f}'} |\n\n"
         f"CPU per probe (a /metrics read, every {c.canary_interval_s / c.metrics_interval_s:g}th "
         f"with a canary): {per_probe_ms:.1f} ms; at the shipped cadence (/metrics every "
         f"{shipped.metrics_interval_s:g} s, a canary every {shipped.canary_interval_s:g} s) at "

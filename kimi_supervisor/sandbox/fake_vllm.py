@@ -120,12 +120,17 @@ def _spawn_ghost(opts: FakeOptions) -> None:
 
 
 def _generate() -> None:
-    """The API server's requests, one at a time: `gen N` -> N tokens (1 ms each) -> `done N`."""
-    for line in sys.stdin.buffer:
-        n = int(line.split()[1])
-        time.sleep(n / 1000)
-        sys.stdout.buffer.write(f"done {n}\n".encode())
-        sys.stdout.flush()
+    """The API server's requests, one at a time: `gen N` -> N tokens (1 ms each) -> `done N`.
+    Raw reads and writes of fds 0 and 1: a daemon thread blocked inside sys.stdin's buffered
+    reader would hold its lock through the interpreter's exit, which then aborts."""
+    pending = b""
+    while chunk := os.read(0, 4096):
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            n = int(line.split()[1])
+            time.sleep(n / 1000)
+            os.write(1, f"done {n}\n".encode())
 
 
 def engine_main(tp: int) -> None:

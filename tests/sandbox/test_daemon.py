@@ -20,6 +20,7 @@ from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
 from kimi_supervisor.store.state import StateStore
 
 from ..conftest import DaemonHelper, SandboxHelper, health, wait_until
+from ..promtool import stuck_alert_fires_at
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -440,11 +441,6 @@ def test_the_daemon_runs_confined_by_its_units_hardening(daemon: DaemonHelper) -
     assert caps(vllm["CapBnd"]) == {"sys_admin", "sys_nice", "sys_resource", "ipc_lock"} & here
 
 
-ALERT_DESCRIPTION = (
-    "`kimi-mode status` says why and what to do (docs/operations.md, What STUCK means)."
-)
-
-
 def _state_metric(sandbox: SandboxHelper) -> dict[str, float]:
     m = sandbox.config.metrics
     with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
@@ -457,7 +453,7 @@ def _state_metric(sandbox: SandboxHelper) -> dict[str, float]:
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (the set-up installs it)")
 def test_stuck_stays_stuck_through_its_retries_in_status_metrics_exit_codes_and_the_alert(
-    sandbox: SandboxHelper, daemon: DaemonHelper, tmp_path: Path
+    sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
     """Issue 27: each retry of a STUCK teardown showed `tearing_down`, so the STUCK alert never
     fired, status exited 0 half the time, and the retries filled the history."""
@@ -479,29 +475,9 @@ def test_stuck_stays_stuck_through_its_retries_in_status_metrics_exit_codes_and_
     assert {(state, rc, stuck) for state, rc, stuck, _ in samples} == {("stuck", 1, 1.0)}
     assert len({since for *_, since in samples}) == 1 and samples[0][3] > 0
     # The shipped alert, fed the daemon's own series one sample per scrape, fires at its
-    # `for:` plus one scrape.
-    test = tmp_path / "stuck_test.yml"
-    rules = ROOT / "config/prometheus/kimi-supervisor-alerts.yml"
-    values = " ".join(str(int(stuck)) for _, _, stuck, _ in samples)
-    test.write_text(f"""rule_files: ["{rules}"]
-evaluation_interval: 15s
-tests:
-  - interval: 15s
-    input_series:
-      - series: 'kimi_supervisor_state{{instance="h:9464",job="kimi",state="stuck"}}'
-        values: '{values}'
-    alert_rule_test:
-      - {{eval_time: 4m45s, alertname: KimiSupervisorStuckOrFailed, exp_alerts: []}}
-      - eval_time: 5m15s
-        alertname: KimiSupervisorStuckOrFailed
-        exp_alerts:
-          - exp_labels: {{instance: "h:9464", severity: critical}}
-            exp_annotations:
-              summary: "kimi-supervisor on h:9464 is STUCK or FAILED"
-              description: "{ALERT_DESCRIPTION}"
-""")
-    r = subprocess.run(["promtool", "test", "rules", str(test)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
+    # `for:` (5 min) plus at most one scrape.
+    fired = stuck_alert_fires_at([int(stuck) for _, _, stuck, _ in samples])
+    assert fired is not None and 300 <= fired <= 315, fired
     history = daemon.history()
     assert [e["trigger"] for e in history if e["kind"] == "transition"][-1] == "switch"
     leak.unlink()  # the driver lets go

@@ -36,7 +36,7 @@ from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports.gpu import DeviceSample
 from kimi_supervisor.ports.notify import Notifier
 from kimi_supervisor.ports.output import FileOutput
-from kimi_supervisor.ports.systemd import UnitStatus, Who
+from kimi_supervisor.ports.systemd import SystemdError, UnitStatus, Who
 from tests.fakes import FakeClock
 
 UNIT = "vllm-kimi-k25.service"
@@ -150,6 +150,7 @@ class FakeSystemd:
         self.log = log
         self.fail_modes: set[Mode] = set()
         self.hung_file = config.state.dir.parent / "vllm-hung"  # while it exists, vLLM hangs
+        self.unreachable = ""  # while set, every call fails as with no bus
         self.load_s = 0.0
         self.child: subprocess.Popen[bytes] | None = None
         self.stopped = True  # by us (inactive), or it exited by itself (failed)
@@ -159,6 +160,8 @@ class FakeSystemd:
         self._lock = threading.Lock()
 
     def status(self, unit: str) -> UnitStatus:
+        if self.unreachable:
+            raise SystemdError(self.unreachable)
         with self._lock:
             c = self.child
             if unit != UNIT or c is None:

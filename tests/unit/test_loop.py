@@ -358,3 +358,18 @@ def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_start
     assert host.daemon.s.serving is not None and host.daemon.s.serving.pid != first
     assert host.status()["failures_in_window"] == 1
     assert not [w for w in host.status()["warnings"] if "canary" in w]
+
+
+def test_with_no_bus_at_boot_the_daemon_says_it_waits_for_systemd_and_goes_on_when_it_answers(
+    host: LoopHost,
+) -> None:
+    """Issue 27: with no system D-Bus the daemon sat in `booting` and status exited 0."""
+    host.systemd.unreachable = "Could not open a bus to DBus"
+    host.until(lambda: bool(host.status()["waiting_for"]), "the wait to show")
+    status = host.status()
+    assert status["state"] == "booting"
+    assert status["waiting_for"].startswith("waiting for systemd: cannot read")
+    assert "Could not open a bus to DBus" in status["status_line"]
+    host.systemd.unreachable = ""
+    host.serving(Mode.PRODUCTION)
+    assert host.status()["waiting_for"] is None
