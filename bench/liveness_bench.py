@@ -60,10 +60,15 @@ def engine_of(main_pid: int) -> processes.ProcessRef:
     raise AssertionError(f"no engine under {main_pid}")
 
 
-def last_teardown_s(sb: Sandbox) -> float:
+def hang_teardown_s(sb: Sandbox) -> float:
+    """The last teardown of a hung vLLM (the one after it, of the backoff's retry, finds
+    nothing to do)."""
     req = {"cmd": "history", "n": 200}
     (reply,) = [m for _raw, m in exchange(sb.config().control.socket, req, 10)]
-    teardowns = [e for e in reply["data"]["entries"] if e["kind"] == "teardown"]
+    teardowns = [
+        e for e in reply["data"]["entries"]
+        if e["kind"] == "teardown" and e.get("reason", "").startswith("vLLM hung")
+    ]  # fmt: skip
     return float(teardowns[-1]["duration_s"])
 
 
@@ -153,12 +158,13 @@ def stuck_to_alert(sb: Sandbox, samples: int = 40) -> tuple[float | None, int]:
 
 def run(runs: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-liveness-bench-"))
-    sb = Sandbox.up(root, gpus=2, daemon=True)
+    # Every freeze is a failure in the window: room for all of them, or the third is FAILED.
+    sb = Sandbox.up(root, gpus=2, daemon=True, overrides={"daemon": {"max_failures": 100}})
     try:
         serving(sb)
         c = sb.config().liveness
         idle = [freeze(sb) for _ in range(runs)]
-        frozen_teardown = last_teardown_s(sb)
+        frozen_teardown = hang_teardown_s(sb)
         loaded = []
         for _ in range(runs):
             done = threading.Event()
@@ -182,7 +188,8 @@ def run(runs: int) -> str:
         off_cpu, _ = idle_cpu(off)
     finally:
         off.down()
-    idle_bound = c.canary_interval_s + c.canary_timeout_s
+    # The canary goes with the next /metrics read once it is due.
+    idle_bound = c.canary_interval_s + c.metrics_interval_s + c.canary_timeout_s
     load_bound = c.stall_s + c.metrics_interval_s
     probes = IDLE_WINDOW_S / c.metrics_interval_s
     per_probe_ms = max(on_cpu - off_cpu, 0.0) / probes * 1000

@@ -228,7 +228,7 @@ class LivenessConfig(_Strict):
     requests running and no token for `stall_s` means hung; idle, a one-token canary every
     `canary_interval_s` must answer within `canary_timeout_s`. A hung vLLM is restarted as a
     dead one is. Noticed within stall_s + metrics_interval_s under load, and within
-    canary_interval_s + canary_timeout_s idle."""
+    canary_interval_s + metrics_interval_s + canary_timeout_s idle."""
 
     enabled: bool = True
     metrics_interval_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
