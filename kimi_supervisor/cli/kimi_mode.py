@@ -156,9 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
-        epilog="exit codes: 0 done, 1 failed, STUCK or FAILED (status), not serving "
-        "(is-serving), 2 usage, 3 daemon unreachable or refused, 4 timed out (the switch goes "
-        "on), 130 Ctrl-C (the switch goes on)",
+        epilog="exit codes: 0 done, 1 failed, STUCK, FAILED or waiting for the driver or "
+        "systemd (status), not serving (is-serving), 2 usage, 3 daemon unreachable or "
+        "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(

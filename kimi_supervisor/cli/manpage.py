@@ -58,8 +58,9 @@ def pages() -> list[Page]:
                 ("0", "done: the mode is ready, or was already running"),
                 (
                     "1",
-                    "the switch or capture failed; status: the daemon is STUCK or FAILED; "
-                    "is-serving: vLLM does not serve (in that mode)",
+                    "the switch or capture failed; status: the daemon is STUCK or FAILED, or "
+                    "waits for the GPU driver or systemd; is-serving: vLLM does not serve (in "
+                    "that mode)",
                 ),
                 ("2", "usage error, or an --out that cannot be used"),
                 ("3", "the daemon is unreachable, or refused the caller"),
