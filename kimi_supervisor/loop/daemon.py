@@ -241,6 +241,8 @@ class Daemon:
             early.append(s.next_attempt_at)
         if not s.driver_ready:
             early.append(s.driver_retry_at)
+        if s.state is State.SERVING and self.config.liveness.enabled:
+            early.append(self.life.liveness.next_probe)  # not one tick_s late
         if s.profile_until is not None and s.desired is Mode.PROFILE:
             early.append(now + (s.profile_until - utcnow()).total_seconds())
         return min([self._next_step, *(t for t in early if t > self._last_step)])

@@ -81,6 +81,11 @@ class Liveness:
         self.stall = Stall()
         self.last_canary: Canary | None = None
 
+    @property
+    def next_probe(self) -> float:
+        """When the next probe falls due (the loop's clock): a pass is due then, too."""
+        return self._next_probe
+
     def serving(self, pid: int, now: float, capturing: bool) -> None:
         """A pass while `pid` serves: a probe, if one is due and none runs."""
         c = self.config.liveness

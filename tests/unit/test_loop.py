@@ -373,3 +373,23 @@ def test_with_no_bus_at_boot_the_daemon_says_it_waits_for_systemd_and_goes_on_wh
     host.systemd.unreachable = ""
     host.serving(Mode.PRODUCTION)
     assert host.status()["waiting_for"] is None
+
+
+def test_liveness_probes_keep_their_own_cadence_when_the_tick_is_longer(tmp_path: Path) -> None:
+    """A serving vLLM's /metrics is read every liveness.metrics_interval_s (1 s here), not
+    only at the unit's tick (10 s here): the pass falls due for the probe, too."""
+    host = LoopHost(tmp_path, tick_s=10.0)
+    try:
+        booted(host)
+        live = host.daemon.life.liveness
+        probes: list[float] = []
+
+        def probed_for(seconds: float) -> bool:
+            if not probes or live.next_probe != probes[-1]:
+                probes.append(live.next_probe)
+            return probes[-1] - probes[0] >= seconds
+
+        host.until(lambda: probed_for(20), "20 s of probes")
+        assert len(probes) >= 15, probes  # about one a second, not one in ten
+    finally:
+        host.close()
