@@ -181,6 +181,7 @@ def run(runs: int) -> str:
         serving(sb)
     finally:
         sb.down()
+        shutil.rmtree(root, ignore_errors=True)
     root2 = Path(tempfile.mkdtemp(prefix="kimi-liveness-off-"))
     off = Sandbox.up(root2, gpus=2, daemon=True, overrides={"liveness": {"enabled": False}})
     try:
@@ -188,6 +189,7 @@ def run(runs: int) -> str:
         off_cpu, _ = idle_cpu(off)
     finally:
         off.down()
+        shutil.rmtree(root2, ignore_errors=True)
     # The canary goes with the next /metrics read once it is due.
     idle_bound = c.canary_interval_s + c.metrics_interval_s + c.canary_timeout_s
     load_bound = c.stall_s + c.metrics_interval_s
