@@ -30,6 +30,21 @@ MEMBER = ["--reuid=65534", "--regid=65534", "--groups=100"]
 pytestmark = pytest.mark.systemd
 
 
+def serving_profile(daemon: DaemonHelper) -> None:
+    """The daemon up, serving production, then switched to profile."""
+    daemon.start()
+    daemon.wait_serving("production")
+    assert daemon.kimi_mode("profile").returncode == 0
+    daemon.wait_serving("profile")
+
+
+def kill_for_good(sandbox: SandboxHelper, daemon: DaemonHelper) -> None:
+    """SIGKILL the daemon with its restart turned off: it stays down until started again."""
+    daemon.override("Restart=no\n")
+    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
+    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to die")
+
+
 def test_a_reload_storm_leaves_the_daemon_up_and_vllm_adopted(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
@@ -322,16 +337,11 @@ def test_a_slow_client_flood_from_a_group_member_never_locks_root_out(
 def test_a_transition_recorded_just_before_a_kill_is_not_recorded_again_after_restart(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    daemon.start()
-    daemon.wait_serving("production")
-    assert daemon.kimi_mode("profile").returncode == 0
-    daemon.wait_serving("profile")
+    serving_profile(daemon)
     (last,) = [e for e in daemon.transitions() if e["target"] == "profile"][-1:]
     # Killed between appending the transition's record and clearing it from state.json: put
     # the transition back, as that kill would have left it.
-    daemon.override("Restart=no\n")
-    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
-    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to die")
+    kill_for_good(sandbox, daemon)
     path = sandbox.config.state.dir / "state.json"
     st = json.loads(path.read_text())
     st["transition"] = {
@@ -407,10 +417,7 @@ def test_traces_go_where_out_was_opened_owned_by_who_asked_even_if_the_path_beco
 def test_state_deleted_while_the_daemon_runs_is_written_again_with_the_desired_mode(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    daemon.start()
-    daemon.wait_serving("production")
-    assert daemon.kimi_mode("profile").returncode == 0
-    daemon.wait_serving("profile")
+    serving_profile(daemon)
     path = sandbox.config.state.dir / "state.json"
     path.unlink()
     wait_until(path.exists, 10, "the daemon to write the state again")
@@ -524,13 +531,8 @@ def test_a_restarted_daemon_answers_status_only_once_it_has_read_the_desired_mod
 ) -> None:
     from kimi_supervisor.control.client import exchange
 
-    daemon.start()
-    daemon.wait_serving("production")
-    assert daemon.kimi_mode("profile").returncode == 0
-    daemon.wait_serving("profile")
-    daemon.override("Restart=no\n")
-    sandbox.systemd.kill(DAEMON_UNIT, "main", signal.SIGKILL)
-    wait_until(lambda: daemon.unit() in ("failed", "inactive"), 20, "the daemon to die")
+    serving_profile(daemon)
+    kill_for_good(sandbox, daemon)
     sandbox.sb.manager.systemctl("reset-failed", DAEMON_UNIT, check=False)
     answers: list[dict[str, object]] = []
 
