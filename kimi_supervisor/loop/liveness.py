@@ -79,7 +79,6 @@ class Liveness:
         self._next_probe = 0.0
         self._next_canary = 0.0
         self.stall = Stall()
-        self.last_canary: Canary | None = None
 
     @property
     def next_probe(self) -> float:
@@ -125,7 +124,6 @@ class Liveness:
         if reading.pid != self._pid:
             return None
         if reading.canary is not None:
-            self.last_canary = reading.canary
             self._next_canary = now + c.canary_interval_s
             if not reading.canary.answered:
                 return (

@@ -61,33 +61,34 @@ class Setbacks:
         self.jobs.run(Purpose.START_FAILED, why, detail, cause=reason)
 
     def died(self, reason: str) -> None:
-        s, ctx = self.s, self.ctx
-        mode = s.serving.mode.value if s.serving else None
-        ctx.log("vllm_died", level="error", reason=reason, mode=mode)
-        ctx.incident({"at": utcnow().isoformat(), "what": reason})
-        ctx.event("vllm_died", {"reason": reason})
-        s.serving = None
-        ctx.set_state(State.TEARING_DOWN, reason)
-        self.jobs.run(Purpose.DIED, f"vLLM died: {reason}", cause=reason)
+        self._lost("vllm_died", reason, reason, f"vLLM died: {reason}", reason, {})
 
     def hung(self, reason: str, reading: Reading) -> None:
         """vLLM serves but does no work (loop/liveness.py): what a dead one gets, an incident
         with what was seen, a teardown, a start again under the failure window's backoff."""
-        s, ctx = self.s, self.ctx
-        mode = s.serving.mode.value if s.serving else None
         seen: dict[str, Any] = {"main_pid": reading.pid}
         if reading.work is not None:
             seen |= {"running": reading.work.running, "tokens": reading.work.tokens}
         if reading.canary is not None:
             seen |= {"canary_s": round(reading.canary.took_s, 1)}
-        ctx.log("vllm_hung", level="error", reason=reason, mode=mode, **seen)
-        ctx.incident({"at": utcnow().isoformat(), "what": f"vLLM hung: {reason}", **seen})
-        ctx.event("vllm_hung", {"reason": reason, **seen})
-        if ctx.metrics:
-            ctx.metrics.hangs.inc()
+        if self.ctx.metrics:
+            self.ctx.metrics.hangs.inc()
+        what = f"vLLM hung: {reason}"
+        self._lost("vllm_hung", reason, what, what, f"hung: {reason}", seen)
+
+    def _lost(
+        self, event: str, reason: str, what: str, why: str, cause: str, seen: dict[str, Any]
+    ) -> None:
+        """The vLLM that served is lost (dead or hung): logged, an incident (`what`, with
+        what was `seen`), an event, and the teardown (`why`) that comes before serving again."""
+        s, ctx = self.s, self.ctx
+        mode = s.serving.mode.value if s.serving else None
+        ctx.log(event, level="error", reason=reason, mode=mode, **seen)
+        ctx.incident({"at": utcnow().isoformat(), "what": what, **seen})
+        ctx.event(event, {"reason": reason, **seen})
         s.serving = None
-        ctx.set_state(State.TEARING_DOWN, f"vLLM hung: {reason}")
-        self.jobs.run(Purpose.DIED, f"vLLM hung: {reason}", cause=f"hung: {reason}")
+        ctx.set_state(State.TEARING_DOWN, what)
+        self.jobs.run(Purpose.DIED, why, cause=cause)
 
     def intrusion(self, found: list[Intruder]) -> None:
         """While vLLM loads, a process outside its unit took a managed GPU: noticed (history,
@@ -198,11 +199,12 @@ class Setbacks:
         # One record per transition, whatever the moment of a kill: a daemon killed between
         # this append and clearing the persisted transition finds it here when it ends it again
         # (only a transition inherited at boot can have been recorded already).
-        if not recorded:
-            pass
-        elif tr.id != s.inherited_id or not any(
-            e.get("kind") == "transition" and e.get("id") == tr.id
-            for e in history.read(ctx.config.state.dir, RECENT)
+        if recorded and (
+            tr.id != s.inherited_id
+            or not any(
+                e.get("kind") == "transition" and e.get("id") == tr.id
+                for e in history.read(ctx.config.state.dir, RECENT)
+            )
         ):
             ctx.record("transition", record)
         if ctx.metrics:
