@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.common import fmt_ms, health, machine, poll
 from bench.common import main as bench_main
-from kimi_supervisor.config import DaemonConfig
+from kimi_supervisor.config import DaemonConfig, LivenessConfig
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.systemd import PystemdSystemd
@@ -210,7 +210,8 @@ def run(idle_s: float, runs: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-dbench-"))
     sb = Sandbox.up(root, gpus=8, daemon=False)
     try:
-        # The loop's pace as shipped (the sandbox's own config ticks faster for the tests).
+        # The loop's pace and liveness probes as shipped (the sandbox's own config is faster for
+        # the tests).
         cfg = sb.config()
         shipped = DaemonConfig()
         pace = {
@@ -220,7 +221,9 @@ def run(idle_s: float, runs: int) -> str:
             "max_failures": 1000,
         }
         sb.config_path.write_text(
-            cfg.model_copy(update={"daemon": cfg.daemon.model_copy(update=pace)}).effective_toml()
+            cfg.model_copy(
+                update={"daemon": cfg.daemon.model_copy(update=pace), "liveness": LivenessConfig()}
+            ).effective_toml()
         )
         sb.start_daemon()
         b = Bench(sb)
