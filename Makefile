@@ -3,14 +3,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint typecheck pytest unit bench demo clean install
+.PHONY: setup test lint typecheck pytest unit bench demo clean install uninstall deb package
 
-# `make install` (as root): the package in its own virtualenv under PREFIX, the commands in
-# BINDIR, the units, sysusers.d and tmpfiles.d, the config (kept if present) and the docs.
-# DESTDIR stages it elsewhere (a package build, or the tests); then nothing is activated.
+# `make install` (as root, for development; a host installs the Debian package of `make deb`):
+# the package in its own virtualenv under PREFIX, built from the hash-pinned locks, the commands
+# in BINDIR, the units, sysusers.d and tmpfiles.d under /usr/local, the config (kept if present)
+# and the docs. DESTDIR stages it elsewhere (the tests); then nothing is activated.
+# `make uninstall` takes the same variables and removes it all but the config and the state.
 PREFIX ?= /opt/kimi-supervisor
 BINDIR ?= /usr/local/bin
-UNITDIR ?= /etc/systemd/system
+UNITDIR ?= /usr/local/lib/systemd/system
 SYSCONFDIR ?= /etc
 MANDIR ?= /usr/local/share/man
 DESTDIR ?=
@@ -60,4 +62,12 @@ clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
 install:
-	sh scripts/install.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" "$(PYTHON)" "$(MANDIR)"
+	sh scripts/install.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" /usr/bin/python3 "$(MANDIR)"
+
+uninstall:
+	sh scripts/uninstall.sh "$(DESTDIR)" "$(PREFIX)" "$(BINDIR)" "$(UNITDIR)" "$(SYSCONFDIR)" "$(MANDIR)"
+
+# The Debian package, in dist/ (docs/operations.md installs it). Build tools: setup-system.sh --package.
+deb package:
+	sh scripts/setup-system.sh --package
+	sh scripts/build-deb.sh

@@ -1,13 +1,21 @@
 #!/bin/sh
-# System packages kimi-supervisor needs to build (pystemd compiles against libsystemd) and to
-# run its tests (a real systemd user manager with its own dbus-daemon). Debian 12, as root.
-# `--install`: only what `make install` needs on a host (building and running the daemon).
+# System packages, split by purpose (Debian 12, as root). Each purpose installs only its own:
+#   --install   what `make install` needs on a host: build the virtualenv from source
+#               (pystemd compiles against libsystemd) and run the daemon;
+#   --package   what `make deb` needs to build the Debian package (debhelper, dpkg-dev);
+#   (no option) all of the above, and what the test suite needs (`./dev test`, `./dev demo`).
+# The Debian package itself needs none of this on the host it is installed on: its Depends
+# are what running needs (docs/operations.md). No purpose enables or starts a service.
 set -eu
 need=""
-promtool=""
-install_only=false
-[ "${1:-}" = "--install" ] && install_only=true
-# Building and running the daemon (`make install` on a host).
+purpose=${1:-test}
+case "$purpose" in
+  --install) purpose=install ;;
+  --package) purpose=package ;;
+  test) ;;
+  *) echo "setup: unknown option '$purpose' (use --install, --package or none)" >&2; exit 2 ;;
+esac
+# Building the virtualenv from source, and running the daemon (every purpose).
 command -v pkg-config >/dev/null 2>&1 || need="$need pkg-config"
 [ -e /usr/include/systemd/sd-bus.h ] || need="$need libsystemd-dev"
 [ -x /lib/systemd/systemd ] || [ -x /usr/lib/systemd/systemd ] || need="$need systemd"
@@ -16,7 +24,15 @@ command -v make >/dev/null 2>&1 || need="$need make"
 python3 -c 'import venv, ensurepip' >/dev/null 2>&1 || need="$need python3-venv"
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
   || need="$need python3-dev"
-if ! $install_only; then
+if [ "$purpose" != install ]; then
+  # Building the Debian package (`make deb`), and checking it (lintian).
+  command -v dh >/dev/null 2>&1 || need="$need debhelper"
+  command -v dpkg-buildpackage >/dev/null 2>&1 || need="$need dpkg-dev"
+  command -v fakeroot >/dev/null 2>&1 || need="$need fakeroot"
+  command -v lintian >/dev/null 2>&1 || need="$need lintian"
+fi
+promtool=false
+if [ "$purpose" = test ]; then
   # The tests: a real systemd user manager with its own dbus-daemon, which joins its session bus
   # through dbus-user-session (without it the manager "did not come up in 30 s").
   command -v dbus-daemon >/dev/null 2>&1 || need="$need dbus-daemon"
@@ -28,32 +44,35 @@ if ! $install_only; then
   [ -x /bin/kill ] || [ -x /usr/bin/kill ] || need="$need procps"
   # The live switch display is checked in a real terminal.
   command -v tmux >/dev/null 2>&1 || need="$need tmux"
-  # The shipped alert rules are checked and unit-tested with promtool (Debian ships it in the
-  # prometheus package; its server is not started, see below).
-  command -v promtool >/dev/null 2>&1 || promtool=prometheus
   # The fleet test over SSH (two booted hosts on the loopback address): ssh and ssh-keygen.
   command -v ssh-keygen >/dev/null 2>&1 || need="$need openssh-client"
   # The booted-host tests: a Debian 12 root file system booted under its own systemd.
   command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
   command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"
+  # The alert rules are checked and unit-tested with promtool.
+  command -v promtool >/dev/null 2>&1 || promtool=true
 fi
-if [ -n "$need$promtool" ]; then
+if [ -n "$need" ] || $promtool; then
   if [ "$(id -u)" != 0 ]; then
-    echo "setup: missing system packages:$need $promtool (run as root, or install them)" >&2
+    $promtool && need="$need promtool"
+    echo "setup: missing system packages:$need (run as root, or install them)" >&2
     exit 1
   fi
-  echo "setup: installing$need $promtool"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
-  [ -z "$need" ] || apt-get install -y -qq --no-install-recommends $need
 fi
-if [ -n "$promtool" ]; then
-  # Only promtool is wanted from the prometheus package, not a server on :9090: installed with
-  # Debian's policy-rc.d saying no service may start.
-  policy=/usr/sbin/policy-rc.d
-  if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy"
-    trap 'rm -f "$policy"' EXIT
-  fi
-  apt-get install -y -qq --no-install-recommends prometheus
+if [ -n "$need" ]; then
+  echo "setup: installing$need"
+  apt-get install -y -qq --no-install-recommends $need
+fi
+if $promtool; then
+  # Debian ships promtool only inside its prometheus package, with the server, which that
+  # package enables (it listened on *:9090 after a reboot). Only the promtool binary is taken
+  # from it (it needs nothing but libc): the package is downloaded, not installed.
+  echo "setup: installing promtool (from Debian's prometheus package, without the server)"
+  tmp=$(mktemp -d) && chmod 0755 "$tmp"  # apt-get download writes as _apt
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && apt-get download -qq prometheus)
+  dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb | tar -x -C "$tmp" ./usr/bin/promtool
+  install -m 0755 "$tmp/usr/bin/promtool" /usr/local/bin/promtool
 fi

@@ -438,3 +438,30 @@ def profiling(sandbox: SandboxHelper, daemon: DaemonHelper) -> DaemonHelper:
     daemon.start()
     daemon.wait_serving("profile")
     return daemon
+
+
+@pytest.fixture(scope="session")
+def debian_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Debian package of this checkout, built once per session (about a minute) and shared by
+    the package's own tests, the booted hosts and the fleet."""
+    from tests import debs
+
+    why = debs.unavailable()
+    if why:
+        pytest.skip(f"no Debian package: {why}")
+    return debs.build(tmp_path_factory.mktemp("deb"))
+
+
+@pytest.fixture(scope="session")
+def debian_package_2(debian_package: Path) -> Path:
+    """A second build, a newer version: its README ends with "A newer release." and its shipped
+    configuration has one more comment (a new default beside an admin's edit)."""
+    from tests import debs
+
+    def edit(tree: Path) -> None:
+        with open(tree / "usr/share/doc/kimi-supervisor/README.md", "a") as f:
+            f.write("\nA newer release.\n")
+        with open(tree / "etc/kimi-supervisor/kimi-supervisor.toml", "a") as f:
+            f.write("\n# A newer default.\n")
+
+    return debs.repack(debian_package, "0.1.0-2", debian_package.parent, edit)

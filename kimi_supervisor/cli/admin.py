@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,6 +28,17 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     print(f"# {args.path}: valid. Effective configuration, defaults included:")
     print(config.effective_toml(), end="")
+    if args.startable:
+        # The package's postinst starts the daemon on a first install only when this holds: a
+        # host whose config still names a vLLM that is not there is not ready to serve.
+        vllm = Path(config.vllm.command[0])
+        if not (vllm.is_file() and os.access(vllm, os.X_OK)):
+            print(
+                f"vllm.command[0] {vllm} is not an executable file (install vLLM there, or "
+                f"point vllm.command at it in {args.path})",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
     return EXIT_OK
 
 
@@ -189,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check-config", help="validate a config file and print the effective config")
     c.add_argument("path", type=Path, help="the config file to check")
+    c.add_argument(
+        "--startable",
+        action="store_true",
+        help="also require vllm.command[0] to be an executable file (exit 1 if not)",
+    )
     c.set_defaults(fn=cmd_check_config)
 
     c = sub.add_parser("calibrate", help="measure each managed GPU's baseline footprint")

@@ -24,7 +24,7 @@ FILES = [
     ("/var/lib/kimi-supervisor/state.json", "the desired mode, kept across restarts and reboots"),
     ("/var/lib/kimi-supervisor/history.jsonl", "every switch and teardown, with what was killed"),
     ("/var/lib/kimi-supervisor/captures/", "profiler captures taken without --out"),
-    ("/opt/kimi-supervisor/docs/operations.md", "the operator's guide"),
+    ("/usr/share/doc/kimi-supervisor/operations.md", "the operator's guide"),
 ]  # fmt: skip
 
 

@@ -107,6 +107,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 RELOAD_WAIT_S = 900.0
 
 
+def preflight() -> str | None:
+    """What stops this version from running as the daemon, or None. `reload` runs the newly
+    installed code (an upgrade switched the commands to it): it imports every module the daemon
+    can use, and the configuration was parsed by it, before the old daemon re-executes into it.
+    A broken build (a module missing, one that fails to import) fails here, while the old image
+    still runs, instead of after the exec, with vLLM unwatched. The sandbox is not the daemon's."""
+    import importlib
+    import pkgutil
+
+    import kimi_supervisor
+
+    for info in pkgutil.walk_packages(kimi_supervisor.__path__, "kimi_supervisor."):
+        if info.name.startswith("kimi_supervisor.sandbox"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except Exception as e:  # any failure to import is a build that cannot run
+            return f"{info.name} does not import: {type(e).__name__}: {e}"
+    return None
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """ExecReload: SIGHUP to the daemon, then wait until the re-executed image answers, so that
     `systemctl reload` returns with the new daemon up (systemd 252 does not wait for READY=1)."""
@@ -118,6 +139,14 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
     config = load_config(config_path(args.config))
     path = config.control.socket
+    broken = preflight()
+    if broken:
+        print(
+            f"kimi-supervisor reload: this version cannot run ({broken}); the daemon was not "
+            "signalled and runs on as it was, vLLM untouched",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
 
     def started_at() -> str | None:
         try:

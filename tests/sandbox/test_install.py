@@ -1,12 +1,12 @@
-"""`make install` as an operator runs it, staged with DESTDIR: the virtualenv, the commands, the
-units, sysusers.d and tmpfiles.d, the config and the docs, and a second install (an upgrade)
-that keeps the operator's config."""
+"""`make install` (the development install) staged with DESTDIR: the virtualenv from the locks,
+the commands, the units under /usr/local with their paths pointed there, sysusers.d and
+tmpfiles.d, the config and the docs; a second install (an upgrade) that keeps the operator's
+config; and `make uninstall`, which removes all of it but the config."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,11 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFIX = "/opt/kimi-supervisor"
 
 
+UNITDIR = "/usr/local/lib/systemd/system"
+DIRS = [PREFIX, "/usr/local/bin", UNITDIR, "/etc", "/usr/local/share/man"]
+
+
 def _install(dest: Path) -> subprocess.CompletedProcess[str]:
-    python = shutil.which("python3") or sys.executable
+    d = DIRS
     return subprocess.run(
-        ["sh", "scripts/install.sh", str(dest), PREFIX, "/usr/local/bin", "/etc/systemd/system",
-         "/etc", python],
+        ["sh", "scripts/install.sh", str(dest), *d[:4], "/usr/bin/python3", d[4]],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
 
@@ -41,10 +44,10 @@ def test_make_install_stages_the_package_commands_units_and_config(staged: Path)
     from kimi_supervisor.version import package_version
 
     for path in (
-        "etc/systemd/system/kimi-supervisor.service",
-        "etc/systemd/system/vllm-kimi-k25.service",
-        "usr/lib/sysusers.d/kimi-supervisor.conf",
-        "usr/lib/tmpfiles.d/kimi-supervisor.conf",
+        "usr/local/lib/systemd/system/kimi-supervisor.service",
+        "usr/local/lib/systemd/system/vllm-kimi-k25.service",
+        "usr/local/lib/sysusers.d/kimi-supervisor.conf",
+        "usr/local/lib/tmpfiles.d/kimi-supervisor.conf",
         "etc/kimi-supervisor/kimi-supervisor.toml",
         "opt/kimi-supervisor/docs/operations.md",  # the units' Documentation=
     ):
@@ -67,7 +70,11 @@ def test_make_install_stages_the_package_commands_units_and_config(staged: Path)
         capture_output=True, text=True,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "g kimi" in (staged / "usr/lib/sysusers.d/kimi-supervisor.conf").read_text()
+    assert "g kimi" in (staged / "usr/local/lib/sysusers.d/kimi-supervisor.conf").read_text()
+    # The units name the commands and the docs where this install put them.
+    unit = (staged / UNITDIR.lstrip("/") / "kimi-supervisor.service").read_text()
+    assert "ExecStart=/usr/local/bin/kimi-supervisor run" in unit
+    assert f"file://{PREFIX}/docs/operations.md" in unit and "/usr/bin/" not in unit
 
 
 def test_an_upgrade_keeps_the_operators_config_and_ships_the_new_one_beside_it(
@@ -147,3 +154,24 @@ def test_bash_completes_the_commands_options_and_choices_both_programs_take(
     assert (staged / "opt/kimi-supervisor/config/prometheus/kimi-supervisor-alerts.yml").is_file()
     assert (staged / "opt/kimi-supervisor/config/prometheus/kimi-supervisor-fleet.yml").is_file()
     assert zsh.startswith("#compdef kimi-mode\n") and "bashcompinit" in zsh
+
+
+def test_make_uninstall_removes_everything_it_installed_but_the_config(staged: Path) -> None:
+    """Runs last: it undoes the staged install. What is left is the config directory alone (and a
+    command of the same name that `make install` did not make)."""
+    foreign = staged / "usr/local/bin/kimi-mode-helper"
+    foreign.write_text("#!/bin/sh\n")  # planted: not ours, it must stay
+    r = subprocess.run(
+        ["sh", "scripts/uninstall.sh", str(staged), *DIRS],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    left = sorted(
+        str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file() or p.is_symlink()
+    )
+    assert left == [
+        "etc/kimi-supervisor/kimi-supervisor.toml",
+        "etc/kimi-supervisor/kimi-supervisor.toml.dist",
+        "usr/local/bin/kimi-mode-helper",
+    ], left
+    assert "Kept:" in r.stdout

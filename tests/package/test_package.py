@@ -1,0 +1,153 @@
+"""The Debian package as built (`make deb`): what it holds, what it depends on, where things go,
+lintian, and the lock it is built from. Installing, upgrading and removing it on a booted host
+are in tests/booted/."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from tests import debs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def contents(deb: Path) -> dict[str, str]:
+    """Each path in the package (without the leading ./) and, for a symlink, its target."""
+    out = subprocess.run(
+        ["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True
+    ).stdout
+    listing = subprocess.run(
+        ["tar", "-tv"], input=out, capture_output=True, check=True
+    ).stdout.decode()
+    paths = {}
+    for line in listing.splitlines():
+        name = line.split(None, 5)[5]
+        target = ""
+        if " -> " in name:
+            name, target = name.split(" -> ", 1)
+        paths[name.removeprefix("./").rstrip("/")] = target
+    return paths
+
+
+def member(deb: Path, path: str) -> str:
+    out = subprocess.run(
+        ["dpkg-deb", "--fsys-tarfile", str(deb)], capture_output=True, check=True
+    ).stdout
+    return subprocess.run(
+        ["tar", "-xO", f"./{path}"], input=out, capture_output=True, check=True
+    ).stdout.decode()
+
+
+def test_the_package_depends_on_what_the_daemon_runs_with_and_nothing_else(
+    debian_package: Path,
+) -> None:
+    depends = {d.split()[0] for d in debs.field(debian_package, "Depends").split(", ")}
+    py = subprocess.run(
+        ["/usr/bin/python3", "-c", "import sys; print('python%d.%d' % sys.version_info[:2])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    # libc6 and libgcc-s1 come from the compiled modules (dpkg-shlibdeps), libsystemd0 from
+    # pystemd's; dbus and systemd are the daemon's way to systemd; the interpreter is named.
+    assert depends == {"dbus", "systemd", py, "libc6", "libgcc-s1", "libsystemd0"}, depends
+    assert not depends & {"gcc", "make", "python3-pip", "python3-venv", "prometheus"}
+
+
+def test_the_package_puts_each_file_where_debian_puts_it(debian_package: Path) -> None:
+    paths = contents(debian_package)
+    version = debs.field(debian_package, "Version")
+    lib = "usr/lib/kimi-supervisor"
+    assert paths[f"{lib}/current"] == version
+    for cmd in ("kimi-supervisor", "kimi-mode"):
+        assert paths[f"usr/bin/{cmd}"] == f"../lib/kimi-supervisor/current/bin/{cmd}"
+        assert member(debian_package, f"{lib}/{version}/bin/{cmd}").startswith(
+            f"#!/{lib}/current/bin/python3\n"
+        )
+    for path in (
+        "lib/systemd/system/kimi-supervisor.service",
+        "lib/systemd/system/vllm-kimi-k25.service",
+        "etc/kimi-supervisor/kimi-supervisor.toml",
+        "usr/lib/sysusers.d/kimi-supervisor.conf",
+        "usr/lib/tmpfiles.d/kimi-supervisor.conf",
+        "usr/share/man/man1/kimi-mode.1.gz",
+        "usr/share/man/man8/kimi-supervisor.8.gz",
+        "usr/share/bash-completion/completions/kimi-mode",
+        "usr/share/zsh/vendor-completions/_kimi-mode",
+        "usr/share/doc/kimi-supervisor/operations.md",
+        "usr/share/doc/kimi-supervisor/examples/prometheus/kimi-supervisor-alerts.yml",
+    ):
+        assert path in paths, path
+    unit = member(debian_package, "lib/systemd/system/kimi-supervisor.service")
+    assert "ExecStart=/usr/bin/kimi-supervisor run" in unit
+    assert "Documentation=man:kimi-supervisor(8)" in unit
+    # Nothing of the build tools, and nothing under /usr/local, /opt or /etc/systemd.
+    assert not [p for p in paths if re.search(r"/(pip|setuptools|wheel|Cython)[-/]|/activate", p)]
+    assert not [p for p in paths if p.startswith(("usr/local", "opt", "etc/systemd"))]
+
+
+def test_only_the_configuration_is_a_conffile(debian_package: Path, tmp_path: Path) -> None:
+    subprocess.run(["dpkg-deb", "-e", str(debian_package), str(tmp_path)], check=True)
+    assert (tmp_path / "conffiles").read_text().split() == [
+        "/etc/kimi-supervisor/kimi-supervisor.toml"
+    ]
+
+
+def test_nothing_in_the_package_names_the_machine_it_was_built_on(
+    debian_package: Path, tmp_path: Path
+) -> None:
+    tree = tmp_path / "tree"
+    subprocess.run(["dpkg-deb", "-x", str(debian_package), str(tree)], check=True)
+    build_dir = str(debian_package.parent)
+    named = subprocess.run(
+        ["grep", "-rlF", "--", build_dir, str(tree)], capture_output=True, text=True
+    ).stdout.split()
+    assert named == [], named
+
+
+def test_lintian_passes_with_each_override_explained(debian_package: Path) -> None:
+    if shutil.which("lintian") is None:
+        pytest.skip("lintian is not installed (sh scripts/setup-system.sh --package)")
+    r = subprocess.run(
+        ["lintian", "--fail-on", "error,warning", str(debian_package)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    overrides = (ROOT / "debian/kimi-supervisor.lintian-overrides").read_text().splitlines()
+    reason = False  # each override (or group of them) comes after the comment that explains it
+    for line in overrides:
+        if line.startswith("#"):
+            reason = True
+        elif not line.strip():
+            reason = False
+        else:
+            assert reason, f"no reason given for: {line}"
+
+
+def _lock(name: str) -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "packaging/lock" / name).read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.-]+)==([^ ]+)", line)
+        if m:
+            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def test_the_lock_pins_every_dependency_of_pyproject_within_its_range_with_hashes() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _lock("requirements.lock")
+    for spec in project["dependencies"]:
+        req = Requirement(spec)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"{name} is not in packaging/lock/requirements.lock"
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} is not {req.specifier}"
+    text = (ROOT / "packaging/lock/requirements.lock").read_text()
+    blocks = re.split(r"\n(?=[a-z])", text)
+    for block in blocks:
+        if "==" in block:
+            assert "--hash=sha256:" in block, block.splitlines()[0]
