@@ -2,7 +2,7 @@
 kimi-supervisor serve the simulated GPU host and the fake vLLM, through /etc only (the config,
 and drop-ins for both units), as an operator's test host would be set up.
 
-    /opt/kimi-supervisor/bin/python /src/tests/booted/configure.py /src [--ports VLLM METRICS]
+    /usr/lib/kimi-supervisor/current/bin/python3 /src/tests/booted/configure.py /src [--ports V M]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kimi_supervisor.sandbox.simreader import SimGpu
 from kimi_supervisor.store import baseline
 
 SIM = Path("/var/lib/kimi-sim")
-PYTHON = "/opt/kimi-supervisor/bin/python"
+PYTHON = "/usr/lib/kimi-supervisor/current/bin/python3"  # the installed package's
 
 
 def _fill(v: object) -> object:

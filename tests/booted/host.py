@@ -5,8 +5,11 @@ journal.
 - The root file system comes from debootstrap, once, cached by the hash of its package list in
   CACHE (about 300 MB; a few minutes from the machine's own Debian mirror, read from its apt
   sources, so no host is named here).
-- Each session copies it, installs the project with `make install` (the operator's install) and
-  configures it for the simulated GPU host and the fake vLLM through /etc (configure.py).
+- Each host copies it, with this checkout in /src and the session's Debian packages in
+  /root/debs. The root file system has no compiler and the host's package index is cut off (an
+  unreachable proxy, no cached lists): the package must install from itself alone.
+  `install_package` runs `apt-get install` as an admin does; configure.py then configures the
+  installed package for the simulated GPU host and the fake vLLM through /etc.
 - nspawn runs from a cgroup of its own (both the unified and the systemd hierarchies), with
   `--keep-unit --register=no`: no machined is needed. A reboot inside exits nspawn with 133; the
   harness boots it again.
@@ -27,13 +30,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path("/var/cache/kimi-supervisor-tests")
+# A GPU host as the package finds it: what the package depends on is there (Python, systemd,
+# dbus), a compiler and Python's build tools are not.
 PACKAGES = (
-    "systemd,systemd-sysv,dbus,python3,python3-venv,python3-dev,gcc,libc6-dev,pkg-config,"
-    "libsystemd-dev,make,procps,util-linux,psmisc,ca-certificates,openssh-server"
+    "systemd,systemd-sysv,dbus,python3,procps,util-linux,psmisc,ca-certificates,openssh-server"
 )
-
-
-CONFIGURE = ["/opt/kimi-supervisor/bin/python", "/src/tests/booted/configure.py", "/src"]
+PACKAGE_PYTHON = "/usr/lib/kimi-supervisor/current/bin/python3"  # the installed package's
+CONFIGURE = [PACKAGE_PYTHON, "/src/tests/booted/configure.py", "/src"]
+APT = (
+    "DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o Dpkg::Options::=--force-confold "
+    "-o Dpkg::Options::=--force-confdef"
+)
 
 
 class Unavailable(Exception):
@@ -136,13 +143,24 @@ class BootedHost:
         """This checkout's files (tracked and not ignored) to `dest` inside, as a clone has them."""
         copy_checkout(self.root / dest.lstrip("/"))
 
-    def prepare(self, install: bool = True, ssh: tuple[int, str] | None = None) -> None:
-        """The root file system with this checkout in /src; with `install`, installed by
-        `make install` and configured (configure.py). sshd runs only with `ssh` (a port on
-        127.0.0.1 and a public key for root): the host shares this machine's network."""
+    def prepare(self, debs: tuple[Path, ...] = (), ssh: tuple[int, str] | None = None) -> None:
+        """The root file system with this checkout in /src, `debs` in /root/debs and the package
+        index out of reach. sshd runs only with `ssh` (a port on 127.0.0.1 and a public key for
+        root): the host shares this machine's network."""
         base = self.base or rootfs()
         subprocess.run(["cp", "-a", "--reflink=auto", str(base), str(self.root)], check=True)
         self.copy_checkout("/src")
+        (self.root / "root/debs").mkdir(parents=True, exist_ok=True)
+        for deb in debs:
+            shutil.copy2(deb, self.root / "root/debs" / deb.name)
+        # No index: every download goes to a port nothing listens on, and none is cached.
+        (self.root / "etc/apt/apt.conf.d/99kimi-test-offline").write_text(
+            'Acquire::http::Proxy "http://127.0.0.1:9";\nAcquire::https::Proxy "http://127.0.0.1:9";\n'
+        )
+        lists = self.root / "var/lib/apt/lists"
+        for f in lists.glob("*") if lists.exists() else []:
+            if f.is_file():
+                f.unlink()
         if ssh is None:
             for unit in ("ssh.service", "ssh.socket"):
                 mask = self.root / "etc/systemd/system" / unit
@@ -158,35 +176,18 @@ class BootedHost:
             dot.mkdir(mode=0o700, exist_ok=True)
             (dot / "authorized_keys").write_text(key)
             (dot / "authorized_keys").chmod(0o600)
-        if not install:
-            return
-        binds, env = network()
-        self._run_once(
-            ["sh", "-c", "cd /src && make install PYTHON=/usr/bin/python3 >/install.log 2>&1 "
-             "|| { tail -40 /install.log; exit 1; }"],
-            binds=binds, env=env,
-        )  # fmt: skip
-        self._run_once(CONFIGURE)
+
+    def install_package(
+        self, deb: str, options: str = "", check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        """`apt-get install /root/debs/DEB` in the booted host, as an admin runs it (an edited
+        config kept, the new default beside it)."""
+        return self.sh(f"{APT} {options} /root/debs/{deb} 2>&1", check=check, timeout=600)
 
     def configure(self, vllm_port: int, metrics_port: int) -> None:
         """configure.py in the booted host, with ports of its own (hosts booted side by side
         share this machine's network)."""
         self.sh(" ".join([*CONFIGURE, "--ports", str(vllm_port), str(metrics_port)]))
-
-    def _run_once(
-        self,
-        cmd: list[str],
-        binds: tuple[str, ...] | list[str] = (),
-        env: dict[str, str] | None = None,
-    ) -> str:
-        """A command in the root file system, not booted (systemd-nspawn --pipe)."""
-        args = ["systemd-nspawn", "-q", "--register=no", "--keep-unit", "--pipe", "-D",
-                str(self.root), *(f"--bind={b}" for b in binds),
-                *(f"--setenv={k}={v}" for k, v in (env or {}).items()), *cmd]  # fmt: skip
-        r = subprocess.run(args, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            raise Unavailable(f"{cmd[:3]} in the root file system failed:\n{r.stdout}{r.stderr}")
-        return r.stdout
 
     # -- booting --
     def _own_cgroup(self) -> None:

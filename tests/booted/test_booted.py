@@ -1,6 +1,8 @@
-"""The installed daemon under a booted systemd (PID 1) in a Debian 12 container, as on a real
-host: `make install`, `systemctl enable --now`, switches, restart, reload, stop and reboot.
-One host is booted for the whole module; the tests run in order and build on each other."""
+"""The Debian package under a booted systemd (PID 1) in a Debian 12 container, as on a real host:
+`apt install` with no package index and no compiler, `systemctl enable --now`, switches,
+restart, reload, reboot, an upgrade (and a broken one), stop, `apt remove`, a reinstall and
+`apt purge`. One host is booted for the whole module; the tests run in order and build on each
+other."""
 
 from __future__ import annotations
 
@@ -13,23 +15,35 @@ from typing import Any
 
 import pytest
 
-from .host import BootedHost, Unavailable, unavailable
+from tests import debs
+
+from .host import CONFIGURE, PACKAGE_PYTHON, BootedHost, Unavailable, unavailable
 
 pytestmark = pytest.mark.booted
 
-PYTHON = "/opt/kimi-supervisor/bin/python"  # the installed package's
+PYTHON = PACKAGE_PYTHON
+BROKEN = "0.1.0-3"  # a build whose daemon cannot import (kimi_supervisor/loop/daemon.py)
+# What a listing of the host's files leaves out: the kernel's file systems, and /run/user.
+LIST_FILES = (
+    "find / -xdev \\( -path /proc -o -path /sys -o -path /dev -o -path /run/user \\) -prune "
+    "-o -print 2>/dev/null; find /run -xdev -path /run/user -prune -o -print 2>/dev/null"
+)
 
 
 @pytest.fixture(scope="module")
-def host() -> Iterator[BootedHost]:
+def host(debian_package: Path, debian_package_2: Path) -> Iterator[BootedHost]:
     why = unavailable()
     if why:
         pytest.skip(f"no booted host: {why}")
     work = Path(tempfile.mkdtemp(prefix="kimi-booted-"))
+    broken = debs.repack(
+        debian_package_2, BROKEN, work,
+        lambda tree: debs.break_module(tree, BROKEN, "kimi_supervisor/loop/daemon"),
+    )  # fmt: skip
     h = BootedHost(work)
     try:
         try:
-            h.prepare()
+            h.prepare(debs=(debian_package, debian_package_2, broken))
             h.boot()
         except Unavailable as e:
             pytest.skip(f"no booted host: {e}")
@@ -39,6 +53,13 @@ def host() -> Iterator[BootedHost]:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
+
+
+def files(h: BootedHost) -> set[str]:
+    return set(h.sh(LIST_FILES, check=False).stdout.splitlines())
+
+
+BEFORE: dict[str, set[str]] = {}  # the host's files before the package, for the purge test
 
 
 def status(h: BootedHost) -> dict[str, Any]:
@@ -72,6 +93,29 @@ def history(h: BootedHost, n: int = 200) -> list[dict[str, Any]]:
 
 def vllm_pid(h: BootedHost) -> int:
     return int(h.sh("systemctl show -p MainPID --value vllm-kimi-k25").stdout.strip())
+
+
+def test_apt_install_needs_no_index_nor_compiler_and_enables_the_daemon_alone(
+    host: BootedHost, debian_package: Path
+) -> None:
+    BEFORE["files"] = files(host)
+    enabled = host.sh("systemctl list-unit-files --state=enabled --no-legend").stdout.split("\n")
+    packages = host.sh("dpkg-query -W -f '${Package}\\n'").stdout.split()
+    r = host.install_package(debian_package.name)
+    # Nothing was fetched (there is no index) and nothing else was installed: no compiler.
+    assert host.sh("dpkg-query -W -f '${Package}\\n'").stdout.split() == sorted(
+        [*packages, "kimi-supervisor"]
+    ), r.stdout
+    assert host.sh("command -v cc gcc make pip3", check=False).stdout == ""
+    now = host.sh("systemctl list-unit-files --state=enabled --no-legend").stdout.split("\n")
+    assert [u.split()[0] for u in set(now) - set(enabled)] == ["kimi-supervisor.service"], now
+    # Enabled, not started: the shipped config names a vLLM that is not installed here.
+    assert host.sh("systemctl is-active kimi-supervisor", check=False).stdout.strip() == "inactive"
+    assert "enabled, not started: vllm.command[0] /opt/vllm/bin/vllm" in r.stdout, r.stdout
+    assert host.sh("getent group kimi", check=False).returncode == 0
+    assert host.sh("stat -c '%a %U' /var/lib/kimi-supervisor").stdout.split() == ["750", "root"]
+    assert host.sh("kimi-supervisor --version").returncode == 0
+    host.sh(" ".join(CONFIGURE))  # the simulated GPUs, the fake vLLM and their config
 
 
 def test_enable_now_returns_before_the_driver_is_there_and_production_comes_up_with_it(
@@ -184,6 +228,61 @@ def test_a_reboot_stops_vllm_gracefully_and_the_desired_mode_serves_again(
     assert "systemd:" not in notes, notes  # no lost bus
 
 
+def daemon_started(h: BootedHost) -> str:
+    return str(status(h)["daemon"]["started_at"])
+
+
+def current(h: BootedHost) -> str:
+    return h.sh("readlink /usr/lib/kimi-supervisor/current").stdout.strip()
+
+
+def test_an_upgrade_switches_to_the_new_version_while_vllm_keeps_serving(
+    host: BootedHost, debian_package: Path, debian_package_2: Path
+) -> None:
+    conf = "/etc/kimi-supervisor/kimi-supervisor.toml"
+    edited = host.sh(f"cat {conf}").stdout  # configure.py's: an admin's edit
+    vllm, started = vllm_pid(host), daemon_started(host)
+    daemon = host.sh("systemctl show -p MainPID --value kimi-supervisor").stdout
+    r = host.install_package(debian_package_2.name)
+    assert "the daemon runs the new version; vLLM kept serving" in r.stdout, r.stdout
+    assert current(host) == "0.1.0-2"
+    # The old version's directory is gone, and nothing of it is left behind.
+    assert host.sh("ls /usr/lib/kimi-supervisor").stdout.split() == ["0.1.0-2", "current"]
+    assert "A newer release." in host.sh("cat /usr/share/doc/kimi-supervisor/README.md").stdout
+    wait_serving(host, "profile", 30)
+    assert vllm_pid(host) == vllm  # never reloaded: vLLM kept serving
+    # Re-executed in place (same PID, a new start) into the new code.
+    assert host.sh("systemctl show -p MainPID --value kimi-supervisor").stdout == daemon
+    assert daemon_started(host) != started
+    exe = host.sh(f"tr '\\0' ' ' < /proc/{daemon.strip()}/cmdline").stdout
+    assert exe.startswith("/usr/lib/kimi-supervisor/current/bin/python3 /usr/bin/kimi-supervisor")
+    # The admin's config is kept; the new default lies beside it.
+    assert host.sh(f"cat {conf}").stdout == edited
+    assert "# A newer default." in host.sh(f"cat {conf}.dpkg-dist").stdout
+
+
+def test_a_broken_upgrade_fails_saying_so_and_the_old_daemon_runs_on_and_answers(
+    host: BootedHost, debian_package_2: Path
+) -> None:
+    vllm, started = vllm_pid(host), daemon_started(host)
+    r = host.install_package(f"kimi-supervisor_{BROKEN}_amd64.deb", check=False)
+    assert r.returncode != 0, r.stdout
+    assert "the new version did not take over" in r.stdout, r.stdout
+    assert "kimi_supervisor.loop.daemon does not import" in host.sh(
+        "journalctl -u kimi-supervisor -n 20 --no-pager -o cat").stdout  # fmt: skip
+    # The old image still runs, answers and serves; vLLM was never touched.
+    assert host.sh("systemctl is-active kimi-supervisor").stdout.strip() == "active"
+    assert wait_serving(host, "profile", 5)["daemon"]["started_at"] == started
+    assert vllm_pid(host) == vllm
+    # The admin goes back to the build that worked: the daemon takes it up, vLLM serves on.
+    r = host.install_package(debian_package_2.name, "--allow-downgrades")
+    assert "the daemon runs the new version" in r.stdout, r.stdout
+    assert current(host) == "0.1.0-2"
+    assert host.sh("ls /usr/lib/kimi-supervisor").stdout.split() == ["0.1.0-2", "current"]
+    assert wait_serving(host, "profile", 30)["daemon"]["started_at"] != started
+    assert vllm_pid(host) == vllm
+
+
 def test_stop_tears_down_to_clean_with_vllm_exiting_on_its_own(host: BootedHost) -> None:
     host.sh("systemctl stop kimi-supervisor", timeout=120)
     assert host.sh("systemctl is-active vllm-kimi-k25", check=False).stdout.strip() == "inactive"
@@ -193,3 +292,74 @@ def test_stop_tears_down_to_clean_with_vllm_exiting_on_its_own(host: BootedHost)
     assert not [k for k in last["kills"] if k["signal"] == "SIGKILL"], last["kills"]
     stop = next(s for s in last["steps"] if s["step"] == "stop_unit")
     assert stop["note"] == "unit stopped", stop
+
+
+def test_apt_remove_tears_vllm_down_and_keeps_the_config_and_state(host: BootedHost) -> None:
+    host.sh("systemctl start kimi-supervisor")
+    wait_serving(host, "profile", 60)
+    vllm = vllm_pid(host)
+    host.sh(f"{APT_REMOVE} remove kimi-supervisor", timeout=300)
+    assert host.sh(f"test -d /proc/{vllm}", check=False).returncode != 0
+    assert host.sh("systemctl is-active vllm-kimi-k25", check=False).stdout.strip() != "active"
+    line = host.sh('grep \'"kind": "teardown"\' /var/lib/kimi-supervisor/history.jsonl | tail -1')
+    last = json.loads(line.stdout)
+    assert last["outcome"] == "clean" and last["reason"] == "the supervisor is stopping"
+    assert host.sh("dpkg-query -W -f '${Status}' kimi-supervisor").stdout == (
+        "deinstall ok config-files"
+    )
+    for kept in (
+        "/etc/kimi-supervisor/kimi-supervisor.toml",
+        "/var/lib/kimi-supervisor/state.json",
+    ):
+        assert host.sh(f"test -f {kept}", check=False).returncode == 0, kept
+    assert host.sh("test -e /usr/lib/kimi-supervisor", check=False).returncode != 0
+    assert host.sh("command -v kimi-mode", check=False).returncode != 0
+
+
+def test_reinstalling_on_a_configured_host_starts_the_daemon_and_it_serves_again(
+    host: BootedHost, debian_package_2: Path
+) -> None:
+    r = host.install_package(debian_package_2.name)
+    assert "not started" not in r.stdout, r.stdout
+    wait_serving(host, "profile", 60)  # the desired mode, kept in the state
+
+
+def test_apt_purge_leaves_nothing_of_the_package(host: BootedHost) -> None:
+    host.sh(f"{APT_REMOVE} purge kimi-supervisor", timeout=300)
+    assert host.sh("dpkg-query -W kimi-supervisor", check=False).returncode != 0
+    assert host.sh("getent group kimi", check=False).returncode != 0
+    new = files(host) - BEFORE["files"]
+    left = sorted(
+        p for p in new
+        if not p.startswith(PLANTED) and ("kimi-supervisor" in p or not p.startswith(SYSTEM))
+    )  # fmt: skip
+    assert left == [], left
+
+
+def test_a_kimi_group_the_admin_made_before_the_package_survives_its_purge(
+    host: BootedHost, debian_package_2: Path
+) -> None:
+    host.sh("groupadd --system kimi && useradd -M -G kimi carol")
+    try:
+        host.install_package(debian_package_2.name)
+        host.sh(f"{APT_REMOVE} purge kimi-supervisor", timeout=300)
+        assert host.sh("id -nG carol").stdout.split() == ["carol", "kimi"]  # untouched
+    finally:
+        host.sh("userdel carol; groupdel kimi", check=False)
+
+
+APT_REMOVE = "DEBIAN_FRONTEND=noninteractive apt-get -y -q"
+# New files that are not the package's. What the tests planted: the simulated GPUs, the fake
+# vLLM and its config's drop-ins (configure.py), the users alice and bob and their files.
+PLANTED = (
+    "/var/lib/kimi-sim", "/usr/local/bin/vllm", "/etc/systemd/system/kimi-supervisor.service.d",
+    "/etc/systemd/system/vllm-kimi-k25.service.d", "/home/alice", "/home/bob", "/tmp/alice-traces",
+)  # fmt: skip
+# What the system writes: the journal, apt's and dpkg's logs and state, systemd's runtime state,
+# temporary files, the user database's backups. A path there that names kimi-supervisor is
+# still the package's, and reported.
+SYSTEM = (
+    "/tmp/", "/var/tmp/", "/var/log/", "/var/cache/", "/var/lib/apt/", "/var/lib/dpkg/",
+    "/var/lib/systemd/", "/var/mail/", "/etc/passwd-", "/etc/group-", "/etc/shadow-",
+    "/etc/gshadow-", "/etc/subuid", "/etc/subgid", "/etc/.pwd.lock", "/run/",
+)  # fmt: skip

@@ -1,8 +1,9 @@
 """Two booted Debian 12 hosts driven over SSH on the loopback address, as a controller drives a
-fleet: the collection's install playbook installs the package on bare hosts and upgrades it
-later while vLLM keeps serving, then a rolling capture visits both and brings the traces home
-over SSH. The hosts share this machine's network, so each has its own sshd, vLLM and metrics
-ports. The tests run in order and build on each other."""
+fleet: the collection's install playbook installs the Debian package on bare hosts (no
+compiler, no package index) and upgrades it later while vLLM keeps serving, then a rolling
+capture visits both and brings the traces home over SSH, and one variable opens the metrics to
+the fleet's Prometheus. The hosts share this machine's network, so each has its own sshd, vLLM
+and metrics ports. The tests run in order and build on each other."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from ..fleet import Ansible, Played
-from .host import BootedHost, Unavailable, copy_checkout, network, unavailable
-from .test_booted import vllm_pid, wait_serving
+from .host import BootedHost, Unavailable, unavailable
+from .test_booted import status, vllm_pid, wait_serving
 
 pytestmark = pytest.mark.booted
 
@@ -39,7 +40,6 @@ class SshFleet:
         self.key = work / "id_ed25519"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.key)],
                        check=True, capture_output=True)  # fmt: skip
-        _binds, self.pip_env = network()
         inventory = work / "hosts.ini"
         inventory.write_text(
             "[kimi]\n"
@@ -53,21 +53,11 @@ class SshFleet:
         self.ansible = Ansible(work, inventory)
         # One connection per task, none left behind when a playbook ends (no ControlPersist).
         self.ansible.env |= {"ANSIBLE_SSH_ARGS": "", "ANSIBLE_PIPELINING": "1"}
-        self.ansible.env["TMPDIR"] = str(work / "tmp")  # where the install playbook packs
 
-    def tree(self, name: str, note: str = "") -> Path:
-        """A release tree as an operator has it: the checkout's files, without .git."""
-        dest = self.work / name
-        copy_checkout(dest)
-        if note:
-            with open(dest / "README.md", "a") as f:
-                f.write(note)
-        return dest
-
-    def install(self, src: Path, enable: bool) -> Played:
-        env = json.dumps({"kimi_install_environment": self.pip_env})
+    def install(self, deb: Path, enable: bool, scrapers: tuple[str, ...] = ()) -> Played:
+        extra = json.dumps({"kimi_metrics_scrapers": list(scrapers)})
         return self.ansible.play(
-            "install", "-e", env, timeout_s=900, kimi_src=str(src), kimi_enable=str(enable)
+            "install", "-e", extra, timeout_s=900, kimi_deb=str(deb), kimi_enable=str(enable)
         )
 
 
@@ -81,15 +71,13 @@ def fleet() -> Iterator[SshFleet]:
     work = Path(tempfile.mkdtemp(prefix="kimi-sshfleet-"))
     f = SshFleet(work)
     try:
-        binds, _env = network()
         pub = (work / "id_ed25519.pub").read_text()
         for h in NAMES:
             (work / h).mkdir()
             host = BootedHost(work / h)
             f.hosts[h] = host
             try:
-                host.prepare(install=False, ssh=(f.ports[h][0], pub))
-                host.binds = binds  # pip's cache and CA for `make install` inside
+                host.prepare(ssh=(f.ports[h][0], pub))
                 host.boot()
             except Unavailable as e:
                 pytest.skip(f"no booted host: {e}")
@@ -100,23 +88,27 @@ def fleet() -> Iterator[SshFleet]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def test_the_install_playbook_installs_the_package_on_bare_hosts_over_ssh(fleet: SshFleet) -> None:
-    src = fleet.tree("release")
-    run = fleet.install(src, enable=False)
+def test_the_install_playbook_installs_the_package_on_bare_hosts_over_ssh(
+    fleet: SshFleet, debian_package: Path
+) -> None:
+    run = fleet.install(debian_package, enable=False)
     assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
     assert set(run.recap) == set(NAMES)
-    assert not (fleet.work / "tmp" / "kimi-supervisor-src.tar").exists()  # removed at the end
     for h, host in fleet.hosts.items():
         assert "kimi-mode" in host.sh("kimi-mode --version").stdout
-        assert host.sh("systemctl is-enabled kimi-supervisor", check=False).stdout.strip() == (
-            "disabled"
+        assert host.sh("command -v gcc cc", check=False).stdout == ""  # none came with it
+        # The package enables the daemon; unconfigured, it is not started.
+        assert host.sh("systemctl is-enabled kimi-supervisor").stdout.strip() == "enabled"
+        assert host.sh("systemctl is-active kimi-supervisor", check=False).stdout.strip() == (
+            "inactive"
         )
         vllm_port, metrics_port = fleet.ports[h][1:]
         host.configure(vllm_port, metrics_port)  # the simulated GPUs and the fake vLLM
     # Again, enabling: nothing is reinstalled, and the play waits until both serve.
-    run = fleet.install(src, enable=True)
+    run = fleet.install(debian_package, enable=True)
     assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
-    assert "skipping: [b1]" in run.output.split("Make install")[1].split("TASK")[0]
+    task = run.output.split("Install or upgrade the package]")[1].split("TASK")[0]
+    assert "skipping: [b1]" in task and "skipping: [b2]" in task, task
     for host in fleet.hosts.values():
         assert wait_serving(host, "production", 5)["mode"] == "production"
 
@@ -137,20 +129,60 @@ def test_a_rolling_capture_over_ssh_brings_both_hosts_traces_home(fleet: SshFlee
     assert run.rc == 0 and run.changed() == dict.fromkeys(NAMES, 0), run.output[-3000:]
 
 
-def test_an_upgrade_reinstalls_and_reloads_the_daemon_while_vllm_keeps_serving(
-    fleet: SshFleet,
+def test_an_upgrade_installs_the_new_package_and_the_daemon_takes_it_up_while_vllm_serves(
+    fleet: SshFleet, debian_package_2: Path
 ) -> None:
     before = {h: vllm_pid(host) for h, host in fleet.hosts.items()}
     daemons = {h: host.sh("systemctl show -p MainPID --value kimi-supervisor").stdout.strip()
                for h, host in fleet.hosts.items()}  # fmt: skip
-    src = fleet.tree("release-2", note="\nA newer release.\n")
-    run = fleet.install(src, enable=True)
+    started = {h: status(host)["daemon"]["started_at"] for h, host in fleet.hosts.items()}
+    run = fleet.install(debian_package_2, enable=True)
     assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
-    assert "RUNNING HANDLER [Reload kimi-supervisor]" in run.output
     for h, host in fleet.hosts.items():
-        assert "A newer release." in host.sh("cat /opt/kimi-supervisor/docs/README.md").stdout
-        wait_serving(host, "production", 30)
+        readme = host.sh("cat /usr/share/doc/kimi-supervisor/README.md").stdout
+        assert "A newer release." in readme
+        assert wait_serving(host, "production", 30)["daemon"]["started_at"] != started[h]
         assert vllm_pid(host) == before[h]  # never reloaded: vLLM kept serving
         # `systemctl reload` re-executes the daemon in place: same PID, new code.
         main = host.sh("systemctl show -p MainPID --value kimi-supervisor").stdout.strip()
         assert main == daemons[h]
+
+
+def _scrape(address: str, port: int) -> bool:
+    """Whether the metrics answer at address:port within 3 s (a dropped packet does not)."""
+    try:
+        with socket.create_connection((address, port), timeout=3) as sock:
+            sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            return sock.recv(64).startswith(b"HTTP/1.0 200")
+    except OSError:
+        return False
+
+
+def _own_address() -> str | None:
+    """This machine's first IPv4 address that is not loopback: traffic to it stays on this
+    machine, but the hosts' units see it as a remote address, as a fleet's Prometheus would be."""
+    r = subprocess.run(["hostname", "-I"], capture_output=True, text=True)
+    v4 = [a for a in r.stdout.split() if "." in a and not a.startswith("127.")]
+    return v4[0] if v4 else None
+
+
+def test_one_variable_opens_the_metrics_to_the_fleets_prometheus_and_closes_them(
+    fleet: SshFleet, debian_package_2: Path
+) -> None:
+    prometheus = _own_address()
+    if prometheus is None:
+        pytest.skip("this machine has no address but loopback")
+    host = fleet.hosts["b1"]
+    port = fleet.ports["b1"][2]
+    vllm = vllm_pid(host)
+    assert _scrape("127.0.0.1", port) and not _scrape(prometheus, port)  # as shipped
+    run = fleet.install(debian_package_2, enable=True, scrapers=(f"{prometheus}/32",))
+    assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
+    assert _scrape(prometheus, port)
+    allow = host.sh("systemctl show -p IPAddressAllow --value kimi-supervisor").stdout
+    assert prometheus in allow, allow
+    assert vllm_pid(host) == vllm  # the restart adopted vLLM
+    run = fleet.install(debian_package_2, enable=True)  # no scrapers: closed again
+    assert run.rc == 0 and run.failed() == set(), run.output[-4000:]
+    assert not _scrape(prometheus, port) and _scrape("127.0.0.1", port)
+    assert vllm_pid(host) == vllm

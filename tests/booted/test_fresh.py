@@ -23,10 +23,11 @@ CHECKOUT = "/root/kimi-supervisor"
 # The whole suite already runs on this machine; inside, the test command runs its lint and
 # type checks and a sample of tests that need what the set-up installed: a systemd user manager
 # and its bus, another user reaching the checkout in the 0700 home, systemd-analyze, tmux (the
-# live display at two widths) and promtool (the alert rules).
+# live display at two widths), promtool (the alert rules) and the package's build tools
+# (the .deb built there, and lintian on it).
 SAMPLE = (
     "-m 'not booted' -k 'outside_the_control_group or passes_systemd_analyze_verify or "
-    "in_a_real_terminal or promtool or ansible_lint or rolling_capture_visits'"
+    "in_a_real_terminal or promtool or ansible_lint or rolling_capture_visits or lintian'"
 )
 
 
@@ -78,7 +79,7 @@ def test_a_fresh_debian_12_lacks_what_the_set_up_installs(
     h, _ = fresh
     assert h.sh("stat -c %a /root").stdout.strip() == "700"
     for tool in ("command -v make", "test -e /usr/lib/systemd/user/dbus.socket",
-                 "command -v tmux", "command -v promtool"):  # fmt: skip
+                 "command -v tmux", "command -v promtool", "command -v dh"):  # fmt: skip
         assert h.sh(tool, check=False).returncode != 0, f"the set-up must bring it: {tool}"
 
 
@@ -97,4 +98,4 @@ def test_the_readmes_test_command_then_passes_there(
     h, env = fresh
     out = as_root(h, env, f'PYTEST_ADDOPTS="{SAMPLE}" ./dev test', 1200)
     assert "All checks passed" in out  # ruff
-    assert "7 passed" in out, out[-3000:]
+    assert "8 passed" in out, out[-3000:]

@@ -235,13 +235,14 @@ def test_metrics_follow_prometheus_naming_and_every_shipped_query_finds_its_metr
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool (the set-up installs it)")
-def test_the_shipped_alert_and_fleet_rules_pass_promtool_and_their_unit_tests() -> None:
+def test_the_shipped_alert_fleet_and_dcgm_rules_pass_promtool_and_their_unit_tests() -> None:
     prom = ROOT / "config/prometheus"
     r = subprocess.run(["promtool", "check", "config", "prometheus-fleet.yml"], cwd=prom,
                        capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 0 and "SUCCESS: 2 rule files found" in r.stdout, r.stdout + r.stderr
-    assert "SUCCESS: 5 rules found" in r.stdout and "SUCCESS: 10 rules found" in r.stdout
-    for test in ("alerts_test.yml", "fleet_test.yml"):
+    assert r.returncode == 0 and "SUCCESS: 3 rule files found" in r.stdout, r.stdout + r.stderr
+    assert "SUCCESS: 7 rules found" in r.stdout and "SUCCESS: 10 rules found" in r.stdout
+    assert "SUCCESS: 2 rules found" in r.stdout  # the dcgm-exporter join
+    for test in ("alerts_test.yml", "fleet_test.yml", "dcgm_test.yml"):
         r = subprocess.run(["promtool", "test", "rules", test], capture_output=True, text=True,
                            cwd=ROOT / "tests/prometheus")  # fmt: skip
         assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
