@@ -27,9 +27,17 @@ out=$(cd "$out" && pwd)
 work=$out/.build
 rm -rf "$work"
 mkdir -p "$work/src"
-# The checkout's files as a clone has them: no .venv, no build outputs, no caches.
-git ls-files -z --cached --others --exclude-standard \
-  | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -x -C "$work/src"
+# The checkout's files as a clone has them: no .venv, no build outputs, no caches. A release
+# tree without git: everything but what .gitignore names.
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  git ls-files -z --cached --others --exclude-standard \
+    | tar --null -T - --ignore-failed-read -cf - 2>/dev/null | tar -x -C "$work/src"
+else
+  tar --exclude=./.git --exclude=./.venv --exclude=./build --exclude=./dist --exclude=./.sandbox \
+    --exclude=./.whl --exclude=__pycache__ --exclude='*.egg-info' --exclude=.pytest_cache \
+    --exclude=.mypy_cache --exclude=.ruff_cache --exclude="./${out#"$PWD"/}" -cf - . \
+    | tar -x -C "$work/src"
+fi
 case "$out/" in "$PWD"/*) rm -rf "$work/src/${out#"$PWD"/}" ;; esac  # not the output in the input
 if [ -n "$version" ]; then
   maint=$(sed -n 's/^Maintainer: //p' debian/control)

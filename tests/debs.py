@@ -57,10 +57,14 @@ def repack(deb: Path, version: str, out: Path, edit: Callable[[Path], None] | No
         edit(tree)
     control = tree / "DEBIAN/control"
     control.write_text(control.read_text().replace(f"Version: {old}\n", f"Version: {version}\n"))
-    sums = []
+    conffiles_path = tree / "DEBIAN/conffiles"
+    conffiles = set(conffiles_path.read_text().split()) if conffiles_path.exists() else set()
+    sums = []  # as dh_md5sums writes them: every plain file but the conffiles
     for path in sorted(tree.rglob("*")):
         rel = path.relative_to(tree)
         if rel.parts[0] == "DEBIAN" or path.is_symlink() or not path.is_file():
+            continue
+        if f"/{rel}" in conffiles:
             continue
         sums.append(f"{hashlib.md5(path.read_bytes()).hexdigest()}  {rel}\n")
     (tree / "DEBIAN/md5sums").write_text("".join(sums))

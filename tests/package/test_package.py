@@ -151,3 +151,15 @@ def test_the_lock_pins_every_dependency_of_pyproject_within_its_range_with_hashe
     for block in blocks:
         if "==" in block:
             assert "--hash=sha256:" in block, block.splitlines()[0]
+
+
+def test_an_upgrade_switches_current_only_after_every_file_of_the_new_version(
+    debian_package: Path,
+) -> None:
+    """dpkg renames the unpacked files into place in the archive's order: `current` must come
+    after every file of the version it points at, so that it never names a half-made tree."""
+    order = list(contents(debian_package))
+    version = debs.field(debian_package, "Version")
+    lib = "usr/lib/kimi-supervisor"
+    last_file = max(i for i, p in enumerate(order) if p.startswith(f"{lib}/{version}/"))
+    assert order.index(f"{lib}/current") > last_file
