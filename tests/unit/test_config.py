@@ -276,3 +276,27 @@ def test_a_nul_byte_in_a_config_string_is_refused_naming_the_key() -> None:
 def test_toml_nested_too_deeply_is_an_error_not_a_traceback() -> None:
     (line,) = errors_of("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
     assert "nested too deeply" in line or "not valid TOML" in line
+
+
+@pytest.mark.parametrize("vllm", ["missing", "not-executable", "a-directory", "executable"])
+def test_check_config_startable_requires_an_executable_vllm(tmp_path: Path, vllm: str) -> None:
+    """The package starts the daemon on a first install only when this passes."""
+    binary = tmp_path / "vllm"
+    if vllm == "not-executable":
+        binary.write_text("#!/bin/sh\n")
+    elif vllm == "a-directory":
+        binary.mkdir()
+    elif vllm == "executable":
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+    src = tmp_path / "c.toml"
+    src.write_text(MINIMAL.replace("/opt/vllm/bin/vllm", str(binary)))
+    admin = [sys.executable, "-m", "kimi_supervisor.cli.admin"]
+    r = subprocess.run(
+        [*admin, "check-config", "--startable", str(src)], capture_output=True, text=True
+    )
+    if vllm == "executable":
+        assert r.returncode == 0 and r.stderr == "", r.stderr
+    else:
+        assert r.returncode == 1
+        assert f"vllm.command[0] {binary} is not an executable file" in r.stderr
