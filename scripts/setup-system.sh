@@ -2,7 +2,8 @@
 # System packages, split by purpose (Debian 12, as root). Each purpose installs only its own:
 #   --install   what `make install` needs on a host: build the virtualenv from source
 #               (pystemd compiles against libsystemd) and run the daemon;
-#   --package   what `make deb` needs to build the Debian package (debhelper, dpkg-dev);
+#   --package   what `make deb` needs to build the Debian package (build-essential,
+#               debhelper, dpkg-dev, fakeroot, lintian);
 #   (no option) all of the above, and what the test suite needs (`./dev test`, `./dev demo`).
 # The Debian package itself needs none of this on the host it is installed on: its Depends
 # are what running needs (docs/operations.md). No purpose enables or starts a service.
@@ -26,6 +27,9 @@ python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(os.path.join(
   || need="$need python3-dev"
 if [ "$purpose" != install ]; then
   # Building the Debian package (`make deb`), and checking it (lintian).
+  # dpkg-buildpackage requires build-essential (Debian policy's implicit build dependency).
+  dpkg-query -W -f='${Status}' build-essential 2>/dev/null | grep -q 'ok installed' \
+    || need="$need build-essential"
   command -v dh >/dev/null 2>&1 || need="$need debhelper"
   command -v dpkg-buildpackage >/dev/null 2>&1 || need="$need dpkg-dev"
   command -v fakeroot >/dev/null 2>&1 || need="$need fakeroot"

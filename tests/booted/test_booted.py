@@ -283,6 +283,21 @@ def test_a_broken_upgrade_fails_saying_so_and_the_old_daemon_runs_on_and_answers
     assert vllm_pid(host) == vllm
 
 
+def test_where_policy_rc_d_forbids_it_the_upgrade_says_the_old_daemon_runs_on(
+    host: BootedHost, debian_package_2: Path
+) -> None:
+    started = daemon_started(host)
+    policy = "/usr/sbin/policy-rc.d"  # as an image build has it: no service may be touched
+    host.sh(f"printf '#!/bin/sh\\nexit 101\\n' > {policy} && chmod 755 {policy}")
+    try:
+        r = host.install_package(debian_package_2.name, "--reinstall")
+    finally:
+        host.sh(f"rm -f {policy}")
+    assert "policy-rc.d forbids reloading the daemon: it still runs the previous" in r.stdout
+    assert "the daemon runs the new version" not in r.stdout, r.stdout
+    assert daemon_started(host) == started  # as the message says: not re-executed
+
+
 def test_stop_tears_down_to_clean_with_vllm_exiting_on_its_own(host: BootedHost) -> None:
     host.sh("systemctl stop kimi-supervisor", timeout=120)
     assert host.sh("systemctl is-active vllm-kimi-k25", check=False).stdout.strip() == "inactive"
@@ -320,7 +335,7 @@ def test_reinstalling_on_a_configured_host_starts_the_daemon_and_it_serves_again
     host: BootedHost, debian_package_2: Path
 ) -> None:
     r = host.install_package(debian_package_2.name)
-    assert "not started" not in r.stdout, r.stdout
+    assert "kimi-supervisor: started" in r.stdout and "not started" not in r.stdout, r.stdout
     wait_serving(host, "profile", 60)  # the desired mode, kept in the state
 
 

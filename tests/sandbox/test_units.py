@@ -1,14 +1,17 @@
 """The unit files in units/ pass `systemd-analyze verify`, as installed on a host.
 
-verify checks that every Exec*= binary exists, so it runs against a root directory holding the
-units in /etc/systemd/system, the system's own units (targets) and a stand-in for each binary
-the units name; nothing is installed on this machine."""
+verify checks that every Exec*= binary exists and that `man` finds every man: page of
+Documentation=, so it runs against a root directory holding the units in /etc/systemd/system,
+the system's own units (targets), a stand-in for each binary the units name and the man pages as
+the package installs them (MANPATH points `man` there); nothing is installed on this machine."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -37,12 +40,18 @@ def verify(root: Path, units: list[Path]) -> subprocess.CompletedProcess[str]:
             stub.parent.mkdir(parents=True, exist_ok=True)
             stub.write_text("#!/bin/sh\n")
             stub.chmod(0o755)
+    man = root / "usr" / "share" / "man"
+    subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor.cli.manpage", str(man)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    # Without man-db the pages cannot be looked up (tests/sandbox/test_install.py renders them).
+    no_man = [] if shutil.which("man") else ["--man=no"]
     return subprocess.run(
-        ["systemd-analyze", "verify", f"--root={root}", *(str(etc / u.name) for u in units)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+        ["systemd-analyze", "verify", *no_man, f"--root={root}",
+         *(str(etc / u.name) for u in units)],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "MANPATH": str(man)},
+    )  # fmt: skip
 
 
 def test_every_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
