@@ -11,6 +11,7 @@ It reports through the event bus (events carry `capture`: its id) and hands its 
 
 from __future__ import annotations
 
+import datetime
 import errno
 import os
 import stat
@@ -129,6 +130,14 @@ class Capture:
         self.message = ""
         self.bytes_written = 0
         self.folder: Path | None = None
+        # When vLLM's profiler stopped being at work (the traces saved, or the capture failed):
+        # from then on a switch waits no more (CapturePhase.holds_switch), though the summary
+        # may still be written. The record carries it beside finished_at.
+        self.released_at: datetime.datetime | None = None
+
+    def _release(self) -> None:
+        if self.released_at is None:
+            self.released_at = utcnow()
 
     @property
     def active(self) -> bool:
@@ -153,6 +162,7 @@ class Capture:
 
     def _end(self, ok: bool, message: str, **data: Any) -> None:
         self.ok, self.message = ok, message
+        self._release()
         self.phase = CapturePhase.DONE if ok else CapturePhase.FAILED
         self.log(
             "capture_finished",
@@ -278,6 +288,7 @@ class Capture:
         """summary.json for the traces just saved. The traces are the capture: a summary that
         cannot be made or written (a full disk) is reported in it, and the capture still ends
         well."""
+        self._release()
         self.phase = CapturePhase.SUMMARIZING
         self._event("capture_summarizing", files=len(names))
         summary = capturesummary.summarize(fd, names, self.config.profiling.summary_timeout_s)

@@ -253,6 +253,8 @@ class Desk:
         s = self.ctx.s
         record = {
             **c.describe().model_dump(mode="json"),
+            # The switch a capture held starts at released_at; the summary may end later.
+            "released_at": c.released_at.isoformat() if c.released_at else None,
             "finished_at": utcnow().isoformat(),
             "ok": c.ok,
             "message": c.message,
