@@ -8,6 +8,7 @@ and drop-ins for both units), as an operator's test host would be set up.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -63,6 +64,10 @@ def main(src: Path, ports: tuple[int, int] | None = None) -> None:
         d = Path("/etc/systemd/system") / f"{unit}.d"
         d.mkdir(parents=True, exist_ok=True)
         (d / "test-host.conf").write_text("[Service]\n" + env + more)
+    # As `systemctl edit` does: the package enabled the daemon, so systemd has its unit loaded
+    # and reads the new drop-ins only now (a start would run without them).
+    if Path("/run/systemd/system").is_dir():
+        subprocess.run(["systemctl", "daemon-reload"], check=True)
     gpu = SimGpu(SIM / "gpu")
     try:
         baseline.save(config.state.dir, baseline.calibrate(gpu, [0, 1, 2, 3]))
