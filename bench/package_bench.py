@@ -18,9 +18,7 @@ from pathlib import Path
 
 from bench.common import machine, main
 from tests import debs
-from tests.booted.host import CONFIGURE, BootedHost, unavailable
-
-APT = "DEBIAN_FRONTEND=noninteractive apt-get -y -q -o Dpkg::Options::=--force-confold"
+from tests.booted.host import APT, CONFIGURE, BootedHost, unavailable
 
 
 def _timed(host: BootedHost, command: str) -> float:

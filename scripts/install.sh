@@ -56,6 +56,13 @@ if [ -z "$DESTDIR" ]; then
   systemd-sysusers /usr/local/lib/sysusers.d/kimi-supervisor.conf
   systemd-tmpfiles --create /usr/local/lib/tmpfiles.d/kimi-supervisor.conf
   systemctl daemon-reload 2>/dev/null || true
+  # An older `make install` wrote the units to /etc/systemd/system, which overrides UNITDIR.
+  for unit in kimi-supervisor.service vllm-kimi-k25.service; do
+    if [ "$UNITDIR" != /etc/systemd/system ] && [ -f "/etc/systemd/system/$unit" ]; then
+      echo "install: /etc/systemd/system/$unit overrides $UNITDIR/$unit: remove it if an older" \
+        "make install wrote it (keep your edits as a drop-in: systemctl edit ${unit%.service})"
+    fi
+  done
   echo "install: done. Next: kimi-supervisor check-config $SYSCONFDIR/kimi-supervisor/kimi-supervisor.toml,"
   echo "  then systemctl enable --now kimi-supervisor (first install) or systemctl reload kimi-supervisor (upgrade)"
 fi

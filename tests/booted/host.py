@@ -37,8 +37,10 @@ PACKAGES = (
 )
 PACKAGE_PYTHON = "/usr/lib/kimi-supervisor/current/bin/python3"  # the installed package's
 CONFIGURE = [PACKAGE_PYTHON, "/src/tests/booted/configure.py", "/src"]
+# apt-get as an admin runs it, without questions: an edited config kept, the new default beside
+# it. Followed by install, remove or purge.
 APT = (
-    "DEBIAN_FRONTEND=noninteractive apt-get install -y -q -o Dpkg::Options::=--force-confold "
+    "DEBIAN_FRONTEND=noninteractive apt-get -y -q -o Dpkg::Options::=--force-confold "
     "-o Dpkg::Options::=--force-confdef"
 )
 
@@ -182,7 +184,7 @@ class BootedHost:
     ) -> subprocess.CompletedProcess[str]:
         """`apt-get install /root/debs/DEB` in the booted host, as an admin runs it (an edited
         config kept, the new default beside it)."""
-        return self.sh(f"{APT} {options} /root/debs/{deb} 2>&1", check=check, timeout=600)
+        return self.sh(f"{APT} install {options} /root/debs/{deb} 2>&1", check=check, timeout=600)
 
     def configure(self, vllm_port: int, metrics_port: int) -> None:
         """configure.py in the booted host, with ports of its own (hosts booted side by side

@@ -17,7 +17,7 @@ import pytest
 
 from tests import debs
 
-from .host import CONFIGURE, PACKAGE_PYTHON, BootedHost, Unavailable, unavailable
+from .host import APT, CONFIGURE, PACKAGE_PYTHON, BootedHost, Unavailable, unavailable
 
 pytestmark = pytest.mark.booted
 
@@ -185,7 +185,12 @@ def test_vllms_output_reaches_the_journal_and_the_daemon_follows_its_progress(
 def test_warnings_and_errors_reach_the_journal_at_their_priority(host: BootedHost) -> None:
     # vLLM's main process dies: the daemon warns (vllm_main_exited), logs an error (vllm_died)
     # and serves again; `journalctl -p warning` shows those and none of the info lines.
-    host.sh(f"kill -9 {vllm_pid(host)}")
+    killed = vllm_pid(host)
+    host.sh(f"kill -9 {killed}")
+    # Until the daemon notices, its status still says serving: wait for the new vLLM first.
+    deadline = time.monotonic() + 120
+    while vllm_pid(host) in (0, killed) and time.monotonic() < deadline:
+        time.sleep(0.2)
     wait_serving(host, "profile", 120)
     warned = host.sh("journalctl -u kimi-supervisor -p warning --no-pager -o cat").stdout
     assert '"event": "vllm_main_exited"' in warned and '"event": "vllm_died"' in warned, warned
@@ -313,7 +318,7 @@ def test_apt_remove_tears_vllm_down_and_keeps_the_config_and_state(host: BootedH
     host.sh("systemctl start kimi-supervisor")
     wait_serving(host, "profile", 60)
     vllm = vllm_pid(host)
-    host.sh(f"{APT_REMOVE} remove kimi-supervisor", timeout=300)
+    host.sh(f"{APT} remove kimi-supervisor", timeout=300)
     assert host.sh(f"test -d /proc/{vllm}", check=False).returncode != 0
     assert host.sh("systemctl is-active vllm-kimi-k25", check=False).stdout.strip() != "active"
     line = host.sh('grep \'"kind": "teardown"\' /var/lib/kimi-supervisor/history.jsonl | tail -1')
@@ -340,7 +345,7 @@ def test_reinstalling_on_a_configured_host_starts_the_daemon_and_it_serves_again
 
 
 def test_apt_purge_leaves_nothing_of_the_package(host: BootedHost) -> None:
-    host.sh(f"{APT_REMOVE} purge kimi-supervisor", timeout=300)
+    host.sh(f"{APT} purge kimi-supervisor", timeout=300)
     assert host.sh("dpkg-query -W kimi-supervisor", check=False).returncode != 0
     assert host.sh("getent group kimi", check=False).returncode != 0
     new = files(host) - BEFORE["files"]
@@ -357,13 +362,12 @@ def test_a_kimi_group_the_admin_made_before_the_package_survives_its_purge(
     host.sh("groupadd --system kimi && useradd -M -G kimi carol")
     try:
         host.install_package(debian_package_2.name)
-        host.sh(f"{APT_REMOVE} purge kimi-supervisor", timeout=300)
+        host.sh(f"{APT} purge kimi-supervisor", timeout=300)
         assert host.sh("id -nG carol").stdout.split() == ["carol", "kimi"]  # untouched
     finally:
         host.sh("userdel carol; groupdel kimi", check=False)
 
 
-APT_REMOVE = "DEBIAN_FRONTEND=noninteractive apt-get -y -q"
 # New files that are not the package's. What the tests planted: the simulated GPUs, the fake
 # vLLM and its config's drop-ins (configure.py), the users alice and bob and their files.
 PLANTED = (
