@@ -38,6 +38,8 @@ class UnitStatus(BaseModel):
     sub_state: str = "unknown"
     main_pid: int = 0
     running_mode: str | None = None
+    # running_mode's vLLM runs an earlier config's argv (the config was edited and reloaded).
+    argv_stale: bool = False
     health: int = -1
 
 
@@ -190,4 +192,9 @@ class Status(BaseModel):
     profile_left_s: int | None = None
     capture: CaptureStatus | None = None
     eta: EtaStatus | None = None
+    # Set while the serving vLLM runs an earlier config's argv: what differs and what to run.
+    restart_needed: str | None = None
+    # vLLM's last lines of output while it does not serve (loading, failed, backing off).
+    output_tail: list[str] = Field(default_factory=list)
+    output_where: str = ""  # where all of it is read (a journalctl command, or a file)
     daemon: DaemonInfo

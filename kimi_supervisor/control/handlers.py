@@ -171,6 +171,7 @@ class Handlers:
                     by=_who(conn),
                     force=request.force,
                     for_s=request.for_s,
+                    apply=request.apply,
                 )
             )
             conn.send(reply)

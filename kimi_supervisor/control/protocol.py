@@ -73,6 +73,8 @@ class SwitchRequest(_Request):
     follow: bool = True
     # Take over from a switch in progress instead of being refused; cut a capture's flush short.
     force: bool = False
+    # Restart the mode that serves when it runs an earlier config's argv (after a reload).
+    apply: bool = False
     # profile only: go back to production after this long (asking again extends it).
     for_s: float | None = Field(default=None, gt=0, le=MAX_PROFILE_S)
 

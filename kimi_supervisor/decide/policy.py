@@ -78,9 +78,11 @@ class AdmissionView:
     serving_healthy: Mode | None  # the mode that serves and answers /health, if any
     desired: Mode
     capture_active: bool = False
+    stale: bool = False  # the serving vLLM runs an earlier config's argv
 
 
-def admit(mode: Mode, force: bool, v: AdmissionView) -> Admit:
+def admit(mode: Mode, force: bool, v: AdmissionView, apply: bool = False) -> Admit:
+    """`apply`: restart the serving mode if it runs an earlier config's argv (else ALREADY)."""
     if v.stopping:
         return Admit.REFUSE_STOPPING
     if v.booting:
@@ -89,7 +91,7 @@ def admit(mode: Mode, force: bool, v: AdmissionView) -> Admit:
         if v.running.target is mode and not v.running.queued:
             return Admit.JOIN
         return Admit.TAKE_OVER if force else Admit.REFUSE_BUSY
-    if v.serving_healthy is mode and v.desired is mode:
+    if v.serving_healthy is mode and v.desired is mode and not (apply and v.stale):
         return Admit.ALREADY
     if v.capture_active and not force:
         return Admit.ACCEPT_AFTER_CAPTURE

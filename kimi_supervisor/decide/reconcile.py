@@ -13,7 +13,9 @@ again from what it sees. Read top to bottom:
                past the deadline   -> START_FAILED
     BACKOFF, STUCK  when due       -> RETRY (teardown to clean, then start)
     BOOTING, SERVING:
-      desired mode running, healthy           -> ADOPT (or nothing if already serving it)
+      desired mode running, healthy           -> ADOPT (or nothing if already serving it;
+                                                 an earlier config's argv, too: the
+                                                 operator restarts it with --apply)
       desired mode running, not healthy yet   -> RESUME_START at boot (a load in progress)
       ... a new MainPID while serving         -> DIED (restarted outside the supervisor)
       ... unhealthy for health_grace_s        -> SWITCH (recover: teardown, start again)
@@ -45,6 +47,9 @@ class Observed:
     result: str = ""
     exec_main_status: int = 0
     job: str = ""  # a job systemd holds for the unit ("start": queued behind its dependencies)
+    # running_mode was started with an earlier config's argv (edited since, and reloaded): it is
+    # adopted as that mode, never torn down for it; a restart waits for an operator's --apply.
+    argv_stale: bool = False
 
     @property
     def unit_up(self) -> bool:

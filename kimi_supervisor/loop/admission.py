@@ -63,8 +63,9 @@ class Desk:
             ),
             desired=s.desired,
             capture_active=s.capture is not None and s.capture.phase.holds_switch,
+            stale=obs is not None and obs.argv_stale,
         )
-        verdict = policy.admit(r.mode, r.force, view)
+        verdict = policy.admit(r.mode, r.force, view, apply=r.apply)
         info = {"transition": tr.model_dump(mode="json")} if tr is not None and switching else {}
         match verdict:
             case policy.Admit.REFUSE_STOPPING:
@@ -96,11 +97,19 @@ class Desk:
                 )
             case policy.Admit.ALREADY:
                 pid = s.serving.pid if s.serving else 0
+                if view.stale:
+                    said = (
+                        "; it runs an earlier config's argv: --apply restarts it with the config's"
+                    )
+                elif r.apply:
+                    said = " with the config's argv"
+                else:
+                    said = ""
                 return Reply(
                     ok=True,
                     code="already",
                     message=f"{r.mode.value} is already running and healthy (vLLM PID "
-                    f"{pid}); nothing to do",
+                    f"{pid}){said}; nothing to do",
                 )
         if blocked := self._port_blocked(r.mode):
             return blocked
@@ -134,9 +143,8 @@ class Desk:
                 f"({c.phase}) to finish flushing; --force cuts the capture short",
                 data=ids,
             )
-        return Reply(
-            ok=True, code="accepted", message=f"switch to {r.mode.value} accepted", data=ids
-        )
+        what = "restart of" if view.serving_healthy is r.mode else "switch to"
+        return Reply(ok=True, code="accepted", message=f"{what} {r.mode.value} accepted", data=ids)
 
     def _port_blocked(self, mode: Mode) -> Reply | None:
         """A refusal, before anything stops, when a process that no teardown would stop holds

@@ -73,8 +73,12 @@ class Context:
         )
 
     def follow_output(self) -> None:
-        """vLLM's new output lines, read into the load's progress (an event when it moves)."""
+        """vLLM's new output lines, read into the load's progress (an event when it moves),
+        and the GPUs' memory as last sampled (an event when it moved: the live display's bars
+        follow the load)."""
         s = self.s
+        if readings := self.observer.readings_changed():
+            self.event("gpus", {"devices": readings, "phase": "load"})
         before = s.progress
         for line in self.output.read_new():
             s.progress = advance(s.progress, line)

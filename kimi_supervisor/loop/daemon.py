@@ -142,7 +142,8 @@ class Daemon:
 
     def _publish(self) -> None:
         ctx, s = self.ctx, self.s
-        st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at)
+        tail = (ctx.output.tail() if s.state is not State.SERVING else [], ctx.output.where)
+        st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at, tail)
         with self._status_lock:
             self._status = st
         if st.status_line != self._last_line:

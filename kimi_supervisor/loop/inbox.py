@@ -40,6 +40,7 @@ class Switch(Request):
     by: str
     force: bool = False
     for_s: float | None = None  # profile mode only: how long until production again
+    apply: bool = False  # restart a serving vLLM that runs an earlier config's argv
 
 
 @dataclass

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.reconcile import Observed
 from kimi_supervisor.loop import intrusion
 from kimi_supervisor.loop.intrusion import Intruder
-from kimi_supervisor.model import DeviceReading, Mode, title
+from kimi_supervisor.model import DeviceReading, title
 from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
@@ -43,13 +44,14 @@ class Observer:
 
     def __post_init__(self) -> None:
         self.unit = self.config.service.unit
-        self._mode_of_pid: tuple[int, Mode | None] = (0, None)
+        self._mode_of_pid: tuple[int, launcher.Running | None] = (0, None)
         self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
         self._listed: dict[int, list[int]] = {}  # GPU -> PIDs NVML listed at the last sample
         self.first_listed = FirstListed()  # when each (GPU, PID) was first seen listed
         self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
         self._titles: dict[int, str] = {}
         self.error = ""  # why the unit could not be read at the last observation
+        self._told: list[dict[str, Any]] = []  # the readings readings_changed last gave
 
     def observe(
         self,
@@ -79,7 +81,7 @@ class Observer:
         self.unwarn(f"cannot read {self.unit}")
         up = st.up
         steady = serving_pid != 0 and st.main_pid == serving_pid
-        mode = self._running_mode(st.main_pid) if up else None
+        running = self._running_mode(st.main_pid) if up else None
         health = self._probe_health(st.main_pid, steady) if up else -1
         fresh = self.gpus_at is not None and (
             self.clock.monotonic() - self.gpus_at < self.config.daemon.health_interval_s
@@ -92,13 +94,26 @@ class Observer:
             active_state=st.active_state,
             sub_state=st.sub_state,
             main_pid=st.main_pid,
-            running_mode=mode,
+            running_mode=running.mode if running else None,
+            argv_stale=running is not None and running.stale,
             health=health,
             gpus_clean=clean,
             result=st.result,
             exec_main_status=st.exec_main_status,
             job=job,
         )
+
+    def readings_changed(self) -> list[dict[str, Any]]:
+        """The GPUs as last sampled, if they changed since last asked (else empty)."""
+        readings = [
+            {"index": g.index, "used_mib": g.used_mib, "baseline_mib": g.baseline_mib,
+             "total_mib": g.total_mib}
+            for g in self.gpus
+        ]  # fmt: skip
+        if readings == self._told:
+            return []
+        self._told = readings
+        return readings
 
     def forget_health(self) -> None:
         """vLLM's MainPID exited: the last /health answer says nothing any more."""
@@ -114,7 +129,7 @@ class Observer:
         self._health = (status, now)
         return status
 
-    def _running_mode(self, main_pid: int) -> Mode | None:
+    def _running_mode(self, main_pid: int) -> launcher.Running | None:
         """The mode MainPID was started in; read once per MainPID (its argv does not change)."""
         if self._mode_of_pid[0] != main_pid or self._mode_of_pid[1] is None:
             self._mode_of_pid = (main_pid, launcher.running_mode(self.config, main_pid))

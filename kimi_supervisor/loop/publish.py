@@ -57,9 +57,19 @@ def status_line(s: LoopState, now: float) -> str:
     return s.state.value
 
 
+# Lines of vLLM's output the status carries while vLLM does not serve.
+STATUS_OUTPUT_LINES = 10
+
+
 def build(
-    s: LoopState, unit: str, gpus: list[GpuStatus], now: float, started_at: datetime
+    s: LoopState,
+    unit: str,
+    gpus: list[GpuStatus],
+    now: float,
+    started_at: datetime,
+    output: tuple[list[str], str] = ([], ""),
 ) -> Status:
+    """`output`: vLLM's last lines and where all of it is read (shown unless it serves)."""
     obs, tr = s.observed, s.transition
     waiting = s.next_attempt_at is not None and s.state in (State.BACKOFF, State.STUCK)
     eta = None
@@ -95,6 +105,7 @@ def build(
             sub_state=obs.sub_state if obs else "unknown",
             main_pid=obs.main_pid if obs else 0,
             running_mode=obs.running_mode.value if obs and obs.running_mode else None,
+            argv_stale=bool(obs and obs.argv_stale),
             health=obs.health if obs else -1,
         ),
         gpus=gpus,
@@ -122,7 +133,24 @@ def build(
         liveness=s.liveness if s.state is State.SERVING else None,
         profile_until=s.profile_until.isoformat() if s.profile_until else None,
         capture=s.capture.describe() if s.capture else None,
+        restart_needed=restart_needed(s),
+        output_tail=[] if s.state is State.SERVING else output[0][-STATUS_OUTPUT_LINES:],
+        output_where=output[1],
         daemon=DaemonInfo(pid=os.getpid(), started_at=started_at.isoformat()),
+    )
+
+
+def restart_needed(s: LoopState) -> str | None:
+    """What to tell the operator while the serving vLLM runs an earlier config's argv."""
+    obs = s.observed
+    if s.serving is None or obs is None or not obs.argv_stale:
+        return None
+    if obs.main_pid != s.serving.pid:
+        return None
+    mode = s.serving.mode.value
+    return (
+        f"restart needed: vLLM (PID {s.serving.pid}) runs {mode} with an earlier config's argv; "
+        f"run `kimi-mode {mode} --apply` to load it with the config's (a full model load)"
     )
 
 
@@ -168,3 +196,4 @@ def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> 
     m.start_eta.set(st.eta.remaining_s if st.eta else 0)
     m.stuck_since.set(s.stuck_since.timestamp() if s.stuck_since else 0)
     m.stuck_retries.set(st.stuck.retries if st.stuck else 0)
+    m.restart_needed.set(1 if st.restart_needed else 0)

@@ -98,6 +98,15 @@ class Lifecycle(Setbacks):
             self.end_transition(True, "ready", f"{s.desired.value} was already running")
         s.interrupted = None
         self.ctx.log("adopted", mode=s.desired.value, main_pid=obs.main_pid, reason=reason)
+        if obs.argv_stale:
+            self.ctx.log(
+                "restart_needed",
+                level="warning",
+                mode=s.desired.value,
+                main_pid=obs.main_pid,
+                message=f"vLLM runs {s.desired.value} with an earlier config's argv; it keeps "
+                f"serving: `kimi-mode {s.desired.value} --apply` loads the config's",
+            )
         self.ctx.set_state(State.SERVING, reason)
         s.stuck_retries, s.last_failure, s.liveness = 0, None, None
 

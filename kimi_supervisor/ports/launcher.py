@@ -9,12 +9,19 @@ Which mode a running vLLM was started in is judged from what it actually runs: i
 (/proc/PID/cmdline ends with the argv; a script's interpreter may come first). A process that
 rewrote its title is matched through the launch record the launcher writes just before exec,
 which names the PID and its start time, so a recycled PID never matches.
+
+A vLLM whose argv matches no mode of the config in force, but which the launch record names
+(that very PID and start time) as started in a mode, runs that mode with an earlier config's
+argv: an edited `vllm.command` and a reload. It is `stale`, not foreign: the daemon adopts it and
+says a restart is needed, and the operator decides when to pay for the new load
+(`kimi-mode production --apply`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from kimi_supervisor.config import Config
@@ -38,9 +45,22 @@ def write_argv_file(config: Config, mode: Mode) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class Running:
+    """The mode a vLLM process was started in; `stale`: its argv is an earlier config's (the
+    config in force would start that mode differently)."""
+
+    mode: Mode
+    stale: bool = False
+
+
 def read_argv_file(path: Path) -> list[str]:
+    return _argv_of(_read_argv_payload(path), path)
+
+
+def _read_argv_payload(path: Path) -> object:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise LaunchError(
             f"{path} does not exist: vLLM is started by kimi-supervisor, which writes this file "
@@ -48,6 +68,9 @@ def read_argv_file(path: Path) -> list[str]:
         ) from None
     except (OSError, ValueError) as e:
         raise LaunchError(f"{path} is unreadable or not JSON ({e})") from None
+
+
+def _argv_of(data: object, path: Path) -> list[str]:
     argv = data.get("argv") if isinstance(data, dict) else None
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise LaunchError(f"{path}: 'argv' must be a non-empty list of strings")
@@ -68,13 +91,16 @@ def _write_json_atomic(path: Path, payload: object) -> None:
 
 
 def exec_vllm(path: Path) -> None:
-    argv = read_argv_file(path)
+    data = _read_argv_payload(path)
+    argv = _argv_of(data, path)
+    mode = data.get("mode") if isinstance(data, dict) else None
     me = processes.ref_of(os.getpid())
     if me is not None:
-        # exec keeps the PID and the start time: this record names the vLLM about to run.
+        # exec keeps the PID and the start time: this record names the vLLM about to run, and
+        # the mode it was started in (which a later config may start with another argv).
         _write_json_atomic(
             launch_record_path(path),
-            {"pid": me.pid, "start_ticks": me.start_ticks, "argv": argv},
+            {"pid": me.pid, "start_ticks": me.start_ticks, "argv": argv, "mode": mode},
         )
     try:
         os.execv(argv[0], argv)
@@ -95,28 +121,37 @@ def mode_of_argv(config: Config, argv: list[str]) -> Mode | None:
     return None
 
 
-def running_mode(config: Config, main_pid: int) -> Mode | None:
-    """The mode the process `main_pid` was started in, judged from its argv; None if it matches
-    no configured mode (another argv, an edited config, or not vLLM at all)."""
+def running_mode(config: Config, main_pid: int) -> Running | None:
+    """The mode the process `main_pid` was started in, judged from its argv, or from the launch
+    record that names this very process (stale when its argv is not the config's any more);
+    None if neither says (another argv started by hand, or not vLLM at all)."""
     if main_pid <= 0:
         return None
     cmdline = processes.cmdline_of(main_pid)
     mode = mode_of_argv(config, cmdline)
     if mode is not None:
-        return mode
+        return Running(mode)
     if cmdline[-3:] == ["launch-vllm", "--argv-file", str(config.vllm.argv_file)]:
         # The unit's ExecStart before its exec (its first tenth of a second): it runs what the
         # argv file says, which the daemon wrote before starting the unit.
         try:
-            return mode_of_argv(config, read_argv_file(config.vllm.argv_file))
+            mode = mode_of_argv(config, read_argv_file(config.vllm.argv_file))
         except LaunchError:
             return None
+        return Running(mode) if mode is not None else None
     try:
         rec = json.loads(launch_record_path(config.vllm.argv_file).read_text(encoding="utf-8"))
         ref = processes.ref_of(main_pid)
         if ref is None or [rec["pid"], rec["start_ticks"]] != [ref.pid, ref.start_ticks]:
             return None
-        argv = rec["argv"]
-    except (OSError, ValueError, KeyError, TypeError):
+        argv, recorded = rec["argv"], rec.get("mode")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return mode_of_argv(config, argv) if isinstance(argv, list) else None
+    if not isinstance(argv, list):
+        return None
+    mode = mode_of_argv(config, argv)
+    if mode is not None:
+        return Running(mode)
+    if recorded in {m.value for m in Mode}:
+        return Running(Mode(recorded), stale=True)
+    return None

@@ -69,6 +69,12 @@ class Metrics:
             "teardowns tried again in the STUCK episode under way (0 when not STUCK)",
             registry=r,
         )
+        self.restart_needed = Gauge(
+            f"{ns}_restart_needed",
+            "1 while the serving vLLM runs an earlier config's argv (vllm.command edited and "
+            "reloaded): `kimi-mode MODE --apply` restarts it with the config's",
+            registry=r,
+        )
         self.hangs = Counter(
             f"{ns}_vllm_hangs_total",
             "times a serving vLLM was found doing no work (requests running and no token, or "

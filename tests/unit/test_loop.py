@@ -5,6 +5,7 @@ start, a STUCK teardown, a capture and a reload; each runs in a fraction of a se
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -217,6 +218,72 @@ def test_a_reload_before_the_launcher_has_exec_d_vllm_is_adopted_too(host: LoopH
     host.serving(Mode.PROFILE)
     assert host.systemd.child is launching, host.tail(40)
     assert host.systemd.starts.count(Mode.PROFILE) == 1
+
+
+def reload_with(host: LoopHost, production_args: list[str]) -> None:
+    """`vllm.command`'s production argv edited, then `systemctl reload`: a re-exec."""
+    from kimi_supervisor.config import ModeConfig
+
+    modes = host.config.modes.model_copy(update={"production": ModeConfig(args=production_args)})
+    host.config = host.config.model_copy(update={"modes": modes})
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()
+    host.new_daemon()
+
+
+def test_a_reload_with_an_edited_argv_keeps_vllm_serving_until_an_operator_applies_it(
+    host: LoopHost,
+) -> None:
+    booted(host)
+    serving = host.systemd.child
+    assert serving is not None
+    reload_with(host, ["--mode-production", "--max-num-seqs", "8"])
+    host.serving(Mode.PRODUCTION)
+    status = host.status()
+    assert host.systemd.child is serving and host.systemd.starts == [Mode.PRODUCTION]
+    assert status["unit"]["argv_stale"] and status["unit"]["main_pid"] == serving.pid
+    assert status["restart_needed"] == (
+        f"restart needed: vLLM (PID {serving.pid}) runs production with an earlier config's "
+        "argv; run `kimi-mode production --apply` to load it with the config's (a full model "
+        "load)"
+    )
+    assert [e for e in host.lines if e["event"] == "restart_needed"], host.tail(20)
+    # Asking for the mode again changes nothing; --apply restarts it with the config's argv.
+    again = host.ask(Switch(Mode.PRODUCTION, "op"))
+    assert again.code == "already" and "--apply restarts it" in again.message
+    assert host.systemd.child is serving
+    applied = host.ask(Switch(Mode.PRODUCTION, "op", apply=True))
+    assert applied.code == "accepted" and applied.message.startswith("restart of production")
+    host.until(lambda: host.systemd.child is not serving, "the restart")
+    host.serving(Mode.PRODUCTION)
+    restarted = host.systemd.child
+    assert restarted is not None and "--max-num-seqs" in processes.cmdline_of(restarted.pid)
+    assert host.status()["restart_needed"] is None
+    assert host.systemd.starts == [Mode.PRODUCTION, Mode.PRODUCTION]
+
+
+def test_apply_with_the_configs_argv_running_restarts_nothing(host: LoopHost) -> None:
+    booted(host)
+    serving = host.systemd.child
+    reply = host.ask(Switch(Mode.PRODUCTION, "op", apply=True))
+    assert reply.code == "already" and "with the config's argv" in reply.message
+    assert host.systemd.child is serving and host.status()["restart_needed"] is None
+
+
+def test_a_vllm_started_by_hand_with_another_argv_is_still_replaced(host: LoopHost) -> None:
+    """Only the launch record naming that very process makes an unknown argv 'stale': a record
+    left by an earlier vLLM (a recycled PID, another start time) does not."""
+    booted(host)
+    serving = host.systemd.child
+    assert serving is not None
+    record = launch_record_path(host.config.vllm.argv_file)
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps({**data, "start_ticks": data["start_ticks"] + 1}))
+    reload_with(host, ["--mode-production", "--max-num-seqs", "8"])
+    host.until(lambda: host.systemd.child is not serving, "the foreign vLLM to be replaced")
+    host.serving(Mode.PRODUCTION)
+    assert host.systemd.starts == [Mode.PRODUCTION, Mode.PRODUCTION]
 
 
 def test_the_loop_never_sleeps_on_its_own_thread(host: LoopHost) -> None:
