@@ -8,7 +8,7 @@ import os
 import sys
 
 from kimi_supervisor.cli.compose import EXIT_FAILED, EXIT_OK, EXIT_USAGE, config_path, ports
-from kimi_supervisor.config import load_config
+from kimi_supervisor.configfile import load_config
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -34,7 +34,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     logger = log.get()
 
     def emit(event: str, level: str = "info", **kw: object) -> None:
+        # The switch under way names the entry (KIMI_TRANSITION in the journal).
+        tr = daemon.s.transition if daemon is not None else None
+        if tr is not None and "transition" not in kw:
+            kw["transition"] = tr.id
         getattr(logger, level)(event, **kw)
+
+    daemon: Daemon | None = None
 
     systemd, gpu = ports(config)
     keep = config.daemon.output_tail_lines

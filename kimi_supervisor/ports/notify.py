@@ -1,21 +1,19 @@
-"""sd_notify: READY, STATUS, WATCHDOG and EXTEND_TIMEOUT_USEC to the service manager.
-
-A datagram to $NOTIFY_SOCKET (an abstract socket if it starts with '@'). Without the variable
-(run by hand, or in tests) every call is a no-op.
+"""sd_notify: READY, STATUS, WATCHDOG and EXTEND_TIMEOUT_USEC to the service manager, through
+libsystemd's own sd_notify (pystemd.daemon.notify), which knows every form $NOTIFY_SOCKET takes
+(a path, an abstract socket, vsock). Without the variable (run by hand, or in tests) every call is
+a no-op.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 
 class Notifier:
-    def __init__(self, address: str | None = None) -> None:
-        addr = address if address is not None else os.environ.get("NOTIFY_SOCKET", "")
-        self.address = "\0" + addr[1:] if addr.startswith("@") else addr
-        self._sock: socket.socket | None = None
+    def __init__(self, enabled: bool | None = None) -> None:
+        """`enabled`: None (the default) when systemd gave the daemon $NOTIFY_SOCKET."""
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET")) if enabled is None else enabled
         usec = os.environ.get("WATCHDOG_USEC", "")
         pid = os.environ.get("WATCHDOG_PID", "")
         on = usec.isdigit() and (not pid or pid == str(os.getpid()))
@@ -23,15 +21,13 @@ class Notifier:
         self.watchdog_interval_s = int(usec) / 1e6 / 3 if on else 0.0
 
     def send(self, **fields: str | int) -> None:
-        if not self.address:
+        if not self.enabled:
             return
-        msg = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
-        try:
-            if self._sock is None:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-            self._sock.sendto(msg, self.address)
-        except OSError:
-            pass  # the manager went away: nothing to tell
+        import pystemd.daemon
+
+        # unset_environment=0: the re-executed daemon (a reload) notifies too. sd_notify returns
+        # a negative errno when the manager went away: nothing to tell then.
+        pystemd.daemon.notify(0, **fields)
 
     def ready(self, status: str) -> None:
         self.send(ready=1, status=status, mainpid=os.getpid())

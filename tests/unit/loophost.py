@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.config import Config
+from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.loop.daemon import Daemon
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports.gpu import DeviceSample
@@ -311,7 +312,7 @@ class LoopHost:
             self.systemd,
             self.gpu,
             FileOutput(self.root / "vllm.log"),
-            Notifier(""),
+            Notifier(enabled=False),
             log,
             clock=self.clock,
         )
