@@ -138,11 +138,18 @@ def _next_action(
             "if it is stuck in the NVIDIA driver, drain the host and reboot (or reset the GPU "
             "by hand)"
         )
+    protected = [h for h in suspects if h.why.startswith("not signalled: ")]
+    if protected:
+        pids = ", ".join(str(h.process.pid) for h in protected)
+        mine = any("teardown.protected_" in h.why for h in protected)
+        return f"if nvidia-smi shows the memory is theirs, stop PID(s) {pids} by hand" + (
+            ", or take them out of teardown.protected_names/units" if mine else ""
+        )
     if suspects:
         pids = ", ".join(str(h.process.pid) for h in suspects)
         return (
-            f"PID(s) {pids} hold managed GPUs but were not signalled (see why): check them "
-            "with nvidia-smi and stop them by hand if the memory is theirs"
+            f"PID(s) {pids} appeared on the GPUs after the holder step: find what starts them "
+            "(ps -o ppid= PID) and stop it; the next retry kills what NVML lists"
         )
     if blockers:
         pids = ", ".join(map(str, sorted(blockers)))

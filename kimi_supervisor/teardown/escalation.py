@@ -49,7 +49,7 @@ from kimi_supervisor.teardown import leftovers
 from kimi_supervisor.teardown.diagnosis import Scene, diagnose
 from kimi_supervisor.teardown.events import EventSink
 from kimi_supervisor.teardown.gpuview import GpuView, Target
-from kimi_supervisor.teardown.kills import Kills
+from kimi_supervisor.teardown.kills import KILL_WORDS, Kills, holders_note
 from kimi_supervisor.teardown.listing import Sighting
 from kimi_supervisor.teardown.scan import Protection, device_users, listeners, unit_tree
 from kimi_supervisor.teardown.strays import stray_targets
@@ -57,11 +57,6 @@ from kimi_supervisor.teardown.strays import stray_targets
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
 # a respawner outside every unit is killed with its child in the second round (issue 13).
 LATE_ROUNDS = 3
-KILL_WORDS = {
-    Evidence.NVML_LISTED: "NVML-listed holder(s)",
-    Evidence.OPEN_AND_MAPPED: "open-and-mapped holder(s)",
-    Evidence.RESPAWNS: "respawning parent(s)",
-}
 
 
 @dataclass
@@ -221,6 +216,7 @@ class Teardown:
         deadline = self.clock.monotonic() + t.holders_timeout_s
         counts = dict.fromkeys(KILL_WORDS, 0)
         unwatched: list[Target] = []
+        spared: set[int] = set()  # holders the evidence names that are protected
         while True:
             targets = self._with_respawners(self.view.listed_targets()) or self._with_respawners(
                 self.view.mapped_targets(self.protection.never)
@@ -234,8 +230,8 @@ class Teardown:
                 self._wait_dead_or(
                     max(deadline - self.clock.monotonic(), t.poll_interval_s), or_gpus_clean=True
                 )
-            note = ", ".join(f"{c} {KILL_WORDS[e]}" for e, c in counts.items() if c)
-            note = f"{note} killed" if note else "no holder on rung 1 or 2 evidence"
+            spared |= {x.ref.pid for x in targets if x.ref in self.kills.spared}
+            note = holders_note(counts, spared)
             if self._gpus_clean():
                 watched, unwatched = unwatched, []
                 if watched and self._respawned(watched):

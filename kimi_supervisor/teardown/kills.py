@@ -10,12 +10,36 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass, field
 
-from kimi_supervisor.model import KillRecord, ProcessDescription, Step, TeardownReport, utcnow
+from kimi_supervisor.model import (
+    Evidence,
+    KillRecord,
+    ProcessDescription,
+    Step,
+    TeardownReport,
+    utcnow,
+)
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.processes import PidHandle, ProcessRef
 from kimi_supervisor.teardown.events import EventSink, Signalled, Spared
 from kimi_supervisor.teardown.gpuview import Target
 from kimi_supervisor.teardown.scan import Protection
+
+KILL_WORDS = {
+    Evidence.NVML_LISTED: "NVML-listed holder(s)",
+    Evidence.OPEN_AND_MAPPED: "open-and-mapped holder(s)",
+    Evidence.RESPAWNS: "respawning parent(s)",
+}
+
+
+def holders_note(counts: dict[Evidence, int], spared: set[int]) -> str:
+    """The kill_gpu_holders step's note: what it killed on which evidence, and which holders
+    it did not signal because they are protected (never "no holder" when there is one)."""
+    killed = ", ".join(f"{c} {KILL_WORDS[e]}" for e, c in counts.items() if c)
+    note = f"{killed} killed" if killed else ""
+    if spared:
+        said = f"holder PID {', '.join(map(str, sorted(spared)))} protected, not signalled"
+        return f"{note}; {said}" if note else said
+    return note or "nothing killed: NVML lists no live holder, none has a GPU open and mapped"
 
 
 @dataclass

@@ -165,13 +165,8 @@ def _gpus(indices: tuple[int, ...]) -> str:
 
 
 def _suspect(evidence: Evidence, gpus: tuple[int, ...], seen: str, protected: str) -> Verdict:
-    check = (
-        f"it is protected ({protected}), so it was not signalled: if it really holds the "
-        "memory, stop it by hand or remove it from the protected names"
-        if protected
-        else ""
-    )
-    return Verdict(Role.SUSPECT, gpus, seen, evidence, check, protected)
+    # Why it was not killed is its `why`, and what to do the report's next action: said once.
+    return Verdict(Role.SUSPECT, gpus, seen, evidence, "", protected)
 
 
 def _candidate(use: DeviceUse, managed: Mapping[int, str], seen: str, check: str) -> Verdict:

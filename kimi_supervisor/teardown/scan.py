@@ -54,6 +54,7 @@ class Protection:
 
     names: frozenset[str]
     units: frozenset[str]
+    configured: frozenset[str] = frozenset()  # of `names`, those from teardown.protected_names
     self_pid: int = field(default_factory=os.getpid)
     # True in the daemon: its own service's cgroup (its helpers) is spared too. Not for a
     # one-shot teardown, which may run from any service (cron's, a CI job's) whose other
@@ -71,7 +72,13 @@ class Protection:
     def from_config(
         cls, names: Iterable[str], units: Iterable[str], own_service: bool = False
     ) -> Protection:
-        return cls(BUILTIN_PROTECTED_NAMES | set(names), frozenset(units), own_service=own_service)
+        mine = frozenset(names) - BUILTIN_PROTECTED_NAMES
+        return cls(BUILTIN_PROTECTED_NAMES | mine, frozenset(units), mine, own_service=own_service)
+
+    def _named(self, name: str) -> str:
+        if name in self.configured:
+            return f"teardown.protected_names has {name!r}"
+        return f"built-in protected name {name!r}"
 
     def why_protected(self, pid: int) -> str | None:
         if pid in self.never:
@@ -80,18 +87,18 @@ class Protection:
             return "a kernel thread"
         comm = processes.comm_of(pid)
         if comm in self.comm_cuts:
-            return f"protected process name {self.comm_cuts[comm]!r} (comm {comm!r})"
+            return f"{self._named(self.comm_cuts[comm])} (comm {comm!r})"
         argv = processes.cmdline_of(pid)
         argv0 = os.path.basename(argv[0].split()[0]) if argv and argv[0].split() else ""
         for what, name in (("executable", processes.exe_name(pid)), ("argv[0]", argv0)):
             if name in self.names:
-                return f"protected process name {name!r} ({what})"
+                return f"{self._named(name)} ({what})"
         cgroup = processes.cgroup_of(pid)
         if self.own_cgroup and cgroup == self.own_cgroup:
             return "in the supervisor's own service"
         for unit in self.units:
             if cgroup.endswith("/" + unit):
-                return f"in protected unit {unit}"
+                return f"in {unit}, which teardown.protected_units names"
         return None
 
 

@@ -288,6 +288,14 @@ def test_only_protected_holders_end_stuck_with_one_spared_record_each_and_no_bus
     assert set(suspects) == {fm.pid, dcgm.pid}
     assert "not signalled" in suspects[fm.pid].why
     assert "by hand" in run.report.next_action
+    # In an operator's words (issue 29): the step does not say "no holder" for two it spared;
+    # a built-in name is called built-in, and no advice points at a config that does not hold
+    # it; why it was spared is said once, not again as the check.
+    holders = [s for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS][-1]
+    assert holders.note.startswith("holder PID ") and "protected, not signalled" in holders.note
+    assert "built-in protected name 'nv-hostengine'" in suspects[dcgm.pid].why
+    assert "protected_names" not in run.report.next_action
+    assert all(h.check == "" for h in suspects.values())
 
 
 def test_memory_only_a_spared_live_holder_keeps_ends_stuck_at_once_instead_of_waiting_for_it(

@@ -317,6 +317,23 @@ def test_admission_of_a_switch_request_follows_its_table(
 
 
 @pytest.mark.parametrize(
+    ("case", "apply", "stale", "verdict"),
+    [
+        ("the config's argv, no --apply", False, False, policy.Admit.ALREADY),
+        ("the config's argv, --apply: nothing to restart", True, False, policy.Admit.ALREADY),
+        ("an earlier config's argv, no --apply: it goes on serving", False, True,
+         policy.Admit.ALREADY),
+        ("an earlier config's argv, --apply: restarted", True, True, policy.Admit.ACCEPT),
+    ],
+)  # fmt: skip
+def test_only_apply_restarts_the_serving_mode_and_only_when_it_runs_an_earlier_configs_argv(
+    case: str, apply: bool, stale: bool, verdict: policy.Admit
+) -> None:
+    view = _view(serving_healthy=P, stale=stale)
+    assert policy.admit(P, False, view, apply=apply) is verdict, case
+
+
+@pytest.mark.parametrize(
     ("target", "previous", "rollback", "was_rollback", "back", "then"),
     [
         (R, P, True, False, P, policy.AfterFailedStart.ROLLBACK),
@@ -607,3 +624,17 @@ def test_vllm_is_hung_only_when_requests_run_and_no_token_comes_for_the_stall_ti
     idle = Stall()  # nothing running is not a stall, however long the counter stays
     assert all(idle.update(t, Work(0, 500), 120) is None for t in range(0, 1000, 100))
     assert idle.update(1000, Work(1, 500), 120) is None  # a request has just come
+
+
+def test_the_holder_steps_note_names_what_it_killed_and_whom_it_spared() -> None:
+    from kimi_supervisor.model import Evidence
+    from kimi_supervisor.teardown.kills import holders_note
+
+    none = dict.fromkeys(Evidence, 0)
+    assert (
+        holders_note({**none, Evidence.NVML_LISTED: 2}, set()) == "2 NVML-listed holder(s) killed"
+    )
+    assert holders_note(none, {41, 7}) == "holder PID 7, 41 protected, not signalled"
+    both = holders_note({**none, Evidence.OPEN_AND_MAPPED: 1}, {7})
+    assert both == "1 open-and-mapped holder(s) killed; holder PID 7 protected, not signalled"
+    assert holders_note(none, set()).startswith("nothing killed: NVML lists no live holder")
