@@ -1,23 +1,22 @@
 """The configuration: one TOML file validated by pydantic models.
 
-Every error names the file, the key path and the reason. Nothing outside this module touches
-the host before `load_config` has returned, so a bad file never leaves half-done work behind.
+Every error names the file, the key path and the reason (kimi_supervisor/configfile.py reads
+and parses the file). Nothing outside these two modules touches the host before `load_config`
+has returned, so a bad file never leaves half-done work behind. A key's comment here is its
+description in kimi-supervisor.toml(5) (cli/configdoc.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kimi_supervisor.model import Mode
-from kimi_supervisor.paths import nul_at, scratch_dir
+from kimi_supervisor.paths import scratch_dir
 from kimi_supervisor.tomlwrite import to_toml
 
 # Every number is finite (allow_inf_nan=False below) and bounded: a duration beyond these is a
@@ -38,6 +37,8 @@ class _Strict(BaseModel):
 
 
 class ServiceConfig(_Strict):
+    # The systemd unit that runs vLLM (it must exec `kimi-supervisor launch-vllm`, as the
+    # shipped vllm-kimi-k25.service does).
     unit: str = "vllm-kimi-k25.service"
 
     @field_validator("unit")
@@ -49,6 +50,7 @@ class ServiceConfig(_Strict):
 
 
 class SystemdConfig(_Strict):
+    # Which manager runs the unit: the system's, or a user manager (the sandbox's).
     scope: Literal["system", "user"] = "system"
     # Only for scope = "user": the D-Bus address of the user manager's bus. Empty: taken from
     # DBUS_SESSION_BUS_ADDRESS at run time.
@@ -63,7 +65,9 @@ class ModeConfig(_Strict):
 class VllmConfig(_Strict):
     # argv of vLLM before the mode's arguments, e.g. ["/opt/vllm/bin/vllm", "serve", "MODEL", ...]
     command: list[str] = Field(min_length=1)
+    # Where vLLM listens (passed as --host and --port); /health is probed there.
     host: str = "127.0.0.1"
+    # vLLM's port (see host).
     port: int = Field(default=8000, ge=1, le=65535)
     # Where the daemon writes the argv that the unit's launcher execs; the unit file reads
     # %t/kimi-supervisor/vllm-argv.json, so keep the two in step.
@@ -93,6 +97,7 @@ class ModesConfig(_Strict):
 
 
 class GpusConfig(_Strict):
+    # How the GPUs are read: NVML (a real host), or a simulated host's files (the sandbox).
     backend: Literal["nvml", "sim"] = "nvml"
     # Indices of the GPUs this supervisor owns; empty means every GPU NVML reports.
     managed: list[Annotated[int, Field(ge=0, le=1023)]] = Field(default_factory=list)
@@ -114,10 +119,17 @@ class GpusConfig(_Strict):
 
 
 class TeardownConfig(_Strict):
+    # Step stop_unit: how long vLLM gets to exit after the unit's stop (SIGTERM) before the
+    # next step kills what is left.
     term_grace_s: PositiveSeconds = 30.0
+    # Step kill_cgroup: how long the unit's processes get to die after SIGKILL to its cgroup.
     cgroup_kill_timeout_s: PositiveSeconds = 10.0
+    # Step kill_strays: how long vLLM's processes outside the unit get to die after SIGKILL.
     strays_timeout_s: PositiveSeconds = 10.0
+    # Step kill_gpu_holders: how long the processes that hold a managed GPU get to die.
     holders_timeout_s: PositiveSeconds = 10.0
+    # Step wait_driver: how long the driver gets to free the memory of the dead before the
+    # teardown ends STUCK (an H200 frees 90 GB in about 0.15 s).
     release_timeout_s: PositiveSeconds = 60.0
     # How often a teardown re-reads the GPUs and the processes it waits for: a freed GPU is
     # seen at most this late (docs/performance.md has the cost of one NVML read).
@@ -143,6 +155,8 @@ class TeardownConfig(_Strict):
     # Never signalled, in addition to the built-in list: executable names, matched against the
     # executable's and argv[0]'s basename and against comm (the name cut to 15 characters).
     protected_names: list[str] = Field(default_factory=list)
+    # Never signalled either: every process in these systemd units (the daemon's own service
+    # is always spared).
     protected_units: list[str] = Field(default_factory=list)
     # /dev/shm entries the service may leak (fnmatch patterns), removed when no live process
     # has them open or mapped. Measured with real vLLM 0.16 killed by SIGKILL: psm_* (its
@@ -151,11 +165,13 @@ class TeardownConfig(_Strict):
     shm_patterns: list[str] = Field(
         default_factory=lambda: ["nccl-*", "vllm*", "psm_*", "sem.mp-*", "*-cpushm_*"]
     )
+    # Where shm_patterns are looked for.
     shm_dir: Path = Path("/dev/shm")
     # vLLM's TMPDIR ("": not looked at). Even a clean stop of vLLM 0.16 leaves its ZMQ IPC
     # sockets there, named by a UUID: those that no live socket is bound to are removed, with
     # the entries named by tmp_patterns that no live process has open or mapped.
     tmp_dir: Path | None = Path("/tmp")
+    # Entries of tmp_dir vLLM may leak (fnmatch patterns), removed when nothing holds them.
     tmp_patterns: list[str] = Field(default_factory=lambda: ["vllm_dist_*"])
 
     @field_validator("shm_patterns", "tmp_patterns")
@@ -189,6 +205,7 @@ class StateConfig(_Strict):
     # history.jsonl is rotated once it is this large (to history.jsonl.1, .2, ...), keeping
     # this many rotated files; `kimi-mode history` reads across them.
     history_max_mb: Annotated[float, Field(gt=0, le=100_000)] = 64.0
+    # How many rotated history files are kept (see history_max_mb).
     history_keep: Annotated[int, Field(ge=1, le=100)] = 5
 
 
@@ -201,6 +218,7 @@ class DaemonConfig(_Strict):
     start_poll_s: Annotated[float, Field(gt=0, le=10)] = 0.25
     # Loading Kimi-K2.5 takes over 30 minutes; this may be hours.
     start_timeout_s: PositiveSeconds = 3 * 3600.0
+    # How long one GET /health may take before it counts as no answer.
     health_timeout_s: PositiveSeconds = 2.0
     # While serving, /health and the GPUs are read this often (the unit's state every tick).
     health_interval_s: PositiveSeconds = 30.0
@@ -211,9 +229,11 @@ class DaemonConfig(_Strict):
     rollback: bool = True
     # After vLLM dies or fails to start: wait initial, doubling up to max, before starting again.
     restart_backoff_initial_s: Seconds = 5.0
+    # The longest of those waits (see restart_backoff_initial_s).
     restart_backoff_max_s: Seconds = 300.0
     # This many failures within the window: stop retrying and report FAILED.
     max_failures: Annotated[int, Field(ge=1, le=1_000_000)] = 3
+    # The window max_failures counts failures in.
     failure_window_s: PositiveSeconds = 1800.0
     # A teardown that ends STUCK is retried after this, doubling up to restart_backoff_max_s.
     stuck_retry_s: PositiveSeconds = 30.0
@@ -221,6 +241,9 @@ class DaemonConfig(_Strict):
     driver_retry_max_s: PositiveSeconds = 30.0
     # Lines of the unit's output kept for reports when a start fails.
     output_tail_lines: Annotated[int, Field(ge=1, le=1000)] = 30
+    # Where the daemon's own output goes when there is no journal (the sandbox): what
+    # `kimi-mode logs --daemon` reads there. Empty: the journal of kimi-supervisor.service.
+    log_file: Path | None = None
 
 
 class LivenessConfig(_Strict):
@@ -230,19 +253,28 @@ class LivenessConfig(_Strict):
     dead one is. Noticed within stall_s + metrics_interval_s under load, and within
     canary_interval_s + metrics_interval_s + canary_timeout_s idle."""
 
+    # Whether the liveness probes run at all (off: only /health says vLLM lives).
     enabled: bool = True
+    # How often vLLM's /metrics is read (requests running, tokens made).
     metrics_interval_s: Annotated[float, Field(gt=0, le=3600)] = 15.0
+    # Requests running and no token made for this long: vLLM is hung.
     stall_s: PositiveSeconds = 120.0
+    # Idle (no request running): how often a one-token canary request is sent.
     canary_interval_s: PositiveSeconds = 300.0
+    # A canary unanswered for this long: vLLM is hung.
     canary_timeout_s: PositiveSeconds = 60.0
+    # The canary's prompt (one token is asked for).
     canary_prompt: Annotated[str, Field(min_length=1, max_length=1000)] = "Hello"
 
 
 class ControlConfig(_Strict):
+    # The control socket kimi-mode talks to.
     socket: Path = Path("/run/kimi-supervisor/control.sock")
     # Members of this group (and root) may use the socket; it is created 0660 root:group.
     group: str = "kimi"
+    # Connections open at once, at most (and fewer per user): the next is refused.
     max_clients: Annotated[int, Field(ge=1, le=4096)] = 128
+    # The longest request line accepted.
     max_line_bytes: Annotated[int, Field(ge=1024, le=16 * 1024 * 1024)] = 64 * 1024
     # A client that connects and sends nothing is dropped after this.
     idle_timeout_s: PositiveSeconds = 10.0
@@ -260,8 +292,11 @@ class ProfilingConfig(_Strict):
     vllm_trace_dir: Path | None = None
     # Retention, applied after each capture: keep the newest N captures, and at most this many
     # GB in all (0: no limit).
+    # (keep the newest keep_captures, and at most max_total_gb in all)
     keep_captures: Annotated[int, Field(ge=1, le=10_000)] = 10
+    # Retention's size limit in GB (0: no limit).
     max_total_gb: Annotated[float, Field(ge=0, le=1_000_000)] = 200.0
+    # How long POST /start_profile may take to answer.
     start_timeout_s: PositiveSeconds = 60.0
     # POST /stop_profile returns when the traces are written, many minutes on big models.
     # 0: wait as long as it takes.
@@ -270,12 +305,17 @@ class ProfilingConfig(_Strict):
     # GEMM and attention shares, top kernels) into summary.json beside the traces; one process
     # per rank, each stopped at this deadline.
     summarize: bool = True
+    # Each rank's summary is stopped at this deadline (see summarize).
     summary_timeout_s: PositiveSeconds = 900.0
 
 
 class MetricsConfig(_Strict):
+    # Whether the daemon serves Prometheus metrics (/metrics).
     enabled: bool = True
+    # Where /metrics listens: 127.0.0.1 for this host alone; 0.0.0.0 for the fleet's Prometheus
+    # (open the unit's IP allow-list too: docs/operations.md).
     address: str = "127.0.0.1"
+    # The metrics' port.
     port: int = Field(default=9464, ge=1, le=65535)
 
 
@@ -321,76 +361,3 @@ class Config(_Strict):
     def effective_toml(self) -> str:
         """The effective configuration, defaults included, as TOML."""
         return to_toml(self)
-
-
-def _loc(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
-def _reason(err: dict[str, object]) -> str:
-    kind = err.get("type")
-    if kind == "extra_forbidden":
-        return "unknown key (check its spelling; `kimi-supervisor check-config` prints every key)"
-    if kind == "missing":
-        return "required key is missing"
-    msg = str(err.get("msg", "invalid"))
-    return msg.removeprefix("Value error, ")
-
-
-def parse_config(text: str, source: str = "<config>") -> Config:
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: not valid TOML: {e}") from None
-    except RecursionError:
-        raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
-    try:
-        nul = nul_at(raw)
-    except RecursionError:
-        raise ConfigError(f"{source}: nested too deeply to be a configuration") from None
-    if nul is not None:
-        raise ConfigError(f"{source}: {_loc(nul)}: a NUL byte (\\u0000) in a string: remove it")
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = tuple(err["loc"])
-            # A model_validator's error has no location of its own; name the section instead.
-            lines.append(f"{source}: {_loc(loc)}: {_reason(dict(err))}")
-        raise ConfigError("\n".join(lines)) from None
-
-
-# A configuration file is a page or two; past this it is not one (`/dev/zero`, a log).
-MAX_CONFIG_BYTES = 1 << 20
-
-
-def load_config(path: Path | str) -> Config:
-    """The file at `path`, parsed. Only a regular file is read, opened without blocking (a FIFO
-    or a device given by mistake is refused at once, never waited on) and at most
-    MAX_CONFIG_BYTES of it."""
-    p = Path(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(f"{p}: no such file (pass --config PATH)") from None
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{p}: not a regular file (a FIFO or a device?): give the TOML file")
-        try:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as e:
-            raise ConfigError(f"{p}: cannot read: {e}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{p}: more than {MAX_CONFIG_BYTES} bytes: not a configuration file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{p}: cannot read: {e}") from None
-    return parse_config(text, str(p))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The sandbox demo (`make demo`): a real isolated systemd user manager running the project's own
 # units, 8 simulated GPUs and a fake vLLM; kimi-supervisor.service owns vLLM's unit.
-# production -> profile with a ghost planted in between -> production, then status and history.
+# production -> profile with a ghost planted in between -> production, then status, history
+# and doctor.
 # Everything it starts is stopped at the end, also on failure or Ctrl-C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -61,3 +62,6 @@ step "kimi-mode status"
 
 step "kimi-mode history -n 6"
 "$BIN/kimi-mode" history -n 6
+
+step "kimi-mode doctor: is this host fit to run the daemon?"
+"$BIN/kimi-mode" doctor

@@ -20,7 +20,8 @@ done
 rm -f "$DESTDIR$UNITDIR/kimi-supervisor.service" "$DESTDIR$UNITDIR/vllm-kimi-k25.service" \
   "$DESTDIR/usr/local/lib/sysusers.d/kimi-supervisor.conf" \
   "$DESTDIR/usr/local/lib/tmpfiles.d/kimi-supervisor.conf" \
-  "$DESTDIR$MANDIR/man1/kimi-mode.1.gz" "$DESTDIR$MANDIR/man8/kimi-supervisor.8.gz"
+  "$DESTDIR$MANDIR/man1/kimi-mode.1.gz" "$DESTDIR$MANDIR/man8/kimi-supervisor.8.gz" \
+  "$DESTDIR$MANDIR/man5/kimi-supervisor.toml.5.gz"
 share="$DESTDIR$(dirname "$MANDIR")"
 for cmd in kimi-supervisor kimi-mode; do
   rm -f "$share/bash-completion/completions/$cmd" "$share/zsh/site-functions/_$cmd"

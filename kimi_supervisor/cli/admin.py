@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,29 +16,41 @@ from kimi_supervisor.cli.compose import (
     ports,
 )
 from kimi_supervisor.cli.run import cmd_reload, cmd_run
-from kimi_supervisor.config import ConfigError, load_config
+from kimi_supervisor.config import ConfigError
+from kimi_supervisor.configfile import load_config
 from kimi_supervisor.version import package_version
 
 if TYPE_CHECKING:
     from kimi_supervisor.model import TeardownReport
 
 
+STARTABLE = ("vllm executable", "control group")
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    """The config's syntax and values (exit 2 if invalid), then what can be checked of this host
+    against it: the vLLM executable, the group, the directories (exit 1 if one fails). The
+    checks are TOML comments, so the output stays a valid config."""
+    from kimi_supervisor.cli.checks import NOT_CHECKED, config_checks
+
     config = load_config(args.path)
     print(f"# {args.path}: valid. Effective configuration, defaults included:")
     print(config.effective_toml(), end="")
+    results = config_checks(config, str(args.path))
+    print("\n# What this host has of it:")
+    for c in results:
+        mark = {True: "ok  ", False: "FAIL", None: "?   "}[c.ok]
+        print(f"# {mark} {c.name}: {c.message}" + (f"\n#      fix: {c.fix}" if c.fix else ""))
+    print("# Not checked here: " + "; ".join(NOT_CHECKED) + ".")
+    failed = [c for c in results if c.ok is False]
+    for c in failed:  # what the package's postinst says when it does not start the daemon
+        print(f"{c.message} ({c.fix})", file=sys.stderr)
     if args.startable:
-        # The package's postinst starts the daemon on a first install only when this holds: a
-        # host whose config still names a vLLM that is not there is not ready to serve.
-        vllm = Path(config.vllm.command[0])
-        if not (vllm.is_file() and os.access(vllm, os.X_OK)):
-            print(
-                f"vllm.command[0] {vllm} is not an executable file (install vLLM there, or "
-                f"point vllm.command at it in {args.path})",
-                file=sys.stderr,
-            )
-            return EXIT_FAILED
-    return EXIT_OK
+        # The package's postinst starts the daemon on a first install only when this holds:
+        # what stops it from serving (no vLLM to run, no group for the socket); the rest is
+        # reported above and fails a plain check-config.
+        failed = [c for c in failed if c.name in STARTABLE]
+    return EXIT_FAILED if failed else EXIT_OK
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -199,12 +210,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    c = sub.add_parser("check-config", help="validate a config file and print the effective config")
+    c = sub.add_parser(
+        "check-config",
+        help="validate a config file, print the effective config and check this host against it",
+    )
     c.add_argument("path", type=Path, help="the config file to check")
     c.add_argument(
         "--startable",
         action="store_true",
-        help="also require vllm.command[0] to be an executable file (exit 1 if not)",
+        help="exit 1 only for what keeps the daemon from serving (vllm.command[0] not an "
+        "executable file, no control group); the other checks are still shown",
     )
     c.set_defaults(fn=cmd_check_config)
 

@@ -6,15 +6,16 @@ directory, follows the recording and the flush, Enter stops it) and `capture --s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import switch as km
+from kimi_supervisor.cli import output as km
+from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_capture, format_summary
+from kimi_supervisor.cli.switch import cmd_switch, refused
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
 from kimi_supervisor.model import SUMMARY
 
@@ -47,14 +48,14 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     daemon needed), written beside the traces when the folder lets us."""
     from kimi_supervisor.capture.ranks import summarize_folder  # the summarizer, only here
 
+    o = Output(args.output)
     folder = Path(args.summarize)
     try:
         summary, not_written = summarize_folder(folder)
     except OSError as e:
-        print(f"kimi-mode: --summarize {folder}: {e.strerror}", file=sys.stderr)
-        return km.EXIT_USAGE
-    if args.json:
-        print(json.dumps(summary))
+        return o.fail(km.EXIT_USAGE, f"--summarize {folder}: {e.strerror}")
+    if o.json:
+        o.line({"v": 1, "type": "summary", **summary})
     else:
         print(format_summary(summary))
         print(not_written or f"written to {folder / SUMMARY}")
@@ -68,16 +69,15 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
         given = [f for f, v in (("--switch", args.switch), ("--seconds", args.seconds),
                                 ("--out", args.out)) if v]  # fmt: skip
         if given:
-            print(f"kimi-mode: --summarize takes no capture: drop {', '.join(given)}",
-                  file=sys.stderr)  # fmt: skip
-            return km.EXIT_USAGE
+            return Output(args.output).fail(
+                km.EXIT_USAGE, f"--summarize takes no capture: drop {', '.join(given)}"
+            )
         return cmd_summarize(args)
     out_fd: int | None = None
     if args.out:
         opened = _open_out(args.out)
         if isinstance(opened, str):
-            print(f"kimi-mode: --out {args.out}: {opened}", file=sys.stderr)
-            return km.EXIT_USAGE
+            return Output(args.output).fail(km.EXIT_USAGE, f"--out {args.out}: {opened}")
         out_fd = opened
     try:
         return _capture(args, sock, out_fd)
@@ -86,13 +86,17 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
             os.close(out_fd)
 
 
-def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
+def _switch_to(mode: str, args: argparse.Namespace, sock: Path) -> int:
+    sw = argparse.Namespace(
+        mode=mode, no_wait=False, timeout=None, force=False, output=args.output, for_s=None
+    )
+    return cmd_switch(sw, sock)
 
+
+def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
+    o = Output(args.output)
     if args.switch:
-        sw = argparse.Namespace(
-            mode="profile", no_wait=False, timeout=None, force=False, json=args.json, for_s=None
-        )
-        rc = km.cmd_switch(sw, sock)
+        rc = _switch_to("profile", args, sock)
         if rc != km.EXIT_OK:
             return rc
     out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
@@ -111,17 +115,17 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     ended: dict[str, Any] | None = None
     try:
         for raw, msg in exchange(sock, req, fds=() if out_fd is None else (out_fd,)):
-            if args.json:
-                print(raw.decode(), flush=True)
+            if o.json:
+                o.raw(raw)
             kind = msg.get("type")
             if kind == "reply":
-                if (refused := km.refused(msg, args.json)) is not None:
-                    return refused
-                if not args.json:
+                if (code := refused(msg, o)) is not None:
+                    return code
+                if not o.json:
                     print(msg["message"], flush=True)
             elif kind == "event":
                 name, data = msg["event"], msg["data"]
-                if name == "capture_recording" and not args.json:
+                if name == "capture_recording" and not o.json:
                     if data.get("seconds"):
                         print(
                             f"recording for {data['seconds']:g} s; drive your load now", flush=True
@@ -130,13 +134,13 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
                         print("recording; drive your load now, press Enter to stop", flush=True)
                 if name == "capture_recording" and not data.get("seconds"):
                     threading.Thread(target=enter_stops, daemon=True).start()
-                elif name == "capture_flushing" and not args.json:
+                elif name == "capture_flushing" and not o.json:
                     print(
                         "stopping the profiler; flushing traces (this can take minutes)", flush=True
                     )
-                elif name == "capture_summarizing" and not args.json:
+                elif name == "capture_summarizing" and not o.json:
                     print(f"summarizing {data['files']} trace file(s)", flush=True)
-                elif name == "capture_progress" and not args.json:
+                elif name == "capture_progress" and not o.json:
                     print(
                         f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
                         f"after {data['flushing_s']:.0f} s",
@@ -164,22 +168,14 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
             "kimi-mode: the daemon closed the connection before the capture ended", file=sys.stderr
         )
         return km.EXIT_UNREACHABLE
-    if not args.json:
+    if not o.json:
         print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
         if ended["ok"]:
             print(format_capture(ended["data"]))
     if args.then == "production":
-        if not args.json:
+        if not o.json:
             print("going back to production")
-        back = argparse.Namespace(
-            mode="production",
-            no_wait=False,
-            timeout=None,
-            force=False,
-            json=args.json,
-            for_s=None,
-        )
-        rc = km.cmd_switch(back, sock)
+        rc = _switch_to("production", args, sock)
         if rc != km.EXIT_OK:
             return rc
     return km.EXIT_OK if ended["ok"] else km.EXIT_FAILED

@@ -1,29 +1,33 @@
 """`kimi-mode`: what an operator types. Argument parsing and output only; the daemon does the
-work. The exit codes every command shares are in cli/switch.py (and docs/control-protocol.md).
+work. Every command keeps one output contract and one table of exit codes (cli/output.py,
+docs/control-protocol.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli.render import (
-    format_history,
-    format_status,
-)
-from kimi_supervisor.cli.switch import (
+from kimi_supervisor.cli import output as out_
+from kimi_supervisor.cli.ask import one_reply as _one_reply
+from kimi_supervisor.cli.ask import status as _status
+from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
+from kimi_supervisor.cli.output import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    cmd_switch,
+    IsServingOut,
+    Output,
 )
-from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
+from kimi_supervisor.cli.render import format_history
+from kimi_supervisor.cli.switch import cmd_switch
+from kimi_supervisor.cli.watch import print_status, status_exit
+from kimi_supervisor.control.client import Unreachable
 from kimi_supervisor.control.protocol import MAX_PROFILE_S
 from kimi_supervisor.version import package_version
 
@@ -59,6 +63,22 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def _config(args: argparse.Namespace) -> Any:
+    """The config named by --config or KIMI_SUPERVISOR_CONFIG (a UsageError if it is broken),
+    else the default one if it exists and can be read, else None."""
+    explicit = args.config or os.environ.get("KIMI_SUPERVISOR_CONFIG")
+    path = Path(explicit or DEFAULT_CONFIG)
+    from kimi_supervisor.config import ConfigError
+    from kimi_supervisor.configfile import load_config
+
+    try:
+        return load_config(path)
+    except ConfigError as e:
+        if explicit:
+            raise UsageError(f"cannot use the config {path}:\n{e}") from None
+        return None
+
+
 def socket_path(args: argparse.Namespace) -> Path:
     """--socket, then KIMI_SUPERVISOR_SOCKET, then the config's control.socket, then default."""
     if args.socket:
@@ -67,120 +87,144 @@ def socket_path(args: argparse.Namespace) -> Path:
     if env:
         return Path(env)
     explicit = args.config or os.environ.get("KIMI_SUPERVISOR_CONFIG")
-    path = Path(explicit or DEFAULT_CONFIG)
-    if not explicit and not path.exists():
+    if not explicit and not Path(DEFAULT_CONFIG).exists():
         return DEFAULT_SOCKET
-    from kimi_supervisor.config import ConfigError, load_config
-
-    try:
-        return load_config(path).control.socket
-    except ConfigError as e:
-        if explicit:
-            raise UsageError(f"cannot use the config to find the socket:\n{e}") from None
-        return DEFAULT_SOCKET
-
-
-def _one_reply(
-    sock: Path, req: dict[str, Any], timeout_s: float = 10.0
-) -> tuple[bytes, dict[str, Any]]:
-    try:
-        for raw, msg in exchange(sock, req, timeout_s=timeout_s):
-            return raw, msg
-    except TimedOut:
-        raise Unreachable(f"the daemon did not answer within {timeout_s:g} s") from None
-    raise Unreachable("the daemon closed the connection without answering")
-
-
-# A daemon in these states needs a person (STUCK: the GPUs are not clean; FAILED: it gave up).
-NEEDS_A_PERSON = ("stuck", "failed")
+    config = _config(args)
+    return config.control.socket if config is not None else DEFAULT_SOCKET
 
 
 def cmd_status(args: argparse.Namespace, sock: Path) -> int:
-    """Exit 0, or 1 when the daemon is STUCK or FAILED or waits for what it cannot go on
-    without (the GPU driver, systemd), so that a script or a monitor can act on `kimi-mode
-    status` alone; 3 when the daemon cannot be asked."""
-    _raw, msg = _one_reply(sock, {"cmd": "status"})
-    if not msg["ok"]:
-        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    if args.json:
-        print(json.dumps(msg["data"], indent=2))
-    else:
-        print(format_status(msg["data"]))
-    data = msg["data"]
-    return (
-        EXIT_FAILED if data.get("state") in NEEDS_A_PERSON or data.get("waiting_for") else EXIT_OK
-    )
+    """Exit 0; 6 when STUCK; 1 when FAILED or waiting for the driver or systemd; 3 when the
+    daemon cannot be asked: a script or a monitor can act on `kimi-mode status` alone."""
+    o = Output(args.output)
+    if args.watch:
+        from kimi_supervisor.cli.watch import watch
+
+        return watch(args, sock, o)
+    data = _status(sock)
+    print_status(o, data)
+    return status_exit(data)
 
 
 def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
     """Like `systemctl is-active`: prints the state and mode, and exits 0 only when vLLM serves
     (in MODE, if given), 1 otherwise, 3 when the daemon cannot be asked."""
-    _raw, msg = _one_reply(sock, {"cmd": "status"})
-    if not msg["ok"]:
-        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    data = msg["data"]
+    o = Output(args.output)
+    data = _status(sock)
     state, mode = data.get("state"), data.get("mode")
-    if not args.quiet:
-        print(f"{state} {mode}" if mode else str(state))
+    serving = state == "serving" and (args.mode is None or mode == args.mode)
+    if o.json:
+        o.line(
+            IsServingOut(
+                serving=serving, state=str(state), mode=mode, waiting_for=data.get("waiting_for")
+            )
+        )
+    elif not args.quiet:
+        print(f"{state} {mode}" if mode else str(state), file=o.out)
         if data.get("waiting_for"):
             print(f"kimi-mode: {data['waiting_for']}", file=sys.stderr)
-    serving = state == "serving" and (args.mode is None or mode == args.mode)
     return EXIT_OK if serving else EXIT_FAILED
 
 
 def cmd_history(args: argparse.Namespace, sock: Path) -> int:
+    o = Output(args.output)
     _raw, msg = _one_reply(sock, {"cmd": "history", "n": args.n})
     if not msg["ok"]:
-        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return o.fail(out_.refusal_exit(msg["code"]), msg["message"])
     entries = msg["data"]["entries"]
-    if args.json:
+    if o.json:
         for e in entries:
-            print(json.dumps(e))
+            o.line({"v": 1, "type": "record", **e})
     else:
-        print(format_history(entries))
+        print(format_history(entries), file=o.out)
     return EXIT_OK
+
+
+def cmd_wait(args: argparse.Namespace, sock: Path) -> int:
+    from kimi_supervisor.cli.watch import wait
+
+    return wait(args, sock, Output(args.output))
+
+
+def cmd_logs(args: argparse.Namespace, sock: Path) -> int:
+    from kimi_supervisor.cli.logs import show_logs
+
+    return show_logs(args, _config(args), Output(args.output))
+
+
+def cmd_doctor(args: argparse.Namespace, sock: Path) -> int:
+    from kimi_supervisor.cli.doctor import run_doctor
+
+    return run_doctor(args, sock, Output(args.output))
+
+
+# ------------------------------------------------------------------------------ the parser
+def mode_argument(c: argparse.ArgumentParser, what: str) -> None:
+    c.add_argument(
+        "mode",
+        nargs="?",
+        choices=["production", "profile"],
+        default=None,
+        metavar="MODE",
+        help=f"production or profile: {what}",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kimi_supervisor.cli import (
-        capture as capture_client,  # it imports this module (exit codes, switches)
+        capture as capture_client,  # it imports this module's neighbours (exit codes, switches)
     )
 
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--socket", help="the daemon's control socket (or KIMI_SUPERVISOR_SOCKET)")
-    common.add_argument("--config", help="find the socket in this config file")
-    common.add_argument("--json", action="store_true", help="machine-readable output")
+    global_options(common, suppress=True)
     p = argparse.ArgumentParser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
-        epilog="exit codes: 0 done, 1 failed, STUCK, FAILED or waiting for the driver or "
-        "systemd (status), not serving (is-serving), 2 usage, 3 daemon unreachable or "
-        "refused, 4 timed out (the switch goes on), 130 Ctrl-C (the switch goes on)",
+        epilog=exit_codes(out_.EXIT_CODES),
+        formatter_class=Formatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = p.add_subparsers(
-        dest="cmd",
-        required=True,
-        metavar="{production,profile,capture,status,is-serving,history}",
-    )
+    global_options(p, suppress=False)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=description,
+            epilog=epilog(name),
+            formatter_class=Formatter,
+        )
+
     for mode in ("production", "profile"):
-        c = sub.add_parser(mode, parents=[common], help=f"switch to {mode} mode and follow it")
+        c = command(
+            mode,
+            f"switch to {mode} mode and follow it",
+            f"Ask the daemon to switch vLLM to {mode} mode and follow the switch: the "
+            "teardown's steps, what was killed and why, vLLM's load. Ctrl-C stops following; "
+            "the switch goes on (kimi-mode wait follows it again). Asking for the mode that "
+            "serves does nothing; asking for the mode being switched to joins that switch.",
+        )
         c.add_argument("--no-wait", action="store_true", help="ask for the switch and return")
         c.add_argument(
             "--timeout",
-            type=float,
+            type=parse_duration,
             default=None,
-            metavar="S",
-            help="stop following after S seconds (exit 4; the switch goes on)",
+            metavar="DURATION",
+            help="stop following after this long (90s, 45m; exit 4; the switch goes on)",
         )
         c.add_argument(
             "--force",
             action="store_true",
             help="take over from a switch to the other mode that is in progress, "
             "or cut a capture's flush short",
+        )
+        c.add_argument(
+            "--apply",
+            action="store_true",
+            help=f"restart {mode} if it runs an earlier config's argv (after vllm.command was "
+            "edited and the daemon reloaded): a full model load",
         )
         if mode == "profile":
             c.add_argument(
@@ -192,7 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "asking again extends it",
             )
         c.set_defaults(fn=cmd_switch, mode=mode)
-    c = sub.add_parser("capture", parents=[common], help="take a torch profiler trace")
+    c = command(
+        "capture",
+        "take a torch profiler trace",
+        "Record a torch profiler trace of the vLLM in profile mode, wait for its flush, and "
+        "summarize it; then go back to production (or stay). With --summarize, summarize a "
+        "capture already taken, here, without the daemon.",
+    )
     c.add_argument(
         "--seconds",
         type=parse_duration,
@@ -225,43 +275,109 @@ def build_parser() -> argparse.ArgumentParser:
         "GEMM and attention shares, top kernels) and write DIR/summary.json",
     )
     c.set_defaults(fn=capture_client.cmd_capture)
-    c = sub.add_parser("status", parents=[common], help="modes, state, unit, GPUs, last teardown")
-    c.set_defaults(fn=cmd_status)
-    c = sub.add_parser(
-        "is-serving",
-        parents=[common],
-        help="exit 0 only when vLLM serves (in MODE, if given), like systemctl is-active",
+    c = command(
+        "status",
+        "modes, state, unit, GPUs, last teardown",
+        "What the daemon sees and does now: the desired and actual mode, the state, vLLM's "
+        "unit and /health, each GPU's memory and holders, the last teardown and what it "
+        "killed, and, while vLLM does not serve, its last lines of output. Exit 6 while "
+        "STUCK, 1 when FAILED or waiting for the driver or systemd.",
     )
-    c.add_argument("mode", nargs="?", choices=["production", "profile"], default=None)
+    c.add_argument(
+        "-w", "--watch", action="store_true", help="show it again every --interval, until Ctrl-C"
+    )
+    c.add_argument(
+        "--interval", type=float, default=2.0, metavar="S", help="--watch's period (default 2)"
+    )
+    c.set_defaults(fn=cmd_status)
+    c = command(
+        "is-serving",
+        "exit 0 only when vLLM serves (in MODE, if given), like systemctl is-active",
+        "Print the state and mode; exit 0 only when vLLM serves (in MODE, if given), else 1.",
+    )
+    mode_argument(c, "only that mode counts")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing, only exit")
     c.set_defaults(fn=cmd_is_serving)
-    c = sub.add_parser("history", parents=[common], help="past switches and teardowns")
+    c = command(
+        "history",
+        "past switches and teardowns",
+        "Past switches, teardowns (with every process killed and the evidence), captures "
+        "and incidents, oldest first.",
+    )
     c.add_argument("-n", type=int, default=20, help="how many records (default 20)")
     c.set_defaults(fn=cmd_history)
+    c = command(
+        "wait",
+        "follow the switch under way, or wait until MODE serves",
+        "Follow the switch in progress from its real start (after Ctrl-C, --no-wait, or from "
+        "another terminal) until it ends; with MODE, until vLLM serves in MODE (through a "
+        "rollback or a retry). Returns at once when there is nothing to wait for. Never asks "
+        "for a switch. Exit 0 serving, 6 STUCK, 1 failed, 4 at --timeout.",
+    )
+    mode_argument(c, "wait until it serves")
+    c.add_argument(
+        "--timeout",
+        type=parse_duration,
+        default=None,
+        metavar="DURATION",
+        help="give up after this long (90s, 45m; exit 4)",
+    )
+    c.set_defaults(fn=cmd_wait)
+    c = command(
+        "logs",
+        "vLLM's output, or the daemon's (--daemon), from the journal",
+        "The last lines of vLLM's unit, or of the daemon's, as journalctl -u shows them "
+        "(the sandbox: from its log files); -f follows. Reading the system journal needs "
+        "root or the group systemd-journal (or adm).",
+    )
+    c.add_argument("-f", "--follow", action="store_true", help="go on printing new lines")
+    c.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="last N (default 50)")
+    c.add_argument("--daemon", action="store_true", help="the daemon's log instead of vLLM's")
+    c.set_defaults(fn=cmd_logs)
+    c = command(
+        "doctor",
+        "check that this host can run the daemon, and say what to fix",
+        "Check each precondition the daemon needs: the config, the GPU driver and NVML, the "
+        "system bus and systemd, vLLM's unit and executable, the control group, the state "
+        "directory and the stored baseline, the metrics address, nvidia-persistenced. Each "
+        "failed check says what is wrong and how to fix it. Exit 1 if any failed.",
+    )
+    c.set_defaults(fn=cmd_doctor)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    o = Output(args.output)
     if getattr(args, "timeout", None) is not None and args.timeout <= 0:
         parser.error("--timeout must be positive")
-    if getattr(args, "n", 1) < 1:
+    if getattr(args, "n", 1) < 1 or getattr(args, "lines", 1) < 1:
         parser.error("-n must be at least 1")
+    if getattr(args, "interval", 1.0) <= 0:
+        parser.error("--interval must be positive")
     try:
-        # Summarizing a capture folder talks to no daemon: no socket, no config needed.
-        sock = Path() if getattr(args, "summarize", None) else socket_path(args)
+        # Summarizing a capture folder, logs and doctor need no socket.
+        local = getattr(args, "summarize", None) or args.fn in (cmd_logs, cmd_doctor)
+        sock = Path() if local else socket_path(args)
+        if args.fn is cmd_doctor:
+            sock = _doctor_socket(args)
         return int(args.fn(args, sock))
     except UsageError as e:
-        print(f"kimi-mode: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return o.fail(EXIT_USAGE, str(e))
     except Unreachable as e:
-        print(f"kimi-mode: {e}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return o.fail(EXIT_UNREACHABLE, str(e))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         return EXIT_OK
+
+
+def _doctor_socket(args: argparse.Namespace) -> Path:
+    try:
+        return socket_path(args)
+    except UsageError:
+        return DEFAULT_SOCKET  # doctor reports the broken config itself
 
 
 if __name__ == "__main__":

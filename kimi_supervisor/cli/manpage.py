@@ -1,8 +1,13 @@
 """Manual pages for kimi-mode(1) and kimi-supervisor(8), rendered from the commands' own
 argument parsers (so every command and option the program takes is in its page, with the help
-text it prints) plus the sections a parser cannot say: exit status, environment, files.
+text it prints) plus the sections a parser cannot say: exit status (kimi-mode's from its one
+table, cli/output.py), examples (cli/examples.py), environment, files; and
+kimi-supervisor.toml(5), from the config model (cli/configdoc.py).
 
-    python -m kimi_supervisor.cli.manpage OUTDIR  # man1/kimi-mode.1.gz, man8/kimi-supervisor.8.gz
+    python -m kimi_supervisor.cli.manpage OUTDIR  # man1/kimi-mode.1.gz, man8/…, man5/…
+
+Why not argparse-manpage (docs/dependencies.md): it renders the options as well, but neither
+the exit-status table shared with --help, the examples, nor a page from the config model.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimi_supervisor.cli import admin as cli
-from kimi_supervisor.cli import kimi_mode
+from kimi_supervisor.cli import configdoc, kimi_mode
+from kimi_supervisor.cli.configdoc import esc as _esc
+from kimi_supervisor.cli.examples import EXAMPLES
+from kimi_supervisor.cli.output import EXIT_CODES
 from kimi_supervisor.version import package_version
 
 FILES = [
@@ -37,6 +45,7 @@ class Page:
     exit_status: list[tuple[str, str]]
     environment: list[tuple[str, str]] = field(default_factory=list)
     see_also: list[str] = field(default_factory=list)
+    examples: list[tuple[str, str]] = field(default_factory=list)
 
 
 def pages() -> list[Page]:
@@ -54,24 +63,13 @@ def pages() -> list[Page]:
                 "DCGM. Ctrl-C stops following; the switch goes on in the daemon.",
                 "Root and members of the group kimi may use it.",
             ],
-            [
-                ("0", "done: the mode is ready, or was already running"),
-                (
-                    "1",
-                    "the switch or capture failed; status: the daemon is STUCK or FAILED, or "
-                    "waits for the GPU driver or systemd; is-serving: vLLM does not serve (in "
-                    "that mode)",
-                ),
-                ("2", "usage error, or an --out that cannot be used"),
-                ("3", "the daemon is unreachable, or refused the caller"),
-                ("4", "--timeout ran out while following (the switch goes on)"),
-                ("130", "interrupted by Ctrl-C while following (the switch goes on)"),
-            ],
+            [(str(code), f"{name}: {what}") for code, name, what in EXIT_CODES],
             [
                 ("KIMI_SUPERVISOR_SOCKET", "the control socket, when --socket is not given"),
                 ("KIMI_SUPERVISOR_CONFIG", "the config file to find the socket in"),
             ],
-            ["kimi-supervisor(8)", "systemctl(1)", "journalctl(1)"],
+            ["kimi-supervisor(8)", "kimi-supervisor.toml(5)", "systemctl(1)", "journalctl(1)"],
+            [(cmd, what) for rows in EXAMPLES.values() for cmd, what in rows],
         ),
         Page(
             cli.build_parser(),
@@ -96,14 +94,33 @@ def pages() -> list[Page]:
                 ),
             ],
             [("KIMI_SUPERVISOR_CONFIG", "the config file, when --config is not given")],
-            ["kimi-mode(1)", "systemctl(1)", "journalctl(1)", "systemd.exec(5)"],
+            [
+                "kimi-mode(1)",
+                "kimi-supervisor.toml(5)",
+                "systemctl(1)",
+                "journalctl(1)",
+                "systemd.exec(5)",
+            ],
+            [
+                (
+                    "kimi-supervisor check-config /etc/kimi-supervisor/kimi-supervisor.toml",
+                    "validate the config and check this host against it",
+                ),
+                (
+                    "systemctl reload kimi-supervisor",
+                    "re-execute the daemon (after an upgrade or a config edit); vLLM keeps serving",
+                ),
+                (
+                    "systemctl stop kimi-supervisor && kimi-supervisor calibrate",
+                    "tear vLLM down, then measure each GPU's idle memory",
+                ),
+                (
+                    "journalctl -u kimi-supervisor KIMI_EVENT=stuck",
+                    "every STUCK teardown, with its fields (KIMI_TRANSITION, KIMI_MODE, …)",
+                ),
+            ],
         ),
     ]
-
-
-def _esc(text: str) -> str:
-    text = text.replace("\\", "\\e").replace("-", "\\-")
-    return "\n".join("\\&" + ln if ln.startswith((".", "'")) else ln for ln in text.split("\n"))
 
 
 def _options(parser: argparse.ArgumentParser) -> list[str]:
@@ -160,6 +177,10 @@ def render(page: Page) -> str:
         lines += [".SH ENVIRONMENT"]
         for var, meaning in page.environment:
             lines += [".TP", f"\\fB{var}\\fR", _esc(meaning)]
+    if page.examples:
+        lines += [".SH EXAMPLES"]
+        for cmd, what in page.examples:
+            lines += [".TP", f"\\fB{_esc(cmd)}\\fR", _esc(what)]
     lines += [".SH FILES"]
     for path, meaning in FILES:
         lines += [".TP", f"\\fI{_esc(path)}\\fR", _esc(meaning)]
@@ -177,6 +198,12 @@ def write(outdir: Path) -> list[Path]:
         with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
             gz.write(render(page).encode())
         written.append(path)
+    d = outdir / "man5"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "kimi-supervisor.toml.5.gz"
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as gz:
+        gz.write(configdoc.render().encode())
+    written.append(path)
     return written
 
 

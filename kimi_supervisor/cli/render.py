@@ -6,11 +6,8 @@ daemon's JSON; used by kimi-mode and by `kimi-supervisor teardown`.
 from __future__ import annotations
 
 import json
-import shutil
-import time
-from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any, TextIO
+from typing import Any
 
 from kimi_supervisor.model import SUMMARY, Outcome, State, title
 from kimi_supervisor.status import Status
@@ -20,10 +17,10 @@ def _ago(iso: str | None) -> str:
     if not iso:
         return "-"
     secs = (datetime.now(UTC) - datetime.fromisoformat(iso)).total_seconds()
-    return _duration(secs)
+    return duration(secs)
 
 
-def _duration(secs: float) -> str:
+def duration(secs: float) -> str:
     secs = max(int(secs), 0)
     d, rem = divmod(secs, 86400)
     h, rem = divmod(rem, 3600)
@@ -43,7 +40,9 @@ def _hhmmss(iso: str | None) -> str:
     return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M:%S")
 
 
-def format_status(data: dict[str, Any]) -> str:
+def format_status(data: dict[str, Any], width: int = 80) -> str:
+    """The status as `kimi-mode status` prints it, every row within `width` columns (longer
+    values wrap under their column)."""
     s = Status.model_validate(data)
     unit, mode = s.unit, s.mode
     since = s.mode_since
@@ -77,7 +76,7 @@ def format_status(data: dict[str, Any]) -> str:
     if s.profile_until:
         lines.append(
             f"profile ends:  {_hhmmss(s.profile_until)} "
-            f"(in {_duration(s.profile_left_s or 0)}), then production"
+            f"(in {duration(s.profile_left_s or 0)}), then production"
         )
     c = s.capture
     if c:
@@ -134,10 +133,16 @@ def format_status(data: dict[str, Any]) -> str:
             f"next attempt:  in {s.next_attempt_in_s:.0f} s "
             f"({s.failures_in_window} failure(s) in the window)"
         )
+    if s.restart_needed:
+        lines.append(f"restart:       {s.restart_needed}")
     for w in s.warnings:
         lines.append(f"warning:       {w}")
+    if s.output_tail:
+        where = "" if f and f.more == s.output_where else f"; all of it: {s.output_where}"
+        lines.append(f"vLLM's output: its last {len(s.output_tail)} lines{where}")
+        lines += [f"  | {line}" for line in s.output_tail]
     lines.append(f"daemon:        PID {s.daemon.pid}, up {_ago(s.daemon.started_at)}")
-    return "\n".join(lines)
+    return "\n".join(wrap(lines, width - 1, hang=15))
 
 
 ROLE_HEADINGS = {
@@ -199,156 +204,6 @@ def format_history(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) or "(no history yet)"
 
 
-def redraws(out: TextIO, env: Mapping[str, str]) -> bool:
-    """Whether the live display may redraw in place: a terminal that is not `TERM=dumb`."""
-    return out.isatty() and env.get("TERM", "") != "dumb"
-
-
-class Follower:
-    """Renders a followed switch: redrawn on a TTY, plain lines otherwise. Redrawn lines are cut
-    to the terminal's width (a wrapped line breaks the cursor arithmetic of the redraw), and
-    each GPU's drain bar is scaled to what that GPU used when the teardown began."""
-
-    def __init__(self, out: TextIO, tty: bool, width: Callable[[], int] | None = None) -> None:
-        self.out = out
-        self.tty = tty
-        self.width = width or (lambda: shutil.get_terminal_size((80, 24)).columns)
-        self.drain_from: dict[int, int] = {}  # GPU index -> MiB used when the teardown began
-        self.started = time.monotonic()
-        self.target = ""
-        self.steps: list[str] = []
-        self.current = ""
-        self.kills: list[str] = []
-        self.gpus: list[dict[str, Any]] = []
-        self.vllm = ""
-        self._drawn = 0
-        self._last_draw = 0.0
-        self._last_gpu_line = 0.0
-        self._last_pct: int | None = None
-        self._last_text = ""
-
-    def say(self, text: str) -> None:
-        if self.tty:
-            self._clear()
-        print(text, file=self.out, flush=True)
-        if self.tty:
-            self._draw(force=True)
-
-    def on_event(self, e: dict[str, Any]) -> None:
-        name, data = e["event"], e.get("data", {})
-        if name == "transition_started":
-            self.target = data["target"]
-            self.drain_from = {}
-            self.say(
-                f"{data['id']}: {data.get('previous') or 'nothing'} -> {data['target']} "
-                f"({data['kind']}: {data['reason']})"
-            )
-        elif name == "step_started":
-            self.current = data["step"]
-        elif name == "step_finished":
-            mark = "skipped" if data.get("skipped") else f"{data['duration_s']:.2f} s"
-            self.steps.append(f"{data['step']} ({mark})")
-            self.current = ""
-            if not self.tty:
-                self.say(f"  teardown {data['step']:<17} {mark:>8}  {data.get('note', '')}")
-        elif name == "kill" and data.get("signal") == "SIGKILL":
-            p = data["process"]
-            name = title(p.get("cmdline", []), p.get("comm", ""), 50)
-            line = f"killed PID {p['pid']} {name} ({data['step']}: {data['evidence']})"
-            self.kills.append(line)
-            if not self.tty:
-                self.say(f"  {line}")
-        elif name == "spared":
-            self.say(f"  spared PID {data['pid']}: {data['why']}")
-        elif name == "gpus":
-            self.gpus = data["devices"]
-            for d in self.gpus:
-                self.drain_from.setdefault(d["index"], d["used_mib"])
-            now = time.monotonic()
-            if not self.tty and now - self._last_gpu_line >= 1.0:
-                self._last_gpu_line = now
-                self.say(
-                    "  GPUs used/baseline MiB: "
-                    + ", ".join(
-                        f"{d['index']}: {d['used_mib']}/{d['baseline_mib']}" for d in self.gpus
-                    )
-                )
-        elif name == "teardown_finished":
-            if not self.tty:
-                self.say(f"  teardown {data['outcome'].upper()} in {data['duration_s']:.2f} s")
-            self.steps.append(f"=> {data['outcome'].upper()} in {data['duration_s']:.2f} s")
-        elif name == "starting":
-            self.vllm = f"starting vLLM in {data['mode']}"
-            if not self.tty:
-                self.say(f"  {self.vllm}")
-            if data.get("expected_s") is not None:
-                self.say(
-                    f"  past loads of this mode and argv took {_duration(data['expected_s'])} "
-                    f"(median of {data['past']})"
-                )
-        elif name == "progress":
-            self.vllm = data["text"] + (f"; {data['eta']}" if data.get("eta") else "")
-            pct = data.get("percent")
-            bucket = None if pct is None else pct // 10
-            if not self.tty and (bucket != self._last_pct or pct is None):
-                if pct is not None or data["text"] != self._last_text:
-                    self.say(f"  vLLM: {self.vllm}")
-                self._last_pct, self._last_text = bucket, data["text"]
-        elif name == "start_failed":
-            self.say(f"  vLLM did not start: {data['reason']}")
-            for line in data.get("output_tail", [])[-10:]:
-                self.say(f"    | {line}")
-        elif name == "warning":
-            self.say(f"  warning: {data.get('message')}")
-        if self.tty:
-            self._draw()
-
-    def _lines(self) -> list[str]:
-        elapsed = _duration(time.monotonic() - self.started)
-        lines = [f"kimi-mode: switching to {self.target or '...'}  ({elapsed})"]
-        if self.steps or self.current:
-            steps = ", ".join(self.steps[-4:])
-            lines.append(f"  teardown: {steps}" + (f" > {self.current}..." if self.current else ""))
-        lines.extend(f"  {k}" for k in self.kills[-5:])
-        if self.gpus:
-            lines.append("  GPU memory, draining to baseline during the teardown:")
-        for d in self.gpus:
-            used, base = d["used_mib"], d["baseline_mib"]
-            top = max(self.drain_from.get(d["index"], used), used)
-            width = 30
-            fill = (
-                min(width, round(width * (used - base) / max(top - base, 1))) if used > base else 0
-            )
-            lines.append(
-                f"  GPU {d['index']} [{'#' * fill}{'.' * (width - fill)}] "
-                f"{used} MiB (baseline {base})"
-            )
-        if self.vllm:
-            lines.append(f"  vLLM: {self.vllm}")
-        return lines
-
-    def _clear(self) -> None:
-        if self._drawn:
-            self.out.write(f"\x1b[{self._drawn}F\x1b[J")
-            self._drawn = 0
-
-    def _draw(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_draw < 0.1:
-            return
-        self._last_draw = now
-        self._clear()
-        cut = max(self.width() - 1, 20)
-        lines = [line if len(line) <= cut else line[: cut - 3] + "..." for line in self._lines()]
-        self.out.write("\n".join(lines) + "\n")
-        self.out.flush()
-        self._drawn = len(lines)
-
-    def finish(self) -> None:
-        if self.tty:
-            self._draw(force=True)
-
-
 # ------------------------------------------------------------------------------ commands
 def format_capture(data: dict[str, Any]) -> str:
     lines = [f"traces in {data['folder']}:"]
@@ -398,3 +253,35 @@ def format_summary(summary: dict[str, Any]) -> str:
     if not lines:
         lines.append("no rank traces to summarize")
     return "\n".join(lines)
+
+
+NBSP = "\xa0"
+
+
+def whole(text: str) -> str:
+    """`text` kept on one row by wrap() (a step and its time, the verdict, a kill's evidence)."""
+    return text.replace(" ", NBSP)
+
+
+def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
+    """Each line wrapped at spaces to `width` columns (a word longer than that is broken), its
+    continuation rows indented under the line's own indent plus two (or `hang` columns): nothing
+    is cut. What
+    whole() joined breaks only if it alone is wider than a row."""
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line.replace(NBSP, " "))
+            continue
+        own = len(line) - len(line.lstrip(" "))
+        indent = " " * (own + 2 if hang is None or own >= hang else hang)
+        out += textwrap.wrap(
+            line,
+            width,
+            subsequent_indent=indent[: width // 2],
+            break_on_hyphens=False,
+            drop_whitespace=True,
+        ) or [line[:width]]
+    return [row.replace(NBSP, " ") for row in out]

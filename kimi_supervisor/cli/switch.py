@@ -1,15 +1,7 @@
-"""A mode switch as kimi-mode asks for it and follows it, and the exit codes every kimi-mode
-command shares (as documented in docs/control-protocol.md):
-
-    0  done (or nothing to do)
-    1  the switch failed, or its teardown ended STUCK
-    2  usage error
-    3  the daemon is unreachable, or refused the request
-    4  timed out waiting (the switch goes on)
-  130  interrupted with Ctrl-C while following (the switch goes on)
-
-kimi_mode.py (the parser and the other commands) and capture.py (which switches to profile mode
-first) both use it; neither imports the other.
+"""A mode switch as kimi-mode asks for it and follows it, and the following of a switch already
+under way (`wait`, or the same mode asked again: a join). kimi_mode.py (the parser and the other
+commands) and capture.py (which switches to profile mode first) both use it; neither imports the
+other. Exit codes: cli/output.py.
 """
 
 from __future__ import annotations
@@ -20,86 +12,82 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli.render import Follower, redraws
+from kimi_supervisor.cli.follower import Follower, redraws
+from kimi_supervisor.cli.output import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_TIMEOUT,
+    EXIT_UNREACHABLE,
+    Output,
+    end_exit,
+    refusal_exit,
+)
 from kimi_supervisor.control.client import TimedOut, exchange
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_TIMEOUT, EXIT_INTERRUPTED = (
-    0,
-    1,
-    2,
-    3,
-    4,
-    130,
-)
+REJOIN = "`kimi-mode wait` follows it again; `kimi-mode status` shows where it is"
+
+
+def follower_for(o: Output) -> Follower:
+    return Follower(o.out, redraws(o.out, os.environ) and not o.json)
 
 
 def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
+    o = Output(args.output)
     req: dict[str, Any] = {
         "cmd": "switch",
         "mode": args.mode,
         "follow": not args.no_wait,
         "force": args.force,
     }
+    if getattr(args, "apply", False):
+        req["apply"] = True
     if getattr(args, "for_s", None):
         req["for_s"] = args.for_s
-    out = sys.stdout
-    tty = redraws(out, os.environ) and not args.json
-    follower = Follower(out, tty)
+    follower = follower_for(o)
     try:
         for raw, msg in exchange(sock, req, timeout_s=args.timeout):
-            if args.json:
-                out.write(raw.decode() + "\n")
-                out.flush()
+            if o.json:
+                o.raw(raw)
             kind = msg.get("type")
             if kind == "reply":
-                if (code := refused(msg, args.json)) is not None:
+                if (code := refused(msg, o)) is not None:
                     return code
-                if not args.json:
+                if msg.get("data", {}).get("transition"):
+                    follower.join(msg["data"]["transition"])  # joined: its target, its clock
+                if not o.json:
                     follower.say(msg["message"])
                 if msg["code"] == "already" or args.no_wait:
                     return EXIT_OK
-            elif kind == "event" and not args.json:
+            elif kind == "event" and not o.json:
                 follower.on_event(msg)
             elif kind == "end":
-                if not args.json:
+                if not o.json:
                     follower.finish()
-                    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=out)
-                return EXIT_OK if msg["ok"] else EXIT_FAILED
+                    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
+                return end_exit(msg)
     except TimedOut:
-        print(
-            f"\nkimi-mode: timed out after {args.timeout:g} s waiting; the switch to {args.mode} "
-            "goes on (`kimi-mode status`)",
-            file=sys.stderr,
+        follower.finish()
+        return o.fail(
+            EXIT_TIMEOUT,
+            f"timed out after {args.timeout:g} s waiting; the switch to {args.mode} goes on "
+            f"({REJOIN})",
         )
-        return EXIT_TIMEOUT
     except KeyboardInterrupt:
-        print(
-            f"\nkimi-mode: stopped following; the switch to {args.mode} goes on "
-            "(`kimi-mode status` shows where it is)",
-            file=sys.stderr,
+        follower.finish()
+        return o.fail(
+            EXIT_INTERRUPTED,
+            f"stopped following; the switch to {args.mode} goes on ({REJOIN})",
         )
-        return EXIT_INTERRUPTED
-    print(
-        "kimi-mode: the daemon closed the connection before the switch ended (`kimi-mode status`)",
-        file=sys.stderr,
+    return o.fail(
+        EXIT_UNREACHABLE,
+        "the daemon closed the connection before the switch ended (`kimi-mode status`)",
     )
-    return EXIT_UNREACHABLE
 
 
-def refused(msg: dict[str, Any], as_json: bool) -> int | None:
-    """The exit code for a reply that refuses the request (said on stderr), else None."""
+def refused(msg: dict[str, Any], o: Output) -> int | None:
+    """The exit code for a reply that refuses the request (said on stderr), else None. In json
+    mode the reply line itself, already printed, is the answer."""
     if msg["ok"]:
         return None
-    if not as_json:
-        print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+    print(f"kimi-mode: {msg['message']}", file=sys.stderr)
     return refusal_exit(msg["code"])
-
-
-def refusal_exit(code: str) -> int:
-    """A refused request: the request was wrong (2), the host is busy or in the wrong mode (1),
-    or the daemon refused the caller or failed (3)."""
-    if code in ("bad_request", "bad_json", "too_long", "unsupported_version"):
-        return EXIT_USAGE
-    if code in ("busy", "wrong_mode", "stopping", "no_capture", "port_taken"):
-        return EXIT_FAILED
-    return EXIT_UNREACHABLE

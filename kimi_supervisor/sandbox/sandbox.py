@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.config import Config, load_config, parse_config
+from kimi_supervisor.config import Config
+from kimi_supervisor.configfile import load_config, parse_config
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.gpu import GpuPort, NvmlGpu
 from kimi_supervisor.ports.processes import ProcessRef

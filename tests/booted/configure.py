@@ -50,7 +50,7 @@ def main(src: Path, ports: tuple[int, int] | None = None) -> None:
     cmd[cmd.index("--tensor-parallel-size") + 1] = "4"
     config = Config.model_validate(raw)
     Path("/etc/kimi-supervisor/kimi-supervisor.toml").write_text(config.effective_toml())
-    for d in ("logs", "traces"):
+    for d in ("logs", "traces", "tmp"):  # tmp: vLLM's TMPDIR (teardown.tmp_dir)
         (SIM / d).mkdir(parents=True, exist_ok=True)
     simgpu.create_host(SIM / "gpu", 4)
     vllm = Path("/usr/local/bin/vllm")

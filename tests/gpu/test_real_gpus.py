@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.config import Config, parse_config
+from kimi_supervisor.config import Config
+from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.model import Evidence, Outcome
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.clock import SystemClock

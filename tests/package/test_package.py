@@ -77,6 +77,7 @@ def test_the_package_puts_each_file_where_debian_puts_it(debian_package: Path) -
         "usr/lib/tmpfiles.d/kimi-supervisor.conf",
         "usr/share/man/man1/kimi-mode.1.gz",
         "usr/share/man/man8/kimi-supervisor.8.gz",
+        "usr/share/man/man5/kimi-supervisor.toml.5.gz",
         "usr/share/bash-completion/completions/kimi-mode",
         "usr/share/zsh/vendor-completions/_kimi-mode",
         "usr/share/doc/kimi-supervisor/operations.md",

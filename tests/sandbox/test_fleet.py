@@ -229,7 +229,7 @@ def test_the_collection_passes_ansible_lint_and_its_module_documents_itself(tmp_
     ]
     env["ANSIBLE_COLLECTIONS_PATH"] = str(cols)  # this checkout's ansible/ no longer
     r = subprocess.run(galaxy, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "kimi.supervisor:0.2.0 was installed" in r.stdout, r.stderr
+    assert r.returncode == 0 and "kimi.supervisor:0.2.1 was installed" in r.stdout, r.stderr
     r = subprocess.run([str(BIN / "ansible-doc"), "kimi.supervisor.kimi_mode"], env=env,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and "fetch_to" in r.stdout and "state" in r.stdout, r.stderr

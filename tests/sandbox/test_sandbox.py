@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import load_config
+from kimi_supervisor.configfile import load_config
 from kimi_supervisor.model import Mode
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.http import request

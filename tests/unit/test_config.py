@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.config import ConfigError, load_config, parse_config
+from kimi_supervisor.config import ConfigError
+from kimi_supervisor.configfile import load_config, parse_config
 from kimi_supervisor.model import Mode
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,18 +112,55 @@ def test_mode_arguments_follow_the_command_byte_for_byte() -> None:
     ]
 
 
-def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path) -> None:
-    src = tmp_path / "c.toml"
-    src.write_text(MINIMAL)
-    out = subprocess.run(
-        [sys.executable, "-m", "kimi_supervisor.cli.admin", "check-config", str(src)],
+def runnable(tmp_path: Path) -> str:
+    """MINIMAL on a host that has what it names: an executable vLLM and the group (root's)."""
+    binary = tmp_path / "vllm"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    return MINIMAL.replace("/opt/vllm/bin/vllm", str(binary)) + '[control]\ngroup = "root"\n'
+
+
+def check_config(src: Path, *more: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kimi_supervisor.cli.admin", "check-config", *more, str(src)],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    assert "term_grace_s = 30.0" in out  # defaults are shown
-    again = parse_config(out)
-    assert again == parse_config(MINIMAL)
+    )
+
+
+def test_check_config_prints_an_effective_config_that_loads_again(tmp_path: Path) -> None:
+    src = tmp_path / "c.toml"
+    src.write_text(runnable(tmp_path))
+    r = check_config(src)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "term_grace_s = 30.0" in r.stdout  # defaults are shown
+    again = parse_config(r.stdout)  # the host checks are comments: it is still a config
+    assert again == parse_config(runnable(tmp_path))
+    assert "# ok   vllm executable:" in r.stdout and "# ok   control group: root exists" in r.stdout
+    assert "# Not checked here: the GPUs" in r.stdout
+
+
+def test_check_config_fails_for_what_the_config_names_and_this_host_lacks(tmp_path: Path) -> None:
+    src = tmp_path / "c.toml"
+    src.write_text(
+        runnable(tmp_path).replace('group = "root"', 'group = "no-such-group-kimi"')
+        + f'[gpus]\nbackend = "sim"\nsim_dir = "{tmp_path / "no-gpus"}"\n'
+        + f'[state]\ndir = "{tmp_path / "state"}"\n'
+    )
+    r = check_config(src)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "# FAIL control group: control.group 'no-such-group-kimi' does not exist" in r.stdout
+    assert f"# FAIL simulated GPUs: gpus.sim_dir {tmp_path / 'no-gpus'} does not exist" in r.stdout
+    # What the daemon makes itself at its start is no failure.
+    assert (
+        f"# ok   state directory: state.dir {tmp_path / 'state'} is made when the daemon"
+        in r.stdout
+    )
+    assert len(r.stderr.splitlines()) == 2, r.stderr  # one line per failed check
+    # --startable fails for the group (no socket for kimi-mode), not for the missing sim_dir.
+    assert check_config(src, "--startable").returncode == 1
+    src.write_text(src.read_text().replace('group = "no-such-group-kimi"', 'group = "root"'))
+    assert check_config(src).returncode == 1 and check_config(src, "--startable").returncode == 0
 
 
 def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
@@ -278,10 +316,24 @@ def test_toml_nested_too_deeply_is_an_error_not_a_traceback() -> None:
     assert "nested too deeply" in line or "not valid TOML" in line
 
 
-@pytest.mark.parametrize("vllm", ["missing", "not-executable", "a-directory", "executable"])
-def test_check_config_startable_requires_an_executable_vllm(tmp_path: Path, vllm: str) -> None:
-    """The package starts the daemon on a first install only when this passes."""
+@pytest.mark.parametrize(
+    ("vllm", "says"),
+    [
+        ("missing", "does not exist"),
+        ("not-executable", "is not executable"),
+        ("a-directory", "is not a file"),
+        ("executable", ""),
+    ],
+)
+@pytest.mark.parametrize("startable", [[], ["--startable"]])
+def test_check_config_fails_for_a_vllm_that_is_not_an_executable_file(
+    tmp_path: Path, vllm: str, says: str, startable: list[str]
+) -> None:
+    """The package starts the daemon on a first install only when --startable passes; a plain
+    check-config fails for it too."""
     binary = tmp_path / "vllm"
+    text = runnable(tmp_path)
+    binary.unlink()
     if vllm == "not-executable":
         binary.write_text("#!/bin/sh\n")
     elif vllm == "a-directory":
@@ -290,13 +342,31 @@ def test_check_config_startable_requires_an_executable_vllm(tmp_path: Path, vllm
         binary.write_text("#!/bin/sh\n")
         binary.chmod(0o755)
     src = tmp_path / "c.toml"
-    src.write_text(MINIMAL.replace("/opt/vllm/bin/vllm", str(binary)))
-    admin = [sys.executable, "-m", "kimi_supervisor.cli.admin"]
-    r = subprocess.run(
-        [*admin, "check-config", "--startable", str(src)], capture_output=True, text=True
-    )
+    src.write_text(text)
+    r = check_config(src, *startable)
     if vllm == "executable":
         assert r.returncode == 0 and r.stderr == "", r.stderr
     else:
         assert r.returncode == 1
-        assert f"vllm.command[0] {binary} is not an executable file" in r.stderr
+        assert f"vllm.command[0] {binary} {says}" in r.stderr
+        assert f"# FAIL vllm executable: vllm.command[0] {binary} {says}" in r.stdout
+
+
+def test_the_config_manual_documents_every_key_with_its_default_and_a_description() -> None:
+    """kimi-supervisor.toml(5) comes from the model: a new key without a comment above it in
+    config.py fails here, and every default shown is the one the daemon uses."""
+    from kimi_supervisor.cli import configdoc
+    from kimi_supervisor.config import Config
+
+    rows = configdoc.keys()
+    missing = [f"{sec}.{key}" for sec, key, _t, _d, what in rows if not what]
+    assert missing == [], f"give these keys a comment in config.py: {missing}"
+    documented = {f"{sec}.{key}" for sec, key, *_ in rows}
+    effective = parse_config(MINIMAL)
+    for section, f in Config.model_fields.items():
+        for key in f.annotation.model_fields:  # type: ignore[union-attr]
+            if section != "modes":
+                assert f"{section}.{key}" in documented, (section, key)
+    page = configdoc.render()
+    assert "term_grace_s\\fR = 30.0  (number)" in page
+    assert f"port\\fR = {effective.metrics.port}" in page and ".SH EXAMPLES" in page

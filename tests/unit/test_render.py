@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.cli.render import Follower, redraws
+from kimi_supervisor.cli.follower import Follower, redraws
 
 LONG = "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server " + "--flag value " * 20
 
@@ -32,6 +32,14 @@ def events() -> list[dict[str, Any]]:
         out.append({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_strays",
                     "evidence": "vllm_signature", "process": {"pid": 4242 + used,
                     "cmdline": LONG.split()}}})  # fmt: skip
+    for step in ("stop_unit", "kill_cgroup", "kill_strays", "kill_gpu_holders", "wait_driver"):
+        out.append({"event": "step_finished", "data": {"step": step, "duration_s": 0.21}})
+    out.append({"event": "teardown_finished", "data": {"outcome": "clean", "duration_s": 1.19}})
+    out.append({"event": "starting", "data": {"mode": "production"}})
+    for used in (615, 45_615, 90_615):  # the load fills the GPUs towards their total
+        out.append({"event": "gpus", "data": {"phase": "load", "devices": [
+            {"index": i, "used_mib": used, "baseline_mib": 615, "total_mib": 143_771}
+            for i in (0, 1)]}})  # fmt: skip
     return out
 
 
@@ -47,17 +55,42 @@ def test_the_drain_bar_is_scaled_to_the_memory_at_the_start_of_the_teardown() ->
         f.on_event(e)
         if e["event"] == "gpus":
             seen.append(next(bar(x) for x in f._lines() if x.startswith("  GPU 0 [")))
-    assert seen == [30, 20, 10, 0]  # full, two thirds, one third, empty: it drains
+    assert seen[:4] == [24, 16, 8, 0]  # full, two thirds, one third, empty: it drains
 
 
-def test_redrawn_lines_are_cut_to_the_terminals_width() -> None:
+def test_after_the_teardown_the_bars_follow_the_load_filling_the_gpus() -> None:
+    f = Follower(io.StringIO(), tty=False)
+    seen = []
+    for e in events():
+        f.on_event(e)
+        if e["event"] == "gpus":
+            seen.append(next(bar(x) for x in f._lines() if x.startswith("  GPU 0 [")))
+    assert seen[4:] == [0, 8, 15]  # 0, 45 and 90 GB of an H200's 140: it fills
+    assert "  GPU memory, filling as vLLM loads:" in f._lines()
+
+
+def test_redrawn_lines_wrap_at_the_terminals_width_and_keep_the_verdict_and_the_evidence() -> None:
     out = io.StringIO()
     f = Follower(out, tty=True, width=lambda: 80)
     for e in events():
         f.on_event(e)
         f._draw(force=True)
     drawn = out.getvalue().replace("\x1b[J", "").split("\n")
-    assert max(len(x.split("F", 1)[-1] if "\x1b[" in x else x) for x in drawn) <= 79
+    rows = [x.split("F", 1)[-1] if "\x1b[" in x else x for x in drawn]
+    assert max(len(x) for x in rows) <= 79
+    last = rows[-f._drawn - 1 :]
+    assert any("=> CLEAN in 1.19 s" in x for x in last), last  # the verdict, on one row
+    assert sum("(kill_strays: vllm_signature)" in x for x in last) == 4, last  # every kill's
+
+
+def test_a_rejoined_switch_shows_its_real_target_and_the_time_since_it_began() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    f = Follower(io.StringIO(), tty=False)
+    began = datetime.now(UTC) - timedelta(minutes=3, seconds=5)
+    f.join({"target": "profile", "started_at": began.isoformat(), "step": "starting"})
+    head = f._lines()[0]
+    assert head.startswith("kimi-mode: switching to profile  (3m ") and head.endswith("s)"), head
 
 
 def test_term_dumb_or_no_terminal_gets_plain_lines() -> None:
@@ -74,7 +107,7 @@ SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from tests.unit.test_render import events
-from kimi_supervisor.cli.render import Follower, redraws
+from kimi_supervisor.cli.follower import Follower, redraws
 import os
 f = Follower(sys.stdout, redraws(sys.stdout, os.environ))
 for e in events():
@@ -114,8 +147,9 @@ def test_in_a_real_terminal_the_redraw_leaves_one_header_at_any_width(
         assert sum("kimi-mode: switching to production" in x for x in lines) == 1, screen
         assert all(len(x) <= columns for x in lines)
         gpu = [x for x in lines if x.startswith("  GPU 0 [")]
-        assert len(gpu) == 1 and bar(gpu[0]) == 0, screen  # drained, drawn once
-        if columns == 80:
-            assert any(x.endswith("...") for x in lines), screen  # the long title was cut
+        assert len(gpu) == 1 and bar(gpu[0]) == 15, screen  # loaded to 90 GB, drawn once
+        assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
+        evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
+        assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)

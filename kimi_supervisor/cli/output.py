@@ -1,0 +1,236 @@
+"""The output contract every kimi-mode command keeps (docs/control-protocol.md, "kimi-mode's
+output"), and the exit codes they share.
+
+`-o json` (or `--json`): JSON Lines on stdout, nothing else there. Every line is one object with
+`"v"` (this contract's version) and `"type"`; a command that answers once prints one line, a list
+one line per item, a stream (a followed switch, a capture, `wait`, `status --watch`, `logs -f`)
+a line per message as it comes. A switch's and a capture's lines are the control protocol's own
+messages (`reply`, `event`, `end`), which carry the same `v`. A command that fails prints one
+`error` line with its exit code, and says it on stderr too. The shapes are pydantic models in
+OUTPUT_TYPES, exported as a JSON Schema (docs/kimi-mode-output.schema.json) that a test
+checks every command's output against.
+
+`-o text` (the default): what a person reads; no promise about its form.
+
+Exit codes, one meaning each:
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Any, Literal, TextIO
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from kimi_supervisor.messages import PROTOCOL_VERSION, End, Event, Reply
+from kimi_supervisor.status import Status
+
+EXIT_OK = 0  # done, or nothing to do; is-serving: it serves; doctor: every check passed
+EXIT_FAILED = 1  # the switch or capture failed; FAILED; is-serving: not serving; a check failed
+EXIT_USAGE = 2  # the command line (or --out, --summarize) is wrong: nothing was asked
+EXIT_UNREACHABLE = 3  # no daemon at the socket, or the caller may not use it (denied)
+EXIT_TIMEOUT = 4  # --timeout ran out while following or waiting (the switch goes on)
+EXIT_REFUSED = 5  # the daemon is busy (another switch, booting, stopping) or refused the request
+EXIT_STUCK = 6  # a teardown could not make the GPUs clean: STUCK, a person is needed
+EXIT_INTERRUPTED = 130  # Ctrl-C while following (the switch goes on)
+
+EXIT_CODES: list[tuple[int, str, str]] = [
+    (EXIT_OK, "ok", "done, or nothing to do (is-serving: vLLM serves; doctor: all checks pass)"),
+    (
+        EXIT_FAILED,
+        "failed",
+        "the switch or capture failed, the daemon gave up (FAILED) or waits for the driver or "
+        "systemd; is-serving: vLLM does not serve (in that mode); doctor: a check failed",
+    ),
+    (EXIT_USAGE, "usage", "the command line is wrong; nothing was asked of the daemon"),
+    (EXIT_UNREACHABLE, "unreachable", "no daemon answers at the socket, or the caller is denied"),
+    (EXIT_TIMEOUT, "timeout", "--timeout ran out while following or waiting; the switch goes on"),
+    (
+        EXIT_REFUSED,
+        "refused",
+        "the daemon is busy (another switch, booting, stopping) or refused the request as it "
+        "stands (no capture to stop, the port is taken)",
+    ),
+    (EXIT_STUCK, "stuck", "the GPUs could not be made clean: STUCK, a person must look"),
+    (EXIT_INTERRUPTED, "interrupted", "Ctrl-C while following; the switch goes on"),
+]
+__doc__ = (__doc__ or "") + "".join(f"\n    {c:>3}  {name}: {what}" for c, name, what in EXIT_CODES)
+
+# A refused request's code -> the exit code.
+_REFUSAL = {
+    "bad_request": EXIT_USAGE,
+    "bad_json": EXIT_USAGE,
+    "too_long": EXIT_USAGE,
+    "unsupported_version": EXIT_USAGE,
+    "forbidden": EXIT_UNREACHABLE,
+    "too_many_clients": EXIT_UNREACHABLE,
+    "idle": EXIT_UNREACHABLE,
+    "busy": EXIT_REFUSED,
+    "wrong_mode": EXIT_REFUSED,
+    "stopping": EXIT_REFUSED,
+    "no_capture": EXIT_REFUSED,
+    "port_taken": EXIT_REFUSED,
+}
+
+
+def refusal_exit(code: str) -> int:
+    """The exit code for a reply that refuses the request: the request was wrong (usage), the
+    caller is denied (unreachable), the host is busy or in the way (refused); anything else
+    (the daemon failed to answer, could not persist it) is a failure."""
+    return _REFUSAL.get(code, EXIT_FAILED)
+
+
+def end_exit(end: dict[str, Any]) -> int:
+    """A followed switch's end: ok, STUCK, or failed."""
+    if end.get("ok"):
+        return EXIT_OK
+    return EXIT_STUCK if end.get("outcome") == "stuck" else EXIT_FAILED
+
+
+# ------------------------------------------------------------------------------ the JSON shapes
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+class StatusOut(Status):
+    """`status`, `wait`'s last line, each line of `status --watch`: the daemon's status
+    (kimi_supervisor/status.py's Status, whose fields sit beside `v` and `type`)."""
+
+    v: Literal[1] = PROTOCOL_VERSION
+    type: Literal["status"] = "status"
+
+
+class IsServingOut(_Out):
+    type: Literal["is_serving"] = "is_serving"
+    serving: bool
+    state: str
+    mode: str | None
+    waiting_for: str | None = None
+
+
+class RecordOut(_Out):
+    """`history`: one past switch, teardown, capture or incident per line, oldest first."""
+
+    type: Literal["record"] = "record"
+    kind: str
+
+
+class SummaryOut(_Out):
+    """`capture --summarize`: the capture's summary (summary.json's content)."""
+
+    type: Literal["summary"] = "summary"
+    ranks: list[dict[str, Any]]
+
+
+class LogOut(_Out):
+    """`logs`: one journal entry of vLLM's unit or the daemon's."""
+
+    type: Literal["log"] = "log"
+    unit: str
+    at: str | None
+    priority: int | None
+    pid: int | None
+    message: str
+    fields: dict[str, str] = Field(default_factory=dict)
+
+
+class CheckOut(BaseModel):
+    name: str
+    ok: bool | None  # None: could not be checked here (said in `message`)
+    message: str
+    fix: str = ""
+
+
+class DoctorOut(_Out):
+    type: Literal["doctor"] = "doctor"
+    ok: bool
+    checks: list[CheckOut]
+
+
+class ErrorOut(_Out):
+    """A command that failed before or instead of its own output."""
+
+    type: Literal["error"] = "error"
+    exit: int
+    code: str
+    message: str
+
+
+OutputLine = Annotated[
+    StatusOut
+    | IsServingOut
+    | RecordOut
+    | SummaryOut
+    | LogOut
+    | DoctorOut
+    | ErrorOut
+    | Reply
+    | Event
+    | End,
+    Field(discriminator="type"),
+]
+OUTPUT_TYPES: tuple[type[BaseModel], ...] = (
+    StatusOut,
+    IsServingOut,
+    RecordOut,
+    SummaryOut,
+    LogOut,
+    DoctorOut,
+    ErrorOut,
+    Reply,
+    Event,
+    End,
+)
+
+
+def schema() -> dict[str, Any]:
+    """The JSON Schema of one output line (docs/kimi-mode-output.schema.json; regenerate with
+    `python -m kimi_supervisor.cli.output > docs/kimi-mode-output.schema.json`)."""
+    s = TypeAdapter(OutputLine).json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "title": "kimi-mode -o json: one line",
+        **s,
+    }
+
+
+# ------------------------------------------------------------------------------ printing
+class Output:
+    """Where a command's results go: JSON lines, or text for a person."""
+
+    def __init__(self, fmt: str, out: TextIO | None = None, err: TextIO | None = None) -> None:
+        self.json = fmt == "json"
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+
+    def line(self, obj: dict[str, Any] | BaseModel) -> None:
+        """One JSON line (json mode only)."""
+        if isinstance(obj, BaseModel):
+            text = obj.model_dump_json()
+        else:
+            text = json.dumps(obj, separators=(",", ":"))
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def raw(self, raw: bytes) -> None:
+        """A protocol message as the daemon sent it (it carries v and type)."""
+        self.out.write(raw.decode() + "\n")
+        self.out.flush()
+
+    def text(self, text: str) -> None:
+        if not self.json:
+            print(text, file=self.out, flush=True)
+
+    def fail(self, code: int, message: str, kind: str = "") -> int:
+        """Say why the command failed (stderr; and an `error` line in json mode); its exit."""
+        print(f"kimi-mode: {message}", file=self.err, flush=True)
+        if self.json:
+            name = kind or next(n for c, n, _ in EXIT_CODES if c == code)
+            self.line(ErrorOut(exit=code, code=name, message=message))
+        return code
+
+
+if __name__ == "__main__":
+    print(json.dumps(schema(), indent=2))
