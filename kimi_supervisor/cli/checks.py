@@ -249,8 +249,12 @@ def _persistence(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
 
 
 def check_systemd(config: Config) -> list[CheckOut]:
+    import importlib.util
+
     from kimi_supervisor.ports.systemd import PystemdSystemd, SystemdError
 
+    if importlib.util.find_spec("pystemd") is None:  # no daemon can run without it
+        return [bad("system bus", "pystemd is not installed", "reinstall kimi-supervisor")]
     unit = config.service.unit
     sd = PystemdSystemd(config.systemd.scope, config.systemd.bus_address)
     try:
