@@ -159,10 +159,12 @@ from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 
 # kimi-mode's exit codes (kimi-mode --help, docs/control-protocol.md).
 EXIT_MEANING = {
-    1: "failed: the switch or capture did not succeed, or the host is busy or in the wrong mode",
+    1: "failed: the switch or capture did not succeed, or the daemon gave up (FAILED)",
     2: "usage: the request was not valid",
     3: "the daemon is unreachable or refused the caller (root or the control group only)",
     4: "timed out: stopped following; the switch goes on on the host (kimi-mode status)",
+    5: "refused: the host is busy (another switch) or in the way (wrong mode, port taken)",
+    6: "STUCK: the GPUs could not be made clean; a person must look (kimi-mode status)",
     130: "interrupted: the switch goes on on the host",
 }
 
@@ -228,7 +230,7 @@ class KimiMode:
 
     def status(self) -> dict:
         rc, _msgs, out, err = self.run("status")
-        if rc in (0, 1):  # 1: STUCK or FAILED, the status is printed all the same
+        if rc in (0, 1, 6):  # FAILED (1) or STUCK (6): the status is printed all the same
             try:
                 return json.loads(out)
             except ValueError:
