@@ -36,6 +36,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     print(f"# {args.path}: valid. Effective configuration, defaults included:")
     print(config.effective_toml(), end="")
+    if args.no_host_checks:
+        return EXIT_OK
     results = config_checks(config, str(args.path))
     print("\n# What this host has of it:")
     for c in results:
@@ -220,6 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 1 only for what keeps the daemon from serving (vllm.command[0] not an "
         "executable file, no control group); the other checks are still shown",
+    )
+    c.add_argument(
+        "--no-host-checks",
+        action="store_true",
+        help="validate the file alone, check nothing of this host (a file written for another "
+        "host, or before vLLM is installed: an ansible validate)",
     )
     c.set_defaults(fn=cmd_check_config)
 

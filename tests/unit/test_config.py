@@ -161,6 +161,8 @@ def test_check_config_fails_for_what_the_config_names_and_this_host_lacks(tmp_pa
     assert check_config(src, "--startable").returncode == 1
     src.write_text(src.read_text().replace('group = "no-such-group-kimi"', 'group = "root"'))
     assert check_config(src).returncode == 1 and check_config(src, "--startable").returncode == 0
+    alone = check_config(src, "--no-host-checks")  # the file alone: valid
+    assert alone.returncode == 0 and "# What this host has" not in alone.stdout
 
 
 def test_check_config_exits_2_with_the_error_on_stderr(tmp_path: Path) -> None:
