@@ -227,14 +227,14 @@ def test_doctor_passes_on_the_healthy_host_and_fails_on_each_broken_precondition
     host: BootedHost,
 ) -> None:
     """The real system manager, bus and package: each precondition broken on the host itself,
-    then put back (the sandbox's tests break the rest through configs: the system bus, the
-    baseline, the daemon, the metrics port, the managed GPUs)."""
+    then put back, and the rest through copies of the installed config (the sandbox's tests
+    show the system bus and a taken metrics port failing too)."""
     r = host.sh("kimi-mode doctor", check=False)
     assert r.returncode == 0, r.stdout
     assert r.stdout.splitlines()[-1].startswith("every check passed"), r.stdout
 
-    def failing(check: str, says: str) -> None:
-        r = host.sh("kimi-mode doctor -o json", check=False)
+    def failing(check: str, says: str, options: str = "") -> None:
+        r = host.sh(f"kimi-mode doctor -o json {options}", check=False)
         report = json.loads(r.stdout)
         bad = {c["name"]: c for c in report["checks"] if c["ok"] is False}
         assert r.returncode == 1 and check in bad, r.stdout
@@ -259,6 +259,20 @@ def test_doctor_passes_on_the_healthy_host_and_fails_on_each_broken_precondition
             failing(check, says)
         finally:
             host.sh(restores)
+    # What a config names and this host lacks, through copies of the installed config.
+    conf = "/etc/kimi-supervisor/kimi-supervisor.toml"
+    copies = [  # (an edit of the copy, doctor's extra options, the check that fails, its words)
+        ('s|^dir = "/var/lib/kimi-supervisor"$|dir = "/root/empty-state"|', "",
+         "baseline", "no baseline stored"),
+        ("s|^managed = \\[\\]$|managed = [0, 1, 2, 3, 9]|", "",
+         "managed GPUs", "names GPU(s) [9]"),
+        ("", "--socket /run/no-daemon.sock", "daemon", "not running"),
+        ("$ a [gpus]", "", "config", "not valid TOML"),
+    ]  # fmt: skip
+    for i, (edit, more, check, says) in enumerate(copies):
+        copy = f"/root/doctor-{i}.toml"
+        host.sh(f"sed -e '{edit}' {conf} > {copy}" if edit else f"cp {conf} {copy}")
+        failing(check, says, f"--config {copy} {more}")
     wait_serving(host, "profile")
     assert host.sh("kimi-mode doctor", check=False).returncode == 0
 
