@@ -272,7 +272,10 @@ def test_doctor_passes_on_the_healthy_host_and_fails_on_each_broken_precondition
     for i, (edit, more, check, says) in enumerate(copies):
         copy = f"/root/doctor-{i}.toml"
         host.sh(f"sed -e '{edit}' {conf} > {copy}" if edit else f"cp {conf} {copy}")
-        failing(check, says, f"--config {copy} {more}")
+        try:
+            failing(check, says, f"--config {copy} {more}")
+        finally:
+            host.sh(f"rm -f {copy}")  # the purge test lists every file left on the host
     wait_serving(host, "profile")
     assert host.sh("kimi-mode doctor", check=False).returncode == 0
 
