@@ -5,22 +5,21 @@ check that could not be made here is shown, and does not fail the run)."""
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from kimi_supervisor.cli import checks
 from kimi_supervisor.cli.ask import status
 from kimi_supervisor.cli.output import EXIT_FAILED, EXIT_OK, CheckOut, DoctorOut, Output
 
-DEFAULT_CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 MARK = {True: "ok", False: "FAIL", None: "?"}
 
 
 def run_doctor(args: argparse.Namespace, sock: Path, o: Output) -> int:
+    from kimi_supervisor.cli.compose import config_path
     from kimi_supervisor.config import ConfigError
     from kimi_supervisor.configfile import load_config
 
-    path = Path(args.config or os.environ.get("KIMI_SUPERVISOR_CONFIG") or DEFAULT_CONFIG)
+    path = config_path(args.config)
     results: list[CheckOut] = []
     try:
         config = load_config(path)

@@ -51,7 +51,7 @@ class Follower:
         if started:
             age = (datetime.now(UTC) - datetime.fromisoformat(started)).total_seconds()
             self.started = time.monotonic() - max(age, 0.0)
-        if str(transition.get("step", "")).startswith(("starting", "start")):
+        if transition.get("step") == "starting":
             self.loading = True
 
     def say(self, text: str) -> None:

@@ -357,11 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "interval", 1.0) <= 0:
         parser.error("--interval must be positive")
     try:
-        # Summarizing a capture folder, logs and doctor need no socket.
-        local = getattr(args, "summarize", None) or args.fn in (cmd_logs, cmd_doctor)
-        sock = Path() if local else socket_path(args)
         if args.fn is cmd_doctor:
             sock = _doctor_socket(args)
+        elif getattr(args, "summarize", None) or args.fn is cmd_logs:
+            sock = Path()  # summarizing a capture folder and reading logs ask no daemon
+        else:
+            sock = socket_path(args)
         return int(args.fn(args, sock))
     except UsageError as e:
         return o.fail(EXIT_USAGE, str(e))

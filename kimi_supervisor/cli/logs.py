@@ -26,11 +26,11 @@ from kimi_supervisor.cli.output import (
     LogOut,
     Output,
 )
+from kimi_supervisor.ports.output import MAX_LINE  # the daemon's own bound on a line
 
 DAEMON_UNIT = "kimi-supervisor.service"
 DEFAULT_VLLM_UNIT = "vllm-kimi-k25.service"
 MAX_TAIL_BYTES = 4 << 20
-MAX_LINE = 8192
 FOLLOW_POLL_S = 0.25  # a file followed (the sandbox): how often it is read again
 
 
