@@ -74,6 +74,18 @@ class VllmConfig(_Strict):
     argv_file: Path = Path("/run/kimi-supervisor/vllm-argv.json")
     # Where the unit's output can be followed when there is no journal (the sandbox).
     log_file: Path | None = None
+    # vLLM's caches, kept across restarts and shared by both modes (the profiler's config is
+    # not in vLLM's compile-cache key): VLLM_CACHE_ROOT, torch.compile's and Triton's under it.
+    # vLLM runs code compiled there: used only if every directory on its path is root's or
+    # vLLM's user's, writable by nobody else. Empty: vLLM's defaults (inductor's in /tmp).
+    cache_dir: Path | None = Path("/var/cache/kimi-supervisor/vllm")
+
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _cache_dir(cls, d: object) -> object:
+        if isinstance(d, str) and d and not d.startswith("/"):
+            raise ValueError(f"{d!r} is relative: give an absolute path")
+        return None if d == "" else d
 
     @field_validator("command")
     @classmethod
@@ -309,6 +321,22 @@ class ProfilingConfig(_Strict):
     summary_timeout_s: PositiveSeconds = 900.0
 
 
+class WarmConfig(_Strict):
+    """Before a switch's teardown, while the old mode still serves, the next mode's model files
+    are read into the page cache (loop/warming.py): the new vLLM then reads its weights from
+    memory during the downtime. A --force switch and a stop never wait for it."""
+
+    # Whether a switch warms the page cache first.
+    enabled: bool = True
+    # The most it reads, as a share of MemAvailable when it begins; files past it are skipped
+    # (and said so): vLLM reads them from disk.
+    max_ram_share: Annotated[float, Field(gt=0, le=0.9)] = 0.5
+    # The longest a warming may take; the teardown then begins all the same.
+    timeout_s: PositiveSeconds = 900.0
+    # Files read at once (a striped or NVMe volume reads faster with several).
+    threads: Annotated[int, Field(ge=1, le=64)] = 4
+
+
 class MetricsConfig(_Strict):
     # Whether the daemon serves Prometheus metrics (/metrics).
     enabled: bool = True
@@ -332,6 +360,7 @@ class Config(_Strict):
     control: ControlConfig = Field(default_factory=ControlConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+    warm: WarmConfig = Field(default_factory=WarmConfig)
 
     def vllm_trace_dir(self) -> Path | None:
         """Where vLLM in profile mode writes traces: profiling.vllm_trace_dir, else the

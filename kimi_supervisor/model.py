@@ -21,6 +21,8 @@ class Mode(enum.StrEnum):
 class State(enum.StrEnum):
     BOOTING = "booting"  # waiting for the GPU driver; the world not yet observed
     SERVING = "serving"  # the desired mode runs and answers /health
+    # A switch reads the next mode's model files into the page cache; the old mode serves.
+    WARMING = "warming"
     TEARING_DOWN = "tearing_down"
     STARTING = "starting"  # the unit was started; waiting for /health 200
     BACKOFF = "backoff"  # vLLM failed; waiting before starting it again
@@ -30,7 +32,7 @@ class State(enum.StrEnum):
 
 
 # States in which a mode switch is under way (a second switch joins it or is refused).
-SWITCHING_STATES = frozenset({State.TEARING_DOWN, State.STARTING})
+SWITCHING_STATES = frozenset({State.WARMING, State.TEARING_DOWN, State.STARTING})
 # States in which the loop waits for a point in time before trying again.
 WAITING_STATES = frozenset({State.BACKOFF, State.STUCK})
 

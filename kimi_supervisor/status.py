@@ -81,6 +81,39 @@ class EtaStatus(BaseModel):
     text: str
 
 
+class DowntimeStatus(BaseModel):
+    """A switch's unavailable window (decide/downtime.py): the one under way, else the last.
+    `window_s`: from the old vLLM's last /health 200 to the new one's first (so far, while
+    under way; null when nothing served before). `parts`: the seconds of each part measured."""
+
+    transition: str
+    target: Mode
+    under_way: bool
+    window_s: float | None = None
+    part: str | None = None  # the part under way
+    parts: dict[str, float] = Field(default_factory=dict)
+    remaining_s: float | None = None  # under way: the rest, by past switches' parts
+    at: str  # when it was last measured
+    text: str
+
+
+class WarmStatus(BaseModel):
+    """Before a switch's teardown, while the old mode serves: the next mode's model files read
+    into the page cache (loop/warming.py), under way or done."""
+
+    under_way: bool
+    folder: str = ""  # where the files were found ("" when none was)
+    files: int = 0  # to read
+    bytes: int = 0  # to read
+    read_bytes: int = 0  # read so far
+    skipped: list[str] = Field(default_factory=list)  # files that did not fit
+    skipped_bytes: int = 0
+    budget_bytes: int = 0  # warm.max_ram_share of MemAvailable when it began
+    took_s: float = 0.0
+    stopped: str = ""  # "aborted" (a --force switch, a stop), "timeout", "" when it ran out
+    text: str
+
+
 class CaptureStatus(BaseModel):
     capture: str  # its id
     phase: CapturePhase
@@ -192,6 +225,8 @@ class Status(BaseModel):
     profile_left_s: int | None = None
     capture: CaptureStatus | None = None
     eta: EtaStatus | None = None
+    downtime: DowntimeStatus | None = None
+    warm: WarmStatus | None = None  # the switch's warming, while it runs or its switch does
     # Set while the serving vLLM runs an earlier config's argv: what differs and what to run.
     restart_needed: str | None = None
     # vLLM's last lines of output while it does not serve (loading, failed, backing off).

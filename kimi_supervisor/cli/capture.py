@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.cli import ask
 from kimi_supervisor.cli import output as km
 from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_capture, format_summary
@@ -93,12 +94,31 @@ def _switch_to(mode: str, args: argparse.Namespace, sock: Path) -> int:
     return cmd_switch(sw, sock)
 
 
+def _last_window(sock: Path) -> dict[str, Any] | None:
+    """The last switch's unavailable window, as status says it (None if it cannot say)."""
+    try:
+        d = ask.status(sock).get("downtime")
+    except (Unreachable, KeyError):
+        return None
+    return d if isinstance(d, dict) and not d.get("under_way") else None
+
+
+def cost_line(windows: list[dict[str, Any]]) -> str:
+    """What a capture cycle cost in service: each switch's window, and their sum."""
+    said = [f"{w['window_s']:.1f} s to {w['target']}" for w in windows if w.get("window_s")]
+    total = sum(w["window_s"] for w in windows if w.get("window_s"))
+    return f"this capture cost {total:.1f} s without service ({', '.join(said)})"
+
+
 def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     o = Output(args.output)
+    windows: list[dict[str, Any]] = []
     if args.switch:
         rc = _switch_to("profile", args, sock)
         if rc != km.EXIT_OK:
             return rc
+        if (w := _last_window(sock)) is not None:
+            windows.append(w)
     out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
     req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
     stop_sent = threading.Event()
@@ -178,4 +198,8 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
         rc = _switch_to("production", args, sock)
         if rc != km.EXIT_OK:
             return rc
+        if (w := _last_window(sock)) is not None:
+            windows.append(w)
+    if windows and not o.json:
+        print(cost_line(windows))
     return km.EXIT_OK if ended["ok"] else km.EXIT_FAILED

@@ -124,6 +124,12 @@ class Follower:
                 if pct is not None or data["text"] != self._last_text:
                     self.say(f"  vLLM: {self.vllm}")
                 self._last_pct, self._last_text = bucket, data["text"]
+        elif name == "warm":
+            self.vllm = data["text"]
+            now = time.monotonic()
+            if not self.tty and (not data["under_way"] or now - self._last_gpu_line >= 5.0):
+                self._last_gpu_line = now
+                self.say(f"  {data['text']}")
         elif name == "start_failed":
             self.say(f"  vLLM did not start: {data['reason']}")
             for line in data.get("output_tail", [])[-10:]:

@@ -73,6 +73,11 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
         lines.append(f"progress:      {s.progress.text}")
     if s.eta:
         lines.append(f"eta:           {s.eta.text}")
+    if s.warm and s.transition:
+        lines.append(f"warming:       {s.warm.text}")
+    if s.downtime:
+        when = "" if s.downtime.under_way else f" (last switch, to {s.downtime.target})"
+        lines.append(f"downtime:      {s.downtime.text}{when}")
     if s.profile_until:
         lines.append(
             f"profile ends:  {_hhmmss(s.profile_until)} "
@@ -181,6 +186,8 @@ def format_history(entries: list[dict[str, Any]]) -> str:
                 f" [{e['id']}] by {e.get('requested_by') or '-'}"
             )
             lines.append(f"{'':21}{e.get('message', '')}")
+            if isinstance(e.get("downtime"), dict) and e["downtime"].get("text"):
+                lines.append(f"{'':21}{e['downtime']['text']}")
         elif kind == "teardown":
             kills = [k for k in e.get("kills", []) if k["signal"] == "SIGKILL"]
             lines.append(

@@ -64,6 +64,8 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
                 if not o.json:
                     follower.finish()
                     print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
+                    if said := (msg.get("data", {}).get("downtime") or {}).get("text"):
+                        print(f"  {said}", file=o.out)
                 return end_exit(msg)
     except TimedOut:
         follower.finish()

@@ -1,4 +1,5 @@
-"""vLLM's start-up, read from its output: safetensors shard %, CUDA graph capture, ready.
+"""vLLM's start-up, read from its output: safetensors shard %, weights loaded, CUDA graph
+capture, the API server, ready.
 
 Pure parsing; where the lines come from is the output port's business. tqdm bars arrive as
 one line with carriage returns between updates: the last update counts.
@@ -11,9 +12,13 @@ from dataclasses import dataclass
 
 _SHARDS = re.compile(r"Loading safetensors checkpoint shards:\s*(\d+)%")
 _GRAPHS = re.compile(r"Capturing CUDA graphs?[^:]*:\s*(\d+)%")
+# vLLM 0.16 after the last shard: "Loading weights took 0.12 seconds" (every build), then on GPUs
+# "Model loading took 1.2 GiB memory and 3.4 seconds"; engine init (profile run, KV cache,
+# compile, warm-up) follows.
+_LOADED = re.compile(r"Loading weights took|Model loading took")
 _API = re.compile(r"Starting vLLM API server|Application startup complete")
 
-PHASES = ("starting", "loading", "graphs", "api", "ready")
+PHASES = ("starting", "loading", "loaded", "graphs", "api", "ready")
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class Progress:
         words = {
             "starting": "starting vLLM",
             "loading": "loading safetensors shards",
+            "loaded": "weights loaded; initializing the engine (profile, KV cache, compile)",
             "graphs": "capturing CUDA graphs",
             "api": "starting the API server",
             "ready": "ready",
@@ -39,6 +45,8 @@ def advance(current: Progress, line: str) -> Progress:
     found: Progress | None = None
     if m := _SHARDS.search(update):
         found = Progress("loading", int(m.group(1)), update)
+    elif _LOADED.search(update):
+        found = Progress("loaded", None, update)
     elif m := _GRAPHS.search(update):
         found = Progress("graphs", int(m.group(1)), update)
     elif _API.search(update):
@@ -46,3 +54,9 @@ def advance(current: Progress, line: str) -> Progress:
     if found is None or PHASES.index(found.phase) < PHASES.index(current.phase):
         return current
     return found
+
+
+def weights_loaded(p: Progress) -> bool:
+    """The weights are in: the shard bar at 100 %, or any later phase."""
+    i = PHASES.index(p.phase)
+    return i > PHASES.index("loading") or (p.phase == "loading" and p.percent == 100)

@@ -125,6 +125,7 @@ class Desk:
         if verdict is policy.Admit.TAKE_OVER:
             assert tr is not None
             s.intent = Intent(r.mode, r.by, force=True, id=new_id())
+            s.stop_warming()  # --force never waits for it
             return Reply(
                 ok=True,
                 code="accepted",
@@ -268,6 +269,10 @@ class Desk:
             "message": c.message,
             "folder": str(c.folder) if c.folder else None,
         }
+        d = s.last_downtime
+        if d is not None and d.target is Mode.PROFILE:
+            # What the switch into profile mode before it cost in service.
+            record["downtime_before"] = d.model_dump(mode="json")
         self.ctx.record("capture", record)
         if s.capture is c:
             s.capture = None

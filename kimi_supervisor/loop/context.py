@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_supervisor.config import Config
+from kimi_supervisor.decide.downtime import expected_parts
 from kimi_supervisor.decide.eta import Estimate, argv_key, estimate
 from kimi_supervisor.decide.progress import advance
 from kimi_supervisor.loop.events import EventBus
@@ -84,6 +85,8 @@ class Context:
             s.progress = advance(s.progress, line)
         if s.progress != before:
             p = s.progress
+            if s.watch is not None:
+                s.watch.saw(p, self.clock.monotonic())
             eta = s.eta_text(self.clock.monotonic())
             self.event(
                 "progress",
@@ -255,11 +258,14 @@ class Context:
     def unwarn(self, prefix: str) -> None:
         self.s.warnings = [w for w in self.s.warnings if not w.startswith(prefix)]
 
-    def estimate_load(self, mode: Mode, argv: list[str]) -> tuple[Estimate | None, str]:
-        """What the past loads of `mode` with this argv predict, and the argv's key."""
+    def estimate_load(
+        self, mode: Mode, argv: list[str]
+    ) -> tuple[Estimate | None, str, dict[str, float]]:
+        """What the past loads of `mode` with this argv predict, the argv's key, and the
+        median of each part of the past switches' unavailable windows (decide/downtime.py)."""
         key = argv_key(argv)
         try:
             records = history.read(self.config.state.dir, 1000)
         except OSError:
-            return None, key
-        return estimate(records, mode.value, key), key
+            return None, key, {}
+        return estimate(records, mode.value, key), key, expected_parts(records, mode.value, key)

@@ -47,6 +47,7 @@ from kimi_supervisor.loop.inbox import (
     Request,
     Stop,
     Switch,
+    Warmed,
 )
 from kimi_supervisor.loop.publish import build, export, status_line
 from kimi_supervisor.loop.transitions import Lifecycle
@@ -293,6 +294,7 @@ class Daemon:
                 return ok.model_copy(update={"message": why})
             case Stop():
                 s.stop_requested = True
+                s.stop_warming()  # a stop never waits for it
                 return ok.model_copy(update={"message": "stopping"})
             case Reexec():
                 s.reexec_requested = True
@@ -304,10 +306,8 @@ class Daemon:
             case CaptureDone(capture=c):
                 self.desk.capture_done(c)
                 self._next_step = 0.0
-            case JobEvent():
-                self.life.jobs.apply(msg)
-            case JobDone():
-                self.life.job_done(msg)
+            case JobEvent() | JobDone() | Warmed():
+                self.life.job_message(msg)
                 self._next_step = 0.0
             case MainExited(pid=pid):
                 self._main_exited(pid)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import Mode, TeardownReport
+from kimi_supervisor.status import WarmStatus
 
 if TYPE_CHECKING:
     from kimi_supervisor.capture.job import Capture
@@ -88,6 +89,17 @@ class JobEvent:
 class JobDone:
     report: TeardownReport | None
     error: BaseException | None = None
+    # The old vLLM's /health probed just before the unit's stop answered 200 then (monotonic).
+    ok_at: float | None = None
+    began: float | None = None  # when the teardown began (monotonic)
+
+
+@dataclass
+class Warmed:
+    """The switch's warming (loop/warming.py): its progress, and its end (`done`)."""
+
+    status: WarmStatus
+    done: bool = False
 
 
 @dataclass
@@ -111,6 +123,7 @@ Message = (
     | CaptureDone
     | JobEvent
     | JobDone
+    | Warmed
     | MainExited
     | LivenessSeen
 )

@@ -12,13 +12,19 @@ from typing import Any
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.policy import Purpose
-from kimi_supervisor.loop import boot
+from kimi_supervisor.loop import boot, warming
 from kimi_supervisor.loop.context import Context
-from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message
+from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message, Warmed
 from kimi_supervisor.loop.loopstate import Job
-from kimi_supervisor.model import Outcome, TeardownReport, utcnow
+from kimi_supervisor.model import Outcome, State, TeardownReport, utcnow
+from kimi_supervisor.ports.http import request as http_request
+from kimi_supervisor.status import WarmStatus
 from kimi_supervisor.teardown.escalation import Teardown
 from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepStarted
+
+# The last /health probe of a serving vLLM before its stop: it answers in milliseconds while it
+# serves; one that does not within this is not waited for (its last 200 stays the loop's).
+PROBE_S = 1.0
 
 
 def shutdown_budget_s(config: Config) -> float:
@@ -47,12 +53,18 @@ class Jobs:
         detail: dict[str, Any] | None = None,
         cause: str = "",
         attempt: int = 1,
+        probe: bool = False,
+        warm_argv: list[str] | None = None,
     ) -> None:
-        """Start a teardown on the job thread; its JobDone comes back through the inbox."""
+        """Start a teardown on the job thread; its JobDone comes back through the inbox.
+        `probe`: a vLLM serves until now; /health is asked once more just before the unit's
+        stop, so that its unavailable window opens at its real last answer. `warm_argv`: the
+        next vLLM's argv, whose model files are read into the page cache first, while the old
+        vLLM still serves (loop/warming.py)."""
         s, ctx = self.s, self.ctx
         if not s.baselines:
             boot.resolve_baseline(ctx)
-        s.job = Job(purpose, reason, detail or {}, attempt, cause)
+        s.job = job = Job(purpose, reason, detail or {}, attempt, cause)
         put = self._put
         td = Teardown(
             ctx.config,
@@ -65,11 +77,25 @@ class Jobs:
             listed_since=ctx.observer.first_listed.snapshot(),
         )
 
+        url, clock = ctx.config.vllm.health_url, ctx.clock
+
         def run() -> None:
+            if warm_argv is not None:
+                try:
+                    end = warming.warm(
+                        ctx.config.warm, warm_argv, job.stop_warm, clock, lambda w: put(Warmed(w))
+                    )
+                except Exception as e:  # a warming never stops the switch
+                    end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")
+                put(Warmed(end, done=True))
+            ok_at = None
+            if probe and http_request(url, timeout_s=PROBE_S).status == 200:
+                ok_at = clock.monotonic()
+            began = clock.monotonic()
             try:
-                put(JobDone(td.run()))
+                put(JobDone(td.run(), ok_at=ok_at, began=began))
             except BaseException as e:  # reported to the loop, which decides
-                put(JobDone(None, e))
+                put(JobDone(None, e, ok_at, began))
 
         threading.Thread(target=run, name="teardown", daemon=True).start()
 
@@ -92,6 +118,24 @@ class Jobs:
                 ctx.metrics.spared.inc()
         ctx.event(e.kind, data)
         ctx.publish()
+
+    def warmed(self, w: Warmed) -> None:
+        """The warming's progress shown; at its end the teardown begins (on the job thread):
+        the old vLLM stops serving now."""
+        s, ctx = self.s, self.ctx
+        s.warm = w.status
+        ctx.event("warm", w.status.model_dump(mode="json"))
+        if not w.done:
+            ctx.publish()
+            return
+        ctx.log("warmed", **w.status.model_dump(mode="json"))
+        if s.transition is not None:
+            s.transition = s.transition.model_copy(
+                update={"step": "teardown", "step_changed_at": utcnow()}
+            )
+            ctx.persist_transition()
+        s.serving = None
+        ctx.set_state(State.TEARING_DOWN, w.status.text)
 
     def finish(self, done: JobDone) -> tuple[Job, TeardownReport, bool]:
         """The teardown's end, recorded (history, metrics, status); what policy reads next."""

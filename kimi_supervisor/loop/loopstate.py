@@ -6,16 +6,24 @@ publishes (kimi_supervisor/loop/publish.py).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from kimi_supervisor.decide.downtime import Stopwatch
 from kimi_supervisor.decide.eta import Estimate
 from kimi_supervisor.decide.policy import Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
-from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
+from kimi_supervisor.status import (
+    DowntimeStatus,
+    FailureStatus,
+    IntrusionStatus,
+    LivenessStatus,
+    WarmStatus,
+)
 from kimi_supervisor.store.state import TransitionRecord
 
 if TYPE_CHECKING:
@@ -38,6 +46,8 @@ class Job:
     detail: dict[str, Any] = field(default_factory=dict)
     attempt: int = 1
     cause: str = ""  # what went wrong, for the failure that may follow
+    # Set to stop the warming before its teardown (a --force switch, a stop).
+    stop_warm: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -71,6 +81,12 @@ class LoopState:
     load_started: float | None = None
     eta: Estimate | None = None
     load_key: str = ""
+    # The unavailable window under way (loop/window.py), the last one, and the parts past
+    # switches to the same mode and argv took (the ETA's figures).
+    watch: Stopwatch | None = None
+    last_downtime: DowntimeStatus | None = None
+    expected_parts: dict[str, float] = field(default_factory=dict)
+    warm: WarmStatus | None = None  # the switch's warming, under way or done
     observed: Observed | None = None
     driver_ready: bool = False
     # What the loop cannot go on without and waits for (the GPU driver, systemd), "" if nothing.
@@ -101,6 +117,11 @@ class LoopState:
             load = {"load_s": round(now - self.load_started, 1), "argv_key": self.load_key}
         self.load_started, self.eta = None, None
         return load
+
+    def stop_warming(self) -> None:
+        """A --force switch or a stop: the warming before the teardown stops now."""
+        if self.job is not None:
+            self.job.stop_warm.set()
 
     @property
     def busy(self) -> bool:

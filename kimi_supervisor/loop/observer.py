@@ -52,6 +52,7 @@ class Observer:
         self._titles: dict[int, str] = {}
         self.error = ""  # why the unit could not be read at the last observation
         self._told: list[dict[str, Any]] = []  # the readings readings_changed last gave
+        self.last_ok: float | None = None  # the last /health 200 probed (monotonic)
 
     def observe(
         self,
@@ -127,6 +128,8 @@ class Observer:
             return last
         status = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s).status
         self._health = (status, now)
+        if status == 200:
+            self.last_ok = now
         return status
 
     def _running_mode(self, main_pid: int) -> launcher.Running | None:

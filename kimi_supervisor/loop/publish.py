@@ -9,10 +9,12 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from kimi_supervisor.model import CMDLINE_CHARS, State, TeardownReport
+from kimi_supervisor.decide import downtime
+from kimi_supervisor.model import CMDLINE_CHARS, State, TeardownReport, utcnow
 from kimi_supervisor.ports.metrics import Metrics
 from kimi_supervisor.status import (
     DaemonInfo,
+    DowntimeStatus,
     EtaStatus,
     GpuStatus,
     KillSummary,
@@ -40,6 +42,10 @@ def status_line(s: LoopState, now: float) -> str:
             return f"{head}: retrying the teardown (retry {s.stuck_retries})"
         wait = max((s.next_attempt_at or now) - now, 0)
         return f"{head}: retry {s.stuck_retries} of the teardown in {wait:.0f} s"
+    if s.state is State.WARMING and tr:
+        said = s.warm.text if s.warm else "warming the page cache"
+        old = f" ({s.serving.mode.value} serves meanwhile)" if s.serving else ""
+        return f"switching to {tr.target.value}: {said}{old}"
     if s.state is State.TEARING_DOWN and tr:
         return f"switching to {tr.target.value}: {tr.step}"
     if s.state is State.STARTING and tr:
@@ -85,6 +91,8 @@ def build(
         )
     return Status(
         eta=eta,
+        downtime=downtime_status(s, now),
+        warm=s.warm if s.transition is not None else None,
         desired_mode=s.desired,
         mode=s.serving.mode if s.serving else None,
         state=s.state,
@@ -137,6 +145,35 @@ def build(
         output_tail=[] if s.state is State.SERVING else output[0][-STATUS_OUTPUT_LINES:],
         output_where=output[1],
         daemon=DaemonInfo(pid=os.getpid(), started_at=started_at.isoformat()),
+    )
+
+
+def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
+    """The window under way (so far, the part under way, the rest by past switches'
+    parts), else the last one."""
+    w, tr = s.watch, s.transition
+    if w is None or tr is None:
+        return s.last_downtime
+    record = w.record()
+    since = w.at.get("last_ok")
+    so_far = round(now - since, 1) if since is not None else None
+    left = downtime.remaining_s(s.expected_parts, w, now) if s.expected_parts else None
+    part = w.part_now()
+    text = f"unavailable for {so_far:.0f} s" if so_far is not None else "nothing served before"
+    if part:
+        text += f"; now: {downtime.WORDS[part]}"
+    if left is not None:
+        text += f"; back in about {left:.0f} s by past switches"
+    return DowntimeStatus(
+        transition=tr.id,
+        target=tr.target,
+        under_way=True,
+        window_s=so_far,
+        part=part,
+        parts=record["parts"],
+        remaining_s=left,
+        at=utcnow().isoformat(),
+        text=text,
     )
 
 
@@ -197,3 +234,7 @@ def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> 
     m.stuck_since.set(s.stuck_since.timestamp() if s.stuck_since else 0)
     m.stuck_retries.set(st.stuck.retries if st.stuck else 0)
     m.restart_needed.set(1 if st.restart_needed else 0)
+    d = s.last_downtime
+    if d is not None:
+        for part, seconds in d.parts.items():
+            m.switch_downtime_part.labels(d.target.value, part).set(seconds)

@@ -15,6 +15,7 @@ from kimi_supervisor.loop.intrusion import Intruder, incident
 from kimi_supervisor.loop.jobs import Jobs
 from kimi_supervisor.loop.liveness import Reading
 from kimi_supervisor.loop.loopstate import LoopState
+from kimi_supervisor.loop.window import Window
 from kimi_supervisor.messages import End
 from kimi_supervisor.model import State, TeardownReport, utcnow
 from kimi_supervisor.status import FailureStatus, IntrusionStatus
@@ -28,6 +29,7 @@ class Setbacks:
     ctx: Context
     s: LoopState
     jobs: Jobs
+    window: Window
 
     # ------------------------------------------------------------------ failures
     def start_failed(self, reason: str) -> None:
@@ -87,6 +89,7 @@ class Setbacks:
         ctx.incident({"at": utcnow().isoformat(), "what": what, **seen})
         ctx.event(event, {"reason": reason, **seen})
         s.serving = None
+        self.window.lost()
         ctx.set_state(State.TEARING_DOWN, what)
         self.jobs.run(Purpose.DIED, why, cause=cause)
 

@@ -21,11 +21,12 @@ from kimi_supervisor.decide.policy import Next, Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Action, Do, Observed
 from kimi_supervisor.loop.context import Context, new_id
-from kimi_supervisor.loop.inbox import JobDone, LivenessSeen, Message
+from kimi_supervisor.loop.inbox import JobDone, JobEvent, LivenessSeen, Message, Warmed
 from kimi_supervisor.loop.jobs import Jobs, shutdown_budget_s
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.loop.loopstate import Job, Serving
 from kimi_supervisor.loop.setbacks import Setbacks
+from kimi_supervisor.loop.window import Window
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.systemd import SystemdError
@@ -39,6 +40,7 @@ class Lifecycle(Setbacks):
         self.s = ctx.s
         self._put = put
         self.jobs = Jobs(ctx, put)
+        self.window = Window(ctx)
         self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
 
     # ------------------------------------------------------------------ reconcile's actions
@@ -70,8 +72,9 @@ class Lifecycle(Setbacks):
                     why = f"superseded by a switch to {intent.mode.value}"
                     self.end_transition(False, "preempted", why)
                 self.begin_transition(
-                    intent.mode, "switch", f"asked by {intent.by}", intent.by, intent.id
-                )
+                    intent.mode, "switch", f"asked by {intent.by}", intent.by, intent.id,
+                    intent.force,
+                )  # fmt: skip
             case Do.SWITCH | Do.RETRY:
                 kind, reason = ("retry" if action.do is Do.RETRY else "switch"), action.reason
                 if s.interrupted is not None:
@@ -136,13 +139,18 @@ class Lifecycle(Setbacks):
         ctx.set_state(State.STARTING, "a load was in progress when the daemon started")
 
     # ------------------------------------------------------------------ a switch
-    def begin_transition(self, target: Mode, kind: str, reason: str, by: str, id: str = "") -> None:
+    def begin_transition(
+        self, target: Mode, kind: str, reason: str, by: str, id: str = "", force: bool = False
+    ) -> None:
         """A transition begins: recorded, persisted, announced, and its teardown started. `id`:
         the one made when an operator's switch was accepted (else a new one)."""
         s, ctx = self.s, self.ctx
         now = utcnow()
         obs = s.observed
         previous = s.serving.mode if s.serving else None
+        served = s.serving is not None
+        warm = served and not force and ctx.config.warm.enabled and not s.stuck_since
+        self.window.begin(served)
         if previous is None and obs is not None and obs.unit_up:
             previous = obs.running_mode
         tr = TransitionRecord(
@@ -153,17 +161,22 @@ class Lifecycle(Setbacks):
             reason=reason,
             requested_by=by,
             started_at=now,
-            step="teardown",
+            step="warming" if warm else "teardown",
             step_changed_at=now,
         )
-        s.transition, s.serving, s.next_attempt_at = tr, None, None
+        # While it warms, the old vLLM still serves (and status says so).
+        s.transition, s.next_attempt_at, s.warm = tr, None, None
+        if not warm:
+            s.serving = None
         ctx.persist_transition()
         ctx.log("transition_started", **tr.model_dump(mode="json"))
         ctx.event("transition_started", tr.model_dump(mode="json"))
         # STUCK lasts while it is true: the GPUs are not clean until a teardown says so, and
         # neither a retry nor a switch asked for meanwhile makes them so.
-        ctx.set_state(State.STUCK if s.stuck_since else State.TEARING_DOWN, reason)
-        self.jobs.run(Purpose.SWITCH, reason)
+        state = State.STUCK if s.stuck_since else State.WARMING if warm else State.TEARING_DOWN
+        ctx.set_state(state, reason)
+        argv = ctx.config.launch_argv(target) if warm else None
+        self.jobs.run(Purpose.SWITCH, reason, probe=served and not force, warm_argv=argv)
 
     def start(self) -> None:
         s, ctx = self.s, self.ctx
@@ -192,7 +205,7 @@ class Lifecycle(Setbacks):
             return
         s.load_started = ctx.clock.monotonic()
         s.start_deadline = s.load_started + ctx.config.daemon.start_timeout_s
-        s.eta, s.load_key = ctx.estimate_load(tr.target, argv)
+        s.eta, s.load_key, s.expected_parts = ctx.estimate_load(tr.target, argv)
         expected = {"expected_s": s.eta.expected_s, "past": s.eta.past} if s.eta else {}
         ctx.log("vllm_starting", mode=tr.target.value, argv=argv, argv_file=str(argv_file))
         ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
@@ -210,6 +223,8 @@ class Lifecycle(Setbacks):
         load = s.finish_load(ctx.clock.monotonic())
         if ctx.metrics and load:
             ctx.metrics.start_seconds.labels(mode.value).observe(load["load_s"])
+        if window := self.window.ready(mode):
+            load["downtime"] = window
         ctx.event("ready", info | load)
         ctx.log("vllm_ready", **info, **load)
         s.stuck_retries, s.last_failure, s.liveness = 0, None, None
@@ -269,8 +284,21 @@ class Lifecycle(Setbacks):
         self.jobs.run(Purpose.SHUTDOWN, "the supervisor is stopping")
 
     # ------------------------------------------------------------------ the teardown job
+    def job_message(self, msg: JobEvent | JobDone | Warmed) -> None:
+        match msg:
+            case JobEvent():
+                self.jobs.apply(msg)
+            case Warmed():
+                self.jobs.warmed(msg)
+            case JobDone():
+                self.job_done(msg)
+
     def job_done(self, done: JobDone) -> None:
-        self._after_teardown(*self.jobs.finish(done))
+        self.window.probed(done.ok_at)
+        job, report, clean = self.jobs.finish(done)
+        if clean and done.began is not None:
+            self.window.teardown_done(report, done.began)
+        self._after_teardown(job, report, clean)
 
     def _after_teardown(self, job: Job, report: TeardownReport, clean: bool) -> None:
         s, ctx = self.s, self.ctx

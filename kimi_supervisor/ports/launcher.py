@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,12 +35,25 @@ class LaunchError(Exception):
     pass
 
 
+def cache_env(config: Config) -> dict[str, str]:
+    """The environment that points vLLM, torch.compile and Triton at vllm.cache_dir."""
+    d = config.vllm.cache_dir
+    if d is None:
+        return {}
+    return {
+        "VLLM_CACHE_ROOT": str(d),
+        "TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"),
+        "TRITON_CACHE_DIR": str(d / "triton"),
+    }
+
+
 def write_argv_file(config: Config, mode: Mode) -> Path:
     path = config.vllm.argv_file
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "mode": mode.value,
         "argv": config.launch_argv(mode),
+        "env": cache_env(config),
         "written_at": utcnow().isoformat(),
     }
     _write_json_atomic(path, payload)
@@ -102,10 +117,45 @@ def exec_vllm(path: Path) -> None:
             launch_record_path(path),
             {"pid": me.pid, "start_ticks": me.start_ticks, "argv": argv, "mode": mode},
         )
+    env = data.get("env") if isinstance(data, dict) else None
+    if isinstance(env, dict) and env.get("VLLM_CACHE_ROOT"):
+        why = cache_untrusted(Path(str(env["VLLM_CACHE_ROOT"])))
+        if why:
+            print(f"kimi-supervisor launch-vllm: not using the cache: {why}", file=sys.stderr)
+        else:
+            for k, v in env.items():
+                # The unit's own Environment= (an operator's drop-in) wins.
+                if isinstance(k, str) and isinstance(v, str):
+                    os.environ.setdefault(k, v)
     try:
         os.execv(argv[0], argv)
     except OSError as e:
         raise LaunchError(f"cannot execute {argv[0]}: {e}") from None
+
+
+def cache_untrusted(d: Path) -> str | None:
+    """Why vLLM must not use `d` as its cache (None: it may; it is created 0700 if missing).
+    vLLM runs what is compiled there, so every directory from / to `d` must be owned by root or
+    by this user, and writable by nobody else; `d` itself no link."""
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        return f"cannot create {d}: {e}"
+    me = os.geteuid()
+    path = Path("/")
+    for part in ("/", *d.parts[1:]):
+        path = path / part
+        try:
+            st = os.lstat(path) if path == d else os.stat(path)
+        except OSError as e:
+            return f"cannot read {path}: {e}"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a directory (a link?)"
+        if st.st_uid not in (0, me):
+            return f"{path} is owned by uid {st.st_uid}: `chown {me} {path}`"
+        if st.st_mode & 0o022 and not (st.st_mode & stat.S_ISVTX and path != d):
+            return f"{path} is writable by its group or others: `chmod go-w {path}`"
+    return None
 
 
 def argv_matches(cmdline: list[str], argv: list[str]) -> bool:

@@ -52,6 +52,21 @@ class Metrics:
             buckets=(10, 30, 60, 120, 300, 600, 900, 1200, 1800, 2400, 3600, 5400, 7200, 10800),
             registry=r,
         )
+        self.switch_downtime = Histogram(
+            f"{ns}_switch_downtime_seconds",
+            "a switch's unavailable window: from the old vLLM's last /health 200 to the new "
+            "one's first, by target mode",
+            ["target"],
+            buckets=(5, 15, 30, 60, 120, 300, 600, 900, 1200, 1800, 2700, 3600, 5400, 7200),
+            registry=r,
+        )
+        self.switch_downtime_part = Gauge(
+            f"{ns}_switch_downtime_part_seconds",
+            "the last switch's unavailable window, by part (old_exit, teardown, to_weights, "
+            "engine_init, to_ready; earlier: transitions and waits before the last one)",
+            ["target", "part"],
+            registry=r,
+        )
         self.start_eta = Gauge(
             f"{ns}_start_eta_seconds",
             "while vLLM loads: the time left by the median of past loads of the same mode and "

@@ -175,6 +175,8 @@ def _load(opts: FakeOptions, profiling: bool, worker0: int) -> None:
             threading.Event().wait()
         time.sleep(opts.load_s / shards)
         bar(done)
+    # As real vLLM 0.16's workers after the last shard (measured with its CPU build).
+    log(f"(Worker_TP0 pid={worker0}) Loading weights took {opts.load_s:.2f} seconds")
 
 
 def serve_main(argv: list[str]) -> None:

@@ -6,6 +6,8 @@ wired together with the project's own unit files, in one directory.
     DIR/gpu/                the simulated GPU host
     DIR/bin/vllm            the fake vLLM's entry point
     DIR/logs/vllm.log       the unit's output
+    DIR/hub/                a Hugging Face cache with a small snapshot of the model (the
+                            fake's --download-dir), which a switch warms
     DIR/fake-vllm.json      the fake's fault switches
     DIR/kimi-supervisor.toml  config/sandbox.toml with this sandbox's paths filled in
     DIR/ghosts.json         ghosts started here (PID and start time), ended by `down`
@@ -137,6 +139,7 @@ class Sandbox:
             raise SandboxError("--gpus must be at least 1")
         for d in ("logs", "bin", "state", "shm", "tmp"):
             (root / d).mkdir(parents=True, exist_ok=True)
+        hub_snapshot(root / "hub", "moonshotai/Kimi-K2.5")
         if real_gpus:
             nvml = NvmlGpu()
             try:
@@ -372,3 +375,25 @@ class Sandbox:
         while any(processes.is_alive(g) for g in ghosts) and time.monotonic() < deadline:
             time.sleep(0.02)
         self._ghosts_file().unlink(missing_ok=True)
+
+
+def hub_snapshot(hub: Path, repo: str, shards: int = 4, shard_mb: int = 4) -> Path:
+    """A Hugging Face cache holding `repo` as the hub lays it out: refs/main names a commit,
+    snapshots/<commit>/ links each file to ../../blobs/<hash>. Its shards are random bytes."""
+    root = hub / ("models--" + repo.replace("/", "--"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snap = root / "snapshots" / commit
+    if snap.is_dir():
+        return snap
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "blobs").mkdir(exist_ok=True)
+    snap.mkdir(parents=True)
+    files = {"config.json": b'{"model_type": "kimi_k25"}\n'}
+    for i in range(1, shards + 1):
+        files[f"model-{i:05d}-of-{shards:05d}.safetensors"] = os.urandom(shard_mb << 20)
+    for name, data in files.items():
+        blob = root / "blobs" / f"{abs(hash(name)):x}{len(data)}"
+        blob.write_bytes(data)
+        (snap / name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (root / "refs" / "main").write_text(commit)
+    return snap

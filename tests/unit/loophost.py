@@ -81,7 +81,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config_for(root: Path, **daemon: float) -> Config:
+def config_for(root: Path, model: Path | None = None, extra: str = "", **daemon: float) -> Config:
+    """`model`: a folder vLLM's argv names (`serve MODEL`), which a switch warms; `extra`: more
+    TOML sections."""
     for d in ("state", "shm", "tmp", "run", "captures", "traces"):
         (root / d).mkdir(parents=True, exist_ok=True)
     settings = {
@@ -98,12 +100,13 @@ def config_for(root: Path, **daemon: float) -> Config:
     } | daemon
     lines = "\n".join(f"{k} = {v}" for k, v in settings.items())
     code = json.dumps(FAKE_VLLM)
+    served = f', "serve", "{model}"' if model is not None else ""
     return parse_config(
         f"""
 [service]
 unit = "{UNIT}"
 [vllm]
-command = ["{sys.executable}", "-c", {code}]
+command = ["{sys.executable}", "-c", {code}{served}]
 host = "127.0.0.1"
 port = {free_port()}
 argv_file = "{root}/run/vllm-argv.json"
@@ -141,6 +144,7 @@ enabled = false
 [profiling]
 captures_dir = "{root}/captures"
 start_timeout_s = 2
+{extra}
 """
     )
 
@@ -292,9 +296,11 @@ class SleepWatch(FakeClock):
 
 
 class LoopHost:
-    def __init__(self, root: Path, **daemon: float) -> None:
+    def __init__(
+        self, root: Path, model: Path | None = None, extra: str = "", **daemon: float
+    ) -> None:
         self.root = root
-        self.config = config_for(root, **daemon)
+        self.config = config_for(root, model, extra, **daemon)
         self.clock = SleepWatch()
         self.systemd = FakeSystemd(self.config, root / "vllm.log")
         self.gpu = FakeGpu()
