@@ -129,14 +129,15 @@ def expected_parts(records: Iterable[dict[str, Any]], mode: str, key: str) -> di
 
 def remaining_s(expected: dict[str, float], watch: Stopwatch, now: float) -> float | None:
     """What is left of the window by the past parts: the rest of the part under way (never
-    below zero) and every part after it. None when the past has no figure for one of them."""
+    below zero) and every part after it. A part the past lacks was merged into the next one
+    there (its mark was not seen), so it counts as none; None when the past has none of them."""
     part = watch.part_now()
     if part is None:
         return 0.0
     names = [p for p, _m, _w in PARTS]
     todo = names[names.index(part) :]
-    if any(p not in expected for p in todo):
+    if not any(p in expected for p in todo):
         return None
     began = max(watch.at.values(), default=now)
-    left = max(expected[part] - (now - began), 0.0)
-    return round(left + sum(expected[p] for p in todo[1:]), 1)
+    left = max(expected.get(part, 0.0) - (now - began), 0.0)
+    return round(left + sum(expected.get(p, 0.0) for p in todo[1:]), 1)

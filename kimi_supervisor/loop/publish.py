@@ -81,13 +81,20 @@ def build(
     eta = None
     if s.state is State.STARTING and s.eta is not None and s.load_started is not None:
         elapsed = now - s.load_started
+        left, text = round(s.eta.remaining_s(elapsed), 1), s.eta.describe(elapsed)
+        # By the parts of past switches (decide/downtime.py): the part under way and those after.
+        by_parts = downtime.remaining_s(s.expected_parts, s.watch, now) if s.watch else None
+        if by_parts is not None and not s.eta.slower(elapsed):
+            part = s.watch.part_now() if s.watch else None
+            left = by_parts
+            text = f"ready in about {whole_s(by_parts)} (now: {downtime.WORDS.get(part or '', '')})"
         eta = EtaStatus(
             expected_s=round(s.eta.expected_s, 1),
-            remaining_s=round(s.eta.remaining_s(elapsed), 1),
+            remaining_s=left,
             elapsed_s=round(elapsed, 1),
             past_loads=s.eta.past,
             slower_than_past=s.eta.slower(elapsed),
-            text=s.eta.describe(elapsed),
+            text=text,
         )
     return Status(
         eta=eta,
@@ -175,6 +182,10 @@ def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
         at=utcnow().isoformat(),
         text=text,
     )
+
+
+def whole_s(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def restart_needed(s: LoopState) -> str | None:

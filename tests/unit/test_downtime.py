@@ -79,7 +79,9 @@ def test_what_is_left_is_the_rest_of_the_part_under_way_and_every_part_after_it(
     assert w.part_now() == "engine_init"
     assert downtime.remaining_s(expected, w, now=18) == 15 + 2  # 5 s into 20 s, then to_ready
     assert downtime.remaining_s(expected, w, now=60) == 2  # overdue: never below zero
-    assert downtime.remaining_s({"old_exit": 1}, w, now=18) is None  # the past lacks parts
+    assert downtime.remaining_s({"old_exit": 1}, w, now=18) is None  # the past lacks them all
+    merged = {"old_exit": 4, "teardown": 1, "to_ready": 30}  # vLLM printed no progress then
+    assert downtime.remaining_s(merged, w, now=18) == 30
 
 
 @pytest.mark.parametrize(
@@ -231,3 +233,18 @@ def test_a_stop_during_a_warming_does_not_wait_for_it(slow_host: LoopHost) -> No
     said = [x for x in h.lines if x["event"] == "warmed"][-1]
     assert said["stopped"] == "aborted" and said["read_bytes"] < said["bytes"]
     assert h.systemd.starts == [Mode.PRODUCTION]  # profile was never started
+
+
+def test_the_eta_of_a_load_is_made_of_the_past_switches_parts(host: LoopHost) -> None:
+    host.serving(Mode.PRODUCTION)
+    for mode in (Mode.PROFILE, Mode.PRODUCTION):
+        host.ask(Switch(mode, "op"))
+        host.serving(mode)
+    host.systemd.load_s = 1.0  # the next load lasts a second of real time
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.until(lambda: bool(host.status()["eta"]), "the ETA of the load")
+    eta = host.status()["eta"]
+    assert "(now: start to weights loaded)" in eta["text"], eta
+    under_way = host.status()["downtime"]
+    assert under_way["under_way"] and under_way["part"] == "to_weights"
+    host.serving(Mode.PROFILE)
