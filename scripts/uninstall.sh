@@ -29,5 +29,5 @@ done
 rm -rf "$DESTDIR$PREFIX"
 [ -z "$DESTDIR" ] && systemctl daemon-reload 2>/dev/null || true
 echo "uninstall: removed kimi-supervisor from $DESTDIR$PREFIX and its commands, units and pages."
-echo "  Kept: $DESTDIR$SYSCONFDIR/kimi-supervisor (the config), /var/lib/kimi-supervisor (state, captures),"
-echo "  and the group kimi. Remove them with: rm -r $SYSCONFDIR/kimi-supervisor /var/lib/kimi-supervisor; groupdel kimi"
+echo "  Kept: $DESTDIR$SYSCONFDIR/kimi-supervisor (the config), /var/lib/kimi-supervisor (state, captures), /var/cache/kimi-supervisor (vLLM's caches),"
+echo "  and the group kimi. Remove them with: rm -r $SYSCONFDIR/kimi-supervisor /var/lib/kimi-supervisor /var/cache/kimi-supervisor; groupdel kimi"

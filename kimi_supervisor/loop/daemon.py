@@ -381,7 +381,7 @@ class Daemon:
         ctx = self.ctx
         ctx.log("vllm_main_exited", level="warning", main_pid=pid)
         ctx.event("vllm_main_exited", {"main_pid": pid})
-        ctx.observer.forget_health()
+        self.life.main_exited()
         self._exited = (pid, ctx.clock.monotonic() + MAIN_EXIT_SETTLE_S)
 
     def _exit_seen(self) -> bool:

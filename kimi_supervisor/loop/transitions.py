@@ -284,6 +284,15 @@ class Lifecycle(Setbacks):
         self.jobs.run(Purpose.SHUTDOWN, "the supervisor is stopping")
 
     # ------------------------------------------------------------------ the teardown job
+    def main_exited(self) -> None:
+        """vLLM's MainPID exited. While a switch warms, the old mode no longer serves: the
+        warming stops (there is nothing left to keep serving for) and the teardown begins."""
+        s = self.s
+        self.ctx.observer.forget_health()
+        if s.state is State.WARMING:
+            s.serving = None
+            s.stop_warming()
+
     def job_message(self, msg: JobEvent | JobDone | Warmed) -> None:
         match msg:
             case JobEvent():

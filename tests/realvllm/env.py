@@ -78,6 +78,23 @@ def model(env: Path) -> Path:
     return done
 
 
+BIG = HERE / "make_big_model.py"
+
+
+def big_model(env: Path) -> Path:
+    """The model whose weights take seconds to read (bench/downtime_bench.py), made once per
+    make_big_model.py."""
+    key = hashlib.sha256(BIG.read_bytes()).hexdigest()[:10]
+    done = CACHE / f"big-llama-{key}"
+    if (done / "config.json").exists():
+        return done
+    tmp = CACHE / f".big-model-building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    _run([str(env / "bin" / "python"), str(BIG), str(model(env)), str(tmp)], 1800)
+    tmp.rename(done)
+    return done
+
+
 def _run(cmd: list[str], timeout: float) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:

@@ -108,8 +108,10 @@ def real() -> Iterator[DaemonHelper]:
         "TQDM_MININTERVAL": "0",
         "TQDM_MINITERS": "1",
         "TMPDIR": str(root / "tmp"),
-        "TORCHINDUCTOR_CACHE_DIR": str(env.CACHE / "inductor"),
     }
+    # vLLM's caches are the product's (vllm.cache_dir, here {sandbox}/vllm-cache), empty at the
+    # tier's first start: the profile start below shows production's compiled code reused. It
+    # costs the first start about 55 s (init engine 84.6 s against 39-43 s warm, measured).
     sb = Sandbox.up(root, gpus=2, daemon=False, overrides=overrides, vllm_env=vllm_env)
     helper = SandboxHelper(sb)
     helper.indices = [0, 1]
@@ -161,6 +163,60 @@ def test_real_vllm_serves_production_byte_exact_with_its_real_tree_and_health(
     assert_load_output_like_vllm_0_16(log.read_bytes())
     health = request(real.config.vllm.health_url, timeout_s=5)
     assert health.status == 200 and not health.body
+
+
+def compiled(real: DaemonHelper) -> set[str]:
+    """What torch.compile left under vllm.cache_dir: the CPU build compiles with inductor
+    (vLLM's DYNAMO_TRACE_ONCE mode), whose C++ kernels and AOT-autograd entries are kept in
+    TORCHINDUCTOR_CACHE_DIR (a GPU build also fills VLLM_CACHE_ROOT/torch_compile_cache)."""
+    d = real.config.vllm.cache_dir
+    assert d is not None
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.parent.name != "locks"}
+
+
+def init_engine_s(output: str) -> float:
+    """vLLM 0.16's "init engine (profile, create kv cache, warmup model) took N seconds"."""
+    m = re.findall(
+        r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", output
+    )
+    assert m, output[-2000:]
+    return float(m[-1])
+
+
+def test_profile_starts_from_the_compile_cache_production_made_and_its_downtime_is_measured(
+    real: DaemonHelper,
+) -> None:
+    made = compiled(real)
+    assert any(p.endswith(".so") for p in made), made  # production compiled into it
+    log = real.config.vllm.log_file
+    assert log is not None
+    before = log.read_bytes().decode(errors="replace")
+    r = real.kimi_mode("profile", timeout=READY_S + 120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = log.read_bytes().decode(errors="replace")[len(before) :]
+    # Nothing compiled again: the profiler's config is not in the cache's keys.
+    assert compiled(real) == made
+    first, again = init_engine_s(before), init_engine_s(said)
+    assert again < first, (first, again)
+    # The window, from real vLLM's output: every part seen, adding up to it.
+    d = [e for e in real.history() if e["kind"] == "transition"][-1]["downtime"]
+    parts = d["parts"]
+    assert set(parts) == {"old_exit", "teardown", "to_weights", "engine_init", "to_ready"}, d
+    assert abs(sum(parts.values()) - d["window_s"]) < 0.01
+    assert d["text"] in r.stdout  # said at the end of the switch
+    model = Path(json.loads(real.config.vllm.argv_file.read_text())["argv"][2])
+    weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    assert d["warm"]["read_bytes"] >= weights and not d["warm"]["stopped"], d
+    status = real.status()["downtime"]
+    assert (status["target"], status["window_s"], status["parts"]) == (
+        "profile", d["window_s"], parts
+    )  # fmt: skip
+    port = real.config.metrics.port
+    body = request(f"http://127.0.0.1:{port}/metrics", max_bytes=1 << 20).body
+    assert 'kimi_supervisor_switch_downtime_seconds_count{target="profile"} 1.0' in body
+    part = 'kimi_supervisor_switch_downtime_part_seconds{target="profile",part="engine_init"}'
+    assert f"{part} {parts['engine_init']}" in body
+    record(to_profile_downtime=d, init_engine_cold_s=first, init_engine_from_cache_s=again)
 
 
 def completions(real: DaemonHelper, n: int) -> None:
@@ -230,6 +286,11 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
     r = real.kimi_mode("profile", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
     out, folder = capture(real)
+    taken = [e for e in real.history() if e["kind"] == "capture"][-1]
+    # The capture's record says what the switch into profile mode before it cost.
+    assert taken["downtime_before"]["target"] == "profile", taken
+    into = [e for e in real.history() if e["kind"] == "transition" and e["target"] == "profile"]
+    assert taken["downtime_before"]["window_s"] == into[-1]["downtime"]["window_s"]
     names = sorted(p.name for p in folder.iterdir())
     assert_traces_like_vllm_0_16(names, 2)  # the checks the fake's traces pass too
     assert "rank   0" in out and "rank   1" in out, out
@@ -287,8 +348,10 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     assert seen and seen[-1] == 100, r.stdout
     last = [e for e in real.history() if e["kind"] == "teardown"][-1]
     steps = {s["step"]: round(s["duration_s"], 2) for s in last["steps"]}
+    back = [e for e in real.history() if e["kind"] == "transition"][-1]["downtime"]
+    assert back["window_s"] < switch_s and back["text"] in r.stdout, back
     record(profile_to_production_s=round(switch_s, 1), teardown_s=round(last["duration_s"], 2),
-           teardown_steps=steps)  # fmt: skip
+           teardown_steps=steps, to_production_downtime=back)  # fmt: skip
     assert not any(processes.ref_of(pid) for pid in before), "the old tree is gone"
     assert "--profiler-config" not in processes.cmdline_of(real.vllm_pid())
 
