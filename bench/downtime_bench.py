@@ -17,7 +17,7 @@ The armed profiler (`--profiler`): production started plain, started with the pr
 each serving the same sequential load of completions of the tiny model; the rounds alternate,
 and a variant's spread between its own rounds is the noise its difference is judged against.
 
-    .venv/bin/python -m bench.downtime_bench --runs 2 --write docs/performance.md
+    .venv/bin/python -m bench.downtime_bench --runs 1 --rounds 2 --write docs/performance.md
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class Host:
     def history(self) -> list[dict[str, Any]]:
         from kimi_supervisor.store import history
 
-        return history.read(self.sb.config.state.dir)
+        return history.read(self.sb.config().state.dir)
 
     def set_warm(self, on: bool) -> None:
         """Warming on or off: the config edited and the daemon reloaded (it adopts vLLM)."""
@@ -148,16 +148,17 @@ class Host:
         else:
             text += "\n[warm]\n" + lines[0] + "\n"
         path.write_text(text)
-        pid = self.status()["daemon"]["pid"]
+        began = self.status()["daemon"]["started_at"]
         subprocess.run(["systemctl", "--user", "reload", DAEMON_UNIT], env=self.env, check=True)
-        poll(lambda: self._pid() not in (0, pid), 60, 0.5)
+        # A reload re-executes the daemon in place: the same PID, a new start time.
+        poll(lambda: self._started() not in ("", began), 60, 0.5)
         self.serving(self.status()["desired_mode"])
 
-    def _pid(self) -> int:
+    def _started(self) -> str:
         try:
-            return int(self.status()["daemon"]["pid"])
+            return str(self.status()["daemon"]["started_at"])
         except (ValueError, IndexError, KeyError, TypeError):
-            return 0
+            return ""
 
     def down(self) -> None:
         self.sb.down()
@@ -349,7 +350,8 @@ def main() -> None:
     import argparse
 
     a = argparse.ArgumentParser()
-    a.add_argument("--runs", type=int, default=2)
+    a.add_argument("--runs", type=int, default=1)
+    a.add_argument("--rounds", type=int, default=2, help="of the armed-profiler experiment")
     a.add_argument("--what", choices=["all", "downtime", "profiler"], default="all")
     a.add_argument("--requests", type=int, default=20)
     a.add_argument("--tokens", type=int, default=32)

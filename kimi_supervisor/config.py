@@ -362,25 +362,27 @@ class Config(_Strict):
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     warm: WarmConfig = Field(default_factory=WarmConfig)
 
-    def vllm_trace_dir(self) -> Path | None:
-        """Where vLLM in profile mode writes traces: profiling.vllm_trace_dir, else the
-        torch_profiler_dir of the profile args' --profiler-config."""
+    def profiler_config(self, mode: Mode) -> str | None:
+        """The --profiler-config a mode starts vLLM with (None: its profiler is not armed)."""
+        args = self.modes.args_for(mode)
+        for i, a in enumerate(args):
+            if a == "--profiler-config" and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith("--profiler-config="):
+                return a.split("=", 1)[1]
+        return None
+
+    def vllm_trace_dir(self, mode: Mode = Mode.PROFILE) -> Path | None:
+        """Where vLLM in `mode` writes traces: profiling.vllm_trace_dir, else the
+        torch_profiler_dir of the mode's --profiler-config."""
         if self.profiling.vllm_trace_dir is not None:
             return self.profiling.vllm_trace_dir
-        args = self.modes.profile.args
-        for i, a in enumerate(args):
-            value = None
-            if a == "--profiler-config" and i + 1 < len(args):
-                value = args[i + 1]
-            elif a.startswith("--profiler-config="):
-                value = a.split("=", 1)[1]
-            if value:
-                try:
-                    d = json.loads(value).get("torch_profiler_dir")
-                except (ValueError, AttributeError):
-                    return None
-                return Path(d) if d else None
-        return None
+        value = self.profiler_config(mode)
+        try:
+            d = json.loads(value).get("torch_profiler_dir") if value else None
+        except (ValueError, AttributeError):
+            return None
+        return Path(d) if d else None
 
     def launch_argv(self, mode: Mode) -> list[str]:
         """The exact argv vLLM must be started with in `mode`."""

@@ -26,7 +26,7 @@ from kimi_supervisor.capture import ranks as capturesummary
 from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
-from kimi_supervisor.model import SUMMARY, CapturePhase, utcnow
+from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, utcnow
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
 
@@ -44,6 +44,8 @@ class CaptureSpec:
     # Who asked (the socket's peer credentials): the folder and the traces are handed to them.
     uid: int = 0
     gid: int = 0
+    # The mode vLLM serves in: profile, or production started with the profiler armed.
+    mode: Mode = Mode.PROFILE
 
 
 def check_out(fd: int, uid: int) -> str | None:
@@ -193,12 +195,12 @@ class Capture:
 
     def _capture(self) -> None:
         p, base = self.config.profiling, self.config.vllm
-        trace_dir = self.config.vllm_trace_dir()
+        trace_dir = self.config.vllm_trace_dir(self.spec.mode)
         if trace_dir is None:
             self._end(
                 False,
-                "the profile mode's --profiler-config names no torch_profiler_dir: set "
-                "profiling.vllm_trace_dir to where vLLM writes its traces",
+                f"the {self.spec.mode.value} mode's --profiler-config names no "
+                "torch_profiler_dir: set profiling.vllm_trace_dir to where vLLM writes its traces",
             )
             return
         before = _files(trace_dir)

@@ -224,11 +224,14 @@ class Desk:
             )
         if s.transition is not None or s.intent is not None or s.busy:
             return Reply(ok=False, code="busy", message=f"a switch is in progress: {self._line()}")
-        if s.state is not State.SERVING or s.serving is None or s.serving.mode is not Mode.PROFILE:
+        # vLLM records only when started with --profiler-config: profile mode, or production
+        # where an operator armed it (docs/operations.md, "Captures without a restart").
+        serving = s.serving.mode if s.state is State.SERVING and s.serving else None
+        if serving is None or self.ctx.config.profiler_config(serving) is None:
             return Reply(
                 ok=False,
                 code="wrong_mode",
-                message=f"vLLM is not serving in profile mode ({self._line()}): switch "
+                message=f"vLLM is not serving with its profiler armed ({self._line()}): switch "
                 "first with `kimi-mode profile`, or use `kimi-mode capture --switch`",
             )
         out_fd = None
@@ -236,7 +239,7 @@ class Desk:
             if (wrong := check_out(r.out_fd, r.uid)) is not None:
                 return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {wrong}")
             out_fd = os.dup(r.out_fd)
-        spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid)
+        spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid, serving)
         put = self._put
         c = s.capture = Capture(
             self.ctx.config,

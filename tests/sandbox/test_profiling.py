@@ -144,7 +144,7 @@ def test_a_capture_in_production_mode_is_refused_with_the_hint_to_switch_first(
     before = len(captures(sandbox))
     r = daemon.kimi_mode("capture", "--seconds", "1")
     assert r.returncode == 5  # refused as the host stands
-    assert "not serving in profile mode" in r.stderr and "kimi-mode profile" in r.stderr
+    assert "not serving with its profiler armed" in r.stderr and "kimi-mode profile" in r.stderr
     r = daemon.kimi_mode("capture", "--switch", "--seconds", "1", "--then", "stay")
     assert r.returncode == 0, r.stdout + r.stderr
     assert daemon.status()["mode"] == "profile"

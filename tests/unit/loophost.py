@@ -81,9 +81,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config_for(root: Path, model: Path | None = None, extra: str = "", **daemon: float) -> Config:
+def config_for(
+    root: Path, model: Path | None = None, extra: str = "", armed: bool = False, **daemon: float
+) -> Config:
     """`model`: a folder vLLM's argv names (`serve MODEL`), which a switch warms; `extra`: more
-    TOML sections."""
+    TOML sections; `armed`: production starts vLLM with the profiler armed."""
     for d in ("state", "shm", "tmp", "run", "captures", "traces"):
         (root / d).mkdir(parents=True, exist_ok=True)
     settings = {
@@ -101,6 +103,8 @@ def config_for(root: Path, model: Path | None = None, extra: str = "", **daemon:
     lines = "\n".join(f"{k} = {v}" for k, v in settings.items())
     code = json.dumps(FAKE_VLLM)
     served = f', "serve", "{model}"' if model is not None else ""
+    profiler = json.dumps(json.dumps({"profiler": "torch", "torch_profiler_dir": f"{root}/traces"}))
+    armed_args = f', "--profiler-config", {profiler}' if armed else ""
     return parse_config(
         f"""
 [service]
@@ -112,7 +116,7 @@ port = {free_port()}
 argv_file = "{root}/run/vllm-argv.json"
 log_file = "{root}/vllm.log"
 [modes.production]
-args = ["--mode-production"]
+args = ["--mode-production"{armed_args}]
 [modes.profile]
 args = [
   "--mode-profile",
@@ -297,10 +301,15 @@ class SleepWatch(FakeClock):
 
 class LoopHost:
     def __init__(
-        self, root: Path, model: Path | None = None, extra: str = "", **daemon: float
+        self,
+        root: Path,
+        model: Path | None = None,
+        extra: str = "",
+        armed: bool = False,
+        **daemon: float,
     ) -> None:
         self.root = root
-        self.config = config_for(root, model, extra, **daemon)
+        self.config = config_for(root, model, extra, armed, **daemon)
         self.clock = SleepWatch()
         self.systemd = FakeSystemd(self.config, root / "vllm.log")
         self.gpu = FakeGpu()

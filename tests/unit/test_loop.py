@@ -162,6 +162,31 @@ def test_stuck_stays_stuck_through_its_retries_and_the_history_keeps_the_operato
     assert host.status()["stuck"] is None
 
 
+def test_a_capture_in_production_is_refused_unless_production_is_armed(tmp_path: Path) -> None:
+    plain = LoopHost(tmp_path / "plain")
+    try:
+        booted(plain)
+        refused = plain.ask(CaptureStart(by="op", then="production"))
+        assert (refused.ok, refused.code) == (False, "wrong_mode")
+        assert "profiler armed" in refused.message
+    finally:
+        plain.close()
+    armed = LoopHost(tmp_path / "armed", armed=True)
+    try:
+        booted(armed)
+        started = armed.ask(CaptureStart(by="op", seconds=0.5, then="production"))
+        assert started.ok, started.message
+        capture = armed.daemon.s.capture
+        assert capture is not None
+        armed.until(lambda: not capture.active, "the capture to end")
+        assert capture.ok, capture.message
+        armed.serving(Mode.PRODUCTION)
+        assert armed.systemd.starts == [Mode.PRODUCTION]  # recorded without a restart
+        assert [e["ok"] for e in armed.history("capture")] == [True]
+    finally:
+        armed.close()
+
+
 def test_a_capture_holds_a_switch_until_it_has_flushed(host: LoopHost) -> None:
     booted(host)
     host.ask(Switch(Mode.PROFILE, "op"))
