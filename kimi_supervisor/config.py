@@ -104,6 +104,13 @@ class ModesConfig(_Strict):
     production: ModeConfig
     profile: ModeConfig
 
+    @model_validator(mode="after")
+    def _told_apart(self) -> ModesConfig:
+        if self.production.args == self.profile.args:  # the daemon knows a mode by its argv
+            why = "an armed production: its own torch_profiler_dir"
+            raise ValueError(f"equal args: the daemon tells the modes apart by their argv ({why})")
+        return self
+
     def args_for(self, mode: Mode) -> list[str]:
         return list(self.production.args if mode is Mode.PRODUCTION else self.profile.args)
 
@@ -322,9 +329,8 @@ class ProfilingConfig(_Strict):
 
 
 class WarmConfig(_Strict):
-    """Before a switch's teardown, while the old mode still serves, the next mode's model files
-    are read into the page cache (loop/warming.py): the new vLLM then reads its weights from
-    memory during the downtime. A --force switch and a stop never wait for it."""
+    """Before a switch's teardown, while the old mode serves, the next mode's model files are
+    read into the page cache (loop/warming.py). A --force switch and a stop never wait for it."""
 
     # Whether a switch warms the page cache first.
     enabled: bool = True

@@ -80,7 +80,7 @@ port = {self.port}
 [modes.production]
 args = []
 [modes.profile]
-args = []
+args = ["--max-model-len", "4096"]
 [gpus]
 backend = "nvml"
 managed = {self.indices}

@@ -1,8 +1,10 @@
 """A Llama for real vLLM on a CPU whose weights take seconds to read and little to compute:
-the tiny model's tokenizer and layers (hidden 1024, 2 layers), and a tied embedding of
-1,500,000 rows (3.1 GB of random bf16 in 500 MB shards). An embedding is read whole at load
-but costs one row per token, and the tied LM head one product per sampled token, so the load's
-time is the weights' and the engine's, not the model's arithmetic. Nothing is downloaded.
+the tiny model's tokenizer, 2 layers of hidden 1024, and an embedding of 1,500,000 rows (3.1 GB
+of random bf16) that the LM head shares. The files hold the head's copy too (the model is
+built on the meta device, which unties it at save): 6.1 GB in all, every byte read at load,
+half of it kept. An embedding costs one row per token and the head one product per sampled
+token, so a load's time is the weights' and the engine's, not the model's arithmetic. Nothing
+is downloaded.
 
     VENV/bin/python tests/realvllm/make_big_model.py TINY_MODEL_DIR OUT_DIR
 """

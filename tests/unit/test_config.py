@@ -372,3 +372,14 @@ def test_the_config_manual_documents_every_key_with_its_default_and_a_descriptio
     page = configdoc.render()
     assert "term_grace_s\\fR = 30.0  (number)" in page
     assert f"port\\fR = {effective.metrics.port}" in page and ".SH EXAMPLES" in page
+
+
+def test_two_modes_that_start_vllm_alike_are_refused_with_why(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(
+        '[vllm]\ncommand = ["/v", "serve", "m"]\n'
+        '[modes.production]\nargs = ["--profiler-config", "{}"]\n'
+        '[modes.profile]\nargs = ["--profiler-config", "{}"]\n'
+    )
+    with pytest.raises(ConfigError, match="tells the modes apart by their argv"):
+        load_config(p)
