@@ -49,7 +49,7 @@ def status_line(s: LoopState, now: float) -> str:
     if s.state is State.TEARING_DOWN and tr:
         return f"switching to {tr.target.value}: {tr.step}"
     if s.state is State.STARTING and tr:
-        eta = s.eta_text(now)
+        eta = eta_said(s, now)[1] if s.eta and s.load_started is not None else None
         return f"switching to {tr.target.value}: {s.progress.describe()}" + (
             f"; {eta}" if eta else ""
         )
@@ -81,13 +81,7 @@ def build(
     eta = None
     if s.state is State.STARTING and s.eta is not None and s.load_started is not None:
         elapsed = now - s.load_started
-        left, text = round(s.eta.remaining_s(elapsed), 1), s.eta.describe(elapsed)
-        # By the parts of past switches (decide/downtime.py): the part under way and those after.
-        by_parts = downtime.remaining_s(s.expected_parts, s.watch, now) if s.watch else None
-        if by_parts is not None and not s.eta.slower(elapsed):
-            part = s.watch.part_now() if s.watch else None
-            left = by_parts
-            text = f"ready in about {whole_s(by_parts)} (now: {downtime.WORDS.get(part or '', '')})"
+        left, text = eta_said(s, now)
         eta = EtaStatus(
             expected_s=round(s.eta.expected_s, 1),
             remaining_s=left,
@@ -182,6 +176,20 @@ def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
         at=utcnow().isoformat(),
         text=text,
     )
+
+
+def eta_said(s: LoopState, now: float) -> tuple[float, str]:
+    """While loading: the time left and its words, by the parts of past switches where they
+    are known (decide/downtime.py), else by the median of past loads (decide/eta.py)."""
+    assert s.eta is not None and s.load_started is not None
+    elapsed = now - s.load_started
+    left, text = round(s.eta.remaining_s(elapsed), 1), s.eta.describe(elapsed)
+    by_parts = downtime.remaining_s(s.expected_parts, s.watch, now) if s.watch else None
+    if by_parts is not None and not s.eta.slower(elapsed):
+        part = s.watch.part_now() if s.watch else None
+        left = by_parts
+        text = f"ready in about {whole_s(by_parts)} (now: {downtime.WORDS.get(part or '', '')})"
+    return left, text
 
 
 def whole_s(seconds: float) -> str:

@@ -124,7 +124,8 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     r = serving.kimi_mode("wait")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "following t-" in r.stdout and "-> profile (since " in r.stdout
-    assert r.stdout.strip().splitlines()[-1].startswith("done: profile is ready")
+    assert r.stdout.strip().splitlines()[-2].startswith("done: profile is ready"), r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("  unavailable "), r.stdout
     # Nothing to wait for: at once, with the status's exit; never a switch.
     transitions = len(serving.transitions())
     r = serving.kimi_mode("wait", "profile")
