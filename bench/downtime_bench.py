@@ -168,6 +168,17 @@ class Host:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def stop(p: subprocess.Popen[bytes]) -> None:
+    """End a vLLM this bench started: SIGTERM, then its whole session after 60 s."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def floor_once(venv: Path, model: Path, cache: Path) -> float:
     """vLLM's own start, alone, warm page cache and compile cache: exec to /health 200."""
     root = Path(tempfile.mkdtemp(prefix="kimi-floor-"))
@@ -192,13 +203,7 @@ def floor_once(venv: Path, model: Path, cache: Path) -> float:
             raise RuntimeError((root / "vllm.log").read_text()[-3000:])
         return took
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(p)
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 
@@ -274,13 +279,7 @@ def serve_load(venv: Path, variant: str, requests: int, tokens: int) -> dict[str
         return {"p50_s": round(statistics.median(lat), 4),
                 "tokens_per_s": round(requests * tokens / sum(lat), 2)}  # fmt: skip
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(p)
         log.close()
         shutil.rmtree(root, ignore_errors=True)
 
