@@ -35,7 +35,7 @@ typecheck: setup
 	$(BIN)/mypy kimi_supervisor
 
 pytest: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # The fast layer alone (seconds): pure logic per wing, the loop in-process, the import layers.
 unit: setup

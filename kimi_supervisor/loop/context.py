@@ -111,7 +111,8 @@ class Context:
         caller refuses what it was asked before any effect. A file found corrupt is rewritten
         from what the daemon last knew, and recorded."""
         kept: list[tuple[list[str], Mode, str]] = []
-        restore = self._restoring(kept)
+        gone: list[bool] = []
+        restore = self._restoring(kept, gone)
         try:
             new, warning = self.store.update(lambda found: change(restore(found)), self.saved)
         except (StateError, OSError) as e:
@@ -125,6 +126,13 @@ class Context:
         self.unsaved_state = False
         self.unwarn("cannot persist the state")
         self._report_outside(kept)
+        if gone and not warning:
+            # Deleted behind the daemon's back: written again from memory, never from the
+            # defaults a read of no file gives (they would switch to production at a restart).
+            what = f"{self.store.path} disappeared while the daemon ran"
+            self.warn(f"{what}; rewritten from the daemon's state in memory")
+            self.log("state_file_missing", level="error", message=what)
+            self.incident({"at": utcnow().isoformat(), "what": what})
         if warning:
             self.warn(warning)
             self.log("state_file_corrupt", level="error", message=warning)
@@ -143,19 +151,13 @@ class Context:
         not found at the next restart (which would start from defaults)."""
         if self.unsaved_state:
             return
-        now = self.stamp()
-        if now is None and self.saved_stamp is not None:
-            # Deleted behind the daemon's back: a read would give the defaults (production).
-            saved, what = self.saved, f"{self.store.path} disappeared while the daemon ran"
-            self.persist(lambda _missing: saved)
-            self.warn(f"{what}; rewritten from the daemon's state in memory")
-            self.log("state_file_missing", level="error", message=what)
-            self.incident({"at": utcnow().isoformat(), "what": what})
-        elif now != self.saved_stamp:
-            self.persist(lambda st: st)  # a calibrate's baseline taken; see _restoring
+        if self.stamp() != self.saved_stamp:
+            # A calibrate's baseline taken (see _restoring); a file deleted is written again
+            # from memory and reported (see persist).
+            self.persist(lambda st: st)
 
     def _restoring(
-        self, kept: list[tuple[list[str], Mode, str]]
+        self, kept: list[tuple[list[str], Mode, str]], gone: list[bool]
     ) -> Callable[[PersistedState], PersistedState]:
         """What every write of the state first does with the file found (under its lock).
 
@@ -165,12 +167,18 @@ class Context:
         file found is kept beside as state.json.outside-TIME (`kept`), and state.json written
         again from memory. Taking it silently would switch at the next restart, with nobody
         having asked the daemon. Not when the file on disk is known to be behind (a write that
-        failed) or is gone (verify_state reports that)."""
-        known, behind = self.saved, self.unsaved_state
+        failed). A file gone since the daemon wrote it (a read of no file gives the defaults) is
+        the daemon's memory again, and noted in `gone`."""
+        known, behind, written = self.saved, self.unsaved_state, self.saved_stamp is not None
 
         def restore(found: PersistedState) -> PersistedState:
+            if not self.store.path.exists():
+                if written and not behind:
+                    gone.append(True)
+                    return known
+                return found
             fields = changed_outside(known, found)
-            if not fields or behind or not self.store.path.exists():
+            if not fields or behind:
                 return found
             aside = self.store.keep_aside("outside")
             kept.append((fields, found.desired_mode, str(aside)))

@@ -422,8 +422,11 @@ def test_state_deleted_while_the_daemon_runs_is_written_again_with_the_desired_m
     path.unlink()
     wait_until(path.exists, 10, "the daemon to write the state again")
     assert json.loads(path.read_text())["desired_mode"] == "profile"
-    incidents = [e for e in daemon.history() if e["kind"] == "incident"]
-    assert any("disappeared" in e["what"] for e in incidents), incidents
+
+    def recorded() -> bool:  # appended just after the file is written again
+        return any("disappeared" in e["what"] for e in daemon.history() if e["kind"] == "incident")
+
+    wait_until(recorded, 10, "the incident to be recorded")
 
 
 def test_a_client_passing_a_descriptor_with_every_byte_leaves_the_daemon_holding_one(

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,6 @@ from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.launcher import launch_record_path
 
 from .loophost import LoopHost
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[LoopHost]:
-    h = LoopHost(tmp_path)
-    try:
-        yield h
-    finally:
-        h.close()
 
 
 def booted(host: LoopHost) -> LoopHost:
