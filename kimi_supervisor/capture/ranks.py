@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import kimi_supervisor
+from kimi_supervisor.capture import skew
 from kimi_supervisor.capture import trace as tracesummary
 from kimi_supervisor.capture.jsonstream import TraceError
 from kimi_supervisor.model import SUMMARY
 
 TRACE = re.compile(r"\.pt\.trace\.json(\.gz)?$|\.trace\.json(\.gz)?$")
 RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+# summary.json's shape: 2 added the collectives, the steps' distribution, the overlap and the
+# wait/transfer split across ranks (`across_ranks`); --compare summarizes again what is older.
+SUMMARY_VERSION = 2
 
 
 def rank_of(name: str) -> int | None:
@@ -126,13 +130,18 @@ def summarize(
         except ValueError:
             done.append((rank, name, {"error": f"the summarizer exited with {proc.returncode}"}))
     ranks: list[dict[str, Any]] = []
+    timelines: list[tuple[int, dict[str, Any]]] = []
     for rank, name, result in sorted(done, key=lambda d: d[0]):
         if "error" in result:
             errors.append({"rank": rank, "file": name, "error": result["error"]})
         else:
+            if (tl := result.pop("timeline", None)) is not None:
+                timelines.append((rank, tl))
             ranks.append({**result, "rank": rank, "file": name})
     return {
+        "version": SUMMARY_VERSION,
         "ranks": ranks,
+        "across_ranks": skew.split(timelines),
         "errors": sorted(errors, key=lambda e: e["rank"]),
         "took_s": round(time.monotonic() - t0, 1),
     }
@@ -154,6 +163,30 @@ def write(dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1) ->
         raise
     os.close(fd)
     os.rename(tmp, SUMMARY, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+SUMMARY_MAX_BYTES = 64 * 2**20  # a summary.json of 5,000 per-step rows is about 300 kB
+
+
+def read_summary(folder: Path) -> dict[str, Any] | None:
+    """The folder's summary.json, or None when it has none, or one that does not parse (made
+    again then). Never through a link; larger than SUMMARY_MAX_BYTES is none."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        sfd, _why = open_trace(fd, SUMMARY)
+    finally:
+        os.close(fd)
+    if sfd is None:
+        return None
+    with os.fdopen(sfd, "rb") as f:
+        raw = f.read(SUMMARY_MAX_BYTES + 1)
+    if len(raw) > SUMMARY_MAX_BYTES:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def summarize_folder(folder: Path, timeout_s: float = 900.0) -> tuple[dict[str, Any], str | None]:

@@ -31,19 +31,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from kimi_supervisor.capture.collectives import KINDS, collective, from_args, group_of
 from kimi_supervisor.capture.jsonstream import TraceError, events, open_text
+from kimi_supervisor.capture.timeline import (
+    STEP,
+    overlap,
+    step_times,
+    steps_of,
+    timeline,
+    union,
+)
+from kimi_supervisor.capture.timeline import kind_of as _kind
 
-# The order matters: an attention kernel may carry "cutlass" in its name, and an all-reduce may
-# be fused with a GEMM's epilogue; the first class that matches wins.
+# After communication (capture/collectives.py), the first class that matches wins: an attention
+# kernel may carry "cutlass" in its name.
 CLASSES: list[tuple[str, re.Pattern[str]]] = [
-    (
-        "communication",
-        re.compile(
-            r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|cross_device_reduce|"
-            r"custom_ar|gloo|c10d|broadcast|sendrecv|record_param_comms",
-            re.IGNORECASE,
-        ),
-    ),
     (
         "attention",
         re.compile(
@@ -62,7 +64,6 @@ CLASSES: list[tuple[str, re.Pattern[str]]] = [
 ]
 OTHER = "other"
 CLASS_NAMES = ["communication", "gemm", "attention", OTHER]  # as shown
-STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$|^ProfilerStep#\d+$")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 CPU_STEP_CATS = {"user_annotation", "cpu_op"}
@@ -70,6 +71,8 @@ TOP = 8
 
 
 def classify(name: str) -> str:
+    if collective(name) is not None:
+        return "communication"
     for cls, pattern in CLASSES:
         if pattern.search(name):
             return cls
@@ -97,6 +100,8 @@ class _Reader:
     # correlation id and start, to place each kernel in the step that launched it.
     launch_link: array[int] = field(default_factory=lambda: array("q"))
     launch_ts: array[float] = field(default_factory=lambda: array("d"))
+    # NCCL kernels, by index: the collective and the process group their arguments name.
+    nccl_args: dict[int, tuple[str | None, str]] = field(default_factory=dict)
     process_name: str = ""
     count: int = 0
 
@@ -124,6 +129,9 @@ class _Reader:
             return
         if cat in GPU_CATS:
             k = self.kernels
+            if name[:4].lower() == "nccl":
+                args = ev.get("args")
+                self.nccl_args[len(k.ts)] = (from_args(args), group_of(args))
             k.ts.append(ts)
             k.dur.append(dur)
             k.name.append(self.index(name))
@@ -170,13 +178,6 @@ class _Launches:
         return None
 
 
-def _kind(step_name: str) -> str:
-    m = STEP.match(step_name)
-    if m is None or m.group(1) is None:
-        return "step"  # ProfilerStep#N
-    return "prefill" if int(m.group(1)) > 0 else "decode"
-
-
 def _self_times(ops: _Ops) -> Iterator[tuple[float, float, int]]:
     """(start, own time, name index) of each operator of one thread: its duration less its
     children's (operators nest on a thread)."""
@@ -199,12 +200,7 @@ class _Windows:
     """Sorted, merged [start, end) ranges; `holds(t)` by bisection."""
 
     def __init__(self, ranges: list[tuple[float, float]]) -> None:
-        merged: list[list[float]] = []
-        for s, e in sorted(ranges):
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
+        merged = union(ranges)
         self.starts = [s for s, _ in merged]
         self.ends = [e for _, e in merged]
 
@@ -251,10 +247,10 @@ def summarize(text: IO[str]) -> dict[str, Any]:
     classes = {n: classify(name) for n, name in names.items()}
     cpu_windows = _Windows([(s, e) for s, e, n, _ in r.cpu_steps if wanted(n)])
     attributed = "by step" if n_steps else "whole trace"
+    launches = _Launches(r.launch_link, r.launch_ts)
     if device == "gpu":
         # A kernel belongs to the step whose CPU range launched it; without its launch, to the
         # step whose GPU range it starts in; without step marks, to the whole trace.
-        launches = _Launches(r.launch_link, r.launch_ts)
         gpu_windows = _Windows(gpu_spans) if gpu_spans else None
         if n_steps and not r.launch_link and gpu_windows is None:
             attributed = "whole trace divided by steps"
@@ -307,6 +303,41 @@ def summarize(text: IO[str]) -> dict[str, Any]:
             }
             for n, (t, calls) in top
         ],
+        "collectives": _collectives(per_name, names, divide, busy),
+        "step_times": step_times(steps_of(r)),
+        "overlap": overlap(r, names),
+        "timeline": timeline(r, names, launches, int(meta.get("baseTimeNanoseconds") or 0)),
+    }
+
+
+def _collectives(
+    per_name: dict[int, list[float]], names: dict[int, str], divide: int, busy: float
+) -> dict[str, Any]:
+    """The communication class by collective: time per step, share of the busy time, calls, the
+    implementations seen, and for `other`, the names (an unknown kernel is listed, never hidden)."""
+    out: dict[str, Any] = {}
+    for n, (t, calls) in per_name.items():
+        c = collective(names[n])
+        if c is None:
+            continue
+        kind, impl = c
+        row = out.setdefault(kind, {"t": 0.0, "calls": 0, "implementations": [], "names": []})
+        row["t"] += t
+        row["calls"] += int(calls)
+        if impl not in row["implementations"]:
+            row["implementations"].append(impl)
+        if kind == "other" and len(row["names"]) < TOP:
+            row["names"].append(names[n])
+    return {
+        kind: {
+            "ms_per_step": round(row["t"] / divide / 1000, 3),
+            "share": round(row["t"] / busy, 4) if busy else 0.0,
+            "calls": row["calls"],
+            "implementations": sorted(row["implementations"]),
+            **({"names": row["names"]} if kind == "other" else {}),
+        }
+        for kind in KINDS
+        if (row := out.get(kind))
     }
 
 

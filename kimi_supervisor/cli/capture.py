@@ -15,7 +15,8 @@ from typing import Any
 from kimi_supervisor.cli import ask
 from kimi_supervisor.cli import output as km
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.cli.render import format_capture, format_summary
+from kimi_supervisor.cli.render import format_capture
+from kimi_supervisor.cli.summary_text import format_compare, format_summary
 from kimi_supervisor.cli.switch import cmd_switch, refused
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
 from kimi_supervisor.model import SUMMARY
@@ -65,15 +66,52 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     return km.EXIT_OK
 
 
+def _summary_of(folder: Path) -> dict[str, Any]:
+    """A capture folder's summary: its summary.json when it is of this version, else made again
+    here (and written when the folder lets us). Raises OSError."""
+    from kimi_supervisor.capture.ranks import SUMMARY_VERSION, read_summary, summarize_folder
+
+    found = read_summary(folder)
+    if found is not None and found.get("version") == SUMMARY_VERSION:
+        return found
+    return summarize_folder(folder)[0]
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """`capture --compare A B`: two captures side by side, made here (no daemon needed)."""
+    from kimi_supervisor.capture.compare import CompareError, compare
+
+    o = Output(args.output)
+    summaries = []
+    for label, given in zip("AB", args.compare, strict=True):
+        folder = Path(given)
+        try:
+            summaries.append(_summary_of(folder))
+        except OSError as e:
+            return o.fail(km.EXIT_USAGE, f"--compare {label} {folder}: {e.strerror}")
+    try:
+        c = compare(*summaries)
+    except CompareError as e:
+        return o.fail(km.EXIT_USAGE, f"--compare: {e}")
+    a, b = (str(Path(x).absolute()) for x in args.compare)
+    if o.json:
+        o.line({"v": 1, "type": "compare", "a": a, "b": b, **c})
+    else:
+        print(format_compare(c, a, b))
+    return km.EXIT_OK
+
+
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
-    if args.summarize:
+    if args.summarize or args.compare:
+        flag = "--summarize" if args.summarize else "--compare"
         given = [f for f, v in (("--switch", args.switch), ("--seconds", args.seconds),
-                                ("--out", args.out)) if v]  # fmt: skip
+                                ("--out", args.out),
+                                ("--summarize", args.summarize and args.compare)) if v]  # fmt: skip
         if given:
             return Output(args.output).fail(
-                km.EXIT_USAGE, f"--summarize takes no capture: drop {', '.join(given)}"
+                km.EXIT_USAGE, f"{flag} takes no capture: drop {', '.join(given)}"
             )
-        return cmd_summarize(args)
+        return cmd_summarize(args) if args.summarize else cmd_compare(args)
     out_fd: int | None = None
     if args.out:
         opened = _open_out(args.out)

@@ -19,7 +19,16 @@ from kimi_supervisor.cli import admin as cli
 from kimi_supervisor.cli import kimi_mode
 
 PARSERS = {"kimi-mode": kimi_mode.build_parser, "kimi-supervisor": cli.build_parser}
-PATHS = {"--out", "--summarize", "--socket", "--config", "--dir", "--argv-file", "--file"}
+PATHS = {
+    "--out",
+    "--summarize",
+    "--compare",
+    "--socket",
+    "--config",
+    "--dir",
+    "--argv-file",
+    "--file",
+}
 
 
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -21,6 +21,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("kimi-mode capture --switch --seconds 30", "switch, record 30 s, switch back"),
         ("kimi-mode capture --then stay", "record until Enter, stay in profile mode"),
         ("kimi-mode capture --summarize DIR -o json", "a capture's summary as JSON"),
+        ("kimi-mode capture --compare BEFORE AFTER", "two captures side by side, and a verdict"),
     ],
     "status": [
         ("kimi-mode status", "modes, state, unit, GPUs, the last teardown"),

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "take a torch profiler trace",
         "Record a torch profiler trace of the vLLM in profile mode, wait for its flush, and "
         "summarize it; then go back to production (or stay). With --summarize, summarize a "
-        "capture already taken, here, without the daemon.",
+        "capture already taken, here, without the daemon; with --compare, two of them.",
     )
     c.add_argument(
         "--seconds",
@@ -273,6 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="take no capture: summarize the one in DIR (steps, time per step, communication, "
         "GEMM and attention shares, top kernels) and write DIR/summary.json",
+    )
+    c.add_argument(
+        "--compare",
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="take no capture: compare two captures' folders (the same step kind, per class, "
+        "top kernel and the all-reduce's wait and transfer, with deltas and a verdict)",
     )
     c.set_defaults(fn=capture_client.cmd_capture)
     c = command(
@@ -359,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.fn is cmd_doctor:
             sock = _doctor_socket(args)
-        elif getattr(args, "summarize", None) or args.fn is cmd_logs:
-            sock = Path()  # summarizing a capture folder and reading logs ask no daemon
+        elif getattr(args, "summarize", None) or getattr(args, "compare", None):
+            sock = Path()  # summarizing or comparing capture folders asks no daemon
+        elif args.fn is cmd_logs:
+            sock = Path()  # reading logs asks no daemon
         else:
             sock = socket_path(args)
         return int(args.fn(args, sock))

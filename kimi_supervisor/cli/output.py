@@ -122,6 +122,27 @@ class SummaryOut(_Out):
 
     type: Literal["summary"] = "summary"
     ranks: list[dict[str, Any]]
+    across_ranks: dict[str, Any] | None = None
+
+
+class CompareRow(BaseModel):
+    what: str  # a figure ("step p50", "all_reduce wait", ...) or a kernel's name
+    a: float  # ms per step, mean over the ranks
+    b: float
+    delta: float  # b - a
+
+
+class CompareOut(_Out):
+    """`capture --compare A B`: two captures' summaries side by side, one step kind."""
+
+    type: Literal["compare"] = "compare"
+    a: str
+    b: str
+    kind: str
+    rows: list[CompareRow]
+    top: list[CompareRow]
+    verdict: str
+    notes: list[str]
 
 
 class LogOut(_Out):
@@ -163,6 +184,7 @@ OutputLine = Annotated[
     | IsServingOut
     | RecordOut
     | SummaryOut
+    | CompareOut
     | LogOut
     | DoctorOut
     | ErrorOut
@@ -176,6 +198,7 @@ OUTPUT_TYPES: tuple[type[BaseModel], ...] = (
     IsServingOut,
     RecordOut,
     SummaryOut,
+    CompareOut,
     LogOut,
     DoctorOut,
     ErrorOut,

@@ -9,6 +9,7 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+from kimi_supervisor.cli.summary_text import format_summary
 from kimi_supervisor.model import SUMMARY, Outcome, State, title
 from kimi_supervisor.status import Status
 
@@ -222,43 +223,6 @@ def format_capture(data: dict[str, Any]) -> str:
     if data.get("summary"):
         lines.append(f"summary ({SUMMARY} beside the traces):")
         lines.append(format_summary(data["summary"]))
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------ a capture's summary
-LABELS = {"communication": "communication", "gemm": "GEMM", "attention": "attention"}
-
-
-def _pct(share: float) -> str:
-    return f"{share * 100:5.1f} %"
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """What the operator reads after a capture: per rank, the steps and where their time went."""
-    lines: list[str] = []
-    for r in summary.get("ranks", []):
-        steps = r.get("steps") or {}
-        counted = ", ".join(f"{n} {k}" for k, n in sorted(steps.items())) or "no step marks"
-        device = "GPU kernels" if r["device"] == "gpu" else "CPU operators"
-        head = f"rank {r['rank']} ({r.get('process') or r['file']}): {counted}"
-        if r.get("step_ms") is not None:
-            head += f"; {r['scope']}: {r['step_ms']:.2f} ms per step"
-        lines.append(head)
-        per = "per step" if r.get("step_ms") is not None else "in all"
-        lines.append(f"  {device} busy {r['busy_ms_per_step']:.2f} ms {per}:")
-        for cls, v in r["classes"].items():
-            label = LABELS.get(cls, cls)
-            lines.append(f"    {label:<14} {_pct(v['share'])}  {v['ms_per_step']:8.3f} ms")
-        for t in r.get("top", [])[:5]:
-            name = t["name"] if len(t["name"]) <= 70 else t["name"][:67] + "..."
-            lines.append(f"    top {_pct(t['share'])}  {t['calls']:6d} calls  {name}")
-    for e in summary.get("errors", []):
-        if e.get("rank") is None:
-            lines.append(f"{e['file']}: {e['error']}")
-        else:
-            lines.append(f"rank {e['rank']} ({e['file']}): not summarized: {e['error']}")
-    if not lines:
-        lines.append("no rank traces to summarize")
     return "\n".join(lines)
 
 

@@ -17,7 +17,8 @@ def trace_name(naming: str, instance: str, rank: int) -> str:
 def trace(rank: int | None, pid: int, steps: int = 6) -> str:
     """A small Chrome trace shaped like a vLLM 0.16 CPU worker's: decode steps marked
     `execute_context_0(0)_generation_4(4)` (one prefill first), each with a GEMM, an attention
-    and an all-reduce operator under a parent (own times: 600, 200 and 300 + 100 x rank us), and
+    and an all-reduce operator under a parent (own times: 600, 200 and 300 + 100 x rank us: the
+    ranks arrive apart and end together), and
     the with_stack Python frames the summary skips. The API server's (rank None) has no steps."""
     ev: list[dict[str, Any]] = [
         {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
@@ -36,6 +37,10 @@ def trace(rank: int | None, pid: int, steps: int = 6) -> str:
         op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, 1500)
         op("cpu_op", "aten::linear", t + 10, 650)
         op("cpu_op", "_C::onednn_mm", t + 20, 600)
-        op("cpu_op", "vllm::unified_attention_with_output", t + 700, 200)
-        op("cpu_op", "_C::shm_allreduce", t + 950, 300 + 100 * rank)  # type: ignore[operator]
+        op("cpu_op", "vllm::unified_attention_with_output", t + 660, 200)
+        # Every rank's all-reduce ends at one moment (as on real GPUs; capture/skew.py), rank r
+        # arriving 100 x r us before rank 0: the last to arrive is rank 0, every rank's transfer
+        # 300 us, its wait 100 x r.
+        late = 100 * rank  # type: ignore[operator]
+        op("cpu_op", "_C::shm_allreduce", t + 1170 - late, 300 + late)
     return json.dumps({"schemaVersion": 1, "traceEvents": ev, "traceName": "fake"}, indent=1)

@@ -105,7 +105,8 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
 def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> None:
     """The fake's traces hold 1 prefill and 5 decode steps, each with a GEMM of 650 us own time
     (aten::linear 50 around _C::onednn_mm 600: not counted twice), an attention of 200 us and
-    an all-reduce of 300 + 100 x rank us (tests/vllm_0_16.py copies these from real vLLM)."""
+    an all-reduce of 300 + 100 x rank us, ending together on every rank (tests/vllm_0_16.py
+    copies these from real vLLM)."""
     summary = json.loads((folder / "summary.json").read_text())
     assert [r["rank"] for r in summary["ranks"]] == list(range(tp)) and not summary["errors"]
     for r in summary["ranks"]:
@@ -120,6 +121,13 @@ def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> No
         "rank 0 (VLLM::Worker_TP0): 5 decode, 1 prefill; decode steps: 1.50 ms per step" in stdout
     )
     assert "communication   26.1 %" in stdout  # rank 0: 0.3 of 1.15 ms
+    # Across the ranks: every all-reduce ends together, rank r arriving 100 x r us before rank 0.
+    split = summary["across_ranks"]["kinds"]["decode"]["collectives"]["all_reduce"]
+    assert split["last_to_arrive"] == {"rank": 0, "share": 1.0}
+    assert [(p["wait_ms"], p["transfer_ms"]) for p in split["per_rank"]] == pytest.approx(
+        [(0.1 * r, 0.3) for r in range(tp)]
+    )
+    assert "all-reduce" in stdout and "last to arrive: rank 0 in 100 % of calls" in stdout
 
 
 def test_a_capture_with_vllm_0_32s_trace_names_is_listed_by_rank_and_summarized(

@@ -1,0 +1,99 @@
+"""Which collective a kernel or an operator is, by name: every implementation vLLM 0.16 runs
+named apart, all-gathers and reduce-scatters apart from all-reduces (docs/operations.md has the
+table as the operator reads it).
+
+Meta's HolisticTraceAnalysis takes a kernel for communication when its name holds `ncclKernel`
+(`hta/utils/utils.py`): vLLM's own all-reduce (`cross_device_reduce_2stage`) is compute there, and
+on a host that runs it for every small all-reduce, the all-reduce share reads near zero. Here
+each implementation has its row; a name that looks like communication but has no row is counted
+as `other` communication and listed by name, so that an unknown kernel is seen, never hidden.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, OTHER_COMM = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "other",
+)
+# The collectives whose every rank's output needs every rank's input: none can end on any rank
+# before the last rank has arrived, which is what splits their time into waiting and transfer.
+SPLIT = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER)
+KINDS = (*SPLIT, OTHER_COMM)
+
+# (pattern, collective, implementation); the first row that matches wins. The names are the
+# kernels' and operators' as the profiler writes them.
+TABLE: list[tuple[re.Pattern[str], str, str]] = [
+    # NCCL (PyTorch's ProcessGroupNCCL and vLLM's PyNcclCommunicator): ncclDevKernel_AllReduce_
+    # Sum_bf16_RING_LL (NCCL 2.19+; the H200 fixture), ncclKernel_AllReduce_RING_LL_Sum_half
+    # (before).
+    (re.compile(r"^nccl(Dev)?Kernel_AllReduce", re.I), ALL_REDUCE, "NCCL"),
+    (re.compile(r"^nccl(Dev)?Kernel_AllGather", re.I), ALL_GATHER, "NCCL"),
+    (re.compile(r"^nccl(Dev)?Kernel_ReduceScatter", re.I), REDUCE_SCATTER, "NCCL"),
+    (re.compile(r"^nccl", re.I), OTHER_COMM, "NCCL"),  # Broadcast, SendRecv, Reduce, AllToAll
+    # vLLM's custom all-reduce over CUDA IPC (csrc/custom_all_reduce.cuh).
+    (re.compile(r"cross_device_reduce_[12]stage"), ALL_REDUCE, "vLLM custom all-reduce"),
+    # vLLM's quick all-reduce on ROCm (csrc/quickreduce): allreduce_prototype_oneshot/twoshot.
+    (re.compile(r"allreduce_prototype|quick_?reduce", re.I), ALL_REDUCE, "vLLM quick all-reduce"),
+    # PyTorch's symmetric memory (c10d/symm_mem: one_shot_all_reduce_kernel,
+    # two_shot_all_reduce_kernel, multimem_all_reduce_kernel, multimem_one_shot_reduce_kernel).
+    (
+        re.compile(r"multimem_(one_shot_)?(all_)?reduce|(one|two)_shot_all_reduce"),
+        ALL_REDUCE,
+        "symmetric memory",
+    ),
+    (re.compile(r"multimem_all_gather"), ALL_GATHER, "symmetric memory"),
+    (re.compile(r"reduce_scatter.*symm|symm.*reduce_scatter"), REDUCE_SCATTER, "symmetric memory"),
+    # FlashInfer's (TensorRT-LLM's) all-reduce fused with the RMS norm.
+    (re.compile(r"allreduce_fusion|lamport", re.I), ALL_REDUCE, "FlashInfer all-reduce fusion"),
+    # vLLM's CPU build: shared memory between the ranks' processes (csrc/cpu/shm.cpp).
+    (re.compile(r"shm_allreduce"), ALL_REDUCE, "vLLM CPU shared memory"),
+    (re.compile(r"shm_all_gather|shm_gather"), ALL_GATHER, "vLLM CPU shared memory"),
+    (re.compile(r"shm_send|shm_recv"), OTHER_COMM, "vLLM CPU shared memory"),
+    # torch.distributed's operators (gloo on a CPU, or any backend's CPU-side call).
+    (re.compile(r"c10d::allreduce|gloo:all_?reduce|^all_reduce$", re.I), ALL_REDUCE, "c10d"),
+    (re.compile(r"c10d::_?allgather|gloo:all_?gather|^all_gather", re.I), ALL_GATHER, "c10d"),
+    (re.compile(r"c10d::_?reduce_scatter|gloo:reduce_?scatter", re.I), REDUCE_SCATTER, "c10d"),
+]
+# What looks like communication without a row of the table: counted as `other`, named.
+LOOKS_LIKE = re.compile(
+    r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|cross_device|custom_ar|gloo|"
+    r"c10d|broadcast|sendrecv|record_param_comms|shm_",
+    re.IGNORECASE,
+)
+# NCCL kernels say which collective they are in their arguments (PyTorch 2.4+: `Collective
+# name`), which wins over the name.
+_BY_ARG = {
+    "allreduce": ALL_REDUCE,
+    "allgather": ALL_GATHER,
+    "_allgather_base": ALL_GATHER,
+    "reduce_scatter": REDUCE_SCATTER,
+    "_reduce_scatter_base": REDUCE_SCATTER,
+}
+
+
+def collective(name: str) -> tuple[str, str] | None:
+    """(collective, implementation) of a kernel or operator's name; None when it is not
+    communication. A name that looks like communication without a row: ("other", "unknown")."""
+    for pattern, kind, impl in TABLE:
+        if pattern.search(name):
+            return kind, impl
+    if LOOKS_LIKE.search(name):
+        return OTHER_COMM, "unknown"
+    return None
+
+
+def from_args(args: dict[str, Any] | None) -> str | None:
+    """The collective an NCCL kernel's arguments name, if they do."""
+    named = (args or {}).get("Collective name")
+    return _BY_ARG.get(named.lower()) if isinstance(named, str) else None
+
+
+def group_of(args: dict[str, Any] | None) -> str:
+    """The process group a kernel's arguments name (NCCL's), else "" (one sequence per kind)."""
+    g = (args or {}).get("Process Group Name")
+    return str(g) if g is not None else ""

@@ -1,0 +1,248 @@
+"""Waiting against moving data: every collective call matched across the ranks of one capture,
+and each rank's time in it split into the wait for the last rank to arrive and the rest.
+
+**Matching.** The ranks run the same steps in the same order, and within a step the same
+collectives of each key (collective and process group) in the same order. A rank's steps are
+lined up with the lowest rank's by the shift that matches the most steps of the same name and the
+same calls (the profilers of the ranks start a step or two apart); among equal shifts, the one
+whose steps start closest in time. A step is kept when every rank has it with the same calls.
+
+**Clocks.** The ranks of one host share its clock, and a trace's times are that clock's less the
+trace's `baseTimeNanoseconds` (added back here). Whether they really agree is checked, not
+assumed: an all-reduce, an all-gather or a reduce-scatter cannot end on any rank before the last
+rank arrives, because every rank's output needs every rank's input. On the H200 fixture (NCCL,
+two ranks) the ranks' ends of each all-reduce agree within 1 µs. When the median call would end
+before its last arrival by more than CLOCK_TOLERANCE_US, the clocks are not one (traces from two
+hosts): each rank's offset is then the median difference of its ends from the lowest rank's, and
+the summary says so.
+
+**The split.** For one call, the last arrival is the latest start among the ranks. A rank that
+started earlier waited until then (at most its whole time in the call); the rest of its time is
+the transfer. The rank that arrived last is that call's slowest; the spread is the last arrival
+less the first.
+
+**The first step** is in the rows, not in the totals: the ranks' profilers start recording at
+different moments, and the first collective's wait on the ranks that started first is that
+difference, not the host's skew (on the H200 fixture: 164 ms, against 1.5 ms per decode step).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from typing import Any
+
+from kimi_supervisor.capture.collectives import SPLIT
+from kimi_supervisor.capture.timeline import kind_of, percentile
+
+CLOCK_TOLERANCE_US = 20.0
+MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's
+PER_STEP_MAX = 5000  # per-step rows kept in the summary (a 100 s capture of 20 ms steps)
+
+
+def _signature(tl: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+    """Per step: its name and how many calls of each key it made."""
+    counts: list[Counter[str]] = [Counter() for _ in tl["steps"]]
+    for step, key, _t, _d in tl["calls"]:
+        counts[step][key] += 1
+    return [(s[2], tuple(sorted(c.items()))) for s, c in zip(tl["steps"], counts, strict=True)]
+
+
+def _shift(ref: dict[str, Any], other: dict[str, Any], offset_us: float) -> int:
+    """How many steps `other` is ahead of `ref` in its list (see the module)."""
+    a, b = _signature(ref), _signature(other)
+    best: tuple[int, float, int] | None = None
+    for s in range(-min(MAX_SHIFT, len(a)), min(MAX_SHIFT, len(b)) + 1):
+        pairs = [(i, i + s) for i in range(len(a)) if 0 <= i + s < len(b) and a[i] == b[i + s]]
+        if not pairs:
+            continue
+        gap = statistics.median(
+            abs(ref["steps"][i][0] - (other["steps"][j][0] + offset_us)) for i, j in pairs
+        )
+        score = (-len(pairs), gap, abs(s))
+        if best is None or score < (best[0], best[1], abs(best[2])):
+            best = (-len(pairs), gap, s)
+    return best[2] if best else 0
+
+
+def _calls_by_step(tl: dict[str, Any]) -> dict[int, dict[str, list[tuple[float, float]]]]:
+    out: dict[int, dict[str, list[tuple[float, float]]]] = {}
+    for step, key, t, d in tl["calls"]:
+        out.setdefault(step, {}).setdefault(key, []).append((t, d))
+    return out
+
+
+def match(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The matched steps of the ranks' timelines: [(step name, ref step index, {key: [per call:
+    [(start, dur) per rank]]})], the ranks' shifts, and the steps left unmatched."""
+    (_r0, ref), others = ranks[0], ranks[1:]
+    base = min(tl["base_ns"] for _r, tl in ranks)
+    offsets = [(tl["base_ns"] - base) / 1000 for _r, tl in ranks]
+    shifts = [0] + [
+        _shift(ref, tl, offsets[i + 1] - offsets[0]) for i, (_r, tl) in enumerate(others)
+    ]
+    sigs = [_signature(tl) for _r, tl in ranks]
+    by_step = [_calls_by_step(tl) for _r, tl in ranks]
+    steps: list[tuple[str, int, dict[str, list[list[tuple[float, float]]]]]] = []
+    unmatched = 0
+    for i, sig in enumerate(sigs[0]):
+        idx = [i + s for s in shifts]
+        if not all(0 <= j < len(sg) and sg[j] == sig for j, sg in zip(idx, sigs, strict=True)):
+            unmatched += 1
+            continue
+        calls: dict[str, list[list[tuple[float, float]]]] = {}
+        for key, _n in sig[1]:
+            per_rank = [by_step[k][idx[k]][key] for k in range(len(ranks))]
+            calls[key] = [
+                [(t + offsets[k], d) for k, (t, d) in enumerate(call)]
+                for call in zip(*per_rank, strict=True)
+            ]
+        steps.append((sig[0], i, calls))
+    return {"steps": steps, "shifts": shifts, "unmatched": unmatched}
+
+
+def _clock(steps: list[Any], names: list[int]) -> tuple[list[float], str]:
+    """Each rank's clock offset to add (µs) and how it was found (see the module)."""
+    n = len(names)
+    late: list[float] = []
+    diffs: list[list[float]] = [[] for _ in range(n)]
+    for _name, _i, calls in steps:
+        for key, per_call in calls.items():
+            if key.split("@")[0] not in SPLIT:
+                continue
+            for call in per_call:
+                last = max(t for t, _d in call)
+                late.append(last - min(t + d for t, d in call))
+                end0 = call[0][0] + call[0][1]
+                for k, (t, d) in enumerate(call):
+                    diffs[k].append(end0 - (t + d))
+    if not late or statistics.median(late) <= CLOCK_TOLERANCE_US:
+        return [0.0] * n, "the host's clock (the collectives' ends agree)"
+    offsets = [statistics.median(d) if d else 0.0 for d in diffs]
+    said = ", ".join(f"rank {r} {o / 1000:+.3f} ms" for r, o in zip(names, offsets, strict=True))
+    return offsets, f"not one: aligned by the collectives' ends ({said})"
+
+
+def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
+    """The wait/transfer split of a capture's ranks (rank, timeline), lowest rank first; None with
+    fewer than two ranks. Per step kind and collective: per rank and on average, the time per step
+    in calls, waiting and moving data, its share of the step, the rank that arrived last most
+    often, and the spread of arrivals; and a row per step."""
+    if len(ranks) < 2:
+        return None
+    m = match(ranks)
+    n = len(ranks)
+    names = [r for r, _tl in ranks]
+    offsets, clock = _clock(m["steps"], names)
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    step_ms: dict[str, list[float]] = {}
+    rows: list[list[Any]] = []
+    ref_steps = ranks[0][1]["steps"]
+    for pos, (name, i, calls) in enumerate(m["steps"]):
+        kind = kind_of(name)
+        ms = (ref_steps[i][1] - ref_steps[i][0]) / 1000
+        if pos:  # the first: the profilers' start (see the module)
+            step_ms.setdefault(kind, []).append(ms)
+        row_wait = row_total = 0.0
+        row_last: Counter[int] = Counter()
+        for key, per_call in calls.items():
+            coll = key.split("@")[0]
+            # The first step's figures go to its row only, in a bin nobody reports.
+            a = acc.setdefault((kind if pos else "", coll), _new(n))
+            for call in per_call:
+                starts = [t + offsets[k] for k, (t, _d) in enumerate(call)]
+                last = max(starts)
+                a["spread"].append(last - min(starts))
+                if coll in SPLIT:
+                    a["last"][starts.index(last)] += 1
+                    row_last[starts.index(last)] += 1
+                for k, (_t, d) in enumerate(call):
+                    wait = min(max(last - starts[k], 0.0), d) if coll in SPLIT else 0.0
+                    a["total"][k] += d
+                    a["wait"][k] += wait
+                    if coll in SPLIT:
+                        row_wait += wait / n
+                        row_total += d / n
+        for coll in {key.split("@")[0] for key in calls}:
+            acc[(kind if pos else "", coll)]["steps"] += 1
+        last_rank = names[row_last.most_common(1)[0][0]] if row_last else None
+        rows.append(
+            [
+                i,
+                kind,
+                round(ms, 3),
+                round(row_total / 1000, 3),
+                round(row_wait / 1000, 3),
+                last_rank,
+            ]
+        )
+    kinds: dict[str, Any] = {}
+    for kind, times in step_ms.items():
+        per_coll = {
+            coll: _report(a, step_ms[kind], names)
+            for (k, coll), a in sorted(acc.items())
+            if k == kind and a["steps"]
+        }
+        kinds[kind] = {
+            "steps": len(times),
+            "step_ms": round(statistics.mean(times), 3),
+            "collectives": per_coll,
+        }
+    return {
+        "ranks": names,
+        "clock": clock,
+        "matched_steps": len(m["steps"]),
+        "unmatched_steps": m["unmatched"],
+        "shifts": dict(zip(map(str, names), m["shifts"], strict=True)),
+        "kinds": kinds,
+        "per_step": {
+            "columns": ["step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank"],
+            "rows": rows[:PER_STEP_MAX],
+            "left_out": max(len(rows) - PER_STEP_MAX, 0),
+        },
+    }
+
+
+def _new(n: int) -> dict[str, Any]:
+    return {"steps": 0, "total": [0.0] * n, "wait": [0.0] * n, "last": Counter(), "spread": []}
+
+
+def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[str, Any]:
+    """One collective of one step kind, as summary.json carries it (ms per step)."""
+    steps = len(step_ms)
+    per_rank = []
+    for k, rank in enumerate(names):
+        total, wait = a["total"][k] / steps / 1000, a["wait"][k] / steps / 1000
+        per_rank.append(
+            {
+                "rank": rank,
+                "ms_per_step": round(total, 3),
+                "wait_ms": round(wait, 3),
+                "transfer_ms": round(total - wait, 3),
+            }
+        )
+    mean = statistics.mean(step_ms)
+    total = statistics.mean(r["ms_per_step"] for r in per_rank)
+    wait = statistics.mean(r["wait_ms"] for r in per_rank)
+    calls = sum(a["last"].values())
+    slowest = a["last"].most_common(1)
+    spread = sorted(a["spread"])
+    return {
+        "calls_per_step": round(len(spread) / steps, 2),
+        "ms_per_step": round(total, 3),
+        "wait_ms": round(wait, 3),
+        "transfer_ms": round(total - wait, 3),
+        "share_of_step": round(total / mean, 4) if mean else 0.0,
+        "wait_share": round(wait / total, 4) if total else 0.0,
+        "last_to_arrive": (
+            {"rank": names[slowest[0][0]], "share": round(slowest[0][1] / calls, 4)}
+            if slowest and calls
+            else None
+        ),
+        "arrival_spread_ms": {
+            "p50": round(percentile(spread, 50) / 1000, 4),
+            "p90": round(percentile(spread, 90) / 1000, 4),
+            "max": round(spread[-1] / 1000, 4) if spread else 0.0,
+        },
+        "per_rank": per_rank,
+    }

@@ -1,0 +1,148 @@
+"""A capture's summary and two captures' comparison, as the operator reads them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LABELS = {"communication": "communication", "gemm": "GEMM", "attention": "attention"}
+COLLECTIVES = {
+    "all_reduce": "all-reduce",
+    "all_gather": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "other": "other comm.",
+}
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:5.1f} %"
+
+
+def _short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """What the operator reads after a capture: per rank, the steps and where their time went;
+    across the ranks, the collectives' wait and transfer."""
+    lines: list[str] = []
+    for r in summary.get("ranks", []):
+        steps = r.get("steps") or {}
+        counted = ", ".join(f"{n} {k}" for k, n in sorted(steps.items())) or "no step marks"
+        device = "GPU kernels" if r["device"] == "gpu" else "CPU operators"
+        head = f"rank {r['rank']} ({r.get('process') or r['file']}): {counted}"
+        if r.get("step_ms") is not None:
+            head += f"; {r['scope']}: {r['step_ms']:.2f} ms per step"
+        lines.append(head)
+        for kind, t in sorted((r.get("step_times") or {}).items()):
+            first = f"; first {len(t['first'])} apart: {t['first']} ms" if t["first"] else ""
+            lines.append(
+                f"  {kind} steps p50 {t['p50']:.2f} ms, p90 {t['p90']:.2f}, p99 {t['p99']:.2f}"
+                f"{first}"
+            )
+        per = "per step" if r.get("step_ms") is not None else "in all"
+        lines.append(f"  {device} busy {r['busy_ms_per_step']:.2f} ms {per}:")
+        for cls, v in r["classes"].items():
+            label = LABELS.get(cls, cls)
+            lines.append(f"    {label:<14} {_pct(v['share'])}  {v['ms_per_step']:8.3f} ms")
+            if cls == "communication":
+                for coll, c in (r.get("collectives") or {}).items():
+                    impl = ", ".join(c["implementations"])
+                    named = f": {', '.join(map(_short, c['names']))}" if c.get("names") else ""
+                    lines.append(
+                        f"      {COLLECTIVES[coll]:<14} {_pct(c['share'])}  "
+                        f"{c['ms_per_step']:6.3f} ms  ({impl}){named}"
+                    )
+        for t in r.get("top", [])[:5]:
+            lines.append(f"    top {_pct(t['share'])}  {t['calls']:6d} calls  {_short(t['name'])}")
+        if r.get("overlap"):
+            o = r["overlap"]
+            lines.append(
+                f"  communication overlapped with compute: {_pct(o['overlapped_share'])} of "
+                f"{o['communication_ms']:.3f} ms"
+            )
+    if summary.get("across_ranks"):
+        lines += format_split(summary["across_ranks"])
+    for e in summary.get("errors", []):
+        if e.get("rank") is None:
+            lines.append(f"{e['file']}: {e['error']}")
+        else:
+            lines.append(f"rank {e['rank']} ({e['file']}): not summarized: {e['error']}")
+    if not lines:
+        lines.append("no rank traces to summarize")
+    return "\n".join(lines)
+
+
+def format_split(split: dict[str, Any]) -> list[str]:
+    """Across the ranks: per step kind and collective, waiting against moving data."""
+    lines = [
+        f"across ranks {', '.join(map(str, split['ranks']))}: {split['matched_steps']} steps "
+        f"matched ({split['unmatched_steps']} not); clock: {split['clock']}"
+    ]
+    for kind, k in sorted(split["kinds"].items(), key=lambda kv: kv[0] != "decode"):
+        lines.append(f"  {kind} ({k['steps']} steps, {k['step_ms']:.2f} ms per step):")
+        for coll, c in k["collectives"].items():
+            name = COLLECTIVES.get(coll, coll)
+            if coll == "other":
+                lines.append(f"    {name:<14} {c['ms_per_step']:.3f} ms per step (not split)")
+                continue
+            lines.append(
+                f"    {name:<14} {_pct(c['share_of_step'])} of the step, {c['ms_per_step']:.3f} ms:"
+                f" wait {c['wait_ms']:.3f} ms ({c['wait_share'] * 100:.0f} %), transfer "
+                f"{c['transfer_ms']:.3f} ms; {c['calls_per_step']:g} calls per step"
+            )
+            last, spread = c["last_to_arrive"], c["arrival_spread_ms"]
+            if last:
+                lines.append(
+                    f"      last to arrive: rank {last['rank']} in {last['share'] * 100:.0f} % "
+                    f"of calls; arrival spread p50 {spread['p50']:.3f} ms, p90 "
+                    f"{spread['p90']:.3f}, max {spread['max']:.3f}"
+                )
+            ranks = "; ".join(
+                f"{p['rank']}: {p['wait_ms']:.3f} + {p['transfer_ms']:.3f}" for p in c["per_rank"]
+            )
+            lines.append(f"      per rank, wait + transfer ms: {ranks}")
+            lines.append(f"      reading: {reading(c)}")
+    return lines
+
+
+# A collective whose wait is at least this share of its time is mostly waiting; a rank last in at
+# least LAST_SHARE of the calls (with more than two ranks) is one slow rank, not jitter.
+WAITING, LAST_SHARE = 0.5, 0.6
+
+
+def reading(c: dict[str, Any]) -> str:
+    """What the split suggests (docs/operations.md, "Reading the split")."""
+    last = c.get("last_to_arrive") or {}
+    n = len(c.get("per_rank", []))
+    if c["wait_share"] >= WAITING:
+        if last and last["share"] >= max(LAST_SHARE, 1.5 / max(n, 1)):
+            return (
+                f"mostly waiting for rank {last['rank']}, last in {last['share'] * 100:.0f} % of "
+                f"calls: look at what rank {last['rank']} does before its collectives (a host "
+                "stall, more work than the others, a slower GPU)"
+            )
+        return (
+            "mostly waiting, the last rank changing from call to call: jitter (host noise, CPU "
+            "scheduling of the ranks' processes), not one slow rank"
+        )
+    return (
+        "mostly moving data, the ranks arriving together: faster links or smaller messages "
+        "would help, removing skew would not"
+    )
+
+
+def format_compare(c: dict[str, Any], a: str, b: str) -> str:
+    """Two captures side by side (capture/compare.py)."""
+    lines = [f"A: {a}", f"B: {b}", f"{c['kind']} steps, ms per step (mean over ranks):"]
+    lines.append(f"  {'':<26} {'A':>9} {'B':>9} {'B - A':>9}")
+    for row in c["rows"]:
+        lines.append(f"  {row['what']:<26} {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}")
+    lines.append("top kernels:")
+    for row in c["top"]:
+        lines.append(
+            f"  {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}  {_short(row['what'], 60)}"
+        )
+    for note in c["notes"]:
+        lines.append(f"note: {note}")
+    lines.append(f"verdict: {c['verdict']}")
+    return "\n".join(lines)

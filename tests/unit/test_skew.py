@@ -1,0 +1,186 @@
+"""Waiting against moving data across the ranks of a capture (capture/skew.py): synthetic
+captures with a known injected skew (kimi_supervisor/sandbox/synthetic_traces.py), clocks that
+disagree, profilers that start a step apart, and the 2x H200 fixture measured with NCCL."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.capture.collectives import collective
+from kimi_supervisor.capture.ranks import summarize
+from kimi_supervisor.cli.summary_text import format_summary
+from kimi_supervisor.sandbox.synthetic_traces import write_capture
+
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpu-allreduce-2xh200"
+STEPS, LAYERS = 12, 8
+
+
+def summary_of(folder: Path) -> dict[str, Any]:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return summarize(fd, os.listdir(fd))
+    finally:
+        os.close(fd)
+
+
+def all_reduce(summary: dict[str, Any], kind: str = "decode") -> dict[str, Any]:
+    c: dict[str, Any] = summary["across_ranks"]["kinds"][kind]["collectives"]["all_reduce"]
+    return c
+
+
+def test_one_rank_arriving_late_is_named_and_the_others_wait_is_recovered_within_5_percent(
+    tmp_path: Path,
+) -> None:
+    truth = write_capture(
+        tmp_path, world=8, steps=STEPS, layers=LAYERS, late=5, late_us=400.0, jitter_us=60.0
+    )
+    s = summary_of(tmp_path)
+    assert not s["errors"]
+    c = all_reduce(s)
+    assert c["last_to_arrive"] == {"rank": 5, "share": 1.0}
+    counted = STEPS - 1  # the first step is the profilers' start, not counted
+    for p in c["per_rank"]:
+        injected = truth[p["rank"]]["wait_us"] / counted / 1000
+        if p["rank"] == 5:
+            assert p["wait_ms"] == 0
+        else:
+            assert p["wait_ms"] == pytest.approx(injected, rel=0.05)
+        assert p["transfer_ms"] == pytest.approx(truth[p["rank"]]["transfer_us"] / counted / 1000)
+    assert c["wait_share"] > 0.8
+    text = format_summary(s)
+    assert "last to arrive: rank 5 in 100 % of calls" in text
+    assert "mostly waiting for rank 5" in text
+
+
+def test_ranks_arriving_together_read_as_moving_data(tmp_path: Path) -> None:
+    write_capture(tmp_path, world=4, steps=STEPS, layers=LAYERS, transfer_us=200.0, jitter_us=4.0)
+    c = all_reduce(summary_of(tmp_path))
+    assert c["transfer_ms"] == pytest.approx(LAYERS * 0.2, rel=0.01)
+    assert c["wait_share"] < 0.05
+    assert "mostly moving data" in format_summary(summary_of(tmp_path))
+
+
+def test_jitter_with_no_slow_rank_reads_as_jitter_not_as_one_rank(tmp_path: Path) -> None:
+    write_capture(tmp_path, world=8, steps=STEPS, layers=LAYERS, transfer_us=5.0, jitter_us=300.0)
+    c = all_reduce(summary_of(tmp_path))
+    assert c["wait_share"] > 0.5 and c["last_to_arrive"]["share"] < 0.4
+    assert "jitter" in format_summary(summary_of(tmp_path))
+
+
+def test_ranks_on_clocks_that_disagree_are_aligned_by_their_collectives_ends_and_said_so(
+    tmp_path: Path,
+) -> None:
+    # Traces from two hosts: one rank's times 2.3 ms behind, another's 1.5 ms ahead.
+    truth = write_capture(
+        tmp_path, world=4, steps=STEPS, layers=LAYERS, late=2, late_us=300.0,
+        jitter_us=30.0, clock_us=[0.0, 1500.0, -2300.0, 0.0],
+    )  # fmt: skip
+    s = summary_of(tmp_path)
+    assert s["across_ranks"]["clock"].startswith("not one: aligned by the collectives' ends")
+    assert "rank 1 -1.500 ms" in s["across_ranks"]["clock"]
+    c = all_reduce(s)
+    assert c["last_to_arrive"]["rank"] == 2
+    for p in c["per_rank"]:
+        assert p["wait_ms"] == pytest.approx(truth[p["rank"]]["wait_us"] / 11 / 1000, rel=0.05)
+
+
+def test_ranks_sharing_the_hosts_clock_are_not_shifted(tmp_path: Path) -> None:
+    write_capture(tmp_path, world=2, steps=STEPS, layers=LAYERS, late=1, late_us=100.0)
+    assert summary_of(tmp_path)["across_ranks"]["clock"].startswith("the host's clock")
+
+
+def test_a_rank_whose_profiler_started_a_step_later_is_still_matched_step_for_step(
+    tmp_path: Path,
+) -> None:
+    write_capture(tmp_path, world=4, steps=STEPS, layers=LAYERS, late=3, late_us=250.0)
+    # Rank 1's profiler began a step late and stopped a step early: its first and last step
+    # are missing from its trace (rewritten here without them).
+    import gzip
+    import json
+
+    (path,) = tmp_path.glob("*-rank-1.*")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    steps = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation")
+    lo, hi = steps[1], steps[-1]
+    trace["traceEvents"] = [
+        e for e in trace["traceEvents"] if e.get("ph") == "M" or lo <= e["ts"] < hi
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    a = summary_of(tmp_path)["across_ranks"]
+    assert a["matched_steps"] == STEPS - 2 and a["unmatched_steps"] == 2
+    assert a["shifts"] == {"0": 0, "1": -1, "2": 0, "3": 0}
+    c = a["kinds"]["decode"]["collectives"]["all_reduce"]
+    assert c["last_to_arrive"] == {"rank": 3, "share": 1.0}
+    assert [p["wait_ms"] for p in c["per_rank"]] == pytest.approx(
+        [LAYERS * 0.25] * 3 + [0.0], rel=0.01
+    )
+
+
+def test_the_h200_fixtures_ranks_move_the_same_data_in_the_same_time_and_rank_0_comes_last(
+    tmp_path: Path,
+) -> None:
+    # Measured: two H200s, NCCL ring LL, an all-reduce of 16 x 7168 bf16 (make_gpu_trace.py).
+    shutil.copytree(FIXTURE, tmp_path / "c")
+    s = summary_of(tmp_path / "c")
+    a = s["across_ranks"]
+    assert a["clock"].startswith("the host's clock") and a["matched_steps"] == 13
+    c = all_reduce(s)
+    transfer = [p["transfer_ms"] for p in c["per_rank"]]
+    assert transfer[0] == pytest.approx(transfer[1], rel=0.1)  # the same bytes on one link
+    assert c["last_to_arrive"] == {"rank": 0, "share": 1.0}
+    # Rank 1's 1.5 ms of NCCL per decode step is waiting for rank 0, not moving data.
+    assert c["per_rank"][1]["wait_ms"] > 20 * c["per_rank"][1]["transfer_ms"]
+    assert s["ranks"][0]["collectives"]["all_reduce"]["implementations"] == ["NCCL"]
+    assert s["ranks"][0]["overlap"]["overlapped_share"] == 0  # one stream: nothing overlaps
+    assert s["ranks"][0]["step_times"]["decode"]["n"] == 12
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "impl"),
+    [
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+         "all_reduce", "NCCL"),
+        ("ncclKernel_AllReduce_RING_LL_Sum_half(ncclWorkElem)", "all_reduce", "NCCL"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "all_gather", "NCCL"),
+        ("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)", "reduce_scatter", "NCCL"),
+        ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "other", "NCCL"),
+        ("void vllm::cross_device_reduce_2stage<__nv_bfloat16, 8>(vllm::RankData*, ...)",
+         "all_reduce", "vLLM custom all-reduce"),
+        ("void vllm::cross_device_reduce_1stage<half, 2>(...)", "all_reduce",
+         "vLLM custom all-reduce"),
+        ("void quickreduce::allreduce_prototype_twoshot<half, CodecQ4, false>(...)",
+         "all_reduce", "vLLM quick all-reduce"),
+        ("void c10d::symmetric_memory::two_shot_all_reduce_kernel<float, 8>(...)", "all_reduce",
+         "symmetric memory"),
+        ("multimem_all_reduce_kernel", "all_reduce", "symmetric memory"),
+        ("multimem_all_gather_kernel", "all_gather", "symmetric memory"),
+        ("void flashinfer::trtllm_allreduce_fusion::allreduce_fusion_kernel_oneshot_lamport<...>",
+         "all_reduce", "FlashInfer all-reduce fusion"),
+        ("_C::shm_allreduce", "all_reduce", "vLLM CPU shared memory"),
+        ("_C::shm_all_gather", "all_gather", "vLLM CPU shared memory"),
+        ("c10d::allreduce_", "all_reduce", "c10d"),
+        ("c10d::_allgather_base_", "all_gather", "c10d"),
+        ("c10d::_reduce_scatter_base_", "reduce_scatter", "c10d"),
+        ("my_team_custom_allreduce_v2", "other", "unknown"),
+    ],
+)  # fmt: skip
+def test_every_collective_is_named_by_its_row_and_an_unknown_one_is_other(
+    name: str, kind: str, impl: str
+) -> None:
+    assert collective(name) == (kind, impl)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["nvjet_sm90_tst_64x16_64x16_2x1_v_bz_splitK_NNT", "_C::onednn_mm", "Memset (Device)",
+     "vllm::unified_attention_with_output", "aten::reduce_sum"],
+)  # fmt: skip
+def test_compute_kernels_are_not_communication(name: str) -> None:
+    assert collective(name) is None
