@@ -71,7 +71,6 @@ def calls_of(
     key is the collective and, when the kernel names it, its process group: the calls of one key
     follow the same order on every rank."""
     index = StepIndex(steps)
-    cpu = StepIndex(sorted((s, e, n) for s, e, n, _ in r.cpu_steps)) if r.cpu_steps else None
     kinds: dict[int, str | None] = {}
 
     def kind(n: int) -> str | None:
@@ -89,9 +88,8 @@ def calls_of(
             if c is None:
                 continue
             launched = launches.start(k.link[j])
-            step = cpu.at(launched) if cpu is not None and launched is not None else -1
-            if step < 0:
-                step = index.at(k.ts[j])
+            # The CPU range that launched it, else the range it ran in.
+            step = index.at(launched if r.cpu_steps and launched is not None else k.ts[j])
             if step >= 0:
                 key = f"{c}@{what[1]}" if what and what[1] else c
                 out.append((step, key, k.ts[j], k.dur[j]))

@@ -134,9 +134,9 @@ def reading(c: dict[str, Any]) -> str:
 def format_compare(c: dict[str, Any], a: str, b: str) -> str:
     """Two captures side by side (capture/compare.py)."""
     lines = [f"A: {a}", f"B: {b}", f"{c['kind']} steps, ms per step (mean over ranks):"]
-    lines.append(f"  {'':<26} {'A':>9} {'B':>9} {'B - A':>9}")
+    lines.append(f"  {'':<30} {'A':>9} {'B':>9} {'B - A':>9}")
     for row in c["rows"]:
-        lines.append(f"  {row['what']:<26} {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}")
+        lines.append(f"  {row['what']:<30} {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}")
     lines.append("top kernels:")
     for row in c["top"]:
         lines.append(

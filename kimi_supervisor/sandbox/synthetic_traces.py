@@ -131,7 +131,7 @@ def write_rank(
                     tid=7,
                     ts=k_start,
                     dur=k_end - k_start,
-                    args={"correlation": link, "device": rank, **extra},
+                    args={"correlation": link, "device": rank, "stream": 7, **extra},
                 )
             if s:
                 truth["wait_us"] += last - arrive[rank]

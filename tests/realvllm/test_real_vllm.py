@@ -280,8 +280,11 @@ def _capture_once(real: DaemonHelper, *args: str) -> tuple[int, str]:
     return code, "".join(out)
 
 
+FIRST_CAPTURE: list[Path] = []  # a copy of the first capture, for --compare with the second
+
+
 def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_went(
-    real: DaemonHelper, tmp_path: Path
+    real: DaemonHelper, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     r = real.kimi_mode("profile", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -302,6 +305,24 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
         assert rank["device"] == "cpu" and rank["steps"]["decode"] >= 7, rank
         assert rank["classes"]["communication"]["share"] > 0
         assert "_C::shm_allreduce" in [t["name"] for t in rank["top"]]
+        ar = rank["collectives"]["all_reduce"]
+        assert ar["implementations"] == ["vLLM CPU shared memory"] and ar["share"] > 0, rank
+        assert rank["step_times"]["decode"]["n"] == rank["steps"]["decode"]
+        assert rank["overlap"] is None  # CPU operators: one thread, nothing overlaps
+    # Across the two ranks: the same decode steps matched, one host clock, and each rank's
+    # time in shm_allreduce split into the wait for the other and the rest.
+    split = summary["across_ranks"]
+    assert split["ranks"] == [0, 1] and split["clock"].startswith("the host's clock"), split
+    assert split["matched_steps"] >= 7, split
+    ar = split["kinds"]["decode"]["collectives"]["all_reduce"]
+    for p in ar["per_rank"]:
+        assert p["wait_ms"] + p["transfer_ms"] == pytest.approx(p["ms_per_step"], abs=0.002)
+        assert p["transfer_ms"] > 0, ar
+    assert ar["last_to_arrive"]["rank"] in (0, 1) and ar["calls_per_step"] >= 1, ar
+    assert "across ranks 0, 1:" in out and "last to arrive: rank " in out, out
+    kept = tmp_path_factory.mktemp("first-capture") / folder.name
+    shutil.copytree(folder, kept)
+    FIRST_CAPTURE.append(kept)
     assert f"rank 0 (VLLM::Worker_TP0): {summary['ranks'][0]['steps']['decode']} decode" in out
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
     assert processes.cmdline_of(real.vllm_pid()) == as_executed(argv)
@@ -329,6 +350,13 @@ def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> Non
     _out, folder = capture(real)
     assert oldest_first(real.config.profiling.captures_dir) == [folder]  # keep_captures = 1
     assert not before[0].exists()
+    # The two real captures side by side: the same load, the same step kind.
+    (first,) = FIRST_CAPTURE
+    r = real.kimi_mode("capture", "--compare", str(first), str(folder), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "decode steps, ms per step" in r.stdout and "all-reduce wait" in r.stdout, r.stdout
+    assert "verdict: decode step p50" in r.stdout, r.stdout
+    record(compare_output=r.stdout)
 
 
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(

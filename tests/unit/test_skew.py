@@ -184,3 +184,25 @@ def test_every_collective_is_named_by_its_row_and_an_unknown_one_is_other(
 )  # fmt: skip
 def test_compute_kernels_are_not_communication(name: str) -> None:
     assert collective(name) is None
+
+
+def test_an_unknown_communication_kernel_is_counted_as_other_and_listed_by_name() -> None:
+    import io
+    import json
+
+    from kimi_supervisor.capture.trace import summarize
+
+    ev = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_4(4)",
+           "pid": 1, "tid": 1, "ts": 0.0, "dur": 100.0}]  # fmt: skip
+    for link, (name, ts) in enumerate([("nvjet_gemm", 10.0), ("team_custom_allreduce_v2", 40.0)]):
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1,
+                   "tid": 1, "ts": ts - 5, "dur": 1.0, "args": {"correlation": link}})  # fmt: skip
+        ev.append({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": 7, "ts": ts,
+                   "dur": 20.0, "args": {"correlation": link}})  # fmt: skip
+    r = summarize(io.StringIO(json.dumps({"traceEvents": ev})))
+    assert r["collectives"] == {
+        "other": {"ms_per_step": 0.02, "share": 0.5, "calls": 1,
+                  "implementations": ["unknown"], "names": ["team_custom_allreduce_v2"]}
+    }  # fmt: skip
+    assert r["classes"]["communication"]["share"] == 0.5
+    assert "team_custom_allreduce_v2" in format_summary({"ranks": [{**r, "rank": 0, "file": "x"}]})
