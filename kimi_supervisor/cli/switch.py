@@ -63,9 +63,7 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
             elif kind == "end":
                 if not o.json:
                     follower.finish()
-                    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
-                    if said := (msg.get("data", {}).get("downtime") or {}).get("text"):
-                        print(f"  {said}", file=o.out)
+                    print_end(msg, o)
                 return end_exit(msg)
     except TimedOut:
         follower.finish()
@@ -84,6 +82,13 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
         EXIT_UNREACHABLE,
         "the daemon closed the connection before the switch ended (`kimi-mode status`)",
     )
+
+
+def print_end(msg: dict[str, Any], o: Output) -> None:
+    """A followed switch's last lines: its outcome, and the window it cost the service."""
+    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
+    if said := (msg.get("data", {}).get("downtime") or {}).get("text"):
+        print(f"  {said}", file=o.out)
 
 
 def refused(msg: dict[str, Any], o: Output) -> int | None:

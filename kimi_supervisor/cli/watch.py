@@ -21,7 +21,7 @@ from kimi_supervisor.cli.output import (
     end_exit,
 )
 from kimi_supervisor.cli.render import format_status
-from kimi_supervisor.cli.switch import follower_for
+from kimi_supervisor.cli.switch import follower_for, print_end
 from kimi_supervisor.control.client import TimedOut, exchange
 
 
@@ -128,7 +128,7 @@ def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
                 elif kind == "end":
                     follower.finish()
                     if not o.json:
-                        print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
+                        print_end(msg, o)
                     if args.mode is None:
                         return end_exit(msg)
                     break  # judge the status again: a rollback or a retry may follow
