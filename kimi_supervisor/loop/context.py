@@ -127,10 +127,13 @@ class Context:
         self.unwarn("cannot persist the state")
         self._report_outside(kept)
         if gone and not warning:
-            # Deleted behind the daemon's back: written again from memory, never from the
-            # defaults a read of no file gives (they would switch to production at a restart).
-            what = f"{self.store.path} disappeared while the daemon ran"
-            self.warn(f"{what}; rewritten from the daemon's state in memory")
+            # Deleted (or hidden by a mount) behind the daemon's back: written again from
+            # memory, never from the defaults a read of no file gives (they would switch to
+            # production at a restart). Recorded; no warning stays, since the file is back.
+            what = (
+                f"{self.store.path} disappeared while the daemon ran; rewritten from the "
+                "daemon's state in memory"
+            )
             self.log("state_file_missing", level="error", message=what)
             self.incident({"at": utcnow().isoformat(), "what": what})
         if warning:
