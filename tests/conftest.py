@@ -331,7 +331,11 @@ class DaemonHelper:
         return self.h.systemd.status(UNIT).main_pid
 
     def log(self) -> str:
-        return self.sb.daemon_log.read_text(errors="replace")
+        """The daemon's log file; "" before the daemon's first start in this sandbox."""
+        try:
+            return self.sb.daemon_log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
 
     # -- talking to it --
     def request(self, req: dict[str, object], timeout_s: float = 30) -> list[dict[str, object]]:
