@@ -172,7 +172,7 @@ class Capture:
             capture=self.id,
             ok=ok,
             message=message,
-            **data,
+            **{k: v for k, v in data.items() if k != "summary"},  # summary.json has it
         )
         self.publish(
             End(
@@ -283,7 +283,7 @@ class Capture:
             files=files,
             removed=removed,
             flush_s=round(flushed, 1),
-            summary=summary,
+            summary=brief(summary),
         )
 
     def _summarize(self, fd: int, names: list[str]) -> dict[str, Any]:
@@ -306,3 +306,12 @@ class Capture:
         """Name -> size of the files written since `before`: new ones, and those rewritten
         (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
         return {n: s[0] for n, s in _files(trace_dir).items() if before.get(n) != s}
+
+
+def brief(summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The summary as the capture's end message carries it: without the split's per-step rows
+    (thousands on a long capture), which stay in summary.json."""
+    split = (summary or {}).get("across_ranks")
+    if summary is None or not split:
+        return summary
+    return {**summary, "across_ranks": {k: v for k, v in split.items() if k != "per_step"}}

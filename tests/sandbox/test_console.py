@@ -114,6 +114,9 @@ def test_a_live_capture_with_o_json_prints_protocol_lines_that_match_the_schema(
     lines = json_lines(r)
     assert lines[0]["type"] == "reply" and lines[-1]["type"] == "end" and lines[-1]["ok"]
     assert "capture_recording" in {x.get("event") for x in lines}
+    # The end carries the split without its per-step rows: those stay in summary.json.
+    split = lines[-1]["data"]["summary"]["across_ranks"]
+    assert split["kinds"]["decode"] and "per_step" not in split
 
 
 def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_outcome(
