@@ -21,9 +21,12 @@ started earlier waited until then (at most its whole time in the call); the rest
 the transfer. The rank that arrived last is that call's slowest; the spread is the last arrival
 less the first.
 
-**The first step** is in the rows, not in the totals: the ranks' profilers start recording at
-different moments, and the first collective's wait on the ranks that started first is that
-difference, not the host's skew (on the H200 fixture: 164 ms, against 1.5 ms per decode step).
+**Start-up steps** are in the rows, not in the totals: the first matched step (the ranks'
+profilers start recording at different moments, and the first collective's wait on the ranks
+that started first is that difference, not the host's skew: 164 ms on the H200 fixture, against
+1.5 ms per decode step), and each kind's leading steps that the steps' distribution sets apart
+(over 1.5x the kind's median: a new shape compiled; on the real CPU tier the first decode step,
+38 ms against 0.75, held a 32 ms arrival spread).
 """
 
 from __future__ import annotations
@@ -33,10 +36,14 @@ from collections import Counter
 from typing import Any
 
 from kimi_supervisor.capture.collectives import SPLIT
-from kimi_supervisor.capture.timeline import kind_of, percentile
+from kimi_supervisor.capture.timeline import kind_of, leading, percentile
 
 CLOCK_TOLERANCE_US = 20.0
 MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's
+# A per-step row: the step's index in the lowest rank's trace, its kind, its time there, and the
+# mean over ranks of its split collectives' time and wait; the rank last most often; whether the
+# totals count it (a start-up step is not).
+COLUMNS = ["step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank", "counted"]
 PER_STEP_MAX = 5000  # per-step rows kept in the summary (a 100 s capture of 20 ms steps)
 
 
@@ -138,17 +145,19 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
     step_ms: dict[str, list[float]] = {}
     rows: list[list[Any]] = []
     ref_steps = ranks[0][1]["steps"]
+    startup = _startup(m["steps"], ref_steps)
     for pos, (name, i, calls) in enumerate(m["steps"]):
         kind = kind_of(name)
         ms = (ref_steps[i][1] - ref_steps[i][0]) / 1000
-        if pos:  # the first: the profilers' start (see the module)
+        counted = pos not in startup
+        if counted:
             step_ms.setdefault(kind, []).append(ms)
         row_wait = row_total = 0.0
         row_last: Counter[int] = Counter()
         for key, per_call in calls.items():
             coll = key.split("@")[0]
-            # The first step's figures go to its row only, in a bin nobody reports.
-            a = acc.setdefault((kind if pos else "", coll), _new(n))
+            # A start-up step's figures go to its row only, in a bin nobody reports.
+            a = acc.setdefault((kind if counted else "", coll), _new(n))
             for call in per_call:
                 starts = [t + offsets[k] for k, (t, _d) in enumerate(call)]
                 last = max(starts)
@@ -164,7 +173,7 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
                         row_wait += wait / n
                         row_total += d / n
         for coll in {key.split("@")[0] for key in calls}:
-            acc[(kind if pos else "", coll)]["steps"] += 1
+            acc[(kind if counted else "", coll)]["steps"] += 1
         last_rank = names[row_last.most_common(1)[0][0]] if row_last else None
         rows.append(
             [
@@ -174,6 +183,7 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
                 round(row_total / 1000, 3),
                 round(row_wait / 1000, 3),
                 last_rank,
+                counted,
             ]
         )
     kinds: dict[str, Any] = {}
@@ -192,15 +202,30 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
         "ranks": names,
         "clock": clock,
         "matched_steps": len(m["steps"]),
+        "startup_steps": len(startup),
         "unmatched_steps": m["unmatched"],
         "shifts": dict(zip(map(str, names), m["shifts"], strict=True)),
         "kinds": kinds,
         "per_step": {
-            "columns": ["step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank"],
+            "columns": COLUMNS,
             "rows": rows[:PER_STEP_MAX],
             "left_out": max(len(rows) - PER_STEP_MAX, 0),
         },
     }
+
+
+def _startup(steps: list[Any], ref_steps: list[Any]) -> set[int]:
+    """The positions of the matched steps left out of the totals: the first (the profilers'
+    start), and each kind's leading start-up steps by the lowest rank's step times (the rule of
+    the steps' distribution, timeline.leading)."""
+    out = {0} if steps else set()
+    by_kind: dict[str, list[int]] = {}
+    for pos, (name, _i, _calls) in enumerate(steps[1:], start=1):
+        by_kind.setdefault(kind_of(name), []).append(pos)
+    for positions in by_kind.values():
+        ms = [ref_steps[steps[p][1]][1] - ref_steps[steps[p][1]][0] for p in positions]
+        out.update(positions[: leading(ms)])
+    return out
 
 
 def _new(n: int) -> dict[str, Any]:

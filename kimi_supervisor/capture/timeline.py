@@ -115,6 +115,16 @@ def percentile(sorted_values: list[float], p: float) -> float:
     return sorted_values[k]
 
 
+def leading(ms: list[float]) -> int:
+    """How many of the first steps (of one kind, in order) are start-up steps: each over
+    FIRST_FACTOR x the kind's median, FIRST_MAX at most, never every step."""
+    median = statistics.median(ms) if ms else 0.0
+    first = 0
+    while first < min(FIRST_MAX, len(ms) - 1) and ms[first] > FIRST_FACTOR * median:
+        first += 1
+    return first
+
+
 def step_times(steps: list[tuple[float, float, str]]) -> dict[str, Any]:
     """Per step kind: how many, p50/p90/p99 of the steady steps (ms), the first steps apart
     (leading steps over FIRST_FACTOR x the kind's median), and the most common step name (the
@@ -126,10 +136,7 @@ def step_times(steps: list[tuple[float, float, str]]) -> dict[str, Any]:
         named.setdefault(kind_of(n), Counter())[n] += 1
     out: dict[str, Any] = {}
     for kind, ms in by_kind.items():
-        median = statistics.median(ms)
-        first = 0
-        while first < min(FIRST_MAX, len(ms) - 1) and ms[first] > FIRST_FACTOR * median:
-            first += 1
+        first = leading(ms)
         steady = sorted(ms[first:])
         out[kind] = {
             "n": len(ms),

@@ -76,7 +76,8 @@ def format_split(split: dict[str, Any]) -> list[str]:
     """Across the ranks: per step kind and collective, waiting against moving data."""
     lines = [
         f"across ranks {', '.join(map(str, split['ranks']))}: {split['matched_steps']} steps "
-        f"matched ({split['unmatched_steps']} not); clock: {split['clock']}"
+        f"matched ({split['unmatched_steps']} not; {split.get('startup_steps', 0)} start-up "
+        f"left out of the totals); clock: {split['clock']}"
     ]
     for kind, k in sorted(split["kinds"].items(), key=lambda kv: kv[0] != "decode"):
         lines.append(f"  {kind} ({k['steps']} steps, {k['step_ms']:.2f} ms per step):")

@@ -49,14 +49,16 @@ def write_rank(
     seed: int = 1,
     cpu_ops: int = 2,
     clock_us: Any = 0.0,
+    startup_us: float = 0.0,
 ) -> dict[str, float]:
     """One rank's trace, written to `out`; returns its true wait and transfer in µs (the decode
     steps after the first, as the split counts them). `cpu_ops` CPU operators per layer give the
     trace a real one's bulk (most of a trace's events are CPU operators). `clock_us` (a number,
-    or one per rank) is added to every time of the rank's: a trace from another host's clock."""
+    or one per rank) is added to every time of the rank's: a trace from another host's clock.
+    `startup_us`: the second step is a start-up step (a shape compiled on one rank), its late
+    rank later by that much at every layer; the split leaves it out, and so does the truth."""
     offset = clock_us[rank] if isinstance(clock_us, list | tuple) else clock_us
-    layer_us = compute_us + late_us + jitter_us + transfer_us + 20
-    step_us = layers * layer_us + 50
+    normal_us = compute_us + late_us + jitter_us + transfer_us + 20
     head = {
         "schemaVersion": 1,
         "baseTimeNanoseconds": BASE_NS,
@@ -81,12 +83,15 @@ def write_rank(
     def ev(**e: Any) -> None:
         out.write(",\n" + json.dumps(e, separators=(",", ":")))
 
+    t = T0 + offset
     for s in range(steps):
-        t = T0 + offset + s * step_us
+        slow = startup_us if s == 1 else 0.0
+        layer_us = normal_us + slow
+        step_us = layers * layer_us + 50
         ev(ph="X", cat="user_annotation", name=STEP_NAME, pid=rank, tid=1, ts=t, dur=step_us - 10)
         for layer in range(layers):
             start = t + 5 + layer * layer_us
-            arrive = _arrivals(seed, s, layer, world, late, late_us, jitter_us)
+            arrive = _arrivals(seed, s, layer, world, late, late_us + slow, jitter_us)
             last = max(arrive)
             for j in range(cpu_ops):
                 ev(
@@ -133,9 +138,10 @@ def write_rank(
                     dur=k_end - k_start,
                     args={"correlation": link, "device": rank, "stream": 7, **extra},
                 )
-            if s:
+            if s > (1 if startup_us else 0):
                 truth["wait_us"] += last - arrive[rank]
                 truth["transfer_us"] += transfer_us
+        t += step_us
     out.write("\n]}\n")
     return truth
 

@@ -206,3 +206,19 @@ def test_an_unknown_communication_kernel_is_counted_as_other_and_listed_by_name(
     }  # fmt: skip
     assert r["classes"]["communication"]["share"] == 0.5
     assert "team_custom_allreduce_v2" in format_summary({"ranks": [{**r, "rank": 0, "file": "x"}]})
+
+
+def test_a_start_up_step_is_kept_in_the_rows_and_out_of_the_totals(tmp_path: Path) -> None:
+    # The second step: rank 2 arrives 5 ms late at every layer (a shape compiled there). In
+    # the totals it would make the others' wait per step several times the steady one.
+    truth = write_capture(
+        tmp_path, world=4, steps=STEPS, layers=LAYERS, late=2, late_us=200.0, startup_us=5000.0
+    )
+    a = summary_of(tmp_path)["across_ranks"]
+    assert a["startup_steps"] == 2  # the profilers' start, and the slow one
+    rows = a["per_step"]["rows"]
+    assert [r[-1] for r in rows[:3]] == [False, False, True]
+    assert rows[1][4] > 20 * rows[2][4]  # its wait, in its row
+    c = a["kinds"]["decode"]["collectives"]["all_reduce"]
+    for p in c["per_rank"]:
+        assert p["wait_ms"] == pytest.approx(truth[p["rank"]]["wait_us"] / (STEPS - 2) / 1000)
