@@ -48,10 +48,12 @@ PER_STEP_MAX = 5000  # per-step rows kept in the summary (a 100 s capture of 20 
 
 
 def _signature(tl: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
-    """Per step: its name and how many calls of each key it made."""
+    """Per step: its name and how many calls of each key it made, of the collectives that are
+    split (a send or a broadcast, which ranks need not share, never unmatches a step)."""
     counts: list[Counter[str]] = [Counter() for _ in tl["steps"]]
     for step, key, _t, _d in tl["calls"]:
-        counts[step][key] += 1
+        if key.split("@")[0] in SPLIT:
+            counts[step][key] += 1
     return [(s[2], tuple(sorted(c.items()))) for s, c in zip(tl["steps"], counts, strict=True)]
 
 
@@ -114,9 +116,7 @@ def _clock(steps: list[Any], names: list[int]) -> tuple[list[float], str]:
     late: list[float] = []
     diffs: list[list[float]] = [[] for _ in range(n)]
     for _name, _i, calls in steps:
-        for key, per_call in calls.items():
-            if key.split("@")[0] not in SPLIT:
-                continue
+        for per_call in calls.values():
             for call in per_call:
                 last = max(t for t, _d in call)
                 late.append(last - min(t + d for t, d in call))
@@ -154,7 +154,7 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
             step_ms.setdefault(kind, []).append(ms)
         row_wait = row_total = 0.0
         row_last: Counter[int] = Counter()
-        for key, per_call in calls.items():
+        for key, per_call in calls.items():  # split collectives only (see _signature)
             coll = key.split("@")[0]
             # A start-up step's figures go to its row only, in a bin nobody reports.
             a = acc.setdefault((kind if counted else "", coll), _new(n))
@@ -162,16 +162,14 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
                 starts = [t + offsets[k] for k, (t, _d) in enumerate(call)]
                 last = max(starts)
                 a["spread"].append(last - min(starts))
-                if coll in SPLIT:
-                    a["last"][starts.index(last)] += 1
-                    row_last[starts.index(last)] += 1
+                a["last"][starts.index(last)] += 1
+                row_last[starts.index(last)] += 1
                 for k, (_t, d) in enumerate(call):
-                    wait = min(max(last - starts[k], 0.0), d) if coll in SPLIT else 0.0
+                    wait = min(max(last - starts[k], 0.0), d)
                     a["total"][k] += d
                     a["wait"][k] += wait
-                    if coll in SPLIT:
-                        row_wait += wait / n
-                        row_total += d / n
+                    row_wait += wait / n
+                    row_total += d / n
         for coll in {key.split("@")[0] for key in calls}:
             acc[(kind if counted else "", coll)]["steps"] += 1
         last_rank = names[row_last.most_common(1)[0][0]] if row_last else None

@@ -83,9 +83,6 @@ def format_split(split: dict[str, Any]) -> list[str]:
         lines.append(f"  {kind} ({k['steps']} steps, {k['step_ms']:.2f} ms per step):")
         for coll, c in k["collectives"].items():
             name = COLLECTIVES.get(coll, coll)
-            if coll == "other":
-                lines.append(f"    {name:<14} {c['ms_per_step']:.3f} ms per step (not split)")
-                continue
             lines.append(
                 f"    {name:<14} {_pct(c['share_of_step'])} of the step, {c['ms_per_step']:.3f} ms:"
                 f" wait {c['wait_ms']:.3f} ms ({c['wait_share'] * 100:.0f} %), transfer "

@@ -222,3 +222,25 @@ def test_a_start_up_step_is_kept_in_the_rows_and_out_of_the_totals(tmp_path: Pat
     c = a["kinds"]["decode"]["collectives"]["all_reduce"]
     for p in c["per_rank"]:
         assert p["wait_ms"] == pytest.approx(truth[p["rank"]]["wait_us"] / (STEPS - 2) / 1000)
+
+
+def test_a_send_only_one_rank_makes_leaves_every_step_matched(tmp_path: Path) -> None:
+    import gzip
+    import json
+
+    write_capture(tmp_path, world=2, steps=STEPS, layers=LAYERS, late=0, late_us=100.0)
+    (path,) = tmp_path.glob("*-rank-1.*")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    step = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation")[3]
+    trace["traceEvents"] += [
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+         "ts": step + 2, "dur": 1, "args": {"correlation": 999999}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(x)", "pid": 0, "tid": 7,
+         "ts": step + 3, "dur": 5, "args": {"correlation": 999999}},
+    ]  # fmt: skip
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+    s = summary_of(tmp_path)
+    assert s["across_ranks"]["matched_steps"] == STEPS
+    assert s["ranks"][1]["collectives"]["other"]["implementations"] == ["NCCL"]
