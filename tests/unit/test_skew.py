@@ -4,8 +4,12 @@ disagree, profilers that start a step apart, and the 2x H200 fixture measured wi
 
 from __future__ import annotations
 
+import gzip
+import io
+import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,20 @@ def summary_of(folder: Path) -> dict[str, Any]:
         return summarize(fd, os.listdir(fd))
     finally:
         os.close(fd)
+
+
+def rewrite_rank(folder: Path, rank: int, edit: Callable[[list[dict[str, Any]]], None]) -> None:
+    """One rank's trace of a synthetic capture, its events edited in place and written back."""
+    (path,) = folder.glob(f"*-rank-{rank}.*")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    edit(trace["traceEvents"])
+    with gzip.open(path, "wt") as f:
+        json.dump(trace, f)
+
+
+def step_starts(events: list[dict[str, Any]]) -> list[float]:
+    return sorted(e["ts"] for e in events if e.get("cat") == "user_annotation")
 
 
 def all_reduce(summary: dict[str, Any], kind: str = "decode") -> dict[str, Any]:
@@ -98,21 +116,14 @@ def test_a_rank_whose_profiler_started_a_step_later_is_still_matched_step_for_st
     tmp_path: Path,
 ) -> None:
     write_capture(tmp_path, world=4, steps=STEPS, layers=LAYERS, late=3, late_us=250.0)
+
     # Rank 1's profiler began a step late and stopped a step early: its first and last step
     # are missing from its trace (rewritten here without them).
-    import gzip
-    import json
+    def drop_first_and_last(events: list[dict[str, Any]]) -> None:
+        starts = step_starts(events)
+        events[:] = [e for e in events if e.get("ph") == "M" or starts[1] <= e["ts"] < starts[-1]]
 
-    (path,) = tmp_path.glob("*-rank-1.*")
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    steps = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation")
-    lo, hi = steps[1], steps[-1]
-    trace["traceEvents"] = [
-        e for e in trace["traceEvents"] if e.get("ph") == "M" or lo <= e["ts"] < hi
-    ]
-    with gzip.open(path, "wt") as f:
-        json.dump(trace, f)
+    rewrite_rank(tmp_path, 1, drop_first_and_last)
     a = summary_of(tmp_path)["across_ranks"]
     assert a["matched_steps"] == STEPS - 2 and a["unmatched_steps"] == 2
     assert a["shifts"] == {"0": 0, "1": -1, "2": 0, "3": 0}
@@ -187,9 +198,6 @@ def test_compute_kernels_are_not_communication(name: str) -> None:
 
 
 def test_an_unknown_communication_kernel_is_counted_as_other_and_listed_by_name() -> None:
-    import io
-    import json
-
     from kimi_supervisor.capture.trace import summarize
 
     ev = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_4(4)",
@@ -225,22 +233,18 @@ def test_a_start_up_step_is_kept_in_the_rows_and_out_of_the_totals(tmp_path: Pat
 
 
 def test_a_send_only_one_rank_makes_leaves_every_step_matched(tmp_path: Path) -> None:
-    import gzip
-    import json
-
     write_capture(tmp_path, world=2, steps=STEPS, layers=LAYERS, late=0, late_us=100.0)
-    (path,) = tmp_path.glob("*-rank-1.*")
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    step = sorted(e["ts"] for e in trace["traceEvents"] if e.get("cat") == "user_annotation")[3]
-    trace["traceEvents"] += [
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
-         "ts": step + 2, "dur": 1, "args": {"correlation": 999999}},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(x)", "pid": 0, "tid": 7,
-         "ts": step + 3, "dur": 5, "args": {"correlation": 999999}},
-    ]  # fmt: skip
-    with gzip.open(path, "wt") as f:
-        json.dump(trace, f)
+
+    def add_a_send_in_step_3(events: list[dict[str, Any]]) -> None:
+        step = step_starts(events)[3]
+        events += [
+            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1,
+             "ts": step + 2, "dur": 1, "args": {"correlation": 999999}},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv(x)", "pid": 0, "tid": 7,
+             "ts": step + 3, "dur": 5, "args": {"correlation": 999999}},
+        ]  # fmt: skip
+
+    rewrite_rank(tmp_path, 1, add_a_send_in_step_3)
     s = summary_of(tmp_path)
     assert s["across_ranks"]["matched_steps"] == STEPS
     assert s["ranks"][1]["collectives"]["other"]["implementations"] == ["NCCL"]
