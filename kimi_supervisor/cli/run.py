@@ -16,14 +16,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kimi_supervisor import log
     from kimi_supervisor.control.handlers import Handlers
     from kimi_supervisor.control.server import ControlError, ControlServer
-    from kimi_supervisor.loop.daemon import Daemon
-    from kimi_supervisor.loop.signals import block_signals, install_signal_handlers, reexec
+    from kimi_supervisor.loop.daemon import (
+        Daemon,
+        block_signals,
+        install_signal_handlers,
+        reexec,
+    )
     from kimi_supervisor.ports.metrics import Metrics
     from kimi_supervisor.ports.notify import Notifier
     from kimi_supervisor.ports.output import FileOutput, JournalOutput, OutputPort
     from kimi_supervisor.store.state import StateError, StateStore
 
-    block_signals()  # before any thread starts (see loop/signals.py, HANDLED)
+    block_signals()  # before any thread starts (see loop/daemon.py, HANDLED)
     config = load_config(config_path(args.config))
     try:
         StateStore(config.state.dir).check()  # trust only what the daemon's user owns

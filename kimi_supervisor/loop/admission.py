@@ -3,7 +3,7 @@
 The decisions are policy's (`policy.admit`, `policy.profile_until`); this module applies them to
 the loop state and words the reply. An accepted switch is persisted as the desired mode at once
 (nothing accepted is lost if the daemon dies) and recorded as the loop's next intent; the loop
-applies it when the current step returns (loop/transitions.py), never in the middle of one.
+applies it when the current step returns (loop/lifecycle.py), never in the middle of one.
 """
 
 from __future__ import annotations
@@ -187,7 +187,6 @@ class Desk:
                 update={"profile_until": until, "profile_until_changed_at": utcnow()}
             )
         )
-        ctx.publish()
         if until is None:
             return ""
         ctx.log("profile_expiry_set", until=until.isoformat(), by=by)
@@ -250,7 +249,6 @@ class Desk:
         )
         c.start()
         self.ctx.log("capture_started", **c.describe().model_dump(mode="json"))
-        self.ctx.publish()
         return Reply(
             ok=True,
             code="accepted",

@@ -1,5 +1,7 @@
-"""What the loop's parts share: the ports, the one loop state, and the small effects every part
-needs (change the state, persist, publish an event, warn). Owned and used by the loop thread.
+"""What the loop's parts share: the ports, the one loop state, and the records every part
+keeps (persist the state, append to the history, queue an event for the bus, warn). It changes
+no state of vLLM's life (loop/lifecycle.py does) and publishes no status (loop/daemon.py does,
+once per pass): it calls nothing back. Owned and used by the loop thread.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ from typing import Any
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.downtime import expected_parts
 from kimi_supervisor.decide.eta import Estimate, argv_key, estimate
-from kimi_supervisor.decide.progress import advance
-from kimi_supervisor.loop.events import EventBus
+from kimi_supervisor.loop.bus import EventBus
 from kimi_supervisor.loop.loopstate import LoopState
 from kimi_supervisor.loop.observer import Observer
-from kimi_supervisor.messages import Event
-from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
+from kimi_supervisor.messages import End, Event
+from kimi_supervisor.model import Mode, TeardownReport, utcnow
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort
 from kimi_supervisor.ports.metrics import Metrics
@@ -58,8 +59,8 @@ class Context:
     metrics: Metrics | None
     store: StateStore
     bus: EventBus
+    observer: Observer
     s: LoopState = field(default_factory=LoopState)
-    publish: Callable[[], None] = field(default=lambda: None)
 
     def __post_init__(self) -> None:
         self.unit = self.config.service.unit
@@ -69,38 +70,10 @@ class Context:
         self.pending: collections.deque[tuple[str, TeardownReport | dict[str, Any]]] = (
             collections.deque()
         )
-        self.observer = Observer(
-            self.config, self.systemd, self.gpu, self.clock, self.warn, self.unwarn
-        )
-
-    def follow_output(self) -> None:
-        """vLLM's new output lines, read into the load's progress (an event when it moves),
-        and the GPUs' memory as last sampled (an event when it moved: the live display's bars
-        follow the load)."""
-        s = self.s
-        if readings := self.observer.readings_changed():
-            self.event("gpus", {"devices": readings, "phase": "load"})
-        before = s.progress
-        for line in self.output.read_new():
-            s.progress = advance(s.progress, line)
-        if s.progress != before:
-            p = s.progress
-            if s.watch is not None:
-                s.watch.saw(p, self.clock.monotonic())
-            eta = s.eta_text(self.clock.monotonic())
-            self.event(
-                "progress",
-                {"phase": p.phase, "percent": p.percent, "text": p.describe(), "eta": eta},
-            )
-            if p.phase != before.phase:
-                self.log("vllm_progress", phase=p.phase, percent=p.percent)
-
-    def set_state(self, state: State, why: str = "") -> None:
-        s = self.s
-        if state is not s.state:
-            self.log("state_changed", previous=s.state.value, state=state.value, why=why)
-            s.state, s.state_since = state, utcnow()
-        self.publish()
+        # What this pass has to say to the bus's subscribers: sent by the daemon once the
+        # pass's status is published, so that whoever reacts to an event reads a status at
+        # least as new as the event.
+        self.outbox: list[Event | End] = []
 
     def persist(
         self, change: Callable[[PersistedState], PersistedState], must: bool = False
@@ -249,11 +222,20 @@ class Context:
                 "desired_mode_changed", previous=self.s.desired.value, desired=mode.value, by=by
             )
         self.s.desired = mode
-        self.publish()
 
     def event(self, name: str, data: dict[str, Any] | None = None) -> None:
         tid = self.s.transition.id if self.s.transition else None
-        self.bus.publish(Event(event=name, at=utcnow(), transition=tid, data=data or {}))
+        self.outbox.append(Event(event=name, at=utcnow(), transition=tid, data=data or {}))
+
+    def end(self, end: End) -> None:
+        """A transition's end, to its followers (after the pass's status, like an event)."""
+        self.outbox.append(end)
+
+    def send_events(self) -> None:
+        """The daemon, once the pass's status is published: what the pass had to say."""
+        out, self.outbox = self.outbox, []
+        for msg in out:
+            self.bus.publish(msg)
 
     def incident(self, record: dict[str, Any]) -> None:
         self.record("incident", record)

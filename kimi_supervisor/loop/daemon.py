@@ -3,7 +3,7 @@
     wait for a message or a deadline -> handle it -> observe -> reconcile.decide -> act
                                      -> persist -> publish
 
-What wakes it (loop/inbox.py, loop/wakeup.py): a request (connection threads and
+What wakes it (loop/inbox.py): a request (connection threads and
 signal handlers put typed messages in its inbox and ring its doorbell), the teardown job's
 progress and end, the exit of the vLLM MainPID it serves (a pidfd), or a deadline: the next
 /health poll while vLLM loads, a backoff or a STUCK retry falling due, timed profile mode's end,
@@ -23,16 +23,18 @@ teardown (every step is idempotent), and a daemon that dies mid-load waits for t
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.reconcile import Observed, decide
 from kimi_supervisor.loop import boot
 from kimi_supervisor.loop.admission import Desk
+from kimi_supervisor.loop.bus import EventBus
 from kimi_supervisor.loop.context import Context, Log
-from kimi_supervisor.loop.events import EventBus
-from kimi_supervisor.loop.guard import StepGuard
 from kimi_supervisor.loop.inbox import (
     CaptureDone,
     CaptureStart,
@@ -47,11 +49,12 @@ from kimi_supervisor.loop.inbox import (
     Request,
     Stop,
     Switch,
+    Wakeup,
     Warmed,
 )
+from kimi_supervisor.loop.lifecycle import Lifecycle
+from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.loop.publish import build, export, status_line
-from kimi_supervisor.loop.transitions import Lifecycle
-from kimi_supervisor.loop.wakeup import Wakeup
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import Mode, State, utcnow
 from kimi_supervisor.ports import processes
@@ -68,6 +71,10 @@ from kimi_supervisor.store.state import StateStore
 # often to look meanwhile (the loop's passes; it never sleeps on its thread).
 MAIN_EXIT_SETTLE_S = 0.5
 MAIN_EXIT_POLL_S = 0.01
+# A pass that failed unexpectedly is retried after 1 s, doubling up to 5 minutes.
+STEP_RETRY_S = 1.0
+STEP_RETRY_MAX_S = 300.0
+STEP_FAILED = "the loop's pass failed"
 
 
 class Daemon:
@@ -86,6 +93,11 @@ class Daemon:
         self.bus = EventBus()
         self.wakeup = Wakeup()
         self.inbox = Inbox(self.wakeup.ring)
+        clock = clock or SystemClock()
+        # The observer's warnings are the context's (they show in status while they last).
+        observer = Observer(
+            config, systemd, gpu, clock, lambda m: self.ctx.warn(m), lambda p: self.ctx.unwarn(p)
+        )
         self.ctx = ctx = Context(
             config,
             systemd,
@@ -93,11 +105,11 @@ class Daemon:
             output,
             notifier,
             log,
-            clock or SystemClock(),
+            clock,
             metrics,
             StateStore(config.state.dir),
             self.bus,
-            publish=self._publish,
+            observer,
         )
         self.s = ctx.s
         self.desk = Desk(ctx, self.inbox.put)
@@ -142,6 +154,8 @@ class Daemon:
         return st.model_copy(update=update).model_dump(mode="json")
 
     def _publish(self) -> None:
+        """The one place status is published (once per turn, and at boot), followed by the
+        events the turn queued (Context.outbox)."""
         ctx, s = self.ctx, self.s
         tail = (ctx.output.tail() if s.state is not State.SERVING else [], ctx.output.where)
         st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at, tail)
@@ -152,6 +166,7 @@ class Daemon:
             ctx.notifier.status(st.status_line)
         if ctx.metrics:
             export(ctx.metrics, s, st, self._uuid)
+        ctx.send_events()
 
     def _uuid(self, index: int) -> str:
         """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
@@ -180,7 +195,6 @@ class Daemon:
         if not boot.driver_up(ctx):
             return False
         s.observed = self._observe()
-        self._publish()
         unit = s.observed.describe_unit() if s.observed else "unknown"
         ctx.log("ready", desired=s.desired.value, state=s.state.value, unit=unit)
         return True
@@ -193,18 +207,17 @@ class Daemon:
 
     def turn(self) -> bool:
         """One message, followed by a pass if it made one due (a switch accepted is begun before
-        the next request is admitted, which then joins it), and the status published. False once
-        the loop is to end."""
+        the next request is admitted, which then joins it); then, once, the status published,
+        the pass's events sent, and the request answered, in that order: whoever is answered or
+        told reads a status at least as new. False once the loop is to end."""
         s, clock = self.s, self.ctx.clock
         msg = self.inbox.take()
-        if msg is not None:
-            self._handle(msg)
-        if s.stopped_clean is not None:
-            return False
-        if s.reexec_requested and not s.stop_requested and not s.busy:
+        reply = self._handle(msg) if msg is not None else None
+        go_on = s.stopped_clean is None
+        if go_on and s.reexec_requested and not s.stop_requested and not s.busy:
             self.ctx.verify_state()  # the new image must read what this one knows
-            return False
-        if not s.busy:
+            go_on = False
+        if go_on and not s.busy:
             if s.stop_requested and s.state is not State.STOPPING:
                 self.life.begin_shutdown()
             elif s.state is not State.STOPPING and clock.monotonic() >= self._step_due():
@@ -212,7 +225,9 @@ class Daemon:
                 retry_in = self.guard.run(self._step)
                 self._next_step = clock.monotonic() + (retry_in or self._interval())
         self._publish()
-        return True
+        if isinstance(msg, Request) and reply is not None:
+            msg.answer(reply)
+        return go_on
 
     def wait(self, max_s: float | None = None) -> None:
         """Sleep until a message rings, the served MainPID exits, or the next deadline (at most
@@ -267,15 +282,14 @@ class Daemon:
             self.ctx.notifier.watchdog()
             self._last_watchdog = now
 
-    def _handle(self, msg: Message) -> None:
-        """One message, handled to its end."""
+    def _handle(self, msg: Message) -> Reply:
+        """One message, handled to its end; the reply its asker gets once the pass's status is
+        published."""
         try:
-            reply = self._dispatch(msg)
+            return self._dispatch(msg)
         except Exception as e:  # never let one bad message take the loop down
             self.ctx.log("command_failed", level="error", kind=type(msg).__name__, error=repr(e))
-            reply = Reply(ok=False, code="internal", message=f"internal error: {e}")
-        if isinstance(msg, Request):
-            msg.answer(reply)
+            return Reply(ok=False, code="internal", message=f"internal error: {e}")
 
     def _dispatch(self, msg: Message) -> Reply:
         s, ok = self.s, Reply(ok=True, code="accepted")
@@ -342,7 +356,7 @@ class Daemon:
         if self._exited is not None and not self._exit_seen():
             return
         if s.state is State.STARTING:
-            self.ctx.follow_output()
+            life.follow_output()
         self.desk.check_expiry()
         obs = s.observed = self._observe()
         if obs is None:
@@ -398,3 +412,72 @@ class Daemon:
             self._exited = None
             return True
         return False
+
+
+# ------------------------------------------------------------------ the pass's guard
+# The loop's passes, guarded: an unexpected error in one never ends the daemon.
+#
+# A pass reads ports (NVML, /proc, systemd, the disk); a port failing in a way it was not written
+# for must not end the loop, or systemd restarts the daemon into the same error, gives up, and
+# vLLM runs unsupervised (issue 26: "GPU is lost" from NVML, five restarts in 15 s, then failed).
+# The error is logged, counted, shown in status, and the pass is tried again after a doubling
+# delay; the next pass that goes through clears it.
+
+
+class StepGuard:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.failures = 0  # passes in a row that ended in an unexpected error
+
+    def run(self, step: Callable[[], None]) -> float | None:
+        """Run one pass; after an unexpected error, the delay before the next try (None after
+        a pass that went through)."""
+        try:
+            step()
+        except Exception as e:
+            self.failures += 1
+            delay = min(STEP_RETRY_S * 2.0 ** (self.failures - 1), STEP_RETRY_MAX_S)
+            self.ctx.log(
+                "step_failed", level="error", error=repr(e), failures=self.failures,
+                retry_in_s=delay,
+            )  # fmt: skip
+            self.ctx.unwarn(STEP_FAILED)
+            self.ctx.warn(
+                f"{STEP_FAILED} ({type(e).__name__}: {e}); {self.failures} in a row, "
+                f"retrying in {delay:g} s"
+            )
+            return delay
+        if self.failures:
+            self.ctx.log("step_recovered", failures=self.failures)
+            self.ctx.unwarn(STEP_FAILED)
+            self.failures = 0
+        return None
+
+
+# ------------------------------------------------------------------ signals
+# The signals the daemon handles. They stay blocked from the start of `kimi-supervisor run` (so
+# every thread it starts blocks them too, and they reach the main thread, whose select they wake)
+# until the handlers are installed; and again across a re-exec, whose new image inherits the mask
+# and the pending signals: between execv and the new handlers, SIGHUP's and SIGTERM's default
+# actions would kill the daemon, and systemd counts a death by SIGHUP as a clean exit.
+HANDLED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+
+
+def block_signals() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+
+
+def install_signal_handlers(daemon: Daemon) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: daemon.ask(Stop()))
+    signal.signal(signal.SIGINT, lambda *_: daemon.ask(Stop()))
+    signal.signal(signal.SIGHUP, lambda *_: daemon.ask(Reexec()))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HANDLED)  # pending ones are handled now
+
+
+def reexec(notifier: Notifier) -> None:
+    """Replace this process with a fresh copy of itself (upgrades): vLLM is left running and is
+    adopted by the new process. The control socket's lock dies with the old image. systemd is
+    told RELOADING=1; the new image's READY=1 ends the reload (`systemctl reload` waits)."""
+    block_signals()
+    notifier.reloading("re-executing: vLLM keeps running and is adopted")
+    os.execv(sys.executable, list(sys.orig_argv))

@@ -174,7 +174,7 @@ def test_a_cuda_job_that_took_a_listed_pid_after_the_daemon_saw_it_listed_is_nev
 def test_while_vllm_loads_a_recycled_listed_pid_is_no_intruder_and_a_real_one_is(
     sandbox: SandboxHelper,
 ) -> None:
-    from kimi_supervisor.loop.intrusion import foreign
+    from kimi_supervisor.loop.observer import foreign
 
     paths = {i: sandbox.gpu.device_path(i) for i in MANAGED}
     ghost, _helper = sandbox.ghost_tree(gpu="1", mib=8_000, title="python", fork_helper="h")
