@@ -167,7 +167,7 @@ def gzip_bomb(caps: list[int]) -> list[tuple[int, float, float, str]]:
         for cap in caps:
             probe = (
                 "import resource, subprocess, sys; "
-                "r = subprocess.run([sys.executable, '-m', 'kimi_supervisor.capture.trace', "
+                "r = subprocess.run([sys.executable, '-m', 'kimi_supervisor.analysis.trace', "
                 f"'--memory-mb', '{cap}'], stdin=open({str(bomb)!r}, 'rb'), capture_output=True, "
                 "text=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
                 "print(r.stdout[:120])"

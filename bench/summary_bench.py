@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import write_section
-from kimi_supervisor.capture import trace as tracesummary
+from kimi_supervisor.analysis import trace as tracesummary
 
 
 def make_trace(path: Path, events: int) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.capture import ranks as capturesummary
+from kimi_supervisor.analysis import ranks
 from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
@@ -261,10 +261,10 @@ class Capture:
         try:
             for name in sorted(new):
                 _move_into(trace_dir / name, name, fd, spec.uid, spec.gid)
-                rank = capturesummary.rank_of(name)
+                rank = ranks.rank_of(name)
                 files.append({"name": name, "rank": rank, "bytes": new[name]})
             os.fchown(fd, spec.uid, spec.gid)
-            if p.summarize and capturesummary.rank_traces(list(new)):
+            if p.summarize and ranks.rank_traces(list(new)):
                 summary = self._summarize(fd, list(new))
         finally:
             os.close(fd)
@@ -293,9 +293,9 @@ class Capture:
         self._release()
         self.phase = CapturePhase.SUMMARIZING
         self._event("capture_summarizing", files=len(names))
-        summary = capturesummary.summarize(fd, names, self.config.profiling.summary_timeout_s)
+        summary = ranks.summarize(fd, names, self.config.profiling.summary_timeout_s)
         try:
-            capturesummary.write(fd, summary, self.spec.uid, self.spec.gid)
+            ranks.write(fd, summary, self.spec.uid, self.spec.gid)
         except OSError as e:
             summary["errors"].append({"rank": None, "file": SUMMARY, "error": f"not written: {e}"})
         self._event("capture_summarized", took_s=summary["took_s"])

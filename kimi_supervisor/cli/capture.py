@@ -48,7 +48,7 @@ def _open_out(out: str) -> int | str:
 def cmd_summarize(args: argparse.Namespace) -> int:
     """`capture --summarize DIR`: an existing capture's summary, made here as the caller (no
     daemon needed), written beside the traces when the folder lets us."""
-    from kimi_supervisor.capture.ranks import summarize_folder  # the summarizer, only here
+    from kimi_supervisor.analysis.ranks import summarize_folder  # the summarizer, only here
 
     o = Output(args.output)
     folder = Path(args.summarize)
@@ -69,7 +69,7 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 def _summary_of(folder: Path) -> dict[str, Any]:
     """A capture folder's summary: its summary.json when it is of this version, else made again
     here (and written when the folder lets us). Raises OSError."""
-    from kimi_supervisor.capture.ranks import SUMMARY_VERSION, read_summary, summarize_folder
+    from kimi_supervisor.analysis.ranks import SUMMARY_VERSION, read_summary, summarize_folder
 
     found = read_summary(folder)
     if found is not None and found.get("version") == SUMMARY_VERSION:
@@ -79,7 +79,7 @@ def _summary_of(folder: Path) -> dict[str, Any]:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """`capture --compare A B`: two captures side by side, made here (no daemon needed)."""
-    from kimi_supervisor.capture.compare import CompareError, compare
+    from kimi_supervisor.analysis.compare import CompareError, compare
 
     o = Output(args.output)
     summaries = []

@@ -130,7 +130,7 @@ def reading(c: dict[str, Any]) -> str:
 
 
 def format_compare(c: dict[str, Any], a: str, b: str) -> str:
-    """Two captures side by side (capture/compare.py)."""
+    """Two captures side by side (analysis/compare.py)."""
     lines = [f"A: {a}", f"B: {b}", f"{c['kind']} steps, ms per step (mean over ranks):"]
     lines.append(f"  {'':<30} {'A':>9} {'B':>9} {'B - A':>9}")
     for row in c["rows"]:

@@ -38,7 +38,7 @@ def trace(rank: int | None, pid: int, steps: int = 6) -> str:
         op("cpu_op", "aten::linear", t + 10, 650)
         op("cpu_op", "_C::onednn_mm", t + 20, 600)
         op("cpu_op", "vllm::unified_attention_with_output", t + 660, 200)
-        # Every rank's all-reduce ends at one moment (as on real GPUs; capture/skew.py), rank r
+        # Every rank's all-reduce ends at one moment (as on real GPUs; analysis/skew.py), rank r
         # arriving 100 x r us before rank 0: the last to arrive is rank 0, every rank's transfer
         # 300 us, its wait 100 x r.
         late = 100 * rank  # type: ignore[operator]

@@ -5,7 +5,7 @@ kernels with their arguments), where one rank arrives late at every all-reduce b
 What the generator injects follows what the fixture measured on two H200s: a rank's NCCL kernel
 starts when that rank arrives and spins until the last rank is there; every rank's kernel then
 ends at the same moment (the fixture's ends of each all-reduce agree within 1 µs), after the
-transfer. So a rank's wait is the last arrival less its own, which is what capture/skew.py must
+transfer. So a rank's wait is the last arrival less its own, which is what analysis/skew.py must
 recover; `write_capture` returns that truth, summed per rank.
 
 Written as a stream (one event at a time), so that the bench can make 8 ranks x 200 MB.

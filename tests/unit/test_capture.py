@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.capture import trace as tracesummary
-from kimi_supervisor.capture.ranks import rank_of, summarize, summarize_folder
+from kimi_supervisor.analysis import trace as tracesummary
+from kimi_supervisor.analysis.ranks import rank_of, summarize, summarize_folder
 from kimi_supervisor.cli.render import format_summary as render
 
 from ..conftest import as_user

@@ -1,4 +1,4 @@
-"""Two captures side by side (`kimi-mode capture --compare A B`, capture/compare.py): the
+"""Two captures side by side (`kimi-mode capture --compare A B`, analysis/compare.py): the
 synthetic captures of kimi_supervisor/sandbox/synthetic_traces.py, with the skew or the transfer
 changed between them, and the 2x H200 fixture."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import TypeAdapter
 
-from kimi_supervisor.capture.compare import CompareError, compare
-from kimi_supervisor.capture.ranks import summarize_folder
+from kimi_supervisor.analysis.compare import CompareError, compare
+from kimi_supervisor.analysis.ranks import summarize_folder
 from kimi_supervisor.cli.output import OutputLine
 from kimi_supervisor.sandbox.synthetic_traces import write_capture
 

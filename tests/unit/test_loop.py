@@ -356,7 +356,7 @@ def test_a_summary_that_never_ends_holds_no_switch(
         release.wait(60)
         return {"ranks": [], "errors": [], "took_s": 60.0}
 
-    monkeypatch.setattr(job.capturesummary, "summarize", wedged)
+    monkeypatch.setattr(job.ranks, "summarize", wedged)
     try:
         booted(host)
         host.ask(Switch(Mode.PROFILE, "op"))

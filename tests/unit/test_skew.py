@@ -1,4 +1,4 @@
-"""Waiting against moving data across the ranks of a capture (capture/skew.py): synthetic
+"""Waiting against moving data across the ranks of a capture (analysis/skew.py): synthetic
 captures with a known injected skew (kimi_supervisor/sandbox/synthetic_traces.py), clocks that
 disagree, profilers that start a step apart, and the 2x H200 fixture measured with NCCL."""
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.capture.collectives import collective
-from kimi_supervisor.capture.ranks import summarize
+from kimi_supervisor.analysis.collectives import collective
+from kimi_supervisor.analysis.ranks import summarize
 from kimi_supervisor.cli.summary_text import format_summary
 from kimi_supervisor.sandbox.synthetic_traces import write_capture
 
@@ -198,7 +198,7 @@ def test_compute_kernels_are_not_communication(name: str) -> None:
 
 
 def test_an_unknown_communication_kernel_is_counted_as_other_and_listed_by_name() -> None:
-    from kimi_supervisor.capture.trace import summarize
+    from kimi_supervisor.analysis.trace import summarize
 
     ev = [{"ph": "X", "cat": "user_annotation", "name": "execute_context_0(0)_generation_4(4)",
            "pid": 1, "tid": 1, "ts": 0.0, "dur": 100.0}]  # fmt: skip

@@ -1,4 +1,4 @@
-"""A capture's summary: every rank's trace summarized (capture/trace.py) in a process of
+"""A capture's summary: every rank's trace summarized (analysis/trace.py) in a process of
 its own, all ranks at once, and the result written beside the traces as summary.json and shown
 as the operator reads it.
 
@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import kimi_supervisor
-from kimi_supervisor.capture import skew
-from kimi_supervisor.capture import trace as tracesummary
-from kimi_supervisor.capture.jsonstream import TraceError
+from kimi_supervisor.analysis import skew
+from kimi_supervisor.analysis import trace as tracesummary
+from kimi_supervisor.analysis.jsonstream import TraceError
 from kimi_supervisor.model import SUMMARY
 
 TRACE = re.compile(r"\.pt\.trace\.json(\.gz)?$|\.trace\.json(\.gz)?$")
@@ -98,7 +98,7 @@ def summarize(
             errors.append({"rank": rank, "file": name, "error": why})
             continue
         try:
-            summarizer = ["-m", "kimi_supervisor.capture.trace", "--memory-mb", str(memory_mb)]
+            summarizer = ["-m", "kimi_supervisor.analysis.trace", "--memory-mb", str(memory_mb)]
             proc = subprocess.Popen(
                 [sys.executable, *summarizer],
                 stdin=fd,

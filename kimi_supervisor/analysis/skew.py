@@ -35,8 +35,8 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from kimi_supervisor.capture.collectives import SPLIT
-from kimi_supervisor.capture.timeline import kind_of, leading, percentile
+from kimi_supervisor.analysis.collectives import SPLIT
+from kimi_supervisor.analysis.timeline import kind_of, leading, percentile
 
 CLOCK_TOLERANCE_US = 20.0
 MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's

@@ -31,9 +31,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from kimi_supervisor.capture.collectives import KINDS, collective, from_args, group_of
-from kimi_supervisor.capture.jsonstream import TraceError, events, open_text
-from kimi_supervisor.capture.timeline import (
+from kimi_supervisor.analysis.collectives import KINDS, collective, from_args, group_of
+from kimi_supervisor.analysis.jsonstream import TraceError, events, open_text
+from kimi_supervisor.analysis.timeline import (
     STEP,
     overlap,
     step_times,
@@ -41,9 +41,9 @@ from kimi_supervisor.capture.timeline import (
     timeline,
     union,
 )
-from kimi_supervisor.capture.timeline import kind_of as _kind
+from kimi_supervisor.analysis.timeline import kind_of as _kind
 
-# After communication (capture/collectives.py), the first class that matches wins: an attention
+# After communication (analysis/collectives.py), the first class that matches wins: an attention
 # kernel may carry "cutlass" in its name.
 CLASSES: list[tuple[str, re.Pattern[str]]] = [
     (
@@ -349,7 +349,7 @@ def summarize_file(raw: IO[bytes]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kimi_supervisor.capture.trace [--memory-mb N] < TRACE`: the summary as JSON
+    """`python -m kimi_supervisor.analysis.trace [--memory-mb N] < TRACE`: the summary as JSON
     on stdout, or {"error": ...}. The daemon runs one per rank, in parallel, each on a file it
     opened; with --memory-mb, this process's address space is capped there first (RLIMIT_AS),
     and a trace that needs more is an error, whatever it holds."""

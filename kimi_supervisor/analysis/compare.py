@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from kimi_supervisor.capture.collectives import SPLIT
+from kimi_supervisor.analysis.collectives import SPLIT
 
 NOISE_MS, NOISE_SHARE = 0.05, 0.02
 TOP = 8

@@ -1,5 +1,5 @@
-"""One rank's timeline, read from what capture/trace.py kept of its trace: the steps in order,
-the collective calls of each step (what capture/skew.py matches across the ranks), the steps'
+"""One rank's timeline, read from what analysis/trace.py kept of its trace: the steps in order,
+the collective calls of each step (what analysis/skew.py matches across the ranks), the steps'
 time distribution, and how much of the communication overlaps compute.
 
 A collective's time on a rank is the kernel's on a GPU (its start is when the rank arrived:
@@ -16,9 +16,9 @@ import statistics
 from collections import Counter
 from typing import Any, Protocol
 
-from kimi_supervisor.capture.collectives import collective
+from kimi_supervisor.analysis.collectives import collective
 
-# `r` below is capture/trace.py's reader (kernels, cpu_ops, cpu_steps, gpu_steps, nccl_args),
+# `r` below is analysis/trace.py's reader (kernels, cpu_ops, cpu_steps, gpu_steps, nccl_args),
 # typed loosely here: trace.py imports this module, never the other way round.
 Reader = Any
 
@@ -192,7 +192,7 @@ def overlap(r: Reader, names: dict[int, str]) -> dict[str, Any] | None:
 
 
 def timeline(r: Reader, names: dict[int, str], launches: Launches, base_ns: int) -> dict[str, Any]:
-    """What capture/skew.py needs of this rank (it is dropped once the ranks are matched): the
+    """What analysis/skew.py needs of this rank (it is dropped once the ranks are matched): the
     trace's time base, the steps and the collective calls, times in µs."""
     steps = steps_of(r)
     calls = calls_of(r, names, steps, launches)
