@@ -12,6 +12,7 @@ as `other` communication and listed by name, so that an unknown kernel is seen, 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, OTHER_COMM = (
@@ -76,14 +77,22 @@ _BY_ARG = {
 }
 
 
-def collective(name: str) -> tuple[str, str] | None:
-    """(collective, implementation) of a kernel or operator's name; None when it is not
+@dataclass(frozen=True)
+class Collective:
+    """Which collective a name is (one of KINDS), and which implementation ran it."""
+
+    kind: str
+    implementation: str
+
+
+def collective(name: str) -> Collective | None:
+    """The collective and implementation of a kernel or operator's name; None when it is not
     communication. A name that looks like communication without a row: ("other", "unknown")."""
     for pattern, kind, impl in TABLE:
         if pattern.search(name):
-            return kind, impl
+            return Collective(kind, impl)
     if LOOKS_LIKE.search(name):
-        return OTHER_COMM, "unknown"
+        return Collective(OTHER_COMM, "unknown")
     return None
 
 

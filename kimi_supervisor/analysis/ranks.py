@@ -17,13 +17,14 @@ import stat
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kimi_supervisor
-from kimi_supervisor.analysis import skew
-from kimi_supervisor.analysis import trace as tracesummary
+from kimi_supervisor.analysis import skew, trace
 from kimi_supervisor.analysis.jsonstream import TraceError
+from kimi_supervisor.analysis.timeline import Timeline
 from kimi_supervisor.model import SUMMARY
 
 TRACE = re.compile(r"\.pt\.trace\.json(\.gz)?$|\.trace\.json(\.gz)?$")
@@ -40,8 +41,19 @@ def rank_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def rank_traces(names: list[str]) -> list[tuple[int, str]]:
-    return sorted((r, n) for n in names if TRACE.search(n) and (r := rank_of(n)) is not None)
+@dataclass(frozen=True, order=True)
+class RankTrace:
+    """A rank's trace file in a capture's folder, and the rank its name gives."""
+
+    rank: int
+    name: str
+
+
+def rank_traces(names: list[str]) -> list[RankTrace]:
+    """The rank traces among `names`, by rank (then name)."""
+    return sorted(
+        RankTrace(r, n) for n in names if TRACE.search(n) and (r := rank_of(n)) is not None
+    )
 
 
 # What one rank's summarizer may take (address space, RLIMIT_AS; 8 ranks in parallel: 8 GiB at
@@ -92,7 +104,8 @@ def summarize(
     done: list[tuple[int, str, dict[str, Any]]] = []
     errors: list[dict[str, Any]] = []
     env = _child_env()
-    for rank, name in traces:
+    for t in traces:
+        rank, name = t.rank, t.name
         fd, why = open_trace(dir_fd, name)
         if fd is None:
             errors.append({"rank": rank, "file": name, "error": why})
@@ -110,7 +123,7 @@ def summarize(
             # No interpreter to start (a caller who may not run this one's path): read it here.
             with os.fdopen(fd, "rb") as f:
                 try:
-                    done.append((rank, name, tracesummary.summarize_file(f)))
+                    done.append((rank, name, trace.summarize_file(f)))
                 except TraceError as e:
                     done.append((rank, name, {"error": str(e)}))
             continue
@@ -130,13 +143,13 @@ def summarize(
         except ValueError:
             done.append((rank, name, {"error": f"the summarizer exited with {proc.returncode}"}))
     ranks: list[dict[str, Any]] = []
-    timelines: list[tuple[int, dict[str, Any]]] = []
+    timelines: list[skew.RankTimeline] = []
     for rank, name, result in sorted(done, key=lambda d: d[0]):
         if "error" in result:
             errors.append({"rank": rank, "file": name, "error": result["error"]})
         else:
             if (tl := result.pop("timeline", None)) is not None:
-                timelines.append((rank, tl))
+                timelines.append(skew.RankTimeline(rank, Timeline.from_json(tl)))
             ranks.append({**result, "rank": rank, "file": name})
     return {
         "version": SUMMARY_VERSION,

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from kimi_supervisor.analysis.collectives import SPLIT
-from kimi_supervisor.analysis.timeline import kind_of, leading, percentile
+from kimi_supervisor.analysis.reader import Step
+from kimi_supervisor.analysis.timeline import Timeline, kind_of, leading, percentile
 
 CLOCK_TOLERANCE_US = 20.0
 MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's
@@ -47,17 +49,49 @@ COLUMNS = ["step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank", "
 PER_STEP_MAX = 5000  # per-step rows kept in the summary (a 100 s capture of 20 ms steps)
 
 
-def _signature(tl: dict[str, Any]) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+@dataclass(frozen=True)
+class RankTimeline:
+    """One rank's timeline, and the rank its trace's name gives."""
+
+    rank: int
+    timeline: Timeline
+
+
+# The calls of one key in a step: per call, its (start, duration) on each rank in the ranks'
+# order, on one time base (the earliest trace's).
+PerCall = list[list[tuple[float, float]]]
+
+
+@dataclass(frozen=True)
+class MatchedStep:
+    """A step every rank made with the same calls: its name, its index in the lowest rank's
+    steps, and its calls by key."""
+
+    name: str
+    index: int
+    calls: dict[str, PerCall]
+
+
+@dataclass(frozen=True)
+class Matching:
+    """The ranks' timelines matched step for step (see the module)."""
+
+    steps: list[MatchedStep]
+    shifts: list[int]  # per rank: how many steps it is ahead of the lowest rank in its list
+    unmatched: int  # the lowest rank's steps that some rank did not make alike
+
+
+def _signature(tl: Timeline) -> list[tuple[str, tuple[tuple[str, int], ...]]]:
     """Per step: its name and how many calls of each key it made, of the collectives that are
     split (a send or a broadcast, which ranks need not share, never unmatches a step)."""
-    counts: list[Counter[str]] = [Counter() for _ in tl["steps"]]
-    for step, key, _t, _d in tl["calls"]:
+    counts: list[Counter[str]] = [Counter() for _ in tl.steps]
+    for step, key in zip(tl.calls.step, tl.calls.key, strict=True):
         if key.split("@")[0] in SPLIT:
             counts[step][key] += 1
-    return [(s[2], tuple(sorted(c.items()))) for s, c in zip(tl["steps"], counts, strict=True)]
+    return [(s.name, tuple(sorted(c.items()))) for s, c in zip(tl.steps, counts, strict=True)]
 
 
-def _shift(ref: dict[str, Any], other: dict[str, Any], offset_us: float) -> int:
+def _shift(ref: Timeline, other: Timeline, offset_us: float) -> int:
     """How many steps `other` is ahead of `ref` in its list (see the module)."""
     a, b = _signature(ref), _signature(other)
     best: tuple[int, float, int] | None = None
@@ -66,7 +100,7 @@ def _shift(ref: dict[str, Any], other: dict[str, Any], offset_us: float) -> int:
         if not pairs:
             continue
         gap = statistics.median(
-            abs(ref["steps"][i][0] - (other["steps"][j][0] + offset_us)) for i, j in pairs
+            abs(ref.steps[i].start - (other.steps[j].start + offset_us)) for i, j in pairs
         )
         score = (-len(pairs), gap, abs(s))
         if best is None or score < (best[0], best[1], abs(best[2])):
@@ -74,49 +108,49 @@ def _shift(ref: dict[str, Any], other: dict[str, Any], offset_us: float) -> int:
     return best[2] if best else 0
 
 
-def _calls_by_step(tl: dict[str, Any]) -> dict[int, dict[str, list[tuple[float, float]]]]:
+def _calls_by_step(tl: Timeline) -> dict[int, dict[str, list[tuple[float, float]]]]:
     out: dict[int, dict[str, list[tuple[float, float]]]] = {}
-    for step, key, t, d in tl["calls"]:
+    c = tl.calls
+    for step, key, t, d in zip(c.step, c.key, c.start, c.dur, strict=True):
         out.setdefault(step, {}).setdefault(key, []).append((t, d))
     return out
 
 
-def match(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """The matched steps of the ranks' timelines: [(step name, ref step index, {key: [per call:
-    [(start, dur) per rank]]})], the ranks' shifts, and the steps left unmatched."""
-    (_r0, ref), others = ranks[0], ranks[1:]
-    base = min(tl["base_ns"] for _r, tl in ranks)
-    offsets = [(tl["base_ns"] - base) / 1000 for _r, tl in ranks]
-    shifts = [0] + [
-        _shift(ref, tl, offsets[i + 1] - offsets[0]) for i, (_r, tl) in enumerate(others)
-    ]
-    sigs = [_signature(tl) for _r, tl in ranks]
-    by_step = [_calls_by_step(tl) for _r, tl in ranks]
-    steps: list[tuple[str, int, dict[str, list[list[tuple[float, float]]]]]] = []
+def match(ranks: list[RankTimeline]) -> Matching:
+    """The matched steps of the ranks' timelines (lowest rank first), the ranks' shifts, and the
+    steps left unmatched."""
+    timelines = [r.timeline for r in ranks]
+    ref, others = timelines[0], timelines[1:]
+    base = min(tl.base_ns for tl in timelines)
+    offsets = [(tl.base_ns - base) / 1000 for tl in timelines]
+    shifts = [0] + [_shift(ref, tl, offsets[i + 1] - offsets[0]) for i, tl in enumerate(others)]
+    sigs = [_signature(tl) for tl in timelines]
+    by_step = [_calls_by_step(tl) for tl in timelines]
+    steps: list[MatchedStep] = []
     unmatched = 0
     for i, sig in enumerate(sigs[0]):
         idx = [i + s for s in shifts]
         if not all(0 <= j < len(sg) and sg[j] == sig for j, sg in zip(idx, sigs, strict=True)):
             unmatched += 1
             continue
-        calls: dict[str, list[list[tuple[float, float]]]] = {}
+        calls: dict[str, PerCall] = {}
         for key, _n in sig[1]:
             per_rank = [by_step[k][idx[k]][key] for k in range(len(ranks))]
             calls[key] = [
                 [(t + offsets[k], d) for k, (t, d) in enumerate(call)]
                 for call in zip(*per_rank, strict=True)
             ]
-        steps.append((sig[0], i, calls))
-    return {"steps": steps, "shifts": shifts, "unmatched": unmatched}
+        steps.append(MatchedStep(sig[0], i, calls))
+    return Matching(steps, shifts, unmatched)
 
 
-def _clock(steps: list[Any], names: list[int]) -> tuple[list[float], str]:
+def _clock(steps: list[MatchedStep], names: list[int]) -> tuple[list[float], str]:
     """Each rank's clock offset to add (µs) and how it was found (see the module)."""
     n = len(names)
     late: list[float] = []
     diffs: list[list[float]] = [[] for _ in range(n)]
-    for _name, _i, calls in steps:
-        for per_call in calls.values():
+    for step in steps:
+        for per_call in step.calls.values():
             for call in per_call:
                 last = max(t for t, _d in call)
                 late.append(last - min(t + d for t, d in call))
@@ -130,8 +164,8 @@ def _clock(steps: list[Any], names: list[int]) -> tuple[list[float], str]:
     return offsets, f"not one: aligned by the collectives' ends ({said})"
 
 
-def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
-    """The wait/transfer split of a capture's ranks (rank, timeline), lowest rank first; None with
+def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
+    """The wait/transfer split of a capture's ranks' timelines, lowest rank first; None with
     fewer than two ranks. Per step kind and collective: per rank and on average, the time per step
     in calls, waiting and moving data, its share of the step, the rank that arrived last most
     often, and the spread of arrivals; and a row per step."""
@@ -139,16 +173,17 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
         return None
     m = match(ranks)
     n = len(ranks)
-    names = [r for r, _tl in ranks]
-    offsets, clock = _clock(m["steps"], names)
+    names = [r.rank for r in ranks]
+    offsets, clock = _clock(m.steps, names)
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     step_ms: dict[str, list[float]] = {}
     rows: list[list[Any]] = []
-    ref_steps = ranks[0][1]["steps"]
-    startup = _startup(m["steps"], ref_steps)
-    for pos, (name, i, calls) in enumerate(m["steps"]):
-        kind = kind_of(name)
-        ms = (ref_steps[i][1] - ref_steps[i][0]) / 1000
+    ref_steps = ranks[0].timeline.steps
+    startup = _startup(m.steps, ref_steps)
+    for pos, matched in enumerate(m.steps):
+        i, calls = matched.index, matched.calls
+        kind = kind_of(matched.name)
+        ms = (ref_steps[i].end - ref_steps[i].start) / 1000
         counted = pos not in startup
         if counted:
             step_ms.setdefault(kind, []).append(ms)
@@ -199,10 +234,10 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
     return {
         "ranks": names,
         "clock": clock,
-        "matched_steps": len(m["steps"]),
+        "matched_steps": len(m.steps),
         "startup_steps": len(startup),
-        "unmatched_steps": m["unmatched"],
-        "shifts": dict(zip(map(str, names), m["shifts"], strict=True)),
+        "unmatched_steps": m.unmatched,
+        "shifts": dict(zip(map(str, names), m.shifts, strict=True)),
         "kinds": kinds,
         "per_step": {
             "columns": COLUMNS,
@@ -212,16 +247,16 @@ def split(ranks: list[tuple[int, dict[str, Any]]]) -> dict[str, Any] | None:
     }
 
 
-def _startup(steps: list[Any], ref_steps: list[Any]) -> set[int]:
+def _startup(steps: list[MatchedStep], ref_steps: list[Step]) -> set[int]:
     """The positions of the matched steps left out of the totals: the first (the profilers'
     start), and each kind's leading start-up steps by the lowest rank's step times (the rule of
     the steps' distribution, timeline.leading)."""
     out = {0} if steps else set()
     by_kind: dict[str, list[int]] = {}
-    for pos, (name, _i, _calls) in enumerate(steps[1:], start=1):
-        by_kind.setdefault(kind_of(name), []).append(pos)
+    for pos, step in enumerate(steps[1:], start=1):
+        by_kind.setdefault(kind_of(step.name), []).append(pos)
     for positions in by_kind.values():
-        ms = [ref_steps[steps[p][1]][1] - ref_steps[steps[p][1]][0] for p in positions]
+        ms = [ref_steps[steps[p].index].end - ref_steps[steps[p].index].start for p in positions]
         out.update(positions[: leading(ms)])
     return out
 

@@ -1,4 +1,4 @@
-"""One rank's timeline, read from what analysis/trace.py kept of its trace: the steps in order,
+"""One rank's timeline, read from what analysis/reader.py kept of its trace: the steps in order,
 the collective calls of each step (what analysis/skew.py matches across the ranks), the steps'
 time distribution, and how much of the communication overlaps compute.
 
@@ -11,21 +11,13 @@ A call belongs to the step whose CPU range launched it, else to the step whose r
 from __future__ import annotations
 
 import bisect
-import re
 import statistics
 from collections import Counter
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from kimi_supervisor.analysis.collectives import collective
-
-# `r` below is analysis/trace.py's reader (kernels, cpu_ops, cpu_steps, gpu_steps, nccl_args),
-# typed loosely here: trace.py imports this module, never the other way round.
-Reader = Any
-
-
-class Launches(Protocol):
-    def start(self, link: int) -> float | None: ...
-
+from kimi_supervisor.analysis.reader import STEP, Launches, Reader, Step
 
 # A step longer than this many times its kind's median, among the first steps of that kind, is
 # a start-up step (compilation of a new shape, a first allocation): shown apart, never mixed
@@ -33,20 +25,69 @@ class Launches(Protocol):
 FIRST_FACTOR, FIRST_MAX = 1.5, 5
 
 
+@dataclass(frozen=True)
+class Calls:
+    """A rank's collective calls inside its steps, in start order, as columns: the step each is
+    in (its index in the timeline's steps), its key, its start and its duration (µs)."""
+
+    step: list[int]
+    key: list[str]
+    start: list[float]
+    dur: list[float]
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """What analysis/skew.py needs of one rank (it is dropped once the ranks are matched): the
+    trace's time base, the steps in start order and the collective calls, times in µs. It
+    crosses from a rank's summarizer to its parent as JSON (`to_json`, `from_json`)."""
+
+    base_ns: int
+    steps: list[Step]
+    calls: Calls
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.calls
+        return {
+            "base_ns": self.base_ns,
+            "steps": [[s.start, s.end, s.name] for s in self.steps],
+            "calls": {"step": c.step, "key": c.key, "start": c.start, "dur": c.dur},
+        }
+
+    @classmethod
+    def from_json(cls, found: dict[str, Any]) -> Timeline:
+        c = found["calls"]
+        return cls(
+            base_ns=int(found["base_ns"]),
+            steps=[Step(s, e, n) for s, e, n in found["steps"]],
+            calls=Calls(step=c["step"], key=c["key"], start=c["start"], dur=c["dur"]),
+        )
+
+
 class StepIndex:
     """Which step (in start order) holds a time: the last to start at or before it, if it has
     not ended."""
 
-    def __init__(self, steps: list[tuple[float, float, str]]) -> None:
-        self.starts = [s for s, _, _ in steps]
-        self.ends = [e for _, e, _ in steps]
+    def __init__(self, steps: list[Step]) -> None:
+        self.starts = [s.start for s in steps]
+        self.ends = [s.end for s in steps]
 
     def at(self, t: float) -> int:
         k = bisect.bisect_right(self.starts, t) - 1
         return k if k >= 0 and t < self.ends[k] else -1
 
 
-STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$|^ProfilerStep#\d+$")
+class Windows:
+    """Steps' ranges, merged into sorted [start, end) ranges; `holds(t)` by bisection."""
+
+    def __init__(self, steps: list[Step]) -> None:
+        merged = union([(s.start, s.end) for s in steps])
+        self.starts = [s for s, _ in merged]
+        self.ends = [e for _, e in merged]
+
+    def holds(self, t: float) -> bool:
+        k = bisect.bisect_right(self.starts, t) - 1
+        return k >= 0 and t < self.ends[k]
 
 
 def kind_of(step_name: str) -> str:
@@ -57,26 +98,22 @@ def kind_of(step_name: str) -> str:
     return "prefill" if int(m.group(1)) > 0 else "decode"
 
 
-def steps_of(r: Reader) -> list[tuple[float, float, str]]:
+def steps_of(r: Reader) -> list[Step]:
     """The rank's steps in start order: its CPU ranges (execute_model), else its GPU ranges."""
-    if r.cpu_steps:
-        return sorted((s, e, n) for s, e, n, _tid in r.cpu_steps)
-    return sorted(r.gpu_steps)
+    return sorted(r.cpu_steps or r.gpu_steps, key=lambda s: (s.start, s.end, s.name))
 
 
-def calls_of(
-    r: Reader, names: dict[int, str], steps: list[tuple[float, float, str]], launches: Launches
-) -> list[tuple[int, str, float, float]]:
-    """(step, key, start, duration) of every collective call inside a step, in start order. The
-    key is the collective and, when the kernel names it, its process group: the calls of one key
-    follow the same order on every rank."""
+def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Launches) -> Calls:
+    """Every collective call inside a step, in start order. The key is the collective and, when
+    the kernel names it, its process group: the calls of one key follow the same order on every
+    rank."""
     index = StepIndex(steps)
     kinds: dict[int, str | None] = {}
 
     def kind(n: int) -> str | None:
         if n not in kinds:
             c = collective(names[n])
-            kinds[n] = c[0] if c else None
+            kinds[n] = c.kind if c else None
         return kinds[n]
 
     out: list[tuple[int, str, float, float]] = []
@@ -84,14 +121,14 @@ def calls_of(
     if len(k.ts):
         for j in range(len(k.ts)):
             what = r.nccl_args.get(j)
-            c = what[0] if what and what[0] else kind(k.name[j])
+            c = what.collective if what and what.collective else kind(k.name[j])
             if c is None:
                 continue
             launched = launches.start(k.link[j])
             # The CPU range that launched it, else the range it ran in.
             step = index.at(launched if r.cpu_steps and launched is not None else k.ts[j])
             if step >= 0:
-                key = f"{c}@{what[1]}" if what and what[1] else c
+                key = f"{c}@{what.group}" if what and what.group else c
                 out.append((step, key, k.ts[j], k.dur[j]))
     else:
         for ops in r.cpu_ops.values():
@@ -104,7 +141,12 @@ def calls_of(
                 if (step := index.at(ops.ts[j])) >= 0:
                     out.append((step, c, ops.ts[j], ops.dur[j]))
     out.sort(key=lambda c: c[2])
-    return out
+    return Calls(
+        step=[c[0] for c in out],
+        key=[c[1] for c in out],
+        start=[c[2] for c in out],
+        dur=[c[3] for c in out],
+    )
 
 
 def percentile(sorted_values: list[float], p: float) -> float:
@@ -125,15 +167,15 @@ def leading(ms: list[float]) -> int:
     return first
 
 
-def step_times(steps: list[tuple[float, float, str]]) -> dict[str, Any]:
+def step_times(steps: list[Step]) -> dict[str, Any]:
     """Per step kind: how many, p50/p90/p99 of the steady steps (ms), the first steps apart
     (leading steps over FIRST_FACTOR x the kind's median), and the most common step name (the
     batch: execute_context_0(0)_generation_16(16) is sixteen decode requests)."""
     by_kind: dict[str, list[float]] = {}
     named: dict[str, Counter[str]] = {}
-    for s, e, n in steps:
-        by_kind.setdefault(kind_of(n), []).append((e - s) / 1000)
-        named.setdefault(kind_of(n), Counter())[n] += 1
+    for s in steps:
+        by_kind.setdefault(kind_of(s.name), []).append((s.end - s.start) / 1000)
+        named.setdefault(kind_of(s.name), Counter())[s.name] += 1
     out: dict[str, Any] = {}
     for kind, ms in by_kind.items():
         first = leading(ms)
@@ -191,13 +233,17 @@ def overlap(r: Reader, names: dict[int, str]) -> dict[str, Any] | None:
     }
 
 
-def timeline(r: Reader, names: dict[int, str], launches: Launches, base_ns: int) -> dict[str, Any]:
-    """What analysis/skew.py needs of this rank (it is dropped once the ranks are matched): the
-    trace's time base, the steps and the collective calls, times in µs."""
+def timeline(r: Reader, names: dict[int, str], launches: Launches, base_ns: int) -> Timeline:
+    """This rank's timeline (see Timeline), times rounded to the ns."""
     steps = steps_of(r)
     calls = calls_of(r, names, steps, launches)
-    return {
-        "base_ns": base_ns,
-        "steps": [[round(s, 3), round(e, 3), n] for s, e, n in steps],
-        "calls": [[step, key, round(t, 3), round(d, 3)] for step, key, t, d in calls],
-    }
+    return Timeline(
+        base_ns=base_ns,
+        steps=[Step(round(s.start, 3), round(s.end, 3), s.name) for s in steps],
+        calls=Calls(
+            step=calls.step,
+            key=calls.key,
+            start=[round(t, 3) for t in calls.start],
+            dur=[round(d, 3) for d in calls.dur],
+        ),
+    )

@@ -20,28 +20,25 @@ CPU build) it is the operators' own time (a parent's time less its children's), 
 
 from __future__ import annotations
 
-import bisect
 import gzip
 import json
 import re
 import resource
 import sys
-from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import IO, Any
 
-from kimi_supervisor.analysis.collectives import KINDS, collective, from_args, group_of
+from kimi_supervisor.analysis.collectives import KINDS, collective
 from kimi_supervisor.analysis.jsonstream import TraceError, events, open_text
+from kimi_supervisor.analysis.reader import Ops, Reader
 from kimi_supervisor.analysis.timeline import (
-    STEP,
+    Windows,
+    kind_of,
     overlap,
     step_times,
     steps_of,
     timeline,
-    union,
 )
-from kimi_supervisor.analysis.timeline import kind_of as _kind
 
 # After communication (analysis/collectives.py), the first class that matches wins: an attention
 # kernel may carry "cutlass" in its name.
@@ -64,9 +61,6 @@ CLASSES: list[tuple[str, re.Pattern[str]]] = [
 ]
 OTHER = "other"
 CLASS_NAMES = ["communication", "gemm", "attention", OTHER]  # as shown
-GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
-LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
-CPU_STEP_CATS = {"user_annotation", "cpu_op"}
 TOP = 8
 
 
@@ -79,106 +73,7 @@ def classify(name: str) -> str:
     return OTHER
 
 
-@dataclass
-class _Ops:
-    """Operators or kernels as compact columns: start, duration (µs) and a name index."""
-
-    ts: array[float] = field(default_factory=lambda: array("d"))
-    dur: array[float] = field(default_factory=lambda: array("d"))
-    name: array[int] = field(default_factory=lambda: array("l"))
-    link: array[int] = field(default_factory=lambda: array("q"))  # a kernel's correlation id
-
-
-@dataclass
-class _Reader:
-    names: dict[str, int] = field(default_factory=dict)
-    kernels: _Ops = field(default_factory=_Ops)
-    cpu_ops: dict[int, _Ops] = field(default_factory=dict)  # per thread
-    cpu_steps: list[tuple[float, float, str, int]] = field(default_factory=list)
-    gpu_steps: list[tuple[float, float, str]] = field(default_factory=list)
-    # The CPU calls that launched kernels (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch):
-    # correlation id and start, to place each kernel in the step that launched it.
-    launch_link: array[int] = field(default_factory=lambda: array("q"))
-    launch_ts: array[float] = field(default_factory=lambda: array("d"))
-    # NCCL kernels, by index: the collective and the process group their arguments name.
-    nccl_args: dict[int, tuple[str | None, str]] = field(default_factory=dict)
-    process_name: str = ""
-    count: int = 0
-
-    def index(self, name: str) -> int:
-        n = self.names.get(name)
-        if n is None:
-            n = self.names[name] = len(self.names)
-        return n
-
-    def add(self, ev: dict[str, Any]) -> None:
-        self.count += 1
-        ph, cat = ev.get("ph"), ev.get("cat")
-        if ph == "M":
-            if ev.get("name") == "process_name" and not self.process_name:
-                self.process_name = str((ev.get("args") or {}).get("name", ""))
-            return
-        if ph != "X" or cat == "python_function":  # with_stack's millions of frames
-            return
-        name = ev.get("name")
-        try:
-            ts, dur = float(ev["ts"]), float(ev.get("dur", 0))
-        except (KeyError, TypeError, ValueError):
-            return
-        if not isinstance(name, str):
-            return
-        if cat in GPU_CATS:
-            k = self.kernels
-            if name[:4].lower() == "nccl":
-                args = ev.get("args")
-                self.nccl_args[len(k.ts)] = (from_args(args), group_of(args))
-            k.ts.append(ts)
-            k.dur.append(dur)
-            k.name.append(self.index(name))
-            k.link.append(_correlation(ev))
-        elif cat in LAUNCH_CATS:
-            if (link := _correlation(ev)) >= 0:
-                self.launch_link.append(link)
-                self.launch_ts.append(ts)
-        elif cat == "gpu_user_annotation" and STEP.match(name):
-            self.gpu_steps.append((ts, ts + dur, name))
-        elif cat in CPU_STEP_CATS:
-            tid = ev.get("tid")
-            tid = tid if isinstance(tid, int) else hash(tid)
-            if STEP.match(name):
-                self.cpu_steps.append((ts, ts + dur, name, tid))
-            elif cat == "cpu_op":
-                ops = self.cpu_ops.get(tid)
-                if ops is None:
-                    ops = self.cpu_ops[tid] = _Ops()
-                ops.ts.append(ts)
-                ops.dur.append(dur)
-                ops.name.append(self.index(name))
-
-
-def _correlation(ev: dict[str, Any]) -> int:
-    link = (ev.get("args") or {}).get("correlation")
-    return link if isinstance(link, int) else -1
-
-
-class _Launches:
-    """When the CPU launched each kernel, by correlation id."""
-
-    def __init__(self, links: array[int], starts: array[float]) -> None:
-        if any(links[j] > links[j + 1] for j in range(len(links) - 1)):
-            order = sorted(range(len(links)), key=links.__getitem__)
-            links = array("q", (links[j] for j in order))
-            starts = array("d", (starts[j] for j in order))
-        self.links, self.starts = links, starts
-
-    def start(self, link: int) -> float | None:
-        k = bisect.bisect_left(self.links, link)
-        if link >= 0 and k < len(self.links) and self.links[k] == link:
-            return self.starts[k]
-        return None
-
-
-def _self_times(ops: _Ops) -> Iterator[tuple[float, float, int]]:
+def _self_times(ops: Ops) -> Iterator[tuple[float, float, int]]:
     """(start, own time, name index) of each operator of one thread: its duration less its
     children's (operators nest on a thread)."""
     order = sorted(range(len(ops.ts)), key=lambda j: (ops.ts[j], -ops.dur[j]))
@@ -196,41 +91,26 @@ def _self_times(ops: _Ops) -> Iterator[tuple[float, float, int]]:
         yield ops.ts[j], max(own[j], 0.0), ops.name[j]
 
 
-class _Windows:
-    """Sorted, merged [start, end) ranges; `holds(t)` by bisection."""
-
-    def __init__(self, ranges: list[tuple[float, float]]) -> None:
-        merged = union(ranges)
-        self.starts = [s for s, _ in merged]
-        self.ends = [e for _, e in merged]
-
-    def holds(self, t: float) -> bool:
-        k = bisect.bisect_right(self.starts, t) - 1
-        return k >= 0 and t < self.ends[k]
-
-
 def summarize(text: IO[str]) -> dict[str, Any]:
     """The summary of one rank's trace (see the module's docstring); raises TraceError."""
     meta: dict[str, Any] = {}
-    r = _Reader()
+    r = Reader()
     for ev in events(text, meta):
         r.add(ev)
     device = "gpu" if len(r.kernels.ts) else "cpu"
     steps: dict[str, int] = {}
-    for *_, name, _tid in r.cpu_steps:
-        steps[_kind(name)] = steps.get(_kind(name), 0) + 1
-    if not r.cpu_steps:
-        for *_, name in r.gpu_steps:
-            steps[_kind(name)] = steps.get(_kind(name), 0) + 1
+    for step in r.cpu_steps or r.gpu_steps:
+        steps[kind_of(step.name)] = steps.get(kind_of(step.name), 0) + 1
     chosen = "decode" if steps.get("decode") else None
 
     def wanted(name: str) -> bool:
-        return chosen is None or _kind(name) == chosen
+        return chosen is None or kind_of(name) == chosen
 
     # A step's time is its execute_model on the CPU, which waits for the GPU's result; the GPU
     # ranges (start of the first kernel to the end of the last) include the launch queue.
-    gpu_spans = [(s, e) for s, e, n in r.gpu_steps if wanted(n)]
-    spans = [(s, e) for s, e, n, _ in r.cpu_steps if wanted(n)] or gpu_spans
+    cpu_steps = [s for s in r.cpu_steps if wanted(s.name)]
+    gpu_steps = [s for s in r.gpu_steps if wanted(s.name)]
+    spans = cpu_steps or gpu_steps
     n_steps = len(spans)
     scope = f"{chosen} steps" if chosen else ("all steps" if n_steps else "the whole trace")
 
@@ -245,13 +125,13 @@ def summarize(text: IO[str]) -> dict[str, Any]:
 
     names = {v: k for k, v in r.names.items()}
     classes = {n: classify(name) for n, name in names.items()}
-    cpu_windows = _Windows([(s, e) for s, e, n, _ in r.cpu_steps if wanted(n)])
+    cpu_windows = Windows(cpu_steps)
     attributed = "by step" if n_steps else "whole trace"
-    launches = _Launches(r.launch_link, r.launch_ts)
+    launches = r.launches()
     if device == "gpu":
         # A kernel belongs to the step whose CPU range launched it; without its launch, to the
         # step whose GPU range it starts in; without step marks, to the whole trace.
-        gpu_windows = _Windows(gpu_spans) if gpu_spans else None
+        gpu_windows = Windows(gpu_steps) if gpu_steps else None
         if n_steps and not r.launch_link and gpu_windows is None:
             attributed = "whole trace divided by steps"
         k = r.kernels
@@ -266,7 +146,7 @@ def summarize(text: IO[str]) -> dict[str, Any]:
             count(dur, n)
     else:
         # Operators' own time, on the threads that ran the steps, inside the steps.
-        step_threads = {tid for *_, n, tid in r.cpu_steps if wanted(n)}
+        step_threads = {s.thread for s in cpu_steps}
         for tid, ops in r.cpu_ops.items():
             if step_threads and tid not in step_threads:
                 continue
@@ -276,6 +156,8 @@ def summarize(text: IO[str]) -> dict[str, Any]:
     busy = sum(totals.values())
     divide = n_steps or 1
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP]
+    in_steps = sum(s.end - s.start for s in spans)
+    base_ns = int(meta.get("baseTimeNanoseconds") or 0)
     return {
         "device": device,
         "process": r.process_name,
@@ -284,7 +166,7 @@ def summarize(text: IO[str]) -> dict[str, Any]:
         "steps": steps,
         "scope": scope,
         "attributed": attributed,
-        "step_ms": round(sum(e - s for s, e in spans) / divide / 1000, 3) if n_steps else None,
+        "step_ms": round(in_steps / divide / 1000, 3) if n_steps else None,
         "busy_ms_per_step": round(busy / divide / 1000, 3),
         "classes": {
             c: {
@@ -306,7 +188,7 @@ def summarize(text: IO[str]) -> dict[str, Any]:
         "collectives": _collectives(per_name, names, divide, busy),
         "step_times": step_times(steps_of(r)),
         "overlap": overlap(r, names),
-        "timeline": timeline(r, names, launches, int(meta.get("baseTimeNanoseconds") or 0)),
+        "timeline": timeline(r, names, launches, base_ns).to_json(),
     }
 
 
@@ -320,7 +202,7 @@ def _collectives(
         c = collective(names[n])
         if c is None:
             continue
-        kind, impl = c
+        kind, impl = c.kind, c.implementation
         row = out.setdefault(kind, {"t": 0.0, "calls": 0, "implementations": [], "names": []})
         row["t"] += t
         row["calls"] += int(calls)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kimi_supervisor.analysis.collectives import collective
+from kimi_supervisor.analysis.collectives import Collective, collective
 from kimi_supervisor.analysis.ranks import summarize
 from kimi_supervisor.cli.summary_text import format_summary
 from kimi_supervisor.sandbox.synthetic_traces import write_capture
@@ -185,7 +185,7 @@ def test_the_h200_fixtures_ranks_move_the_same_data_in_the_same_time_and_rank_0_
 def test_every_collective_is_named_by_its_row_and_an_unknown_one_is_other(
     name: str, kind: str, impl: str
 ) -> None:
-    assert collective(name) == (kind, impl)
+    assert collective(name) == Collective(kind, impl)
 
 
 @pytest.mark.parametrize(
