@@ -25,8 +25,8 @@ from pathlib import Path
 from bench.common import machine, poll
 from bench.common import main as bench_main
 from kimi_supervisor.control.client import exchange
-from kimi_supervisor.sandbox.floods import HISTORY_FLOOD, rss_mb
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
+from tests.floods import HISTORY_FLOOD, rss_mb
 
 FLOOD = """
 import socket, sys, time

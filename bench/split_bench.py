@@ -7,7 +7,7 @@ resident memory, sampled every 50 ms.
     .venv/bin/python -m bench.split_bench --ranks 8 --mb 200 --hta-python /tmp/hta/bin/python \\
         --write docs/performance.md
 
-The traces are synthetic (kimi_supervisor/sandbox/synthetic_traces.py): decode steps of 61
+The traces are synthetic (tests/synthetic_traces.py): decode steps of 61
 layers, each a GEMM and an NCCL all-reduce, CPU operators for bulk, rank 3 arriving 400 µs late
 at every all-reduce; `--mb` is each rank's unpacked JSON, written gzipped as vLLM writes it. The
 split must still recover the injected wait at that size, which is checked and printed.
@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from bench.common import machine, main
-from kimi_supervisor.sandbox.synthetic_traces import write_rank
+from tests.synthetic_traces import write_rank
 
 LAYERS, LATE, LATE_US, JITTER_US = 61, 3, 400.0, 40.0
 HTA_SCRIPT = """

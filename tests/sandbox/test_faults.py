@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.sandbox.floods import HISTORY_FLOOD, rss_mb
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
+from tests.floods import HISTORY_FLOOD, rss_mb
 
 from ..conftest import DaemonHelper, SandboxHelper, as_user, wait_until
 

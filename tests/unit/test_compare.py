@@ -1,5 +1,5 @@
 """Two captures side by side (`kimi-mode capture --compare A B`, analysis/compare.py): the
-synthetic captures of kimi_supervisor/sandbox/synthetic_traces.py, with the skew or the transfer
+synthetic captures of tests/synthetic_traces.py, with the skew or the transfer
 changed between them, and the 2x H200 fixture."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 from kimi_supervisor.analysis.compare import CompareError, compare
 from kimi_supervisor.analysis.ranks import summarize_folder
 from kimi_supervisor.cli.output import OutputLine
-from kimi_supervisor.sandbox.synthetic_traces import write_capture
+from tests.synthetic_traces import write_capture
 
 from .test_capture import FIXTURE, kimi_mode
 

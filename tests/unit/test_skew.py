@@ -1,5 +1,5 @@
 """Waiting against moving data across the ranks of a capture (analysis/skew.py): synthetic
-captures with a known injected skew (kimi_supervisor/sandbox/synthetic_traces.py), clocks that
+captures with a known injected skew (tests/synthetic_traces.py), clocks that
 disagree, profilers that start a step apart, and the 2x H200 fixture measured with NCCL."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from kimi_supervisor.analysis.collectives import Collective, collective
 from kimi_supervisor.analysis.ranks import summarize
 from kimi_supervisor.cli.summary_text import format_summary
-from kimi_supervisor.sandbox.synthetic_traces import write_capture
+from tests.synthetic_traces import write_capture
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpu-allreduce-2xh200"
 STEPS, LAYERS = 12, 8
