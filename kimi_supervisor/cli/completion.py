@@ -15,10 +15,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from kimi_supervisor.cli import admin as cli
-from kimi_supervisor.cli import kimi_mode
+from kimi_supervisor.cli import admin, kimi_mode
 
-PARSERS = {"kimi-mode": kimi_mode.build_parser, "kimi-supervisor": cli.build_parser}
+PARSERS = {"kimi-mode": kimi_mode.build_parser, "kimi-supervisor": admin.build_parser}
 PATHS = {
     "--out",
     "--summarize",

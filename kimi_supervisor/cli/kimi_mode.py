@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import output as out_
+from kimi_supervisor.cli import output
 from kimi_supervisor.cli.ask import one_reply as _one_reply
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
@@ -130,7 +130,7 @@ def cmd_history(args: argparse.Namespace, sock: Path) -> int:
     o = Output(args.output)
     _raw, msg = _one_reply(sock, {"cmd": "history", "n": args.n})
     if not msg["ok"]:
-        return o.fail(out_.refusal_exit(msg["code"]), msg["message"])
+        return o.fail(output.refusal_exit(msg["code"]), msg["message"])
     entries = msg["data"]["entries"]
     if o.json:
         for e in entries:
@@ -171,16 +171,14 @@ def mode_argument(c: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kimi_supervisor.cli import (
-        capture as capture_client,  # it imports this module's neighbours (exit codes, switches)
-    )
+    from kimi_supervisor.cli import capture  # it imports this module's neighbours (switches)
 
     common = argparse.ArgumentParser(add_help=False)
     global_options(common, suppress=True)
     p = argparse.ArgumentParser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
-        epilog=exit_codes(out_.EXIT_CODES),
+        epilog=exit_codes(output.EXIT_CODES),
         formatter_class=Formatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -282,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="take no capture: compare two captures' folders (the same step kind, per class, "
         "top kernel and the all-reduce's wait and transfer, with deltas and a verdict)",
     )
-    c.set_defaults(fn=capture_client.cmd_capture)
+    c.set_defaults(fn=capture.cmd_capture)
     c = command(
         "status",
         "modes, state, unit, GPUs, last teardown",

@@ -18,8 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_supervisor.cli import admin as cli
-from kimi_supervisor.cli import configdoc, kimi_mode
+from kimi_supervisor.cli import admin, configdoc, kimi_mode
 from kimi_supervisor.cli.configdoc import esc as _esc
 from kimi_supervisor.cli.examples import EXAMPLES
 from kimi_supervisor.cli.output import EXIT_CODES
@@ -72,7 +71,7 @@ def pages() -> list[Page]:
             [(cmd, what) for rows in EXAMPLES.values() for cmd, what in rows],
         ),
         Page(
-            cli.build_parser(),
+            admin.build_parser(),
             8,
             "the daemon that owns vllm-kimi-k25.service and the GPUs it runs on",
             [

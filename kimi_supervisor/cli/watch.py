@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import output as out_
+from kimi_supervisor.cli import output
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.output import (
     EXIT_FAILED,
@@ -100,7 +100,7 @@ def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
                 kind = msg.get("type")
                 if kind == "reply":
                     if not msg["ok"]:
-                        return o.fail(out_.refusal_exit(msg["code"]), msg["message"])
+                        return o.fail(output.refusal_exit(msg["code"]), msg["message"])
                     data = msg["data"]
                     tr = data.get("transition")
                     if tr and tr["id"] != following:
