@@ -12,7 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import ask, output
+from kimi_supervisor.cli import ask
+from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_capture
 from kimi_supervisor.cli.summary_text import format_compare, format_summary
@@ -54,15 +55,15 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     try:
         summary, not_written = summarize_folder(folder)
     except OSError as e:
-        return o.fail(output.EXIT_USAGE, f"--summarize {folder}: {e.strerror}")
+        return o.fail(Exit.USAGE, f"--summarize {folder}: {e.strerror}")
     if o.json:
         o.line({"v": 1, "type": "summary", **summary})
     else:
         print(format_summary(summary))
         print(not_written or f"written to {folder / SUMMARY}")
     if not summary["ranks"]:
-        return output.EXIT_FAILED
-    return output.EXIT_OK
+        return Exit.FAILED
+    return Exit.OK
 
 
 def _summary_of(folder: Path) -> dict[str, Any]:
@@ -87,17 +88,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             summaries.append(_summary_of(folder))
         except OSError as e:
-            return o.fail(output.EXIT_USAGE, f"--compare {label} {folder}: {e.strerror}")
+            return o.fail(Exit.USAGE, f"--compare {label} {folder}: {e.strerror}")
     try:
         c = compare(*summaries)
     except CompareError as e:
-        return o.fail(output.EXIT_USAGE, f"--compare: {e}")
+        return o.fail(Exit.USAGE, f"--compare: {e}")
     a, b = (str(Path(x).absolute()) for x in args.compare)
     if o.json:
         o.line({"v": 1, "type": "compare", "a": a, "b": b, **c})
     else:
         print(format_compare(c, a, b))
-    return output.EXIT_OK
+    return Exit.OK
 
 
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
@@ -108,14 +109,14 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
                                 ("--summarize", args.summarize and args.compare)) if v]  # fmt: skip
         if given:
             return Output(args.output).fail(
-                output.EXIT_USAGE, f"{flag} takes no capture: drop {', '.join(given)}"
+                Exit.USAGE, f"{flag} takes no capture: drop {', '.join(given)}"
             )
         return cmd_summarize(args) if args.summarize else cmd_compare(args)
     out_fd: int | None = None
     if args.out:
         opened = _open_out(args.out)
         if isinstance(opened, str):
-            return Output(args.output).fail(output.EXIT_USAGE, f"--out {args.out}: {opened}")
+            return Output(args.output).fail(Exit.USAGE, f"--out {args.out}: {opened}")
         out_fd = opened
     try:
         return _capture(args, sock, out_fd)
@@ -152,7 +153,7 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     windows: list[dict[str, Any]] = []
     if args.switch:
         rc = _switch_to("profile", args, sock)
-        if rc != output.EXIT_OK:
+        if rc != Exit.OK:
             return rc
         if (w := _last_window(sock)) is not None:
             windows.append(w)
@@ -214,17 +215,17 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
                 "(`kimi-mode status`; `kimi-mode history` lists the files when done)",
                 file=sys.stderr,
             )
-            return output.EXIT_INTERRUPTED
+            return Exit.INTERRUPTED
         print(
             "\nkimi-mode: stopped following; the capture goes on (`kimi-mode status`)",
             file=sys.stderr,
         )
-        return output.EXIT_INTERRUPTED
+        return Exit.INTERRUPTED
     if ended is None:
         print(
             "kimi-mode: the daemon closed the connection before the capture ended", file=sys.stderr
         )
-        return output.EXIT_UNREACHABLE
+        return Exit.UNREACHABLE
     if not o.json:
         print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
         if ended["ok"]:
@@ -233,10 +234,10 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
         if not o.json:
             print("going back to production")
         rc = _switch_to("production", args, sock)
-        if rc != output.EXIT_OK:
+        if rc != Exit.OK:
             return rc
         if (w := _last_window(sock)) is not None:
             windows.append(w)
     if windows and not o.json:
         print(cost_line(windows))
-    return output.EXIT_OK if ended["ok"] else output.EXIT_FAILED
+    return Exit.OK if ended["ok"] else Exit.FAILED

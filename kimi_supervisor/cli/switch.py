@@ -1,7 +1,7 @@
 """A mode switch as kimi-mode asks for it and follows it, and the following of a switch already
 under way (`wait`, or the same mode asked again: a join). kimi_mode.py (the parser and the other
 commands) and capture.py (which switches to profile mode first) both use it; neither imports the
-other. Exit codes: cli/output.py.
+other. Exit codes: cli/exits.py.
 """
 
 from __future__ import annotations
@@ -12,16 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.cli.exits import Exit, end_exit, refusal_exit
 from kimi_supervisor.cli.follower import Follower, redraws
-from kimi_supervisor.cli.output import (
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    Output,
-    end_exit,
-    refusal_exit,
-)
+from kimi_supervisor.cli.output import Output
 from kimi_supervisor.control.client import TimedOut, exchange
 
 REJOIN = "`kimi-mode wait` follows it again; `kimi-mode status` shows where it is"
@@ -57,7 +50,7 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
                 if not o.json:
                     follower.say(msg["message"])
                 if msg["code"] == "already" or args.no_wait:
-                    return EXIT_OK
+                    return Exit.OK
             elif kind == "event" and not o.json:
                 follower.on_event(msg)
             elif kind == "end":
@@ -68,18 +61,18 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
     except TimedOut:
         follower.finish()
         return o.fail(
-            EXIT_TIMEOUT,
+            Exit.TIMEOUT,
             f"timed out after {args.timeout:g} s waiting; the switch to {args.mode} goes on "
             f"({REJOIN})",
         )
     except KeyboardInterrupt:
         follower.finish()
         return o.fail(
-            EXIT_INTERRUPTED,
+            Exit.INTERRUPTED,
             f"stopped following; the switch to {args.mode} goes on ({REJOIN})",
         )
     return o.fail(
-        EXIT_UNREACHABLE,
+        Exit.UNREACHABLE,
         "the daemon closed the connection before the switch ended (`kimi-mode status`)",
     )
 
@@ -91,7 +84,7 @@ def print_end(msg: dict[str, Any], o: Output) -> None:
         print(f"  {said}", file=o.out)
 
 
-def refused(msg: dict[str, Any], o: Output) -> int | None:
+def refused(msg: dict[str, Any], o: Output) -> Exit | None:
     """The exit code for a reply that refuses the request (said on stderr), else None. In json
     mode the reply line itself, already printed, is the answer."""
     if msg["ok"]:

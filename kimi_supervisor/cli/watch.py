@@ -8,31 +8,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import output
 from kimi_supervisor.cli.ask import status as _status
-from kimi_supervisor.cli.output import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_STUCK,
-    EXIT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    Output,
-    end_exit,
-)
+from kimi_supervisor.cli.exits import Exit, end_exit, refusal_exit
+from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_status
 from kimi_supervisor.cli.switch import follower_for, print_end
 from kimi_supervisor.control.client import TimedOut, exchange
 
 
-def status_exit(data: dict[str, Any]) -> int:
+def status_exit(data: dict[str, Any]) -> Exit:
     """`status`'s exit: STUCK; FAILED or waiting for what the daemon cannot go on without (the
     GPU driver, systemd); else ok."""
     if data.get("state") == "stuck":
-        return EXIT_STUCK
+        return Exit.STUCK
     if data.get("state") == "failed" or data.get("waiting_for"):
-        return EXIT_FAILED
-    return EXIT_OK
+        return Exit.FAILED
+    return Exit.OK
 
 
 def print_status(o: Output, data: dict[str, Any]) -> None:
@@ -79,7 +70,7 @@ def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
                         print("", file=o.out, flush=True)
             time.sleep(args.interval)
     except KeyboardInterrupt:
-        return EXIT_OK
+        return Exit.OK
 
 
 def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
@@ -100,7 +91,7 @@ def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
                 kind = msg.get("type")
                 if kind == "reply":
                     if not msg["ok"]:
-                        return o.fail(output.refusal_exit(msg["code"]), msg["message"])
+                        return o.fail(refusal_exit(msg["code"]), msg["message"])
                     data = msg["data"]
                     tr = data.get("transition")
                     if tr and tr["id"] != following:
@@ -133,31 +124,31 @@ def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
                         return end_exit(msg)
                     break  # judge the status again: a rollback or a retry may follow
             else:
-                return o.fail(EXIT_UNREACHABLE, "the daemon closed the connection")
+                return o.fail(Exit.UNREACHABLE, "the daemon closed the connection")
     except TimedOut:
         follower.finish()
         return o.fail(
-            EXIT_TIMEOUT, f"timed out after {args.timeout:g} s waiting; the switch goes on"
+            Exit.TIMEOUT, f"timed out after {args.timeout:g} s waiting; the switch goes on"
         )
     except KeyboardInterrupt:
         follower.finish()
-        return o.fail(EXIT_INTERRUPTED, "stopped waiting; the switch goes on")
+        return o.fail(Exit.INTERRUPTED, "stopped waiting; the switch goes on")
 
 
-def _wait_verdict(data: dict[str, Any], mode: str | None) -> int | None:
+def _wait_verdict(data: dict[str, Any], mode: str | None) -> Exit | None:
     """The exit `wait` ends with for this status, or None to go on waiting."""
     state = data.get("state")
     if state == "stuck":
-        return EXIT_STUCK
+        return Exit.STUCK
     if state == "failed":
-        return EXIT_FAILED
+        return Exit.FAILED
     if data.get("transition"):
         return None
     if state == "serving":
         if mode is None or data.get("mode") == mode:
-            return EXIT_OK
+            return Exit.OK
         if data.get("desired_mode") != mode:
-            return EXIT_FAILED  # serving another mode, and nobody asked for MODE
+            return Exit.FAILED  # serving another mode, and nobody asked for MODE
         return None
     if mode is None and state not in ("booting", "starting", "tearing_down", "backoff"):
         return status_exit(data)
