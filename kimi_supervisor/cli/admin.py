@@ -7,14 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kimi_supervisor.cli.compose import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    config_path,
-    managed_indices,
-    ports,
-)
+from kimi_supervisor.cli.compose import config_path, managed_indices, ports
+from kimi_supervisor.cli.exits import KIMI_SUPERVISOR, Exit
 from kimi_supervisor.cli.run import cmd_reload, cmd_run
 from kimi_supervisor.config import ConfigError
 from kimi_supervisor.configfile import load_config
@@ -37,7 +31,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"# {args.path}: valid. Effective configuration, defaults included:")
     print(config.effective_toml(), end="")
     if args.no_host_checks:
-        return EXIT_OK
+        return Exit.OK
     results = config_checks(config, str(args.path))
     print("\n# What this host has of it:")
     for c in results:
@@ -52,7 +46,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         # what stops it from serving (no vLLM to run, no group for the socket); the rest is
         # reported above and fails a plain check-config.
         failed = [c for c in failed if c.name in STARTABLE]
-    return EXIT_FAILED if failed else EXIT_OK
+    return Exit.FAILED if failed else Exit.OK
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -64,12 +58,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         fresh = baseline.calibrate(gpu, managed_indices(config, gpu))
     except baseline.BaselineError as e:
         print(f"kimi-supervisor calibrate: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return Exit.FAILED
     baseline.save(config.state.dir, fresh)
     for index, mib in sorted(fresh.devices.items()):
         print(f"GPU {index}: baseline {mib} MiB")
     print(f"driver {fresh.driver_version}; saved to {baseline.baseline_path(config.state.dir)}")
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_teardown(args: argparse.Namespace) -> int:
@@ -89,7 +83,7 @@ def cmd_teardown(args: argparse.Namespace) -> int:
             "it is stopped",
             file=sys.stderr,
         )
-        return EXIT_USAGE
+        return Exit.USAGE
     systemd, gpu = ports(config)
     indices = managed_indices(config, gpu)
     base, fresh = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
@@ -110,7 +104,7 @@ def cmd_teardown(args: argparse.Namespace) -> int:
         print(report.model_dump_json(indent=2))
     else:
         print(format_report(report))
-    return EXIT_OK if report.outcome.value == "clean" else EXIT_FAILED
+    return Exit.OK if report.outcome.value == "clean" else Exit.FAILED
 
 
 def format_report(report: TeardownReport) -> str:
@@ -147,8 +141,8 @@ def cmd_launch_vllm(args: argparse.Namespace) -> int:
         exec_vllm(Path(args.argv_file))
     except LaunchError as e:
         print(f"kimi-supervisor launch-vllm: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_FAILED  # not reached: exec replaced this process
+        return Exit.FAILED
+    return Exit.FAILED  # not reached: exec replaced this process
 
 
 def cmd_sandbox(args: argparse.Namespace) -> int:
@@ -191,7 +185,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     elif args.sandbox_cmd == "down":
         Sandbox.attach(root).down()
         print(f"# sandbox in {root} is down", file=sys.stderr)
-    return EXIT_OK
+    return Exit.OK
 
 
 CONFIG_HELP = (
@@ -206,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="The daemon that owns vllm-kimi-k25.service and its GPUs (`run`, started by "
         "kimi-supervisor.service), and the operator's commands around it. Switch modes with "
         "kimi-mode.",
-        epilog="exit codes: 0 success, 1 failure (teardown: STUCK), 2 a configuration or state "
-        "directory to fix by hand",
+        epilog="exit codes: "
+        + ", ".join(f"{code} {what}" for code, what in KIMI_SUPERVISOR.items()),
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -220,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--startable",
         action="store_true",
-        help="exit 1 only for what keeps the daemon from serving (vllm.command[0] not an "
-        "executable file, no control group); the other checks are still shown",
+        help=f"exit {Exit.FAILED} only for what keeps the daemon from serving (vllm.command[0] "
+        "not an executable file, no control group); the other checks are still shown",
     )
     c.add_argument(
         "--no-host-checks",
@@ -301,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.fn(args))
     except ConfigError as e:
         print(f"kimi-supervisor: configuration error:\n{e}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     except Exception as e:
         from kimi_supervisor.ports.gpu import GpuUnavailable
         from kimi_supervisor.ports.systemd import SystemdError
@@ -312,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         known = (GpuUnavailable, SystemdError, SandboxError, ManagerUnavailable, BaselineError)
         if isinstance(e, known):
             print(f"kimi-supervisor: {e}", file=sys.stderr)
-            return EXIT_FAILED
+            return Exit.FAILED
         raise
 
 

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.cli import ask
-from kimi_supervisor.cli import output as km
+from kimi_supervisor.cli.exits import Exit
+from kimi_supervisor.cli.follow import Follow
 from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_capture
 from kimi_supervisor.cli.summary_text import format_compare, format_summary
-from kimi_supervisor.cli.switch import cmd_switch, refused
+from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
 from kimi_supervisor.model import SUMMARY
 
@@ -55,15 +56,15 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     try:
         summary, not_written = summarize_folder(folder)
     except OSError as e:
-        return o.fail(km.EXIT_USAGE, f"--summarize {folder}: {e.strerror}")
+        return o.fail(Exit.USAGE, f"--summarize {folder}: {e.strerror}")
     if o.json:
         o.line({"v": 1, "type": "summary", **summary})
     else:
         print(format_summary(summary))
         print(not_written or f"written to {folder / SUMMARY}")
     if not summary["ranks"]:
-        return km.EXIT_FAILED
-    return km.EXIT_OK
+        return Exit.FAILED
+    return Exit.OK
 
 
 def _summary_of(folder: Path) -> dict[str, Any]:
@@ -88,17 +89,17 @@ def cmd_compare(args: argparse.Namespace) -> int:
         try:
             summaries.append(_summary_of(folder))
         except OSError as e:
-            return o.fail(km.EXIT_USAGE, f"--compare {label} {folder}: {e.strerror}")
+            return o.fail(Exit.USAGE, f"--compare {label} {folder}: {e.strerror}")
     try:
         c = compare(*summaries)
     except CompareError as e:
-        return o.fail(km.EXIT_USAGE, f"--compare: {e}")
+        return o.fail(Exit.USAGE, f"--compare: {e}")
     a, b = (str(Path(x).absolute()) for x in args.compare)
     if o.json:
         o.line({"v": 1, "type": "compare", "a": a, "b": b, **c})
     else:
         print(format_compare(c, a, b))
-    return km.EXIT_OK
+    return Exit.OK
 
 
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
@@ -109,14 +110,14 @@ def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
                                 ("--summarize", args.summarize and args.compare)) if v]  # fmt: skip
         if given:
             return Output(args.output).fail(
-                km.EXIT_USAGE, f"{flag} takes no capture: drop {', '.join(given)}"
+                Exit.USAGE, f"{flag} takes no capture: drop {', '.join(given)}"
             )
         return cmd_summarize(args) if args.summarize else cmd_compare(args)
     out_fd: int | None = None
     if args.out:
         opened = _open_out(args.out)
         if isinstance(opened, str):
-            return Output(args.output).fail(km.EXIT_USAGE, f"--out {args.out}: {opened}")
+            return Output(args.output).fail(Exit.USAGE, f"--out {args.out}: {opened}")
         out_fd = opened
     try:
         return _capture(args, sock, out_fd)
@@ -148,84 +149,92 @@ def cost_line(windows: list[dict[str, Any]]) -> str:
     return f"this capture cost {total:.1f} s without service ({', '.join(said)})"
 
 
-def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
-    o = Output(args.output)
-    windows: list[dict[str, Any]] = []
-    if args.switch:
-        rc = _switch_to("profile", args, sock)
-        if rc != km.EXIT_OK:
-            return rc
-        if (w := _last_window(sock)) is not None:
-            windows.append(w)
-    out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
-    req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
-    stop_sent = threading.Event()
+class CaptureFollow(Follow):
+    """A capture asked for and followed: the recording (Enter stops one without --seconds),
+    the flush, the summary. Ctrl-C stops the recording first, then the following; the end is
+    kept in `ended` for what comes after it."""
 
-    def stop() -> None:
-        if not stop_sent.is_set():
-            stop_sent.set()
-            _stop_capture(sock)
+    def __init__(self, o: Output, sock: Path) -> None:
+        super().__init__(o, sock)
+        self.ended: dict[str, Any] | None = None
+        self.stop_sent = threading.Event()
 
-    def enter_stops() -> None:
+    def stop(self) -> None:
+        if not self.stop_sent.is_set():
+            self.stop_sent.set()
+            _stop_capture(self.sock)
+
+    def enter_stops(self) -> None:
         if sys.stdin.readline():  # Enter; end of input (a script's closed stdin) is not a stop
-            stop()
+            self.stop()
 
-    ended: dict[str, Any] | None = None
-    try:
-        for raw, msg in exchange(sock, req, fds=() if out_fd is None else (out_fd,)):
-            if o.json:
-                o.raw(raw)
-            kind = msg.get("type")
-            if kind == "reply":
-                if (code := refused(msg, o)) is not None:
-                    return code
-                if not o.json:
-                    print(msg["message"], flush=True)
-            elif kind == "event":
-                name, data = msg["event"], msg["data"]
-                if name == "capture_recording" and not o.json:
-                    if data.get("seconds"):
-                        print(
-                            f"recording for {data['seconds']:g} s; drive your load now", flush=True
-                        )
-                    else:
-                        print("recording; drive your load now, press Enter to stop", flush=True)
-                if name == "capture_recording" and not data.get("seconds"):
-                    threading.Thread(target=enter_stops, daemon=True).start()
-                elif name == "capture_flushing" and not o.json:
-                    print(
-                        "stopping the profiler; flushing traces (this can take minutes)", flush=True
-                    )
-                elif name == "capture_summarizing" and not o.json:
-                    print(f"summarizing {data['files']} trace file(s)", flush=True)
-                elif name == "capture_progress" and not o.json:
-                    print(
-                        f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
-                        f"after {data['flushing_s']:.0f} s",
-                        flush=True,
-                    )
-            elif kind == "end":
-                ended = msg
-                break
-    except KeyboardInterrupt:
-        if not stop_sent.is_set():
-            stop()
+    def on_reply(self, msg: dict[str, Any]) -> Exit | None:
+        if not self.o.json:
+            print(msg["message"], flush=True)
+        return None
+
+    def on_event(self, msg: dict[str, Any]) -> None:
+        name, data, text = msg["event"], msg["data"], not self.o.json
+        if name == "capture_recording" and text:
+            if data.get("seconds"):
+                print(f"recording for {data['seconds']:g} s; drive your load now", flush=True)
+            else:
+                print("recording; drive your load now, press Enter to stop", flush=True)
+        if name == "capture_recording" and not data.get("seconds"):
+            threading.Thread(target=self.enter_stops, daemon=True).start()
+        elif name == "capture_flushing" and text:
+            print("stopping the profiler; flushing traces (this can take minutes)", flush=True)
+        elif name == "capture_summarizing" and text:
+            print(f"summarizing {data['files']} trace file(s)", flush=True)
+        elif name == "capture_progress" and text:
+            print(
+                f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
+                f"after {data['flushing_s']:.0f} s",
+                flush=True,
+            )
+
+    def on_end(self, msg: dict[str, Any]) -> Exit:
+        self.ended = msg
+        return Exit.OK if msg["ok"] else Exit.FAILED
+
+    def on_interrupt(self) -> Exit:
+        if not self.stop_sent.is_set():
+            self.stop()
             print(
                 "\nkimi-mode: recording stopped; the flush goes on in the daemon "
                 "(`kimi-mode status`; `kimi-mode history` lists the files when done)",
                 file=sys.stderr,
             )
-            return km.EXIT_INTERRUPTED
+            return Exit.INTERRUPTED
         print(
             "\nkimi-mode: stopped following; the capture goes on (`kimi-mode status`)",
             file=sys.stderr,
         )
-        return km.EXIT_INTERRUPTED
-    if ended is None:
+        return Exit.INTERRUPTED
+
+    def on_closed(self) -> Exit:
         print(
             "kimi-mode: the daemon closed the connection before the capture ended", file=sys.stderr
         )
-        return km.EXIT_UNREACHABLE
+        return Exit.UNREACHABLE
+
+
+def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
+    o = Output(args.output)
+    windows: list[dict[str, Any]] = []
+    if args.switch:
+        rc = _switch_to("profile", args, sock)
+        if rc != Exit.OK:
+            return rc
+        if (w := _last_window(sock)) is not None:
+            windows.append(w)
+    out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
+    req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
+    follow = CaptureFollow(o, sock)
+    captured = follow.run(req, fds=() if out_fd is None else (out_fd,))
+    ended = follow.ended
+    if ended is None:
+        return captured
     if not o.json:
         print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
         if ended["ok"]:
@@ -234,10 +243,10 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
         if not o.json:
             print("going back to production")
         rc = _switch_to("production", args, sock)
-        if rc != km.EXIT_OK:
+        if rc != Exit.OK:
             return rc
         if (w := _last_window(sock)) is not None:
             windows.append(w)
     if windows and not o.json:
         print(cost_line(windows))
-    return km.EXIT_OK if ended["ok"] else km.EXIT_FAILED
+    return captured

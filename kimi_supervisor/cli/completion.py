@@ -15,10 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from kimi_supervisor.cli import admin as cli
-from kimi_supervisor.cli import kimi_mode
+from kimi_supervisor.cli import admin, kimi_mode
+from kimi_supervisor.cli.exits import Exit
 
-PARSERS = {"kimi-mode": kimi_mode.build_parser, "kimi-supervisor": cli.build_parser}
+PARSERS = {"kimi-mode": kimi_mode.build_parser, "kimi-supervisor": admin.build_parser}
 PATHS = {
     "--out",
     "--summarize",
@@ -121,17 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) == 2 and args[0] in ("bash", "zsh") and args[1] in PARSERS:
         print(bash(args[1]) if args[0] == "bash" else zsh(args[1]), end="")
-        return 0
+        return Exit.OK
     if len(args) == 2 and args[0] == "install":
         for path in install(Path(args[1])):
             print(path)
-        return 0
+        return Exit.OK
     print(
         "usage: python -m kimi_supervisor.cli.completion bash|zsh kimi-mode|kimi-supervisor\n"
         "       python -m kimi_supervisor.cli.completion install SHAREDIR",
         file=sys.stderr,
     )
-    return 2
+    return Exit.USAGE
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ if TYPE_CHECKING:
     from kimi_supervisor.ports.gpu import GpuPort
     from kimi_supervisor.ports.systemd import PystemdSystemd
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
 
 def config_path(arg: str | None) -> Path:
     path = (

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kimi_supervisor.cli import checks
 from kimi_supervisor.cli.ask import status
-from kimi_supervisor.cli.output import EXIT_FAILED, EXIT_OK, CheckOut, DoctorOut, Output
+from kimi_supervisor.cli.exits import Exit
+from kimi_supervisor.cli.output import CheckOut, DoctorOut, Output
 
 MARK = {True: "ok", False: "FAIL", None: "?"}
 
@@ -60,4 +61,4 @@ def _report(o: Output, results: list[CheckOut]) -> int:
             f", {unchecked} could not be made here" if unchecked else ""
         )
         print(verdict, file=o.out, flush=True)
-    return EXIT_FAILED if failed else EXIT_OK
+    return Exit.FAILED if failed else Exit.OK

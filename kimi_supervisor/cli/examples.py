@@ -5,6 +5,9 @@ takes before or after its name."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+
+from kimi_supervisor.cli.exits import Exit
 
 # Each command's examples: its --help's epilog and the man page's EXAMPLES.
 EXAMPLES: dict[str, list[tuple[str, str]]] = {
@@ -29,7 +32,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("kimi-mode status -o json | jq .state", "one field, for a script"),
     ],
     "is-serving": [
-        ("kimi-mode is-serving production -q && echo up", "exit 0 only when production serves"),
+        (
+            "kimi-mode is-serving production -q && echo up",
+            f"exit {Exit.OK} only when production serves",
+        ),
     ],
     "history": [
         ("kimi-mode history -n 5", "the last five switches and teardowns, with every kill"),
@@ -59,13 +65,17 @@ class Formatter(argparse.HelpFormatter):
         return super()._fill_text(text, width, indent)
 
 
-def exit_codes(rows: list[tuple[int, str, str]], width: int = 78) -> str:
+def exit_codes(meanings: Mapping[Exit, str], width: int = 78) -> str:
+    """The --help epilog of exit codes (cli/exits.py): one code a row, with its name."""
     import textwrap
 
     out = ["exit codes:"]
-    for code, name, what in rows:
+    for code, what in meanings.items():
         out += textwrap.wrap(
-            f"{code:>3}  {name}: {what}", width, initial_indent="  ", subsequent_indent=" " * 7
+            f"{code:>3}  {code.label}: {what}",
+            width,
+            initial_indent="  ",
+            subsequent_indent=" " * 7,
         )
     return "\n".join(out)
 

@@ -1,6 +1,6 @@
 """`kimi-mode`: what an operator types. Argument parsing and output only; the daemon does the
-work. Every command keeps one output contract and one table of exit codes (cli/output.py,
-docs/control-protocol.md).
+work. Every command keeps one output contract (cli/output.py, docs/control-protocol.md) and one
+table of exit codes (cli/exits.py).
 """
 
 from __future__ import annotations
@@ -11,19 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import output as out_
 from kimi_supervisor.cli.ask import one_reply as _one_reply
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
-from kimi_supervisor.cli.output import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_UNREACHABLE,
-    EXIT_USAGE,
-    IsServingOut,
-    Output,
-)
+from kimi_supervisor.cli.exits import KIMI_MODE, Exit, refusal_exit
+from kimi_supervisor.cli.output import IsServingOut, Output
 from kimi_supervisor.cli.render import format_history
 from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.cli.watch import print_status, status_exit
@@ -123,21 +115,21 @@ def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
         print(f"{state} {mode}" if mode else str(state), file=o.out)
         if data.get("waiting_for"):
             print(f"kimi-mode: {data['waiting_for']}", file=sys.stderr)
-    return EXIT_OK if serving else EXIT_FAILED
+    return Exit.OK if serving else Exit.FAILED
 
 
 def cmd_history(args: argparse.Namespace, sock: Path) -> int:
     o = Output(args.output)
     _raw, msg = _one_reply(sock, {"cmd": "history", "n": args.n})
     if not msg["ok"]:
-        return o.fail(out_.refusal_exit(msg["code"]), msg["message"])
+        return o.fail(refusal_exit(msg["code"]), msg["message"])
     entries = msg["data"]["entries"]
     if o.json:
         for e in entries:
             o.line({"v": 1, "type": "record", **e})
     else:
         print(format_history(entries), file=o.out)
-    return EXIT_OK
+    return Exit.OK
 
 
 def cmd_wait(args: argparse.Namespace, sock: Path) -> int:
@@ -171,16 +163,14 @@ def mode_argument(c: argparse.ArgumentParser, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kimi_supervisor.cli import (
-        capture as capture_client,  # it imports this module's neighbours (exit codes, switches)
-    )
+    from kimi_supervisor.cli import capture  # it imports this module's neighbours (switches)
 
     common = argparse.ArgumentParser(add_help=False)
     global_options(common, suppress=True)
     p = argparse.ArgumentParser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
-        epilog=exit_codes(out_.EXIT_CODES),
+        epilog=exit_codes(KIMI_MODE),
         formatter_class=Formatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
@@ -212,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
             type=parse_duration,
             default=None,
             metavar="DURATION",
-            help="stop following after this long (90s, 45m; exit 4; the switch goes on)",
+            help=f"stop following after this long (90s, 45m; exit {Exit.TIMEOUT}; the switch "
+            "goes on)",
         )
         c.add_argument(
             "--force",
@@ -282,14 +273,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="take no capture: compare two captures' folders (the same step kind, per class, "
         "top kernel and the all-reduce's wait and transfer, with deltas and a verdict)",
     )
-    c.set_defaults(fn=capture_client.cmd_capture)
+    c.set_defaults(fn=capture.cmd_capture)
     c = command(
         "status",
         "modes, state, unit, GPUs, last teardown",
         "What the daemon sees and does now: the desired and actual mode, the state, vLLM's "
         "unit and /health, each GPU's memory and holders, the last teardown and what it "
-        "killed, and, while vLLM does not serve, its last lines of output. Exit 6 while "
-        "STUCK, 1 when FAILED or waiting for the driver or systemd.",
+        f"killed, and, while vLLM does not serve, its last lines of output. Exit {Exit.STUCK} "
+        f"while STUCK, {Exit.FAILED} when FAILED or waiting for the driver or systemd.",
     )
     c.add_argument(
         "-w", "--watch", action="store_true", help="show it again every --interval, until Ctrl-C"
@@ -300,8 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_status)
     c = command(
         "is-serving",
-        "exit 0 only when vLLM serves (in MODE, if given), like systemctl is-active",
-        "Print the state and mode; exit 0 only when vLLM serves (in MODE, if given), else 1.",
+        f"exit {Exit.OK} only when vLLM serves (in MODE, if given), like systemctl is-active",
+        f"Print the state and mode; exit {Exit.OK} only when vLLM serves (in MODE, if given), "
+        f"else {Exit.FAILED}.",
     )
     mode_argument(c, "only that mode counts")
     c.add_argument("-q", "--quiet", action="store_true", help="print nothing, only exit")
@@ -320,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Follow the switch in progress from its real start (after Ctrl-C, --no-wait, or from "
         "another terminal) until it ends; with MODE, until vLLM serves in MODE (through a "
         "rollback or a retry). Returns at once when there is nothing to wait for. Never asks "
-        "for a switch. Exit 0 serving, 6 STUCK, 1 failed, 4 at --timeout.",
+        f"for a switch. Exit {Exit.OK} serving, {Exit.STUCK} STUCK, {Exit.FAILED} failed, "
+        f"{Exit.TIMEOUT} at --timeout.",
     )
     mode_argument(c, "wait until it serves")
     c.add_argument(
@@ -328,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         default=None,
         metavar="DURATION",
-        help="give up after this long (90s, 45m; exit 4)",
+        help=f"give up after this long (90s, 45m; exit {Exit.TIMEOUT})",
     )
     c.set_defaults(fn=cmd_wait)
     c = command(
@@ -348,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Check each precondition the daemon needs: the config, the GPU driver and NVML, the "
         "system bus and systemd, vLLM's unit and executable, the control group, the state "
         "directory and the stored baseline, the metrics address, nvidia-persistenced. Each "
-        "failed check says what is wrong and how to fix it. Exit 1 if any failed.",
+        f"failed check says what is wrong and how to fix it. Exit {Exit.FAILED} if any failed.",
     )
     c.set_defaults(fn=cmd_doctor)
     return p
@@ -375,13 +368,13 @@ def main(argv: list[str] | None = None) -> int:
             sock = socket_path(args)
         return int(args.fn(args, sock))
     except UsageError as e:
-        return o.fail(EXIT_USAGE, str(e))
+        return o.fail(Exit.USAGE, str(e))
     except Unreachable as e:
-        return o.fail(EXIT_UNREACHABLE, str(e))
+        return o.fail(Exit.UNREACHABLE, str(e))
     except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
+        return Exit.INTERRUPTED
     except BrokenPipeError:
-        return EXIT_OK
+        return Exit.OK
 
 
 def _doctor_socket(args: argparse.Namespace) -> Path:

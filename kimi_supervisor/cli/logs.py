@@ -19,13 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli.output import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
-    LogOut,
-    Output,
-)
+from kimi_supervisor.cli.exits import Exit
+from kimi_supervisor.cli.output import LogOut, Output
 from kimi_supervisor.ports.output import MAX_LINE  # the daemon's own bound on a line
 
 DAEMON_UNIT = "kimi-supervisor.service"
@@ -49,7 +44,7 @@ def show_logs(args: argparse.Namespace, config: Any, o: Output) -> int:
 def _journal(unit: str, scope: str, args: argparse.Namespace, o: Output) -> int:
     exe = shutil.which("journalctl")
     if exe is None:
-        return o.fail(EXIT_FAILED, "journalctl is not installed here: no journal to read")
+        return o.fail(Exit.FAILED, "journalctl is not installed here: no journal to read")
     which = ["--user-unit", unit] if scope == "user" else ["--unit", unit]
     argv = [exe, *which, "--lines", str(args.lines), "--no-pager"]
     if args.follow:
@@ -58,9 +53,9 @@ def _journal(unit: str, scope: str, args: argparse.Namespace, o: Output) -> int:
         # journalctl's own text, on our stdout: what `journalctl -u` shows, colours and all.
         try:
             rc = subprocess.run(argv, check=False).returncode
-            return EXIT_OK if rc == 0 else EXIT_FAILED
+            return Exit.OK if rc == 0 else Exit.FAILED
         except KeyboardInterrupt:
-            return EXIT_OK
+            return Exit.OK
     proc = subprocess.Popen([*argv, "--output", "json"], stdout=subprocess.PIPE)
     assert proc.stdout is not None
     try:
@@ -75,7 +70,7 @@ def _journal(unit: str, scope: str, args: argparse.Namespace, o: Output) -> int:
     finally:
         proc.terminate()
         proc.wait()
-    return EXIT_OK if proc.returncode in (0, -15) else EXIT_FAILED
+    return Exit.OK if proc.returncode in (0, -15) else Exit.FAILED
 
 
 def _text(value: Any) -> str:
@@ -107,9 +102,9 @@ def _file(path: Path, unit: str, args: argparse.Namespace, o: Output) -> int:
     try:
         f = open(path, "rb")  # noqa: SIM115 (followed until Ctrl-C)
     except FileNotFoundError:
-        return o.fail(EXIT_FAILED, f"{path} does not exist yet: {unit} has written nothing")
+        return o.fail(Exit.FAILED, f"{path} does not exist yet: {unit} has written nothing")
     except OSError as e:
-        return o.fail(EXIT_USAGE, f"cannot read {path}: {e.strerror}")
+        return o.fail(Exit.USAGE, f"cannot read {path}: {e.strerror}")
     with f:
         size = os.fstat(f.fileno()).st_size
         f.seek(max(size - MAX_TAIL_BYTES, 0))
@@ -120,7 +115,7 @@ def _file(path: Path, unit: str, args: argparse.Namespace, o: Output) -> int:
         if not args.follow:
             if partial:
                 _file_line(o, unit, partial)
-            return EXIT_OK
+            return Exit.OK
         try:
             while True:
                 chunk = f.read(MAX_TAIL_BYTES)
@@ -136,7 +131,7 @@ def _file(path: Path, unit: str, args: argparse.Namespace, o: Output) -> int:
                     _file_line(o, unit, partial)
                     partial = b""
         except KeyboardInterrupt:
-            return EXIT_OK
+            return Exit.OK
 
 
 def _file_line(o: Output, unit: str, line: bytes) -> None:

@@ -1,7 +1,7 @@
 """Manual pages for kimi-mode(1) and kimi-supervisor(8), rendered from the commands' own
 argument parsers (so every command and option the program takes is in its page, with the help
-text it prints) plus the sections a parser cannot say: exit status (kimi-mode's from its one
-table, cli/output.py), examples (cli/examples.py), environment, files; and
+text it prints) plus the sections a parser cannot say: exit status (from the tables of
+cli/exits.py), examples (cli/examples.py), environment, files; and
 kimi-supervisor.toml(5), from the config model (cli/configdoc.py).
 
     python -m kimi_supervisor.cli.manpage OUTDIR  # man1/kimi-mode.1.gz, man8/…, man5/…
@@ -18,11 +18,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kimi_supervisor.cli import admin as cli
-from kimi_supervisor.cli import configdoc, kimi_mode
+from kimi_supervisor.cli import admin, configdoc, kimi_mode
 from kimi_supervisor.cli.configdoc import esc as _esc
 from kimi_supervisor.cli.examples import EXAMPLES
-from kimi_supervisor.cli.output import EXIT_CODES
+from kimi_supervisor.cli.exits import KIMI_MODE, KIMI_SUPERVISOR, Exit
 from kimi_supervisor.version import package_version
 
 FILES = [
@@ -63,7 +62,7 @@ def pages() -> list[Page]:
                 "DCGM. Ctrl-C stops following; the switch goes on in the daemon.",
                 "Root and members of the group kimi may use it.",
             ],
-            [(str(code), f"{name}: {what}") for code, name, what in EXIT_CODES],
+            [(str(code), f"{code.label}: {what}") for code, what in KIMI_MODE.items()],
             [
                 ("KIMI_SUPERVISOR_SOCKET", "the control socket, when --socket is not given"),
                 ("KIMI_SUPERVISOR_CONFIG", "the config file to find the socket in"),
@@ -72,7 +71,7 @@ def pages() -> list[Page]:
             [(cmd, what) for rows in EXAMPLES.values() for cmd, what in rows],
         ),
         Page(
-            cli.build_parser(),
+            admin.build_parser(),
             8,
             "the daemon that owns vllm-kimi-k25.service and the GPUs it runs on",
             [
@@ -84,15 +83,7 @@ def pages() -> list[Page]:
                 "The other commands are for the operator (check-config, calibrate, teardown), "
                 "for the units (reload, launch-vllm), and for development (sandbox).",
             ],
-            [
-                ("0", "success (teardown: every GPU verified clean)"),
-                ("1", "failure (teardown: STUCK; the diagnosis says what holds the GPUs)"),
-                (
-                    "2",
-                    "a configuration or state directory to fix by hand; the unit does not "
-                    "restart on it",
-                ),
-            ],
+            [(str(code), what) for code, what in KIMI_SUPERVISOR.items()],
             [("KIMI_SUPERVISOR_CONFIG", "the config file, when --config is not given")],
             [
                 "kimi-mode(1)",
@@ -211,10 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     if len(args) != 1:
         print("usage: python -m kimi_supervisor.cli.manpage OUTDIR", file=sys.stderr)
-        return 2
+        return Exit.USAGE
     for path in write(Path(args[0])):
         print(path)
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":

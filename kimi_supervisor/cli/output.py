@@ -1,5 +1,5 @@
 """The output contract every kimi-mode command keeps (docs/control-protocol.md, "kimi-mode's
-output"), and the exit codes they share.
+output"). The exit codes they share: cli/exits.py.
 
 `-o json` (or `--json`): JSON Lines on stdout, nothing else there. Every line is one object with
 `"v"` (this contract's version) and `"type"`; a command that answers once prints one line, a list
@@ -11,8 +11,6 @@ OUTPUT_TYPES, exported as a JSON Schema (docs/kimi-mode-output.schema.json) that
 checks every command's output against.
 
 `-o text` (the default): what a person reads; no promise about its form.
-
-Exit codes, one meaning each:
 """
 
 from __future__ import annotations
@@ -23,69 +21,9 @@ from typing import Annotated, Any, Literal, TextIO
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.messages import PROTOCOL_VERSION, End, Event, Reply
 from kimi_supervisor.status import Status
-
-EXIT_OK = 0  # done, or nothing to do; is-serving: it serves; doctor: every check passed
-EXIT_FAILED = 1  # the switch or capture failed; FAILED; is-serving: not serving; a check failed
-EXIT_USAGE = 2  # the command line (or --out, --summarize) is wrong: nothing was asked
-EXIT_UNREACHABLE = 3  # no daemon at the socket, or the caller may not use it (denied)
-EXIT_TIMEOUT = 4  # --timeout ran out while following or waiting (the switch goes on)
-EXIT_REFUSED = 5  # the daemon is busy (another switch, booting, stopping) or refused the request
-EXIT_STUCK = 6  # a teardown could not make the GPUs clean: STUCK, a person is needed
-EXIT_INTERRUPTED = 130  # Ctrl-C while following (the switch goes on)
-
-EXIT_CODES: list[tuple[int, str, str]] = [
-    (EXIT_OK, "ok", "done, or nothing to do (is-serving: vLLM serves; doctor: all checks pass)"),
-    (
-        EXIT_FAILED,
-        "failed",
-        "the switch or capture failed, the daemon gave up (FAILED) or waits for the driver or "
-        "systemd; is-serving: vLLM does not serve (in that mode); doctor: a check failed",
-    ),
-    (EXIT_USAGE, "usage", "the command line is wrong; nothing was asked of the daemon"),
-    (EXIT_UNREACHABLE, "unreachable", "no daemon answers at the socket, or the caller is denied"),
-    (EXIT_TIMEOUT, "timeout", "--timeout ran out while following or waiting; the switch goes on"),
-    (
-        EXIT_REFUSED,
-        "refused",
-        "the daemon is busy (another switch, booting, stopping) or refused the request as it "
-        "stands (no capture to stop, the port is taken)",
-    ),
-    (EXIT_STUCK, "stuck", "the GPUs could not be made clean: STUCK, a person must look"),
-    (EXIT_INTERRUPTED, "interrupted", "Ctrl-C while following; the switch goes on"),
-]
-__doc__ = (__doc__ or "") + "".join(f"\n    {c:>3}  {name}: {what}" for c, name, what in EXIT_CODES)
-
-# A refused request's code -> the exit code.
-_REFUSAL = {
-    "bad_request": EXIT_USAGE,
-    "bad_json": EXIT_USAGE,
-    "too_long": EXIT_USAGE,
-    "unsupported_version": EXIT_USAGE,
-    "forbidden": EXIT_UNREACHABLE,
-    "too_many_clients": EXIT_UNREACHABLE,
-    "idle": EXIT_UNREACHABLE,
-    "busy": EXIT_REFUSED,
-    "wrong_mode": EXIT_REFUSED,
-    "stopping": EXIT_REFUSED,
-    "no_capture": EXIT_REFUSED,
-    "port_taken": EXIT_REFUSED,
-}
-
-
-def refusal_exit(code: str) -> int:
-    """The exit code for a reply that refuses the request: the request was wrong (usage), the
-    caller is denied (unreachable), the host is busy or in the way (refused); anything else
-    (the daemon failed to answer, could not persist it) is a failure."""
-    return _REFUSAL.get(code, EXIT_FAILED)
-
-
-def end_exit(end: dict[str, Any]) -> int:
-    """A followed switch's end: ok, STUCK, or failed."""
-    if end.get("ok"):
-        return EXIT_OK
-    return EXIT_STUCK if end.get("outcome") == "stuck" else EXIT_FAILED
 
 
 # ------------------------------------------------------------------------------ the JSON shapes
@@ -246,12 +184,11 @@ class Output:
         if not self.json:
             print(text, file=self.out, flush=True)
 
-    def fail(self, code: int, message: str, kind: str = "") -> int:
+    def fail(self, code: Exit, message: str, kind: str = "") -> Exit:
         """Say why the command failed (stderr; and an `error` line in json mode); its exit."""
         print(f"kimi-mode: {message}", file=self.err, flush=True)
         if self.json:
-            name = kind or next(n for c, n, _ in EXIT_CODES if c == code)
-            self.line(ErrorOut(exit=code, code=name, message=message))
+            self.line(ErrorOut(exit=code, code=kind or code.label, message=message))
         return code
 
 

@@ -7,7 +7,8 @@ import argparse
 import os
 import sys
 
-from kimi_supervisor.cli.compose import EXIT_FAILED, EXIT_OK, EXIT_USAGE, config_path, ports
+from kimi_supervisor.cli.compose import config_path, ports
+from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.configfile import load_config
 
 
@@ -33,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         StateStore(config.state.dir).check()  # trust only what the daemon's user owns
     except StateError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return Exit.USAGE
     log.configure()
     logger = log.get()
 
@@ -70,7 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         server.listen()  # the lock first: a second daemon touches no state
     except ControlError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return Exit.FAILED
     emit(
         "daemon_starting",
         pid=os.getpid(),
@@ -109,7 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         output.close()
-    return EXIT_OK if daemon.s.stopped_clean else EXIT_FAILED
+    return Exit.OK if daemon.s.stopped_clean else Exit.FAILED
 
 
 # How long `kimi-supervisor reload` waits for the new image (a teardown in progress finishes
@@ -156,7 +157,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
             "signalled and runs on as it was, vLLM untouched",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return Exit.FAILED
 
     def started_at() -> str | None:
         try:
@@ -170,17 +171,17 @@ def cmd_reload(args: argparse.Namespace) -> int:
     ref = processes.ref_of(args.pid)
     if ref is None:
         print(f"kimi-supervisor reload: no process {args.pid}", file=sys.stderr)
-        return EXIT_FAILED
+        return Exit.FAILED
     processes.send_signal(ref, signal.SIGHUP)
     deadline = time.monotonic() + RELOAD_WAIT_S
     while time.monotonic() < deadline:
         now = started_at()
         if now is not None and now != before:
-            return EXIT_OK
+            return Exit.OK
         time.sleep(0.05)
     print(
         f"kimi-supervisor reload: the daemon did not come back within {RELOAD_WAIT_S:g} s "
         "(`journalctl -u kimi-supervisor`)",
         file=sys.stderr,
     )
-    return EXIT_FAILED
+    return Exit.FAILED

@@ -8,31 +8,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import output as out_
 from kimi_supervisor.cli.ask import status as _status
-from kimi_supervisor.cli.output import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_STUCK,
-    EXIT_TIMEOUT,
-    EXIT_UNREACHABLE,
-    Output,
-    end_exit,
-)
+from kimi_supervisor.cli.exits import Exit, end_exit
+from kimi_supervisor.cli.follow import Follow
+from kimi_supervisor.cli.follower import Follower, redraws
+from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import format_status
 from kimi_supervisor.cli.switch import follower_for, print_end
-from kimi_supervisor.control.client import TimedOut, exchange
 
 
-def status_exit(data: dict[str, Any]) -> int:
+def status_exit(data: dict[str, Any]) -> Exit:
     """`status`'s exit: STUCK; FAILED or waiting for what the daemon cannot go on without (the
     GPU driver, systemd); else ok."""
     if data.get("state") == "stuck":
-        return EXIT_STUCK
+        return Exit.STUCK
     if data.get("state") == "failed" or data.get("waiting_for"):
-        return EXIT_FAILED
-    return EXIT_OK
+        return Exit.FAILED
+    return Exit.OK
 
 
 def print_status(o: Output, data: dict[str, Any]) -> None:
@@ -49,8 +41,6 @@ def print_status(o: Output, data: dict[str, Any]) -> None:
 def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
     """`status --watch`: the status again every --interval seconds (a terminal: redrawn in
     place; otherwise, and in json mode, a new one each time it changed), until Ctrl-C."""
-    from kimi_supervisor.cli.follower import redraws
-
     tty = redraws(o.out, os.environ) and not o.json
     last: Any = None
     drawn = 0
@@ -79,85 +69,82 @@ def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
                         print("", file=o.out, flush=True)
             time.sleep(args.interval)
     except KeyboardInterrupt:
-        return EXIT_OK
+        return Exit.OK
+
+
+class WaitFollow(Follow):
+    """`wait`: a subscription whose reply is the status to judge (the switch under way is
+    joined from its real start), whose events draw the live display, and whose end is the
+    answer, or, given MODE, a reason to judge the status again."""
+
+    goes_on = "the switch goes on"
+    stopped = "stopped waiting"
+    closed = "the daemon closed the connection"
+    prints_reply = False  # the status is printed once judged, as a `status` line
+
+    display: Follower
+
+    def __init__(self, args: argparse.Namespace, sock: Path, o: Output) -> None:
+        super().__init__(o, sock, follower_for(o))
+        self.mode: str | None = args.mode
+        self.following = ""  # the transition being followed
+
+    def on_reply(self, msg: dict[str, Any]) -> Exit | None:
+        # Subscribed first, the status read from the subscription's own reply: no event between
+        # the two is lost; the stream is read until something to judge.
+        data = msg["data"]
+        tr = data.get("transition")
+        if tr and tr["id"] != self.following:
+            self.following = tr["id"]
+            self.display.join(tr)
+            self.display.say(
+                f"following {tr['id']}: {tr.get('previous') or 'nothing'} -> "
+                f"{tr['target']} (since {tr['started_at'][11:19]} UTC, {tr['step']})"
+            )
+        verdict = _wait_verdict(data, self.mode)
+        if verdict is not None:
+            if self.o.json:
+                print_status(self.o, data)
+            elif not self.following:
+                print(f"nothing to wait for: {data['status_line']}", file=self.o.out)
+        return verdict
+
+    def on_event(self, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "transition_started":
+            self.following = msg.get("transition") or ""
+        if not self.o.json:
+            self.display.on_event(msg)
+
+    def on_end(self, msg: dict[str, Any]) -> Exit | None:
+        self.display.finish()
+        if not self.o.json:
+            print_end(msg, self.o)
+        if self.mode is None:
+            return end_exit(msg)
+        return None  # judge the status again: a rollback or a retry may follow
 
 
 def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
     """Follow the switch under way (the live display, from its real start) until it ends, or,
     given MODE, until vLLM serves in MODE; return at once if there is nothing to wait for. Ends
     with the status's exit: 0 serving, 6 STUCK, 1 failed; 4 at --timeout; 130 at Ctrl-C."""
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
-    follower = follower_for(o)
-    following = ""  # the transition being followed
-    try:
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise TimedOut()
-            # Subscribe first, then read the status from the subscription's own reply, so no
-            # event between the two is lost; the stream is read until something to judge.
-            for raw, msg in exchange(sock, {"cmd": "subscribe"}, timeout_s=left):
-                kind = msg.get("type")
-                if kind == "reply":
-                    if not msg["ok"]:
-                        return o.fail(out_.refusal_exit(msg["code"]), msg["message"])
-                    data = msg["data"]
-                    tr = data.get("transition")
-                    if tr and tr["id"] != following:
-                        following = tr["id"]
-                        follower.join(tr)
-                        follower.say(
-                            f"following {tr['id']}: {tr.get('previous') or 'nothing'} -> "
-                            f"{tr['target']} (since {tr['started_at'][11:19]} UTC, {tr['step']})"
-                        )
-                    verdict = _wait_verdict(data, args.mode)
-                    if verdict is not None:
-                        if o.json:
-                            print_status(o, data)
-                        elif not following:
-                            print(f"nothing to wait for: {data['status_line']}", file=o.out)
-                        return verdict
-                    continue
-                if o.json:
-                    o.raw(raw)
-                if kind == "event":
-                    if msg.get("event") == "transition_started":
-                        following = msg.get("transition") or ""
-                    if not o.json:
-                        follower.on_event(msg)
-                elif kind == "end":
-                    follower.finish()
-                    if not o.json:
-                        print_end(msg, o)
-                    if args.mode is None:
-                        return end_exit(msg)
-                    break  # judge the status again: a rollback or a retry may follow
-            else:
-                return o.fail(EXIT_UNREACHABLE, "the daemon closed the connection")
-    except TimedOut:
-        follower.finish()
-        return o.fail(
-            EXIT_TIMEOUT, f"timed out after {args.timeout:g} s waiting; the switch goes on"
-        )
-    except KeyboardInterrupt:
-        follower.finish()
-        return o.fail(EXIT_INTERRUPTED, "stopped waiting; the switch goes on")
+    return WaitFollow(args, sock, o).run({"cmd": "subscribe"}, args.timeout)
 
 
-def _wait_verdict(data: dict[str, Any], mode: str | None) -> int | None:
+def _wait_verdict(data: dict[str, Any], mode: str | None) -> Exit | None:
     """The exit `wait` ends with for this status, or None to go on waiting."""
     state = data.get("state")
     if state == "stuck":
-        return EXIT_STUCK
+        return Exit.STUCK
     if state == "failed":
-        return EXIT_FAILED
+        return Exit.FAILED
     if data.get("transition"):
         return None
     if state == "serving":
         if mode is None or data.get("mode") == mode:
-            return EXIT_OK
+            return Exit.OK
         if data.get("desired_mode") != mode:
-            return EXIT_FAILED  # serving another mode, and nobody asked for MODE
+            return Exit.FAILED  # serving another mode, and nobody asked for MODE
         return None
     if mode is None and state not in ("booting", "starting", "tearing_down", "backoff"):
         return status_exit(data)

@@ -112,12 +112,11 @@ def rendered(path: Path) -> str:
 def test_the_man_pages_are_installed_render_cleanly_and_name_every_command(staged: Path) -> None:
     import argparse
 
-    from kimi_supervisor.cli import admin as cli
-    from kimi_supervisor.cli import kimi_mode
+    from kimi_supervisor.cli import admin, kimi_mode
 
     for page, parser in (
         ("man1/kimi-mode.1.gz", kimi_mode.build_parser()),
-        ("man8/kimi-supervisor.8.gz", cli.build_parser()),
+        ("man8/kimi-supervisor.8.gz", admin.build_parser()),
     ):
         text = rendered(staged / "usr/local/share/man" / page)
         subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

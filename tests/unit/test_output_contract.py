@@ -1,17 +1,22 @@
 """kimi-mode's output contract: one JSON Schema for every line `-o json` prints, kept in
-docs/ as the code makes it; one exit code per meaning; the global options before or after the
-command."""
+docs/ as the code makes it; one exit code per meaning, stated once (cli/exits.py) and said the
+same in --help, the man pages, docs/, the ansible module and the unit; the global options before
+or after the command."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.cli import kimi_mode, output
+from kimi_supervisor.cli import admin, exits, kimi_mode, manpage, output
+from kimi_supervisor.cli.exits import Exit
 
-SCHEMA = Path(__file__).resolve().parents[2] / "docs" / "kimi-mode-output.schema.json"
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = ROOT / "docs" / "kimi-mode-output.schema.json"
 
 
 def test_the_documented_schema_is_the_one_the_code_makes() -> None:
@@ -21,37 +26,83 @@ def test_the_documented_schema_is_the_one_the_code_makes() -> None:
 
 
 def test_every_exit_code_has_one_meaning_and_the_man_page_and_help_say_them_all() -> None:
-    codes = [c for c, _name, _what in output.EXIT_CODES]
+    codes = [int(c) for c in exits.KIMI_MODE]
     assert len(codes) == len(set(codes)) == 8
-    names = [n for _c, n, _what in output.EXIT_CODES]
+    names = [c.label for c in exits.KIMI_MODE]
     assert names == [
         "ok", "failed", "usage", "unreachable", "timeout", "refused", "stuck", "interrupted"
     ]  # fmt: skip
     helptext = kimi_mode.build_parser().format_help()
-    for code, name, _what in output.EXIT_CODES:
-        assert f"{code:>3}  {name}:" in helptext
+    for code in exits.KIMI_MODE:
+        assert f"{code:>3}  {code.label}:" in helptext
+    kimi_mode_page, supervisor_page = (manpage.render(p) for p in manpage.pages())
+    for code in exits.KIMI_MODE:
+        assert f".TP\n\\fB{code}\\fR\n{code.label}: " in kimi_mode_page
+    for code in exits.KIMI_SUPERVISOR:
+        assert f".TP\n\\fB{code}\\fR\n" in supervisor_page
+        assert f"{code} {exits.KIMI_SUPERVISOR[code]}" in " ".join(
+            admin.build_parser().format_help().split()
+        )
+
+
+def test_no_exit_code_changes_its_value_and_each_is_meant_for_kimi_mode() -> None:
+    # Scripts, playbooks and the unit act on the numbers.
+    assert {c.label: int(c) for c in Exit} == {
+        "ok": 0, "failed": 1, "usage": 2, "unreachable": 3, "timeout": 4, "refused": 5,
+        "stuck": 6, "interrupted": 130,
+    }  # fmt: skip
+    assert list(exits.KIMI_MODE) == list(Exit)
+    assert set(exits.KIMI_SUPERVISOR) == {Exit.OK, Exit.FAILED, Exit.USAGE}
+
+
+def test_the_documented_table_of_exit_codes_is_the_codes_own() -> None:
+    tables = [
+        re.findall(r"^\| (\d+) \| (\w+) \| ", text.split("| code | name | meaning |", 1)[1], re.M)
+        for doc in sorted((ROOT / "docs").glob("*.md"))
+        if "| code | name | meaning |" in (text := doc.read_text())
+    ]
+    assert len(tables) == 1, "docs/ has one table of kimi-mode's exit codes"
+    assert [(int(c), name) for c, name in tables[0]] == [(int(c), c.label) for c in Exit]
+
+
+def test_the_ansible_module_and_the_unit_read_the_codes_as_the_cli_states_them() -> None:
+    module = ROOT / "ansible/ansible_collections/kimi/supervisor/plugins/modules/kimi_mode.py"
+    meaning = next(
+        ast.literal_eval(node.value)
+        for node in ast.parse(module.read_text()).body
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "EXIT_MEANING" for t in node.targets)
+    )
+    assert set(meaning) == {int(c) for c in Exit} - {Exit.OK}
+    says = {Exit.TIMEOUT: "timed out"}
+    for code in set(Exit) - {Exit.OK}:
+        assert says.get(code, code.label) in meaning[code].lower(), code
+    unit = (ROOT / "units" / "kimi-supervisor.service").read_text()
+    (prevent,) = re.findall(r"^RestartPreventExitStatus=(.+)$", unit, re.M)
+    assert [int(x) for x in prevent.split()] == [Exit.USAGE]
+    assert "the unit does not restart on it" in exits.KIMI_SUPERVISOR[Exit.USAGE]
 
 
 @pytest.mark.parametrize(
     ("code", "exit_code"),
     [
-        ("busy", output.EXIT_REFUSED),
-        ("wrong_mode", output.EXIT_REFUSED),
-        ("stopping", output.EXIT_REFUSED),
-        ("forbidden", output.EXIT_UNREACHABLE),
-        ("bad_request", output.EXIT_USAGE),
-        ("internal", output.EXIT_FAILED),
-        ("state_error", output.EXIT_FAILED),
+        ("busy", Exit.REFUSED),
+        ("wrong_mode", Exit.REFUSED),
+        ("stopping", Exit.REFUSED),
+        ("forbidden", Exit.UNREACHABLE),
+        ("bad_request", Exit.USAGE),
+        ("internal", Exit.FAILED),
+        ("state_error", Exit.FAILED),
     ],
 )
 def test_a_refusal_exits_with_what_it_means_to_the_caller(code: str, exit_code: int) -> None:
-    assert output.refusal_exit(code) == exit_code
+    assert exits.refusal_exit(code) == exit_code
 
 
 def test_a_switch_that_ends_stuck_exits_6_and_a_failed_one_1() -> None:
-    assert output.end_exit({"ok": True, "outcome": "ready"}) == 0
-    assert output.end_exit({"ok": False, "outcome": "stuck"}) == output.EXIT_STUCK == 6
-    assert output.end_exit({"ok": False, "outcome": "failed"}) == output.EXIT_FAILED
+    assert exits.end_exit({"ok": True, "outcome": "ready"}) == 0
+    assert exits.end_exit({"ok": False, "outcome": "stuck"}) == Exit.STUCK == 6
+    assert exits.end_exit({"ok": False, "outcome": "failed"}) == Exit.FAILED
 
 
 @pytest.mark.parametrize(

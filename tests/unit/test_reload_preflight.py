@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.cli import run
+from kimi_supervisor.cli.exits import Exit
 
 from .test_config import MINIMAL
 
@@ -45,7 +46,7 @@ def test_reload_of_a_broken_build_sends_no_signal_and_says_the_daemon_runs_on(
     daemon = subprocess.Popen(["sleep", "60"])
     try:
         code = run.cmd_reload(argparse.Namespace(config=str(config), pid=daemon.pid))
-        assert code == run.EXIT_FAILED
+        assert code == Exit.FAILED
         assert daemon.poll() is None  # not signalled
         err = capsys.readouterr().err
         assert "this version cannot run (kimi_supervisor.loop.daemon does not import)" in err

@@ -157,7 +157,8 @@ import time  # noqa: E402
 
 from ansible.module_utils.basic import AnsibleModule  # noqa: E402
 
-# kimi-mode's exit codes (kimi-mode --help, docs/control-protocol.md).
+# kimi-mode's exit codes (kimi-mode --help, docs/control-protocol.md), as
+# kimi_supervisor/cli/exits.py states them (a unit test holds this table to it).
 EXIT_MEANING = {
     1: "failed: the switch or capture did not succeed, or the daemon gave up (FAILED)",
     2: "usage: the request was not valid",

@@ -1,0 +1,105 @@
+"""The one loop that follows the daemon's answers to a request until its end: a switch
+(cli/switch.py), `wait` (cli/watch.py) and a capture (cli/capture.py) are each a `Follow` whose
+hooks say what its reply, its events and its end mean. The loop keeps what they share: in json
+mode every line the daemon sends, as sent; a refusal's exit; --timeout as one deadline; Ctrl-C
+and a connection the daemon closed, each said once with its exit (cli/exits.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kimi_supervisor.cli.exits import Exit, refusal_exit
+from kimi_supervisor.cli.follower import Follower
+from kimi_supervisor.cli.output import Output
+from kimi_supervisor.control.client import TimedOut, exchange
+
+
+class Follow:
+    """One request followed to its end. A subclass says what the reply, the events and the end
+    mean (`on_reply`, `on_event`, `on_end`), what goes on in the daemon when it stops following
+    (`goes_on`), and what the daemon closing the connection early means (`closed`)."""
+
+    goes_on = ""  # "the switch goes on": said at --timeout and at Ctrl-C
+    stopped = "stopped following"  # said at Ctrl-C, before what goes on
+    closed = ""  # said when the daemon closes the connection before the end
+    # In json mode the reply is printed as the daemon sent it, and is the answer: a refusal is
+    # said on stderr only. A command whose reply is not its answer (wait's subscription) prints
+    # no reply, and a refusal is an `error` line.
+    prints_reply = True
+
+    def __init__(self, o: Output, sock: Path, display: Follower | None = None) -> None:
+        self.o = o
+        self.sock = sock
+        self.display = display
+
+    def run(
+        self, request: dict[str, Any], timeout_s: float | None = None, fds: Sequence[int] = ()
+    ) -> Exit:
+        """Send `request` and follow its answers until a hook ends it, until `timeout_s` has
+        passed, Ctrl-C, or the daemon closes the connection. An `on_end` that says None asks
+        again, with the same request, under the same deadline."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimedOut()
+                for raw, msg in exchange(self.sock, request, timeout_s=left, fds=fds):
+                    kind = msg.get("type")
+                    if self.o.json and (kind != "reply" or self.prints_reply):
+                        self.o.raw(raw)
+                    if kind == "event":
+                        self.on_event(msg)
+                    elif kind == "reply":
+                        code = self.on_reply(msg) if msg["ok"] else self.refused(msg)
+                        if code is not None:
+                            return code
+                    elif kind == "end":
+                        code = self.on_end(msg)
+                        if code is None:
+                            break  # not the end awaited: ask again
+                        return code
+                else:
+                    return self.on_closed()
+        except TimedOut:
+            self._finish()
+            return self.o.fail(
+                Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}"
+            )
+        except KeyboardInterrupt:
+            self._finish()
+            return self.on_interrupt()
+
+    def refused(self, msg: dict[str, Any]) -> Exit:
+        """The daemon refused the request: why, and what that means as an exit."""
+        code = refusal_exit(msg["code"])
+        if self.prints_reply:
+            print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+            return code
+        return self.o.fail(code, msg["message"])
+
+    def on_reply(self, msg: dict[str, Any]) -> Exit | None:
+        """A reply that accepts the request: an exit to end here, or None to follow on."""
+        return None
+
+    def on_event(self, msg: dict[str, Any]) -> None:
+        """An event on the way (in json mode too: its line is already printed)."""
+
+    def on_end(self, msg: dict[str, Any]) -> Exit | None:
+        """The end: its exit, or None to ask again (a rollback or a retry may follow)."""
+        raise NotImplementedError
+
+    def on_interrupt(self) -> Exit:
+        return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; {self.goes_on}")
+
+    def on_closed(self) -> Exit:
+        return self.o.fail(Exit.UNREACHABLE, self.closed)
+
+    def _finish(self) -> None:
+        if self.display is not None:
+            self.display.finish()

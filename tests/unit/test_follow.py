@@ -1,0 +1,175 @@
+"""The one loop that follows the daemon (cli/follow.py), as a switch, `wait` and a capture use
+it, against a scripted daemon on a real Unix socket: the lines printed in json mode, a refusal,
+a connection closed before the end, and `wait MODE` asking again under one deadline."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.cli.capture import CaptureFollow
+from kimi_supervisor.cli.exits import Exit
+from kimi_supervisor.cli.output import Output
+from kimi_supervisor.cli.switch import SwitchFollow
+from kimi_supervisor.cli.watch import WaitFollow
+
+Lines = list[dict[str, Any]]
+TRANSITION = {
+    "id": "t-1",
+    "previous": "production",
+    "target": "profile",
+    "started_at": "2026-01-01T12:00:00+00:00",
+    "step": "stop_unit",
+}
+
+
+def reply(ok: bool = True, code: str = "accepted", message: str = "", **data: Any) -> dict:
+    return {"v": 1, "type": "reply", "ok": ok, "code": code, "message": message, "data": data}
+
+
+def event(name: str, **data: Any) -> dict:
+    return {"v": 1, "type": "event", "event": name, "at": "2026-01-01T12:00:01+00:00", "data": data}
+
+
+def end(ok: bool, outcome: str, message: str) -> dict:
+    return {"v": 1, "type": "end", "ok": ok, "outcome": outcome, "message": message, "data": {}}
+
+
+@contextmanager
+def daemon(*conversations: tuple[Lines, bool]) -> Iterator[tuple[Path, list[dict]]]:
+    """A daemon that answers each connection in turn with its lines, then closes it, or holds
+    it open (True) until the test ends. Yields the socket and the requests it was sent."""
+    d = Path(tempfile.mkdtemp(prefix="kimi-follow-"))  # short: a socket's path is at most 107
+    path = d / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen()
+    requests: list[dict] = []
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        for lines, hold in conversations:
+            conn, _ = server.accept()
+            requests.append(json.loads(conn.makefile("rb").readline()))
+            conn.sendall(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            (held.append if hold else lambda c: c.close())(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield path, requests
+    finally:
+        for conn in held:
+            conn.close()
+        server.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def output(fmt: str) -> tuple[Output, io.StringIO, io.StringIO]:
+    out, err = io.StringIO(), io.StringIO()
+    return Output(fmt, out, err), out, err
+
+
+def switch_args(**kw: Any) -> argparse.Namespace:
+    return argparse.Namespace(**{"mode": "profile", "no_wait": False, "timeout": None, **kw})
+
+
+def test_a_followed_switch_in_json_prints_each_line_as_sent_and_exits_with_its_end() -> None:
+    lines = [
+        reply(message="switching", transition=TRANSITION),
+        event("step_started", step="stop_unit"),
+        end(False, "stuck", "the GPUs are not clean"),
+    ]
+    with daemon((lines, False)) as (sock, requests):
+        o, out, err = output("json")
+        code = SwitchFollow(switch_args(), sock, o).run({"cmd": "switch", "mode": "profile"})
+    assert code == Exit.STUCK
+    assert [json.loads(x) for x in out.getvalue().splitlines()] == lines
+    assert err.getvalue() == "" and requests[0]["cmd"] == "switch"
+
+
+def test_a_followed_switch_in_text_says_the_reply_and_ends_with_its_outcome() -> None:
+    lines = [reply(message="switching to profile"), end(True, "ready", "profile is ready")]
+    with daemon((lines, False)) as (sock, _):
+        o, out, _err = output("text")
+        code = SwitchFollow(switch_args(), sock, o).run({"cmd": "switch"})
+    assert code == Exit.OK
+    assert out.getvalue().splitlines() == ["switching to profile", "done: profile is ready"]
+
+
+def test_a_refused_switch_says_why_on_stderr_and_its_reply_line_is_the_json_answer(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    busy = reply(ok=False, code="busy", message="a switch to production is in progress")
+    with daemon(([busy], False)) as (sock, _):
+        o, out, _err = output("json")
+        code = SwitchFollow(switch_args(), sock, o).run({"cmd": "switch"})
+    assert code == Exit.REFUSED
+    assert [json.loads(x) for x in out.getvalue().splitlines()] == [busy]
+    assert capsys.readouterr().err == "kimi-mode: a switch to production is in progress\n"
+
+
+def test_a_refused_wait_prints_an_error_line_instead_of_the_reply() -> None:
+    denied = reply(ok=False, code="forbidden", message="not in the control group")
+    with daemon(([denied], False)) as (sock, _):
+        o, out, err = output("json")
+        code = WaitFollow(argparse.Namespace(mode=None), sock, o).run({"cmd": "subscribe"})
+    assert code == Exit.UNREACHABLE
+    (line,) = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert line == {
+        "v": 1, "type": "error", "exit": 3, "code": "unreachable",
+        "message": "not in the control group",
+    }  # fmt: skip
+    assert err.getvalue() == "kimi-mode: not in the control group\n"
+
+
+def test_a_connection_closed_before_the_end_exits_unreachable_and_says_what_was_followed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with daemon(([reply(message="switching")], False)) as (sock, _):
+        o, _out, err = output("text")
+        assert SwitchFollow(switch_args(), sock, o).run({"cmd": "switch"}) == Exit.UNREACHABLE
+    assert "closed the connection before the switch ended" in err.getvalue()
+    with daemon(([reply(message="capturing")], False)) as (sock, _):
+        o, _out, _err = output("text")
+        assert CaptureFollow(o, sock).run({"cmd": "capture"}) == Exit.UNREACHABLE
+    said = capsys.readouterr()
+    assert said.out == "capturing\n"
+    assert said.err == "kimi-mode: the daemon closed the connection before the capture ended\n"
+
+
+def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks() -> None:
+    tearing_down = reply(
+        code="status", state="tearing_down", mode=None, desired_mode="production",
+        transition={**TRANSITION, "target": "production"}, status_line="tearing down",
+    )  # fmt: skip
+    starting = reply(
+        code="status", state="starting", mode=None, desired_mode="production",
+        transition=None, status_line="starting production",
+    )  # fmt: skip
+    with daemon(
+        ([tearing_down, end(False, "failed", "rolled back")], False), ([starting], True)
+    ) as (sock, requests):
+        o, out, err = output("text")
+        began = time.monotonic()
+        code = WaitFollow(argparse.Namespace(mode="production"), sock, o).run(
+            {"cmd": "subscribe"}, timeout_s=0.5
+        )
+        took = time.monotonic() - began
+    assert code == Exit.TIMEOUT
+    assert 0.5 <= took < 3.0
+    assert [r["cmd"] for r in requests] == ["subscribe", "subscribe"]
+    assert "following t-1: production -> production" in out.getvalue()
+    assert "FAILED: rolled back" in out.getvalue()
+    assert err.getvalue() == "kimi-mode: timed out after 0.5 s waiting; the switch goes on\n"
