@@ -78,17 +78,22 @@ def exchange(
     sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
     with sock:
         data = json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n"
+        # A daemon that refuses the peer (not in the control group, too many connections)
+        # answers and closes without reading: the send may then fail (EPIPE) with the answer
+        # already waiting to be read. The answer is what the user is told.
+        unsent: OSError | None = None
         try:
             if fds:
                 data = data[socket.send_fds(sock, [data], list(fds)) :]
             sock.sendall(data)
         except OSError as e:
-            raise Unreachable(f"the daemon closed the connection: {e}") from None
-        buf = b""
+            unsent = e
+        buf, answered = b"", False
         while True:
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
                 if line.strip():
+                    answered = True
                     yield line, json.loads(line)
             if deadline is not None:
                 left = deadline - time.monotonic()
@@ -102,7 +107,11 @@ def exchange(
             except TimeoutError:
                 continue
             except OSError as e:
+                if unsent is not None and not answered:
+                    break
                 raise Unreachable(f"lost the connection to the daemon: {e}") from None
             if not chunk:
-                return
+                break
             buf += chunk
+        if unsent is not None and not answered:
+            raise Unreachable(f"the daemon closed the connection: {unsent}")

@@ -82,3 +82,36 @@ def test_out_of_descriptors_the_accept_loop_waits_instead_of_spinning_and_then_s
     assert result["cpu_s"] < 0.3, f"{result['cpu_s']:.2f} s of CPU in one second: it spun"
     assert "control_accept_failed" in result["events"]
     assert "control_accept_recovered" in result["events"]
+
+
+def test_a_refusal_sent_before_the_daemon_read_the_request_is_still_what_the_client_says(
+    tmp_path: Path,
+) -> None:
+    """The daemon refuses a peer outside the control group without reading its request and
+    closes: the client's send then fails (a broken pipe), with the refusal already there to
+    read. The user is told the refusal, not "the daemon closed the connection" (a flake in the
+    sandbox's group test, 7 of 27 runs)."""
+    import threading
+
+    from kimi_supervisor.control.client import exchange
+
+    path = tmp_path / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    refusal = {"ok": False, "code": "forbidden", "message": "uid 65534 may not control it"}
+
+    def refuse() -> None:
+        conn, _ = server.accept()
+        conn.sendall(json.dumps(refusal).encode() + b"\n")
+        conn.close()
+
+    t = threading.Thread(target=refuse)
+    t.start()
+    try:
+        # Larger than the socket's buffer: the send cannot finish before the daemon closes.
+        got = [msg for _raw, msg in exchange(path, {"cmd": "x", "pad": "a" * (8 << 20)}, 10)]
+    finally:
+        t.join(10)
+        server.close()
+    assert got == [refusal]
