@@ -12,10 +12,10 @@ clock, around real processes.
   process listed: memory no teardown can free, as a holder the supervisor must not kill leaves it.
 
 `LoopHost.until` drives the daemon in-process, one `turn` at a time. Between turns the fake clock
-moves on towards the loop's next deadline (at most `STEP_S` at a time), except while something
-real is under way (a teardown on its thread, the child's interpreter starting). The loop's own
-wait is cut to a few real milliseconds while a thread of the daemon's runs (a probe, a capture),
-and to none at all when nothing but this thread can move: then only the fake clock passes.
+moves on to the loop's next deadline, except while something real is under way (a teardown on
+its thread, the child's interpreter starting). While a thread of the daemon's runs (a probe, a
+capture), it moves at most `STEP_S` at a time and the loop's own wait is cut to a few real
+milliseconds; when nothing but this thread can move, no real time passes at all.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from kimi_supervisor.ports.systemd import SystemdError, UnitStatus, Who
 from tests.fakes import FakeClock
 
 UNIT = "vllm-kimi-k25.service"
-STEP_S = 0.25  # the most the fake clock moves between two turns
+STEP_S = 0.25  # the most the fake clock moves between two turns while a daemon's thread runs
 
 FAKE_VLLM = r"""
 import http.server, os, sys, time
@@ -393,11 +393,12 @@ class LoopHost:
                 # The fake clock moves only while nothing real is under way (a teardown on its
                 # thread, the child starting); then the loop's wait is what passes. With that,
                 # or a thread of the daemon's running (a liveness probe, a capture), the wait
-                # is a few real milliseconds; with neither, nothing but this thread can move.
+                # is a few real milliseconds; with neither, nothing but this thread can move
+                # until the next deadline, and the clock goes straight to it.
                 real = d.s.busy or self.systemd.starting()
-                if not real:
-                    self.clock.now += min(d._timeout(), STEP_S)
                 threads = not self.threads.issuperset(threading.enumerate())
+                if not real:
+                    self.clock.now += min(d._timeout(), STEP_S) if threads else d._timeout()
                 d.wait(max_s=0.005 if real or threads else 0.0)
 
     def tail(self, n: int = 15) -> str:
