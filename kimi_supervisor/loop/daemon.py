@@ -235,7 +235,7 @@ class Daemon:
         s = self.s
         watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
         self.wakeup.watch(watch)
-        timeout = 0.0 if len(self.inbox) else self._timeout()
+        timeout = 0.0 if len(self.inbox) else self.timeout()
         exited = self.wakeup.wait(timeout if max_s is None else min(timeout, max_s))
         self._feed_watchdog()
         if exited:
@@ -264,7 +264,7 @@ class Daemon:
             early.append(now + (s.profile_until - utcnow()).total_seconds())
         return min([self._next_step, *(t for t in early if t > self._last_step)])
 
-    def _timeout(self) -> float:
+    def timeout(self) -> float:
         """Until the step falls due, or half the watchdog interval (a teardown's job and any
         request ring the doorbell)."""
         now = self.ctx.clock.monotonic()

@@ -4,16 +4,18 @@ clock, around real processes.
 - `FakeSystemd` runs vLLM's "unit" as a real child process, through `kimi-supervisor
   launch-vllm` as the unit's ExecStart does; stopping it is SIGTERM then SIGKILL, and a child
   that exits leaves the unit `failed` with its exit code, as systemd reports them.
-- the child is a tiny stand-in for vLLM's API server: it listens on vLLM's port after
-  `load_s` of real time and answers /health, /start_profile and /stop_profile with 200, or exits
-  with 1 at once in a mode named in `fail_modes`.
+- the child is a tiny stand-in for vLLM's API server: it loads for `load_s` of the fake clock
+  (held at a gate that the host opens once the clock has passed the load's end), then listens on
+  vLLM's port and answers /health, /start_profile and /stop_profile with 200; or it exits with 1
+  at once in a mode named in `fail_modes`.
 - `FakeGpu` reads every GPU at its baseline plus what a test leaves on it (`extra`), with no
   process listed: memory no teardown can free, as a holder the supervisor must not kill leaves it.
 
 `LoopHost.until` drives the daemon in-process, one `turn` at a time. Between turns the fake clock
-moves on towards the loop's next deadline (at most `STEP_S` at a time), except while something
-real is under way (a teardown on its thread, the child loading), and the loop's own wait is cut
-to a few real milliseconds.
+moves on to the loop's next deadline, except while something real is under way (a teardown on
+its thread, the child's interpreter starting). While a thread of the daemon's runs (a probe, a
+capture), it moves at most `STEP_S` at a time and the loop's own wait is cut to a few real
+milliseconds; when nothing but this thread can move, no real time passes at all.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from kimi_supervisor.ports.systemd import SystemdError, UnitStatus, Who
 from tests.fakes import FakeClock
 
 UNIT = "vllm-kimi-k25.service"
-STEP_S = 0.25  # the most the fake clock moves between two turns
+STEP_S = 0.25  # the most the fake clock moves between two turns while a daemon's thread runs
 
 FAKE_VLLM = r"""
 import http.server, os, sys, time
@@ -49,8 +51,12 @@ argv = sys.argv[1:]
 if os.environ.get("FAKE_FAIL"):
     print("fake vLLM: this mode fails to start", flush=True)
     sys.exit(1)
-time.sleep(float(os.environ.get("FAKE_LOAD_S", "0")))
-HUNG = os.environ.get("FAKE_HUNG_FILE", "/nonexistent")  # while it exists, no request ends
+GATE = os.environ.get("FAKE_GATE")  # while it exists, the load goes on
+if GATE:
+    open(os.environ["FAKE_AT_GATE"], "w").close()
+    while os.path.exists(GATE):
+        time.sleep(0.005)
+HUNG = os.environ.get("FAKE_HUNG_FILE", "/nonexistent")  # while it exists, no completion ends
 METRICS = ("vllm:num_requests_running{{engine=\"0\"}} {running}\n"
            "vllm:generation_tokens_total{{engine=\"0\"}} 7\n")
 class H(http.server.BaseHTTPRequestHandler):
@@ -71,7 +77,8 @@ class H(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 port = int(argv[argv.index("--port") + 1])
-http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+# A thread per request: /health answers while a completion hangs, as a hung vLLM's does.
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
 
@@ -154,14 +161,19 @@ start_timeout_s = 2
 
 
 class FakeSystemd:
-    def __init__(self, config: Config, log: Path) -> None:
+    def __init__(self, config: Config, log: Path, clock: FakeClock) -> None:
         self.config = config
         self.log = log
+        self.clock = clock
         self.fail_modes: set[Mode] = set()
         self.hung_file = config.state.dir.parent / "vllm-hung"  # while it exists, vLLM hangs
         self.unreachable = ""  # while set, every call fails as with no bus
-        self.load_s = 0.0
+        self.load_s = 0.0  # how long a start loads, on the fake clock
+        self.gate = config.state.dir.parent / "vllm-loading"  # the child waits while it exists
+        self.at_gate = config.state.dir.parent / "vllm-loading-reached"  # made as it waits
+        self.load_ends = 0.0
         self.child: subprocess.Popen[bytes] | None = None
+        self.listening: subprocess.Popen[bytes] | None = None  # a child seen listening
         self.stopped = True  # by us (inactive), or it exited by itself (failed)
         self.starts: list[Mode] = []
         # Set by a test to hold every stop until it is released: a teardown that lasts.
@@ -184,9 +196,15 @@ class FakeSystemd:
 
     def start(self, unit: str) -> None:
         mode = Mode(json.loads(self.config.vllm.argv_file.read_text())["mode"])
-        env = dict(os.environ, FAKE_LOAD_S=str(self.load_s), FAKE_HUNG_FILE=str(self.hung_file))
+        env = dict(os.environ, FAKE_HUNG_FILE=str(self.hung_file))
         if mode in self.fail_modes:
             env["FAKE_FAIL"] = "1"
+        self.gate.unlink(missing_ok=True)
+        self.at_gate.unlink(missing_ok=True)
+        if self.load_s > 0:
+            self.gate.touch()
+            self.load_ends = self.clock.now + self.load_s
+            env.update(FAKE_GATE=str(self.gate), FAKE_AT_GATE=str(self.at_gate))
         with self._lock, self.log.open("ab") as out:
             self.starts.append(mode)
             self.stopped = False
@@ -238,14 +256,23 @@ class FakeSystemd:
     def daemon_reload(self) -> None:
         pass
 
-    def loading(self) -> bool:
-        """The child runs and does not listen yet: real time must pass, not the fake clock's."""
+    def starting(self) -> bool:
+        """The child runs and does not listen yet, and is not held at the gate (its load, on the
+        fake clock, which opens the gate once it has passed the load's end): real time must
+        pass, not the fake clock's."""
         c = self.child
-        if c is None or c.poll() is not None:
+        if c is None or c.poll() is not None or c is self.listening:
             return False
+        if self.gate.exists() and self.at_gate.exists():
+            if self.clock.now < self.load_ends:
+                return False
+            self.gate.unlink()
         with socket.socket() as s:
             s.settimeout(0.5)
-            return s.connect_ex(("127.0.0.1", self.config.vllm.port)) != 0
+            if s.connect_ex(("127.0.0.1", self.config.vllm.port)) != 0:
+                return True
+        self.listening = c  # until it exits
+        return False
 
     def jobs(self) -> dict[str, str]:
         return {}
@@ -311,9 +338,10 @@ class LoopHost:
         self.root = root
         self.config = config_for(root, model, extra, armed, **daemon)
         self.clock = SleepWatch()
-        self.systemd = FakeSystemd(self.config, root / "vllm.log")
+        self.systemd = FakeSystemd(self.config, root / "vllm.log", self.clock)
         self.gpu = FakeGpu()
         self.lines: list[dict[str, Any]] = []
+        self.threads = set(threading.enumerate())  # the others are the daemon's
         self.daemon = self.new_daemon()
 
     def new_daemon(self) -> Daemon:
@@ -363,10 +391,15 @@ class LoopHost:
                 )
             if not len(d.inbox):
                 # The fake clock moves only while nothing real is under way (a teardown on its
-                # thread, the child loading); then the loop's wait is what passes.
-                if not d.s.busy and not self.systemd.loading():
-                    self.clock.now += min(d._timeout(), STEP_S)
-                d.wait(max_s=0.005)
+                # thread, the child starting); then the loop's wait is what passes. With that,
+                # or a thread of the daemon's running (a liveness probe, a capture), the wait
+                # is a few real milliseconds; with neither, nothing but this thread can move
+                # until the next deadline, and the clock goes straight to it.
+                real = d.s.busy or self.systemd.starting()
+                threads = not self.threads.issuperset(threading.enumerate())
+                if not real:
+                    self.clock.now += min(d.timeout(), STEP_S) if threads else d.timeout()
+                d.wait(max_s=0.005 if real or threads else 0.0)
 
     def tail(self, n: int = 15) -> str:
         """The daemon's last log lines, for a failure's message."""

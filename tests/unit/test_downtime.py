@@ -240,7 +240,7 @@ def test_the_eta_of_a_load_is_made_of_the_past_switches_parts(host: LoopHost) ->
     for mode in (Mode.PROFILE, Mode.PRODUCTION):
         host.ask(Switch(mode, "op"))
         host.serving(mode)
-    host.systemd.load_s = 1.0  # the next load lasts a second of real time
+    host.systemd.load_s = 1.0  # the next load lasts a second of the fake clock
     host.ask(Switch(Mode.PROFILE, "op"))
     host.until(lambda: bool(host.status()["eta"]), "the ETA of the load")
     eta = host.status()["eta"]
