@@ -47,7 +47,6 @@ def driver_up(ctx: Context) -> bool:
         msg = f"waiting for the GPU driver: {e}"
         s.waiting_for = msg
         ctx.warn(msg)
-        ctx.notifier.status(msg)
         s.driver_retry_at = ctx.clock.monotonic() + s.driver_retry_s
         s.driver_retry_s = min(s.driver_retry_s * 2, ctx.config.daemon.driver_retry_max_s)
         return False

@@ -154,8 +154,8 @@ class Daemon:
         return st.model_copy(update=update).model_dump(mode="json")
 
     def _publish(self) -> None:
-        """The one place status is published (once per turn, and at boot), followed by the
-        events the turn queued (Context.outbox)."""
+        """The one place status is published (at the end of each turn, before a request's
+        answer, and at boot), followed by the events queued since (Context.outbox)."""
         ctx, s = self.ctx, self.s
         tail = (ctx.output.tail() if s.state is not State.SERVING else [], ctx.output.where)
         st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at, tail)
@@ -207,12 +207,18 @@ class Daemon:
 
     def turn(self) -> bool:
         """One message, followed by a pass if it made one due (a switch accepted is begun before
-        the next request is admitted, which then joins it); then, once, the status published,
-        the pass's events sent, and the request answered, in that order: whoever is answered or
-        told reads a status at least as new. False once the loop is to end."""
+        the next request is admitted, which then joins it). A request is answered before the
+        pass, once its effect is published (the status, then the events it queued): a slow
+        pass (systemd or NVML slow to answer) never delays a reply. The pass's own effect is
+        published at the turn's end. Whoever is answered or told an event reads a status at
+        least as new. False once the loop is to end."""
         s, clock = self.s, self.ctx.clock
         msg = self.inbox.take()
-        reply = self._handle(msg) if msg is not None else None
+        if msg is not None:
+            reply = self._handle(msg)
+            if isinstance(msg, Request):
+                self._publish()
+                msg.answer(reply)
         go_on = s.stopped_clean is None
         if go_on and s.reexec_requested and not s.stop_requested and not s.busy:
             self.ctx.verify_state()  # the new image must read what this one knows
@@ -225,8 +231,6 @@ class Daemon:
                 retry_in = self.guard.run(self._step)
                 self._next_step = clock.monotonic() + (retry_in or self._interval())
         self._publish()
-        if isinstance(msg, Request) and reply is not None:
-            msg.answer(reply)
         return go_on
 
     def wait(self, max_s: float | None = None) -> None:

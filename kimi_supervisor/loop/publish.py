@@ -60,6 +60,8 @@ def status_line(s: LoopState, now: float) -> str:
         return f"FAILED: {s.desired.value} gave up; `kimi-mode {s.desired.value}` retries"
     if s.waiting_for:
         return f"{s.state.value}: {s.waiting_for}"
+    if s.state is State.STOPPING and s.job is not None:
+        return "stopping: tearing vLLM down"
     return s.state.value
 
 

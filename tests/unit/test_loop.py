@@ -475,3 +475,30 @@ def test_liveness_probes_keep_their_own_cadence_when_the_tick_is_longer(tmp_path
         assert len(probes) >= 15, probes  # about one a second, not one in ten
     finally:
         host.close()
+
+
+def test_a_switch_is_answered_before_a_slow_pass_and_its_status_is_already_published(
+    host: LoopHost,
+) -> None:
+    """A pass can wait on systemd or NVML (sd-bus's 25 s per call when the manager hangs). The
+    reply to a switch never waits for it, or the client's 60 s would run out on a switch the
+    daemon accepted; and the status a client reads once answered already shows the switch."""
+    booted(host)
+    d, real_status = host.daemon, host.systemd.status
+    answered_during_pass: list[bool] = []
+    switch = Switch(Mode.PROFILE, "op")
+
+    def slow_status(unit: str) -> Any:
+        answered_during_pass.append(switch.reply.done())
+        return real_status(unit)
+
+    host.systemd.status = slow_status  # type: ignore[method-assign]
+    try:
+        d.ask(switch)
+        d.turn()
+    finally:
+        host.systemd.status = real_status  # type: ignore[method-assign]
+    assert switch.reply.result().code == "accepted"
+    # The desk reads systemd before it answers (a port's holder); the pass reads it after.
+    assert answered_during_pass[-1], answered_during_pass
+    assert host.status()["desired_mode"] == "profile"
