@@ -13,7 +13,7 @@ one of them from outside vLLM's HTTP server:
   progress, if that is nearer; over the canary's wait for the canary). A stopped or
   deadlocked engine stops using the CPU; a busy one (a long prefill, a capture's flush on the
   engine's loop, a guided-decoding step) does not. Measured with vLLM 0.16's CPU build, TP 2:
-  docs/architecture.md, "Liveness";
+  docs/performance.md, "What real vLLM shows the liveness rule";
 - and one of:
   - **the work counters**: requests running or waiting (`vllm:num_requests_running`,
     `vllm:num_requests_waiting`) while none of the engine's counters grows

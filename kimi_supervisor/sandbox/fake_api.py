@@ -26,11 +26,12 @@ from kimi_supervisor.sandbox.fake_traces import trace, trace_name
 class EngineLink:
     """The API server's end of the engine's pipe, and vLLM's counters of what went through.
 
-    As in vLLM 0.16 (measured with its CPU build, docs/architecture.md "Liveness"), the engine
-    reports its scheduler's stats at the end of each step: the gauges (running, waiting) and
-    the counters (steps, prompt and generated tokens) move only then. A step that lasts (a
-    long prefill, the profiler's flush on the engine's loop) leaves /metrics as the last step
-    left it; a frozen engine leaves it forever."""
+    As in vLLM 0.16 (measured with its CPU build: bench/liveness_real.py, docs/performance.md
+    "What real vLLM shows the liveness rule"), the engine reports its scheduler's stats at the
+    end of each step: the gauges (running, waiting) and the counters (steps, prompt and
+    generated tokens) move only then. A step that lasts (a long prefill, the profiler's flush
+    on the engine's loop: 12.4 s still with 4 running, the CPU busy) leaves /metrics as the
+    last step left it; a frozen engine leaves it forever."""
 
     def __init__(self, engine: subprocess.Popen[bytes], stats: bool = True) -> None:
         self.engine = engine
