@@ -1,7 +1,9 @@
-"""Issue 27's figures: how long a frozen engine (VLLM::EngineCore SIGSTOPped, /health still 200)
-takes to become an incident, idle (the canary) and under load (vLLM's /metrics), against the
-bound the configuration promises; and what liveness costs the daemon in CPU, against the same
-daemon with it off, over the same idle time.
+"""Issue 27's and 41's figures: how long a frozen engine (VLLM::EngineCore SIGSTOPped, /health
+still 200) takes to become an incident, idle (the canary) and under load (vLLM's /metrics), and a
+deadlocked one (no step, no CPU), against the bound the configuration promises; how many false
+verdicts a busy vLLM gets (a capture's flush blocking the engine under load, a prefill longer than
+the stall and the canary's timeout, saturation with vLLM's stats off); and what liveness costs the
+daemon in CPU, against the same daemon with it off, over the same idle time.
 
     .venv/bin/python -m bench.liveness_bench [--runs 3] [--write docs/performance.md]
 
@@ -17,6 +19,8 @@ import re
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +33,7 @@ from bench.common import main as bench_main
 from kimi_supervisor.config import LivenessConfig
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.ports import processes
+from kimi_supervisor.sandbox.fake_options import FakeOptions
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from tests.promtool import stuck_alert_fires_at
 
@@ -156,13 +161,94 @@ def stuck_to_alert(sb: Sandbox, samples: int = 40) -> tuple[float | None, int]:
     return stuck_alert_fires_at([int(v) for v in values]), retries
 
 
+def switch(sb: Sandbox, mode: str) -> None:
+    list(exchange(sb.config().control.socket, {"cmd": "switch", "mode": mode, "follow": False}, 10))
+    poll(lambda: status(sb)["state"] == "serving" and status(sb)["mode"] == mode, 90)
+
+
+def deadlock(sb: Sandbox, stuck: Path) -> float:
+    """Seconds from the engine's deadlock (no step, no CPU) under load to its incident."""
+    before = len(incidents(sb))
+    main = status(sb)["unit"]["main_pid"]
+    done = threading.Event()
+    threads = load(sb, done)
+    poll(lambda: ((status(sb).get("liveness") or {}).get("running") or 0) > 0, 30)
+    t0 = time.monotonic()
+    stuck.touch()
+    try:
+        poll(lambda: len(incidents(sb)) > before, 60, every_s=0.05)
+        took = time.monotonic() - t0
+        poll(
+            lambda: status(sb)["state"] == "serving" and status(sb)["unit"]["main_pid"] != main, 90
+        )
+    finally:
+        stuck.unlink()
+        done.set()
+        for th in threads:
+            th.join(35)
+    return took
+
+
+def busy_verdicts(sb: Sandbox, act: Any) -> int:
+    """The hang verdicts (each a false one: the engine works) while `act` runs, and 3 s after."""
+    before = len(incidents(sb))
+    act()
+    time.sleep(3)
+    return len(incidents(sb)) - before
+
+
+def prefill(sb: Sandbox) -> None:
+    """One prompt of 4096 words, alone: at 3 ms a word, a 12 s prefill step."""
+    v = sb.config().vllm
+    body = json.dumps({"model": v.command[2], "prompt": " ".join(["a"] * 4096),
+                       "max_tokens": 4}).encode()  # fmt: skip
+    url = f"http://{v.host}:{v.port}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+
+
+def flush_under_load(sb: Sandbox) -> None:
+    """A 1 s capture whose flush blocks the engine for 12 s, under load."""
+    done = threading.Event()
+    threads = load(sb, done)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "kimi_supervisor.cli.kimi_mode", "capture", "--seconds", "1",
+             "--then", "stay"],
+            env={**os.environ, **sb.env}, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stdout + r.stderr
+    finally:
+        done.set()
+        for th in threads:
+            th.join(35)
+
+
+def saturated(sb: Sandbox, seconds: float = 30) -> None:
+    """8 clients, as fast as they are answered, for `seconds`."""
+    done = threading.Event()
+    threads = load(sb, done) + load(sb, done)
+    time.sleep(seconds)
+    done.set()
+    for th in threads:
+        th.join(35)
+
+
 def run(runs: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-liveness-bench-"))
     # Every freeze is a failure in the window: room for all of them, or the third is FAILED.
-    sb = Sandbox.up(root, gpus=2, daemon=True, overrides={"daemon": {"max_failures": 100}})
+    sb = Sandbox.up(root, gpus=2, daemon=True, overrides={"daemon": {"max_failures": 100},
+                    "liveness": {"max_hang_restarts": 100}})  # fmt: skip
     try:
         serving(sb)
         c = sb.config().liveness
+        stuck = root / "deadlock"
+        # Read by each new vLLM: the deadlock switch (off while the file is absent) and a
+        # prefill of 3 ms a prompt word; the first freeze restarts vLLM with them.
+        base = {"deadlock_file": str(stuck), "prefill_s_per_token": 0.003}
+        sb.set_fake_options(FakeOptions(**base))  # type: ignore[arg-type]
         idle = [freeze(sb) for _ in range(runs)]
         frozen_teardown = hang_teardown_s(sb)
         loaded = []
@@ -174,6 +260,18 @@ def run(runs: int) -> str:
             done.set()
             for t in threads:
                 t.join(35)
+        deadlocked = [deadlock(sb, stuck) for _ in range(runs)]
+        false = {"prefill": sum(busy_verdicts(sb, lambda: prefill(sb))
+                                for _ in range(runs))}  # fmt: skip
+        sb.set_fake_options(FakeOptions(**base, profile_flush_s=12.0))  # type: ignore[arg-type]
+        switch(sb, "profile")
+        false["flush"] = sum(busy_verdicts(sb, lambda: flush_under_load(sb))
+                             for _ in range(runs))  # fmt: skip
+        sb.set_fake_options(FakeOptions(**base, disable_log_stats=True, engine_busy_fraction=0.6))  # type: ignore[arg-type]
+        switch(sb, "production")
+        false["stats_off"] = busy_verdicts(sb, lambda: saturated(sb))
+        absent = (status(sb).get("liveness") or {}).get("metrics")
+        sb.set_fake_options(FakeOptions())
         serving(sb)
         on_cpu, canaries = idle_cpu(sb)
         tokens = (status(sb).get("liveness") or {}).get("canary_tokens") or 0
@@ -209,6 +307,9 @@ def run(runs: int) -> str:
         f"| under load: frozen → incident (/metrics stall), median of {runs} | "
         f"{statistics.median(loaded):.1f} s (max {max(loaded):.1f}) | {load_bound:g} s | "
         f"{max(loaded) / load_bound:.2f} |\n"
+        f"| under load: deadlocked (no step, no CPU) → incident, median of {runs} | "
+        f"{statistics.median(deadlocked):.1f} s (max {max(deadlocked):.1f}) | {load_bound:g} s | "
+        f"{max(deadlocked) / load_bound:.2f} |\n"
         f"| daemon CPU over {IDLE_WINDOW_S:g} s serving idle, liveness on ({canaries} canaries) "
         f"| {on_cpu * 1000:.0f} ms | off: {off_cpu * 1000:.0f} ms | "
         f"{on_cpu / off_cpu if off_cpu else float('nan'):.2f} |\n"
@@ -223,7 +324,16 @@ def run(runs: int) -> str:
         f"{shipped.metrics_interval_s:g} s, a canary every {shipped.canary_interval_s:g} s) at "
         f"most {per_hour:.1f} s of CPU an hour. A canary is {tokens} token(s) as the fake "
         f"counts them; {3600 / shipped.canary_interval_s:g} canaries an hour when idle (real "
-        "vLLM's count is in the real-vLLM table).\n"
+        "vLLM's count is in the real-vLLM table).\n\n"
+        "False verdicts (issue 41): each a hang called on a vLLM that works, which would cost a "
+        "model load.\n\n"
+        "| a busy vLLM | runs | hang verdicts |\n|---|---|---|\n"
+        f"| a capture whose flush blocks the engine under load for 12 s ({12 / c.stall_s:g}x the "
+        f"stall) | {runs} | {false['flush']} |\n"
+        f"| a prefill of 4096 words at 3 ms each (12 s: past the stall and the canary's "
+        f"timeout), alone | {runs} | {false['prefill']} |\n"
+        f"| saturated (8 clients) for 30 s with vLLM's stats off (status: metrics {absent}) | 1 "
+        f"| {false['stats_off']} |\n"
     )
 
 

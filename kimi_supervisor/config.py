@@ -266,11 +266,13 @@ class DaemonConfig(_Strict):
 
 
 class LivenessConfig(_Strict):
-    """While vLLM serves (never while it loads), whether its engine does work (decide/liveness.py):
-    requests running and no token for `stall_s` means hung; idle, a one-token canary every
-    `canary_interval_s` must answer within `canary_timeout_s`. A hung vLLM is restarted as a
-    dead one is. Noticed within stall_s + metrics_interval_s under load, and within
-    canary_interval_s + metrics_interval_s + canary_timeout_s idle."""
+    """While vLLM serves (never while it loads), whether its engine makes progress
+    (decide/liveness.py): hung needs two signals, vLLM's processes using no CPU (or stopped)
+    and either requests pending with no engine step or token for `stall_s`, or, idle, a
+    one-token canary (every `canary_interval_s`) unanswered within `canary_timeout_s`. Never
+    judged while a capture is under way. A hung vLLM is restarted as a dead one is, up to
+    max_hang_restarts in hang_window_s. Noticed within stall_s + metrics_interval_s under load,
+    and within canary_interval_s + metrics_interval_s + canary_timeout_s idle."""
 
     # Whether the liveness probes run at all (off: only /health says vLLM lives).
     enabled: bool = True
@@ -284,6 +286,13 @@ class LivenessConfig(_Strict):
     canary_timeout_s: PositiveSeconds = 60.0
     # The canary's prompt (one token is asked for).
     canary_prompt: Annotated[str, Field(min_length=1, max_length=1000)] = "Hello"
+    # vLLM's processes using less than this share of one core (summed) show no progress: the
+    # second signal every hang verdict needs (a busy engine is never called hung).
+    cpu_idle_fraction: Annotated[float, Field(gt=0, le=1)] = 0.02
+    # This many hangs within hang_window_s: vLLM is torn down and not restarted (FAILED).
+    max_hang_restarts: Annotated[int, Field(ge=1, le=1000)] = 3
+    # The window max_hang_restarts counts hangs in.
+    hang_window_s: PositiveSeconds = 86400.0
 
 
 class ControlConfig(_Strict):

@@ -156,8 +156,17 @@ class FailureStatus(BaseModel):
 class LivenessStatus(BaseModel):
     """What the liveness probe last saw of the serving vLLM (loop/liveness.py)."""
 
-    running: float | None = None  # vllm:num_requests_running (null: no /metrics)
+    # "ok"; "absent": /metrics answered with no vllm:* series (never read as idle);
+    # "unreachable": /metrics did not answer in time.
+    metrics: str | None = None
+    running: float | None = None  # vllm:num_requests_running (null: no reading)
+    waiting: float | None = None  # vllm:num_requests_waiting
     tokens: float | None = None  # vllm:generation_tokens_total
+    steps: float | None = None  # vllm:iteration_tokens_total's count: the engine's steps
+    cpu_s: float | None = None  # vLLM's processes' CPU time, summed
+    stopped: list[str] = []  # vLLM's processes found stopped (state T)
+    doubt: str | None = None  # one signal said hung and the other did not (not hung)
+    judging: str | None = None  # why no verdict is made now (a capture)
     canary_at: str | None = None
     canary_ok: bool | None = None
     canary_s: float | None = None

@@ -469,3 +469,38 @@ def debian_package_2(debian_package: Path) -> Path:
             f.write("\n# A newer default.\n")
 
     return debs.repack(debian_package, "0.1.0-2", debian_package.parent, edit)
+
+
+# -- tiers that did not run: said loudly at the end, never only as skips among the others -----
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Each tier (a folder under tests/) whose tests were all skipped is named, with why, in a
+    block of its own at the end of the run; and in the file KIMI_TIER_REPORT names, which
+    .ci/run prints last. A skipped tier is not a tested one."""
+    ran: dict[str, int] = {}
+    skipped: dict[str, list[str]] = {}
+    for kind in ("passed", "failed", "error", "skipped"):
+        for rep in terminalreporter.stats.get(kind, []):
+            parts = str(getattr(rep, "nodeid", "")).split("/")
+            if len(parts) < 3 or parts[0] != "tests" or getattr(rep, "when", "") == "teardown":
+                continue
+            tier = parts[1]
+            if kind == "skipped":
+                reason = rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)
+                skipped.setdefault(tier, []).append(reason.removeprefix("Skipped: "))
+            else:
+                ran[tier] = ran.get(tier, 0) + 1
+    lines = [
+        f"THE {tier.upper()} TIER DID NOT RUN: all {len(why)} of its tests were skipped "
+        f"({sorted(set(why))[0]})"
+        for tier, why in sorted(skipped.items())
+        if not ran.get(tier)
+    ]
+    if lines:
+        terminalreporter.write_sep("!", "tiers that did not run")
+        for line in lines:
+            terminalreporter.write_line(line, red=True, bold=True)
+    out = os.environ.get("KIMI_TIER_REPORT")
+    if out:
+        Path(out).write_text("".join(f"{line}\n" for line in lines))

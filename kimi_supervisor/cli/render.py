@@ -91,10 +91,21 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
             f"{c.bytes / 1e6:.1f} MB written, then {c.then}"
         )
     live = s.liveness
-    if live and (live.running is not None or live.canary_at):
+    if live and (live.running is not None or live.canary_at or live.metrics == "absent"):
         parts = []
         if live.running is not None:
-            parts.append(f"{live.running:g} request(s) running, {live.tokens or 0:g} tokens made")
+            waiting = f", {live.waiting:g} waiting" if live.waiting else ""
+            parts.append(
+                f"{live.running:g} request(s) running{waiting}, {live.tokens or 0:g} tokens made"
+            )
+        elif live.metrics == "absent":
+            parts.append("no vllm:* metrics (judged by the engine's CPU and the canary)")
+        if live.stopped:
+            parts.append(f"stopped: {', '.join(live.stopped)}")
+        if live.judging:
+            parts.append(live.judging)
+        elif live.doubt:
+            parts.append(live.doubt)
         if live.canary_at:
             said = f"answered in {live.canary_s:.2f} s" if live.canary_ok else "refused"
             parts.append(f"canary {said} at {_hhmmss(live.canary_at)}")

@@ -1,24 +1,57 @@
-"""Whether a serving vLLM does work. Its engine can hang (a deadlock in a collective, a process
-stuck in the driver) while its API server goes on answering /health with 200: vLLM 0.16's health
-check reads only an "errored" flag (measured, issue 27: VLLM::EngineCore SIGSTOPped, /health 200
-for 10 minutes, every request hanging). So liveness is judged by work, from outside the engine:
+"""Whether a serving vLLM makes progress. Its engine can hang (a deadlock, a process stuck in the
+driver, a frozen worker) while its API server goes on answering /health with 200: vLLM 0.16's
+health check reads only an "errored" flag (measured, issue 27: VLLM::EngineCore SIGSTOPped,
+/health 200 for 10 minutes, every request hanging). A "hung" verdict costs a teardown and a
+model load (30 minutes on the real host), so it is as bad as a killed bystander when it is false.
 
-- under load, by vLLM's own /metrics: requests running (`vllm:num_requests_running`) while no
-  token is produced (`vllm:generation_tokens_total` does not grow) for `stall_s`;
-- idle, by a canary: one token asked of the served model, answered within `canary_timeout_s`
-  (loop/liveness.py runs it, never while a capture records).
+Busy is not dead and slow is not hung: a verdict needs two independent signals of no progress,
+one of them from outside vLLM's HTTP server:
 
-Only a serving vLLM is judged: a loading one (30 minutes and more) never is.
+- **the engine's processes** (vLLM's unit: the API server, `VLLM::EngineCore`, its workers):
+  one of them stopped (state T: SIGSTOP, a debugger), or their CPU time, summed, grew by less
+  than `cpu_idle_fraction` of one core over the last `stall_s` (or since the last proof of
+  progress, if that is nearer; over the canary's wait for the canary). A stopped or
+  deadlocked engine stops using the CPU; a busy one (a long prefill, a capture's flush on the
+  engine's loop, a guided-decoding step) does not. Measured with vLLM 0.16's CPU build, TP 2:
+  docs/performance.md, "What real vLLM shows the liveness rule";
+- and one of:
+  - **the work counters**: requests running or waiting (`vllm:num_requests_running`,
+    `vllm:num_requests_waiting`) while none of the engine's counters grows
+    (`vllm:iteration_tokens_total`'s count: one per engine step; `vllm:prompt_tokens_total`;
+    `vllm:generation_tokens_total`) for `stall_s`;
+  - **the canary**: one token asked of the served model, sent only when the counters say
+    nothing runs or waits (or there are no counters), and given no answer (not even an error)
+    within `canary_timeout_s`.
+
+| readings | verdict |
+|---|---|
+| a capture starts, records or flushes | none; the stall counts again from its end |
+| work pending, counters still for `stall_s`, CPU flat or a process stopped | hung |
+| work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | not hung |
+| nothing pending (counters' idle) | not hung (the canary judges) |
+| canary unanswered, CPU flat or a process stopped | hung |
+| canary unanswered, CPU busy (load that /metrics does not show) | not hung |
+| canary answered, even with an error | not hung (an error is warned of) |
+| /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
+| /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
+| the engine's processes unreadable | no CPU signal: never hung |
+
+The last proof of progress (a counter that moved, nothing pending, a canary answered) is when a
+hang's unavailable window starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 RUNNING = "vllm:num_requests_running"
-TOKENS = "vllm:generation_tokens"  # the counter's family; its sample is ..._total
+WAITING = "vllm:num_requests_waiting"
+TOKENS = "vllm:generation_tokens"  # a counter's family; its sample is ..._total
+PROMPT = "vllm:prompt_tokens"
+STEPS = "vllm:iteration_tokens_total"  # a histogram: its _count is the engine's steps
 
 
 @dataclass(frozen=True)
@@ -27,43 +60,167 @@ class Work:
 
     running: float
     tokens: float
+    waiting: float = 0.0
+    prompt_tokens: float | None = None
+    steps: float | None = None
+
+    @property
+    def pending(self) -> float:
+        return self.running + self.waiting
+
+    def counters(self) -> tuple[float | None, float | None, float]:
+        return (self.steps, self.prompt_tokens, self.tokens)
 
 
 def parse(text: str) -> Work | None:
-    """`Work` from vLLM's /metrics text; None when either metric is missing (vLLM run with its
-    stats off, or not vLLM at all): then only the canary can tell."""
-    running = tokens = None
+    """`Work` from vLLM's /metrics text; None when it has no running gauge or no token counter
+    (vLLM run with its stats off, a renamed metric, or not vLLM at all)."""
+    found: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
-            if family.name == RUNNING:
-                running = sum(s.value for s in family.samples)
-            elif family.name == TOKENS:
-                tokens = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            name, samples = family.name, family.samples
+            if family.type == "unknown":  # no TYPE line: the family is named as its sample
+                name = name.removesuffix("_total")
+            if name in (RUNNING, WAITING):
+                found[name] = sum(s.value for s in samples)
+            elif name in (TOKENS, PROMPT):
+                found[name] = sum(s.value for s in samples if s.name.endswith("_total"))
+            elif name == STEPS:
+                found[name] = sum(s.value for s in samples if s.name.endswith("_count"))
     except ValueError:
         return None
-    if running is None or tokens is None:
+    if RUNNING not in found or TOKENS not in found:
         return None
-    return Work(running, tokens)
+    return Work(
+        found[RUNNING], found[TOKENS], found.get(WAITING, 0.0), found.get(PROMPT), found.get(STEPS)
+    )
+
+
+@dataclass(frozen=True)
+class Cpu:
+    """vLLM's processes at one moment (`at`: the monotonic clock of the read): their CPU time
+    summed (user and system, seconds), and those stopped (state T or t), by PID and name."""
+
+    at: float
+    seconds: float
+    processes: int
+    stopped: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A verdict: why, what each signal saw, and the last proof of progress (the loop's clock)."""
+
+    reason: str
+    evidence: dict[str, Any]
+    since: float
 
 
 @dataclass
-class Stall:
-    """Since when requests have run with no token produced (`progress_at`: the last moment
-    work moved, or nothing ran)."""
+class Judge:
+    """The readings of one vLLM, in order (a new vLLM gets a new Judge)."""
 
-    progress_at: float | None = None
-    tokens: float | None = None
+    stall_s: float
+    cpu_idle_fraction: float
+    progress_at: float | None = None  # the last proof of progress
+    cpu_at_progress: Cpu | None = None  # the engine's CPU then
+    counters: tuple[float | None, float | None, float] | None = None
+    metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
+    doubt: str = ""  # the last time one signal said hung and the other did not
+    samples: list[tuple[float, Cpu]] = field(default_factory=list)  # the engine's CPU, in time
 
-    def update(self, now: float, work: Work, stall_s: float) -> str | None:
-        """Take a reading; the reason vLLM is hung, or None."""
-        moved = self.tokens is None or work.tokens != self.tokens
-        if moved or work.running <= 0 or self.progress_at is None:
-            self.progress_at = now
-        self.tokens = work.tokens
-        stalled = now - self.progress_at
-        if work.running > 0 and stalled >= stall_s:
+    def progress(self, now: float, cpu: Cpu | None) -> None:
+        self.progress_at, self.cpu_at_progress = now, cpu
+
+    def cpu_signal(self, base: Cpu | None, cpu: Cpu | None) -> str:
+        """Why the engine's processes show no progress from `base` to `cpu` ("" if they do, or
+        cannot be read)."""
+        if cpu is None:
+            return ""
+        if cpu.stopped:
+            return f"stopped: {', '.join(cpu.stopped)}"
+        if base is None or cpu.at <= base.at:
+            return ""
+        used, took = cpu.seconds - base.seconds, cpu.at - base.at
+        if used < self.cpu_idle_fraction * took:
             return (
-                f"{work.running:g} request(s) running and no token produced for {stalled:.0f} s "
-                f"(vLLM's /metrics: {TOKENS}_total stayed at {work.tokens:g})"
+                f"{cpu.processes} process(es) used {used:.2f} s of CPU in {took:.0f} s "
+                f"(under {self.cpu_idle_fraction:.0%} of one core)"
             )
-        return None
+        return ""
+
+    def capturing(self, now: float, cpu: Cpu | None) -> None:
+        """A capture starts, records or flushes: no verdict, and the stall starts again."""
+        self.progress(now, cpu)
+        self.counters = None
+
+    def seen(
+        self,
+        now: float,
+        work: Work | None,
+        metrics: str,
+        cpu: Cpu | None,
+        canary: tuple[bool, float, Cpu | None] | None = None,
+    ) -> Hang | None:
+        """One reading: the work counters (None: no reading; `metrics` says why), the engine's
+        CPU, and the canary if one was sent (answered, seconds taken, the CPU when it was sent).
+        Returns the verdict, or None."""
+        self.metrics = metrics
+        if self.progress_at is None:
+            self.progress(now, cpu)
+        if cpu is not None:
+            self.samples.append((now, cpu))
+            self.samples = [(t, c) for t, c in self.samples if t >= now - 2 * self.stall_s]
+        if work is not None:
+            moved = self.counters is not None and work.counters() != self.counters
+            if moved or work.pending <= 0 or self.counters is None:
+                self.progress(now, cpu)
+            self.counters = work.counters()
+        if canary is not None and canary[0]:
+            self.progress(now, cpu)  # an answer is progress
+        assert self.progress_at is not None
+        since = self.progress_at
+        stalled = work is not None and work.pending > 0 and now - since >= self.stall_s
+        unanswered = canary is not None and not canary[0]
+        if not (stalled or unanswered):
+            self.doubt = ""
+            return None
+        if stalled:
+            assert work is not None
+            # Over the last stall_s: an engine busy for a while that then deadlocked is
+            # noticed stall_s after it stopped, not once its average falls.
+            base = self.cpu_at_progress
+            for t, c in self.samples:
+                if since <= t <= now - self.stall_s:
+                    base = c
+            cpu_why = self.cpu_signal(base, cpu)
+            work_why = (
+                f"{work.running:g} running and {work.waiting:g} waiting, and no engine step, "
+                f"prompt or generated token for {now - since:.0f} s"
+            )
+        else:
+            assert canary is not None
+            cpu_why = self.cpu_signal(canary[2], cpu)
+            work_why = f"a one-token request got no answer in {canary[1]:.0f} s"
+        evidence: dict[str, Any] = {
+            "metrics": metrics,
+            "since_progress_s": round(now - since, 1),
+            "cpu": cpu_why or "busy" if cpu is not None else "unreadable",
+        }
+        if work is not None:
+            evidence |= {
+                "running": work.running,
+                "waiting": work.waiting,
+                "steps": work.steps,
+                "prompt_tokens": work.prompt_tokens,
+                "tokens": work.tokens,
+            }
+        if cpu is not None:
+            evidence |= {"cpu_s": round(cpu.seconds, 2), "stopped": list(cpu.stopped)}
+        if canary is not None:
+            evidence |= {"canary_answered": canary[0], "canary_s": round(canary[1], 1)}
+        if not cpu_why:
+            # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict.
+            self.doubt = f"{work_why}, but the engine's processes are busy: not hung"
+            return None
+        return Hang(f"{work_why}; the engine: {cpu_why}", evidence, since)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kimi_supervisor.decide import policy
 from kimi_supervisor.decide.cause import explain
+from kimi_supervisor.decide.liveness import Hang
 from kimi_supervisor.decide.policy import Next, Purpose
 from kimi_supervisor.decide.progress import Progress, advance
 from kimi_supervisor.decide.reconcile import Action, Do, Observed
@@ -334,21 +335,37 @@ class Lifecycle:
     def died(self, reason: str) -> None:
         self._lost("vllm_died", reason, reason, f"vLLM died: {reason}", reason, {})
 
-    def hung(self, reason: str, reading: Reading) -> None:
-        """vLLM serves but does no work (loop/liveness.py): what a dead one gets, an incident
-        with what was seen, a teardown, a start again under the failure window's backoff."""
-        seen: dict[str, Any] = {"main_pid": reading.pid}
-        if reading.work is not None:
-            seen |= {"running": reading.work.running, "tokens": reading.work.tokens}
-        if reading.canary is not None:
-            seen |= {"canary_s": round(reading.canary.took_s, 1)}
+    def hung(self, hang: Hang, reading: Reading) -> None:
+        """vLLM serves but makes no progress, by two signals (decide/liveness.py): what a dead
+        one gets, an incident with what each signal saw, a teardown, a start again under the
+        failure window's backoff. The unavailable window opens at the last proof of progress.
+        The `liveness.max_hang_restarts`-th hang within `liveness.hang_window_s` is not
+        restarted: FAILED, with the evidence, for an operator (no restart loop)."""
+        s, c = self.s, self.ctx.config.liveness
+        now = self.ctx.clock.monotonic()
+        s.hangs = (*(t for t in s.hangs if t > now - c.hang_window_s), now)
+        seen: dict[str, Any] = {"main_pid": reading.pid, **hang.evidence}
         if self.ctx.metrics:
             self.ctx.metrics.hangs.inc()
-        what = f"vLLM hung: {reason}"
-        self._lost("vllm_hung", reason, what, what, f"hung: {reason}", seen)
+        what = f"vLLM hung: {hang.reason}"
+        give_up = ""
+        if len(s.hangs) >= c.max_hang_restarts:
+            give_up = (
+                f"{len(s.hangs)} hangs within {c.hang_window_s:g} s "
+                f"(liveness.max_hang_restarts = {c.max_hang_restarts}): not restarting"
+            )
+            seen["hang_limit"] = give_up
+        self._lost("vllm_hung", hang.reason, what, what, f"hung: {hang.reason}", seen, hang.since)
 
     def _lost(
-        self, event: str, reason: str, what: str, why: str, cause: str, seen: dict[str, Any]
+        self,
+        event: str,
+        reason: str,
+        what: str,
+        why: str,
+        cause: str,
+        seen: dict[str, Any],
+        since: float | None = None,
     ) -> None:
         """The vLLM that served is lost (dead or hung): logged, an incident (`what`, with
         what was `seen`), an event, and the teardown (`why`) that comes before serving again."""
@@ -358,10 +375,11 @@ class Lifecycle:
         ctx.incident({"at": utcnow().isoformat(), "what": what, **seen})
         ctx.event(event, {"reason": reason, **seen})
         s.serving = None
-        self.window.lost()
+        self.window.lost(since)
         # SERVING -> TEARING_DOWN: the vLLM that served died or hung
         self.set_state(State.TEARING_DOWN, what)
-        self._teardown(Purpose.DIED, why, cause=cause)
+        limit = {"hang_limit": seen["hang_limit"]} if "hang_limit" in seen else {}
+        self._teardown(Purpose.DIED, why, {**limit, "seen": seen} if seen else None, cause=cause)
 
     def intrusion(self, found: list[Intruder]) -> None:
         """While vLLM loads, a process outside its unit took a managed GPU: noticed (history,
@@ -397,14 +415,7 @@ class Lifecycle:
         s.failures = v.failures
         n = len(v.failures)
         if v.failed:
-            msg = (
-                f"{reason}; {n} failures within {d.failure_window_s:g} s: not retrying. "
-                f"Fix the cause, then `kimi-mode {s.desired.value}`"
-            )
-            self.end_transition(False, "failed", msg, detail)
-            ctx.log("failed", level="error", message=msg)
-            # TEARING_DOWN -> FAILED: too many failures in the window
-            self.set_state(State.FAILED, msg)
+            self.failed(f"{reason}; {n} failures within {d.failure_window_s:g} s", detail)
             return
         s.next_attempt_at = now + v.backoff_s
         msg = (
@@ -414,6 +425,15 @@ class Lifecycle:
         self.end_transition(False, outcome, msg, detail)
         # TEARING_DOWN -> BACKOFF: a failure, retried after the backoff
         self.set_state(State.BACKOFF, msg)
+
+    def failed(self, reason: str, detail: dict[str, Any]) -> None:
+        """Not retried: an operator's switch is waited for."""
+        s, ctx = self.s, self.ctx
+        msg = f"{reason}: not retrying. Fix the cause, then `kimi-mode {s.desired.value}`"
+        self.end_transition(False, "failed", msg, detail)
+        ctx.log("failed", level="error", message=msg)
+        # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
+        self.set_state(State.FAILED, msg)
 
     def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
         """A teardown ended STUCK: the episode begins, or goes on. Its own retries end their
@@ -465,15 +485,27 @@ class Lifecycle:
         """A pass while vLLM serves: a liveness probe, when one is due (loop/liveness.py)."""
         s = self.s
         if s.state is State.SERVING and s.serving and obs.main_pid == s.serving.pid:
-            capturing = s.capture is not None and s.capture.active
+            capturing = s.capture is not None and s.capture.phase.holds_switch
             self.liveness.serving(s.serving.pid, self.ctx.clock.monotonic(), capturing)
 
     def liveness_seen(self, reading: Reading) -> None:
         s, ctx = self.s, self.ctx
-        why = self.liveness.seen(reading, ctx.clock.monotonic())
-        c, w = reading.canary, reading.work
+        capturing = s.capture is not None and s.capture.phase.holds_switch
+        hang = self.liveness.seen(reading, ctx.clock.monotonic(), capturing)
+        c, w, cpu = reading.canary, reading.work, reading.cpu
+        judge = self.liveness.judge
         seen = (s.liveness or LivenessStatus()).model_copy(
-            update={"running": w.running if w else None, "tokens": w.tokens if w else None}
+            update={
+                "metrics": reading.metrics,
+                "running": w.running if w else None,
+                "waiting": w.waiting if w else None,
+                "tokens": w.tokens if w else None,
+                "steps": w.steps if w else None,
+                "cpu_s": cpu.seconds if cpu else None,
+                "stopped": list(cpu.stopped) if cpu else [],
+                "doubt": judge.doubt or None,
+                "judging": "paused: a capture is under way" if capturing else None,
+            }
         )
         if c is not None:
             seen = seen.model_copy(
@@ -485,9 +517,17 @@ class Lifecycle:
             ctx.warn(f"the liveness canary was refused ({c.detail}): only /metrics can tell")
         elif c is not None and c.ok:
             ctx.unwarn("the liveness canary was refused")
+        if reading.metrics == "absent":
+            # Never read as idle: the engine's CPU and the canary judge alone (logged once).
+            ctx.warn(
+                "vLLM's /metrics has no vllm:* series (run with --disable-log-stats, or a "
+                "metric renamed): liveness judges by the engine's processes and the canary"
+            )
+        elif reading.metrics == "ok":
+            ctx.unwarn("vLLM's /metrics has no vllm:* series")
         serving = s.state is State.SERVING and s.serving and s.serving.pid == reading.pid
-        if why and serving and not s.busy:
-            self.hung(why, reading)
+        if hang is not None and serving and not s.busy:
+            self.hung(hang, reading)
 
     # ------------------------------------------------------------------ stopping
     def begin_shutdown(self) -> None:
@@ -584,6 +624,8 @@ class Lifecycle:
                 self.begin_transition(back, "rollback", why, "rollback")
             case Next.FAILURE if purpose is Purpose.START_FAILED and tr is not None:
                 self.failure(f"{tr.target.value} did not become ready: {job.cause}", detail)
+            case Next.FAILURE if purpose is Purpose.DIED and "hang_limit" in detail:
+                self.failed(f"{job.cause}; {detail['hang_limit']}", detail)
             case Next.FAILURE if purpose is Purpose.INTRUSION:
                 self.failure(f"{job.cause}; torn down", detail, outcome="intruded")
             case Next.FAILURE:

@@ -1,16 +1,19 @@
-"""Liveness while vLLM serves (decide/liveness.py judges): its /metrics read every
-`liveness.metrics_interval_s`, and, when nothing runs, a one-token canary every
-`canary_interval_s`. Both run on a thread of their own, so that a hung vLLM, which may take
-`canary_timeout_s` not to answer, never holds the loop; the reading comes back through the inbox
-(LivenessSeen) and the loop judges it. No canary while a capture records (it would be in the
-traces), and none while requests run (the metrics say enough then).
+"""Liveness while vLLM serves (decide/liveness.py judges): on a thread of its own, every
+`liveness.metrics_interval_s`, vLLM's /metrics, the CPU time and state of its processes (MainPID
+and its descendants, from /proc), and, when the metrics say nothing runs or waits (or there are
+no metrics), a one-token canary every `canary_interval_s`. A hung vLLM may take
+`canary_timeout_s` not to answer: the probe never holds the loop; the reading comes back through
+the inbox (LivenessSeen) and the loop judges it. No canary while a capture is under way (it
+would be in the traces), and no verdict at all then: the capture has its own deadline.
 
 A canary that gets an answer, even an error (the model's name refused, HTTP 400), is not a hang:
-it is shown as a warning, and only the metrics judge. Only no answer within the timeout is.
+it is shown as a warning. Only no answer within the timeout counts, and only with the engine's
+processes showing no progress too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -18,11 +21,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import Stall, Work, parse
+from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work, parse
+from kimi_supervisor.model import title
+from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.http import HttpResult, request
 
 # vLLM's /metrics is some 100 KB with its histograms; more than this is not vLLM's.
 MAX_METRICS_BYTES = 4 << 20
+# vLLM's tree is an API server, an engine core and a worker per GPU: more is not read.
+MAX_PROCESSES = 256
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,7 @@ class Canary:
     took_s: float
     detail: str
     tokens: int = 0  # prompt and completion, as vLLM counted them (its answer's `usage`)
+    cpu: Cpu | None = None  # the engine's processes when it was sent
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,28 @@ class Reading:
     pid: int
     work: Work | None
     canary: Canary | None
+    metrics: str = "ok"  # "ok", "absent" (answered, no vllm:* series), "unreachable"
+    cpu: Cpu | None = None
+
+
+def engine_cpu(pid: int) -> Cpu | None:
+    """vLLM's processes (MainPID and its descendants): their CPU time summed, and those stopped.
+    None when MainPID is gone."""
+    main = processes.cpu_of(pid)
+    if main is None:
+        return None
+    pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
+    seconds, stopped, n = 0.0, [], 0
+    for p in pids:
+        got = main if p == pid else processes.cpu_of(p)
+        if got is None:
+            continue
+        state, cpu_s = got
+        n += 1
+        seconds += cpu_s
+        if state in ("T", "t"):
+            stopped.append(f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))})")
+    return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped))
 
 
 def _timed_out(r: HttpResult) -> bool:
@@ -78,7 +108,11 @@ class Liveness:
         self._probing = False
         self._next_probe = 0.0
         self._next_canary = 0.0
-        self.stall = Stall()
+        self.judge = self._judge()
+
+    def _judge(self) -> Judge:
+        c = self.config.liveness
+        return Judge(c.stall_s, c.cpu_idle_fraction)
 
     @property
     def next_probe(self) -> float:
@@ -91,7 +125,7 @@ class Liveness:
         if not c.enabled:
             return
         if pid != self._pid:  # a new vLLM: judged from its own first reading
-            self._pid, self.stall = pid, Stall()
+            self._pid, self.judge = pid, self._judge()
             self._next_probe, self._next_canary = now, now + c.canary_interval_s
         if self._probing or now < self._next_probe:
             return
@@ -106,30 +140,34 @@ class Liveness:
 
     def _probe(self, pid: int, url: str, want_canary: bool) -> None:
         c = self.config.liveness
+        work, metrics, cpu, probe = None, "unreachable", None, None
         try:
             r = request(f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES)
             work = parse(r.body) if r.ok else None
-            idle = work is None or work.running <= 0
-            probe = (
-                canary(url, c.canary_prompt, c.canary_timeout_s) if want_canary and idle else None
-            )
+            metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
+            cpu = engine_cpu(pid)
+            # Only when the counters say the engine is idle (or there are none): under load a
+            # one-token request waits behind the others, and its slowness says nothing.
+            if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
+                probe = canary(url, c.canary_prompt, c.canary_timeout_s)
+                probe = dataclasses.replace(probe, cpu=cpu)
+                cpu = engine_cpu(pid)
         except Exception:  # a reading must always come back, or no probe would run again
-            work, probe = None, None
-        self._put(Reading(pid, work, probe))
+            pass
+        self._put(Reading(pid, work, probe, metrics, cpu))
 
-    def seen(self, reading: Reading, now: float) -> str | None:
-        """The reading applied: why the vLLM is hung, or None."""
+    def seen(self, reading: Reading, now: float, capturing: bool = False) -> Hang | None:
+        """The reading applied: the verdict if vLLM is hung, else None. While a capture is
+        under way there is none (its flush may hold the engine for minutes)."""
         self._probing = False
         c = self.config.liveness
         if reading.pid != self._pid:
             return None
         if reading.canary is not None:
             self._next_canary = now + c.canary_interval_s
-            if not reading.canary.answered:
-                return (
-                    f"idle, and a one-token request got no answer within "
-                    f"{c.canary_timeout_s:g} s ({reading.canary.detail})"
-                )
-        if reading.work is not None:
-            return self.stall.update(now, reading.work, c.stall_s)
-        return None
+        if capturing:
+            self.judge.capturing(now, reading.cpu)
+            return None
+        sent = reading.canary
+        canary = (sent.answered, sent.took_s, sent.cpu) if sent is not None else None
+        return self.judge.seen(now, reading.work, reading.metrics, reading.cpu, canary)

@@ -41,9 +41,10 @@ class Window:
         elif served and last_ok is not None:
             s.watch.mark("last_ok", last_ok)
 
-    def lost(self) -> None:
-        """The serving vLLM died or hung: the window opens at its last 200."""
-        last_ok = self.ctx.observer.last_ok
+    def lost(self, since: float | None = None) -> None:
+        """The serving vLLM died or hung: the window opens at its last 200, or, for a hang
+        (whose /health goes on answering), at its last proof of progress (`since`)."""
+        last_ok = since if since is not None else self.ctx.observer.last_ok
         self.s.watch = Stopwatch()
         if last_ok is not None:
             self.s.watch.mark("last_ok", last_ok)

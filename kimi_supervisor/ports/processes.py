@@ -72,6 +72,16 @@ def state_of(pid: int) -> str:
     return fields[0] if fields else ""
 
 
+def cpu_of(pid: int) -> tuple[str, float] | None:
+    """The process's state (R, S, D, T, t, Z...) and its CPU time so far (user and system,
+    seconds, all its threads), from /proc/PID/stat; None once it is gone."""
+    fields = _stat_fields(pid)
+    if not fields:
+        return None
+    # stat fields 14 and 15 (utime, stime) are indexes 11 and 12 after the state's position 3.
+    return fields[0], (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
 def ppid_of(pid: int) -> int:
     fields = _stat_fields(pid)
     return int(fields[1]) if fields else 0

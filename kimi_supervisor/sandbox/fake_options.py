@@ -29,7 +29,17 @@ class FakeOptions:
     ghost_title: str | None = None
     ghost_mib: int = 0
     ghost_cgroup_procs: list[str] = field(default_factory=list)
+    # /stop_profile's stop and export: this long, with the engine blocked and busy (as vLLM 0.16
+    # runs them on the engine core's loop: no step, no token, the CPU in use).
     profile_flush_s: float = 0.5
+    # The engine's steps (see fake_vllm._generate): a prefill takes this per prompt token (a
+    # word of the prompt), on the CPU; a decode step 1 ms, this share of it on the CPU.
+    prefill_s_per_token: float = 0.0
+    engine_busy_fraction: float = 0.25
+    # While this file exists, the engine begins no step and uses no CPU (a deadlock).
+    deadlock_file: str | None = None
+    # As if started with --disable-log-stats: /metrics has no vllm:* series.
+    disable_log_stats: bool = False
     # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).
     profiler_fault: str | None = None
     devices: list[int] | None = None  # GPU of each rank; default rank i -> GPU i

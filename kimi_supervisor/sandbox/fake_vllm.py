@@ -119,17 +119,46 @@ def _spawn_ghost(opts: FakeOptions) -> None:
     _wait_line(ghost, b"ready")
 
 
+def _busy(seconds: float) -> None:
+    """Work on the CPU, as an engine's step does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
 def _generate() -> None:
-    """The API server's requests, one at a time: `gen N` -> N tokens (1 ms each) -> `done N`.
-    Raw reads and writes of fds 0 and 1: a daemon thread blocked inside sys.stdin's buffered
-    reader would hold its lock through the interpreter's exit, which then aborts."""
+    """The API server's requests, one at a time, as engine steps: `gen P N` -> one prefill step
+    (P prompt tokens, `prefill_s_per_token` each, on the CPU) -> N decode steps of 1 ms, each
+    `engine_busy_fraction` of it on the CPU -> `step p n` after each -> `done N`. `flush S`:
+    the profiler's export, S seconds on the CPU, no step -> `flushed`. While the options'
+    `deadlock_file` exists, no step begins and no CPU is used (a deadlocked engine). Raw reads
+    and writes of fds 0 and 1: a daemon thread blocked inside sys.stdin's buffered reader would
+    hold its lock through the interpreter's exit, which then aborts."""
+    opts = FakeOptions.load()
     pending = b""
+
+    def step(prompt: int, tokens: int, cpu_s: float, wall_s: float) -> None:
+        while opts.deadlock_file and os.path.exists(opts.deadlock_file):
+            time.sleep(0.05)
+        _busy(cpu_s)
+        if wall_s > cpu_s:
+            time.sleep(wall_s - cpu_s)
+        os.write(1, f"step {prompt} {tokens}\n".encode())
+
     while chunk := os.read(0, 4096):
         pending += chunk
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            n = int(line.split()[1])
-            time.sleep(n / 1000)
+            words = line.split()
+            if words[0] == b"flush":
+                _busy(float(words[1]))
+                os.write(1, b"flushed\n")
+                continue
+            prompt, n = int(words[1]), int(words[2])
+            prefill = prompt * opts.prefill_s_per_token
+            step(prompt, 1, prefill, prefill)  # the prefill step makes the first token
+            for _ in range(n - 1):
+                step(0, 1, 0.001 * opts.engine_busy_fraction, 0.001)
             os.write(1, f"done {n}\n".encode())
 
 
@@ -186,6 +215,7 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--profiler-config", default=None)
+    p.add_argument("--disable-log-stats", action="store_true")
     args, _unknown = p.parse_known_args(argv)
     opts = FakeOptions.load()
     server = Server(args, opts)
@@ -208,7 +238,8 @@ def serve_main(argv: list[str]) -> None:
     def boot() -> None:
         try:
             server.worker_pids = [int(p) for p in _wait_line(engine, b"ready").split()]
-            server.link = EngineLink(engine)
+            stats = not (args.disable_log_stats or opts.disable_log_stats)
+            server.link = EngineLink(engine, stats=stats)
             _load(opts, server.profiler is not None, server.worker_pids[0])
             log("Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%")
             time.sleep(opts.graph_capture_s)

