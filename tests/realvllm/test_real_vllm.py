@@ -364,22 +364,30 @@ def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> Non
 
 
 class Load:
-    """Clients sending completions of 32 tokens one after another, until stopped."""
+    """Clients sending completions one after another, until stopped; client i asks for 24 + 8i
+    tokens, so that their requests do not all end at one step. vLLM 0.16's gauges move only
+    when a step ends: had every request ended at the last step before a freeze, /metrics would
+    read idle for as long as it lasts (seen here: a frozen worker then found by the canary)."""
 
     def __init__(self, real: DaemonHelper, clients: int = 4) -> None:
         url = real.config.vllm.health_url.removesuffix("/health") + "/v1/completions"
         model = json.loads(real.config.vllm.argv_file.read_text())["argv"][2]
-        self.body = json.dumps({"model": model, "prompt": "hello world", "max_tokens": 32,
-                                "min_tokens": 32, "ignore_eos": True}).encode()  # fmt: skip
+        self.bodies = [
+            json.dumps({"model": model, "prompt": "hello world", "max_tokens": n,
+                        "min_tokens": n, "ignore_eos": True}).encode()
+            for n in (24 + 8 * i for i in range(clients))
+        ]  # fmt: skip
         self.url, self.done, self.answered = url, threading.Event(), 0
         self.at: list[float] = []  # when each answer came (time.monotonic)
-        self.threads = [threading.Thread(target=self.send, daemon=True) for _ in range(clients)]
+        self.threads = [
+            threading.Thread(target=self.send, args=(body,), daemon=True) for body in self.bodies
+        ]
         for th in self.threads:
             th.start()
 
-    def send(self) -> None:
+    def send(self, body: bytes) -> None:
         while not self.done.is_set():
-            req = urllib.request.Request(self.url, self.body, {"content-type": "application/json"})
+            req = urllib.request.Request(self.url, body, {"content-type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=60) as r:
                     r.read()
@@ -410,6 +418,9 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     step ends and /metrics stands still with the requests running (12.4 s of 12.8 s measured,
     bench/liveness_real.py), longer than the tier's stall (5 s). No verdict while a capture is
     under way; the capture is saved; the same vLLM serves on."""
+    if real.status()["mode"] != "profile":  # run alone; in order, the captures above left it
+        r = real.kimi_mode("profile", timeout=READY_S + 120)
+        assert r.returncode == 0, r.stdout + r.stderr
     before, pid = len(hangs(real)), real.vllm_pid()
     load = Load(real)
     try:

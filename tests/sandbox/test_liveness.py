@@ -119,10 +119,13 @@ def test_an_idle_vllm_whose_engine_froze_is_found_by_its_canary_and_served_again
 
 
 def test_a_loaded_vllm_whose_engine_froze_is_found_by_its_metrics_and_served_again(
-    sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event
+    sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event, answers: Answers
 ) -> None:
     daemon.start()
     daemon.wait_serving("production")
+    # Frozen once the load has reached the engine: vLLM's gauges move only when a step ends,
+    # so a vLLM frozen before its first step reads idle, and its canary finds it instead.
+    wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
     incident = freeze_and_wait(sandbox, daemon, "waiting, and no engine step, prompt or generated")
     assert float(incident["running"]) >= 1  # type: ignore[arg-type]
 
