@@ -112,12 +112,16 @@ def summarize(
             continue
         try:
             summarizer = ["-m", "kimi_supervisor.analysis.trace", "--memory-mb", str(memory_mb)]
+            # From "/": `python -m` puts its working directory first on the import path, and a
+            # caller's (root running kimi-mode in a folder another user writes) must not
+            # choose the code that runs.
             proc = subprocess.Popen(
                 [sys.executable, *summarizer],
                 stdin=fd,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
                 env=env,
+                cwd="/",
             )
         except OSError:
             # No interpreter to start (a caller who may not run this one's path): read it here.

@@ -273,3 +273,30 @@ def test_summarize_given_a_fifo_or_a_device_says_it_is_not_a_capture_folder_at_o
     for path in (fifo, Path("/dev/zero")):
         r = kimi_mode("--summarize", str(path))
         assert r.returncode == 2 and "Not a directory" in r.stderr, r.stderr
+
+
+def test_the_rank_summarizer_never_runs_code_from_the_callers_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m` puts its working directory first on the import path: root running
+    `kimi-mode capture --summarize` in a folder another user writes must not run that user's
+    kimi_supervisor."""
+    evil = tmp_path / "cwd"
+    (evil / "kimi_supervisor" / "analysis").mkdir(parents=True)
+    (evil / "kimi_supervisor" / "__init__.py").write_text("")
+    (evil / "kimi_supervisor" / "analysis" / "__init__.py").write_text("")
+    marker = tmp_path / "ran"
+    (evil / "kimi_supervisor" / "analysis" / "trace.py").write_text(
+        f"open({str(marker)!r}, 'w').write('planted')\n"
+    )
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    cpu_trace(traces / "1-rank-0.1.pt.trace.json.gz")
+    monkeypatch.chdir(evil)
+    fd = os.open(traces, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        summary = summarize(fd, os.listdir(traces))
+    finally:
+        os.close(fd)
+    assert not marker.exists()
+    assert [r["rank"] for r in summary["ranks"]] == [0] and not summary["errors"]
