@@ -287,8 +287,9 @@ class LivenessConfig(_Strict):
     # The canary's prompt (one token is asked for).
     canary_prompt: Annotated[str, Field(min_length=1, max_length=1000)] = "Hello"
     # vLLM's processes using less than this share of one core (summed) show no progress: the
-    # second signal every hang verdict needs (a busy engine is never called hung).
-    cpu_idle_fraction: Annotated[float, Field(gt=0, le=1)] = 0.02
+    # second signal every hang verdict needs (a busy engine is never called hung). Real vLLM
+    # 0.16's idle floor is 2.0-2.2 % with VLLM_SLEEP_WHEN_IDLE=1, and a working one far more.
+    cpu_idle_fraction: Annotated[float, Field(gt=0, le=1)] = 0.05
     # This many hangs within hang_window_s: vLLM is torn down and not restarted (FAILED).
     max_hang_restarts: Annotated[int, Field(ge=1, le=1000)] = 3
     # The window max_hang_restarts counts hangs in.
@@ -326,9 +327,10 @@ class ProfilingConfig(_Strict):
     max_total_gb: Annotated[float, Field(ge=0, le=1_000_000)] = 200.0
     # How long POST /start_profile may take to answer.
     start_timeout_s: PositiveSeconds = 60.0
-    # POST /stop_profile returns when the traces are written, many minutes on big models.
-    # 0: wait as long as it takes.
-    flush_timeout_s: Seconds = 0.0
+    # POST /stop_profile returns when the traces are written, many minutes on big models (150 s
+    # on the seed's host). The capture fails past it, and liveness judges again: a vLLM that
+    # hangs in its flush is found (vllm #22748: over 20 minutes at TP 2). 0: no bound.
+    flush_timeout_s: Seconds = 1800.0
     # After the flush, each rank's trace is summarized (steps, time per step, communication,
     # GEMM and attention shares, top kernels) into summary.json beside the traces; one process
     # per rank, each stopped at this deadline.

@@ -169,6 +169,7 @@ class LivenessStatus(BaseModel):
     judging: str | None = None  # why no verdict is made now (a capture)
     canary_at: str | None = None
     canary_ok: bool | None = None
+    canary_answered: bool | None = None  # false: no answer within canary_timeout_s
     canary_s: float | None = None
     canary_tokens: int | None = None
 

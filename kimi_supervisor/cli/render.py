@@ -91,7 +91,9 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
             f"{c.bytes / 1e6:.1f} MB written, then {c.then}"
         )
     live = s.liveness
-    if live and (live.running is not None or live.canary_at or live.metrics == "absent"):
+    if live and (
+        live.running is not None or live.canary_at or live.metrics in ("absent", "unreachable")
+    ):
         parts = []
         if live.running is not None:
             waiting = f", {live.waiting:g} waiting" if live.waiting else ""
@@ -100,6 +102,8 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
             )
         elif live.metrics == "absent":
             parts.append("no vllm:* metrics (judged by the engine's CPU and the canary)")
+        elif live.metrics == "unreachable":
+            parts.append("/metrics did not answer in time (no reading)")
         if live.stopped:
             parts.append(f"stopped: {', '.join(live.stopped)}")
         if live.judging:
@@ -107,7 +111,12 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
         elif live.doubt:
             parts.append(live.doubt)
         if live.canary_at:
-            said = f"answered in {live.canary_s:.2f} s" if live.canary_ok else "refused"
+            if live.canary_ok:
+                said = f"answered in {live.canary_s:.2f} s"
+            elif live.canary_answered is False:
+                said = f"unanswered after {live.canary_s:.0f} s"
+            else:
+                said = "refused"
             parts.append(f"canary {said} at {_hhmmss(live.canary_at)}")
         lines.append("liveness:      " + "; ".join(parts))
     health = unit.health

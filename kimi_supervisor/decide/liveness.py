@@ -8,7 +8,8 @@ Busy is not dead and slow is not hung: a verdict needs two independent signals o
 one of them from outside vLLM's HTTP server:
 
 - **the engine's processes** (vLLM's unit: the API server, `VLLM::EngineCore`, its workers):
-  one of them stopped (state T: SIGSTOP, a debugger), or their CPU time, summed, grew by less
+  one of them stopped (state T or t, SIGSTOP or a tracer; D, stuck in the kernel or the driver)
+  at both ends of the window, or their CPU time, summed, grew by less
   than `cpu_idle_fraction` of one core over the last `stall_s` (or since the last proof of
   progress, if that is nearer; over the canary's wait for the canary). A stopped or
   deadlocked engine stops using the CPU; a busy one (a long prefill, a capture's flush on the
@@ -36,8 +37,8 @@ one of them from outside vLLM's HTTP server:
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
 | the engine's processes unreadable | no CPU signal: never hung |
 
-The last proof of progress (a counter that moved, nothing pending, a canary answered) is when a
-hang's unavailable window starts.
+The last proof of progress (a counter that moved, a canary answered) is when a hang's
+unavailable window starts; "nothing pending" is no proof: a frozen engine's gauges are frozen.
 """
 
 from __future__ import annotations
@@ -99,7 +100,8 @@ def parse(text: str) -> Work | None:
 @dataclass(frozen=True)
 class Cpu:
     """vLLM's processes at one moment (`at`: the monotonic clock of the read): their CPU time
-    summed (user and system, seconds), and those stopped (state T or t), by PID and name."""
+    summed (user and system, seconds), and those stopped or stuck (state T, t or D), by PID,
+    name and state."""
 
     at: float
     seconds: float
@@ -122,8 +124,11 @@ class Judge:
 
     stall_s: float
     cpu_idle_fraction: float
-    progress_at: float | None = None  # the last proof of progress
+    progress_at: float | None = None  # since when no stall (progress, or nothing pending)
     cpu_at_progress: Cpu | None = None  # the engine's CPU then
+    # The last proof of progress (a counter that moved, a canary answered): where a hang's
+    # window starts. "Nothing pending" is none: a frozen engine's gauges are frozen too.
+    alive_at: float | None = None
     counters: tuple[float | None, float | None, float] | None = None
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
     doubt: str = ""  # the last time one signal said hung and the other did not
@@ -134,12 +139,13 @@ class Judge:
 
     def cpu_signal(self, base: Cpu | None, cpu: Cpu | None) -> str:
         """Why the engine's processes show no progress from `base` to `cpu` ("" if they do, or
-        cannot be read)."""
-        if cpu is None:
+        cannot be read). A process counts as stopped only if it was at both ends: a debugger's
+        pause (py-spy, gdb) during a long step is no hang."""
+        if cpu is None or base is None:
             return ""
-        if cpu.stopped:
-            return f"stopped: {', '.join(cpu.stopped)}"
-        if base is None or cpu.at <= base.at:
+        if stopped := [p for p in cpu.stopped if p in base.stopped]:
+            return f"stopped: {', '.join(stopped)}"
+        if cpu.at <= base.at:
             return ""
         used, took = cpu.seconds - base.seconds, cpu.at - base.at
         if used < self.cpu_idle_fraction * took:
@@ -168,6 +174,7 @@ class Judge:
         self.metrics = metrics
         if self.progress_at is None:
             self.progress(now, cpu)
+            self.alive_at = now
         if cpu is not None:
             self.samples.append((now, cpu))
             self.samples = [(t, c) for t, c in self.samples if t >= now - 2 * self.stall_s]
@@ -175,9 +182,12 @@ class Judge:
             moved = self.counters is not None and work.counters() != self.counters
             if moved or work.pending <= 0 or self.counters is None:
                 self.progress(now, cpu)
+            if moved:
+                self.alive_at = now
             self.counters = work.counters()
         if canary is not None and canary[0]:
             self.progress(now, cpu)  # an answer is progress
+            self.alive_at = now
         assert self.progress_at is not None
         since = self.progress_at
         stalled = work is not None and work.pending > 0 and now - since >= self.stall_s
@@ -221,6 +231,9 @@ class Judge:
             evidence |= {"canary_answered": canary[0], "canary_s": round(canary[1], 1)}
         if not cpu_why:
             # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict.
-            self.doubt = f"{work_why}, but the engine's processes are busy: not hung"
+            why = "are busy" if cpu is not None else "cannot be read"
+            self.doubt = f"{work_why}, but the engine's processes {why}: not hung"
             return None
-        return Hang(f"{work_why}; the engine: {cpu_why}", evidence, since)
+        assert self.alive_at is not None
+        evidence["since_alive_s"] = round(now - self.alive_at, 1)
+        return Hang(f"{work_why}; the engine: {cpu_why}", evidence, min(since, self.alive_at))

@@ -341,21 +341,36 @@ class Lifecycle:
         failure window's backoff. The unavailable window opens at the last proof of progress.
         The `liveness.max_hang_restarts`-th hang within `liveness.hang_window_s` is not
         restarted: FAILED, with the evidence, for an operator (no restart loop)."""
-        s, c = self.s, self.ctx.config.liveness
-        now = self.ctx.clock.monotonic()
-        s.hangs = (*(t for t in s.hangs if t > now - c.hang_window_s), now)
+        c = self.ctx.config.liveness
         seen: dict[str, Any] = {"main_pid": reading.pid, **hang.evidence}
         if self.ctx.metrics:
             self.ctx.metrics.hangs.inc()
         what = f"vLLM hung: {hang.reason}"
-        give_up = ""
-        if len(s.hangs) >= c.max_hang_restarts:
-            give_up = (
-                f"{len(s.hangs)} hangs within {c.hang_window_s:g} s "
+        # Counted from the history (this one included), so a daemon restarted between two
+        # hangs counts them too.
+        n = self._recent_hangs(c.hang_window_s) + 1
+        if n >= c.max_hang_restarts:
+            seen["hang_limit"] = (
+                f"{n} hangs within {c.hang_window_s:g} s "
                 f"(liveness.max_hang_restarts = {c.max_hang_restarts}): not restarting"
             )
-            seen["hang_limit"] = give_up
         self._lost("vllm_hung", hang.reason, what, what, f"hung: {hang.reason}", seen, hang.since)
+
+    def _recent_hangs(self, window_s: float) -> int:
+        """The hangs the history records within the last `window_s` (wall clock)."""
+        since = utcnow() - timedelta(seconds=window_s)
+        try:
+            records = history.read(self.ctx.config.state.dir, 1000)
+        except OSError:
+            return 0
+        n = 0
+        for e in records:
+            if e.get("kind") != "incident" or not str(e.get("what", "")).startswith("vLLM hung"):
+                continue
+            with contextlib.suppress(ValueError, TypeError):
+                if datetime.fromisoformat(str(e["at"])) >= since:
+                    n += 1
+        return n
 
     def _lost(
         self,
@@ -510,7 +525,8 @@ class Lifecycle:
         if c is not None:
             seen = seen.model_copy(
                 update={"canary_at": utcnow().isoformat(), "canary_ok": c.ok,
-                        "canary_s": round(c.took_s, 3), "canary_tokens": c.tokens}
+                        "canary_answered": c.answered, "canary_s": round(c.took_s, 3),
+                        "canary_tokens": c.tokens}
             )  # fmt: skip
         s.liveness = seen
         if c is not None and c.answered and not c.ok:

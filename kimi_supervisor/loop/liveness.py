@@ -66,8 +66,9 @@ def engine_cpu(pid: int) -> Cpu | None:
         state, cpu_s = got
         n += 1
         seconds += cpu_s
-        if state in ("T", "t"):
-            stopped.append(f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))})")
+        if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness.py)
+            name = title(processes.cmdline_of(p), processes.comm_of(p))
+            stopped.append(f"PID {p} ({name}, state {state})")
     return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped))
 
 

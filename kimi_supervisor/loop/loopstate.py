@@ -98,7 +98,6 @@ class LoopState:
     last_intrusion: IntrusionStatus | None = None
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
     liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving
-    hangs: tuple[float, ...] = ()  # when vLLM was judged hung (monotonic), for the bound
     capture: Capture | None = None
     warnings: list[str] = field(default_factory=list)
     stop_requested: bool = False

@@ -674,10 +674,25 @@ def test_a_stopped_process_with_work_pending_is_a_hang_whatever_the_others_burn(
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    frozen = ("PID 9 (VLLM::EngineCore)",)
-    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    frozen = ("PID 9 (VLLM::EngineCore, state T)",)
+    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0, frozen)) is None
     hang = judge.seen(121, Work(1, 7), "ok", cpu(121, 120.0, frozen))
-    assert hang is not None and "stopped: PID 9 (VLLM::EngineCore)" in hang.reason
+    assert hang is not None and "stopped: PID 9 (VLLM::EngineCore, state T)" in hang.reason
+
+
+def test_a_process_paused_at_one_end_only_during_a_long_busy_step_is_no_hang() -> None:
+    """py-spy or gdb attached while a long prefill runs: the worker is in state t for a moment,
+    the others work. Found by an outside review: 3 false restarts in 7 runs before."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    paused = ("PID 9 (VLLM::Worker_TP0, state t)",)
+    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    assert judge.seen(121, Work(1, 7), "ok", cpu(121, 110.0, paused)) is None
+    assert judge.doubt.endswith("but the engine's processes are busy: not hung")
+    # The canary's window too: paused when it was sent, running when it timed out.
+    sent = cpu(200, 150.0, paused)
+    assert judge.seen(260, Work(0, 7), "ok", cpu(260, 200.0), (False, 60.0, sent)) is None
 
 
 def test_nothing_pending_is_never_a_stall_however_long_the_counters_stay() -> None:
@@ -716,6 +731,19 @@ def test_without_vllm_series_the_judge_never_reads_idle_and_needs_the_canary_and
     assert judge.metrics == "absent"
     hang = judge.seen(660, None, "absent", cpu(660, 900.5), (False, 60.0, cpu(600, 900.0)))
     assert hang is not None and hang.evidence["metrics"] == "absent"
+
+
+def test_an_idle_hangs_window_starts_at_the_last_answer_not_at_the_frozen_idle_gauges() -> None:
+    """A frozen engine's gauges are frozen: "nothing pending" proves nothing. The window starts
+    at the last canary answered (an outside review: 3-4 s reported against 12-14 s seen)."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0), (True, 0.1, cpu(0, 1.0))) is None
+    for t in range(15, 300, 15):  # idle readings, the gauges at 0
+        assert judge.seen(t, Work(0, 5), "ok", cpu(t, 1.0)) is None
+    hang = judge.seen(360, Work(0, 5), "ok", cpu(360, 1.0), (False, 60.0, cpu(300, 1.0)))
+    assert hang is not None and hang.since == 0 and hang.evidence["since_alive_s"] == 360
 
 
 def test_a_capture_pauses_the_verdict_and_the_stall_counts_again_from_its_end() -> None:
