@@ -593,16 +593,28 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
     finally:
         load.stop()
     incident = hangs(real)[-1]
-    assert incident["main_pid"] == api and incident["running"] >= 1, incident
-    assert "and no engine step, prompt or generated token for" in incident["what"], incident
+    assert incident["main_pid"] == api, incident
     assert "VLLM::Worker_TP1" in str(incident["stopped"]), incident
     c = real.config.liveness
-    assert noticed_s <= c.stall_s + 2 * c.metrics_interval_s + 1, noticed_s
+    # vLLM 0.16's gauges move only when a step ends: frozen right after a step that ended every
+    # request, it reads idle (seen in CI under load), and the canary finds it, within its own
+    # bound. Otherwise the stalled counters do, within the stall and a reading or two.
+    if "and no engine step, prompt or generated token for" in incident["what"]:
+        assert incident["running"] + incident["waiting"] >= 1, incident
+        bound = c.stall_s + 2 * c.metrics_interval_s + 1
+    else:
+        assert "a one-token request got no answer in" in incident["what"], incident
+        bound = c.canary_interval_s + 2 * c.metrics_interval_s + c.canary_timeout_s + 1
+    assert noticed_s <= bound, (noticed_s, incident["what"])
     # The window the daemon reports starts at the last proof of progress, not at the verdict:
     # never shorter than what the clients went without, less one reading (issue 41: 65 s
     # reported where clients saw 106 s).
     window, seen = real.status()["downtime"]["window_s"], load.gap()
     assert window >= seen - c.metrics_interval_s - 1, (window, seen)
     assert not processes.is_alive(worker), "the frozen worker was ended"
-    record(worker_hang_noticed_s=round(noticed_s, 1), worker_hang_window_s=window,
-           worker_hang_clients_gap_s=round(seen, 1))  # fmt: skip
+    record(
+        worker_hang_noticed_s=round(noticed_s, 1),
+        worker_hang_window_s=window,
+        worker_hang_clients_gap_s=round(seen, 1),
+        worker_hang_by=incident["what"][:60],
+    )
