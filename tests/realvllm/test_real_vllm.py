@@ -89,7 +89,10 @@ def real() -> Iterator[DaemonHelper]:
                              "--block-size", "16"]},
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
-        "daemon": {"start_timeout_s": READY_S},
+        # The tier kills or freezes its vLLM three times within the failure window (the
+        # SIGKILL of the API server, the frozen engine, the frozen worker): each is a failure,
+        # and the third would be FAILED with the shipped max_failures (3), not restarted.
+        "daemon": {"start_timeout_s": READY_S, "max_failures": 10},
         # Real vLLM's leftovers: its ZMQ sockets in its TMPDIR, and what a SIGKILLed tree
         # leaves in the real /dev/shm (which no sandbox can redirect: shm_open names it).
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
