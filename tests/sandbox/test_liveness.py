@@ -65,9 +65,10 @@ def answers() -> Answers:
     return Answers()
 
 
-@pytest.fixture
-def load(sandbox: SandboxHelper, answers: Answers) -> Iterator[threading.Event]:
-    """Requests, one after another, until the test ends (each may hang on a frozen engine)."""
+def clients(
+    sandbox: SandboxHelper, answers: Answers, n: int, timeout_s: float
+) -> tuple[threading.Event, list[threading.Thread]]:
+    """`n` clients sending requests one after another until the event is set."""
     v = sandbox.config.vllm
     url, model = f"http://{v.host}:{v.port}", v.command[2]
     done = threading.Event()
@@ -75,14 +76,21 @@ def load(sandbox: SandboxHelper, answers: Answers) -> Iterator[threading.Event]:
     def send() -> None:
         while not done.is_set():
             try:
-                complete(url, model, 30)
+                complete(url, model, timeout_s)
                 answers.add()
             except OSError:
                 done.wait(0.2)
 
-    threads = [threading.Thread(target=send, daemon=True) for _ in range(4)]
+    threads = [threading.Thread(target=send, daemon=True) for _ in range(n)]
     for t in threads:
         t.start()
+    return done, threads
+
+
+@pytest.fixture
+def load(sandbox: SandboxHelper, answers: Answers) -> Iterator[threading.Event]:
+    """Requests, one after another, until the test ends (each may hang on a frozen engine)."""
+    done, threads = clients(sandbox, answers, 4, 30)
     try:
         yield done
     finally:
@@ -163,21 +171,7 @@ def test_a_vllm_saturated_with_its_stats_off_is_never_called_hung_and_status_say
     daemon.start()
     daemon.wait_serving("production")
     pid = daemon.vllm_pid()
-    v = sandbox.config.vllm
-    url, model = f"http://{v.host}:{v.port}", v.command[2]
-    done = threading.Event()
-
-    def send() -> None:
-        while not done.is_set():
-            try:
-                complete(url, model, 60)
-                answers.add()
-            except OSError:
-                done.wait(0.2)
-
-    threads = [threading.Thread(target=send, daemon=True) for _ in range(8)]
-    for th in threads:
-        th.start()
+    done, threads = clients(sandbox, answers, 8, 60)
     try:
         # Six stall times and more than four canaries' worth of saturation.
         status = daemon.wait_status(
