@@ -43,6 +43,7 @@ unavailable window starts; "nothing pending" is no proof: a frozen engine's gaug
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,53 @@ class Cpu:
     stopped: tuple[str, ...] = ()
 
 
+def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
+    """Why the processes show no progress from `base` to `cpu` ("" if they do, or cannot be
+    read). A process counts as stopped only if it was at both ends: a debugger's pause (py-spy,
+    gdb) during a long step is no hang."""
+    if cpu is None or base is None:
+        return ""
+    if stopped := [p for p in cpu.stopped if p in base.stopped]:
+        return f"stopped: {', '.join(stopped)}"
+    if cpu.at <= base.at:
+        return ""
+    used, took = cpu.seconds - base.seconds, cpu.at - base.at
+    if used < idle_fraction * took:
+        return (
+            f"{cpu.processes} process(es) used {used:.2f} s of CPU in {took:.0f} s "
+            f"(under {idle_fraction:.0%} of one core)"
+        )
+    return ""
+
+
+def health_failure(
+    health: int, slow: bool, api: Sequence[Cpu], window_s: float, idle_fraction: float
+) -> str:
+    """Why a serving vLLM whose /health fails makes no progress, or "" (a slow answer alone):
+    the restart after `daemon.health_grace_s` needs this second signal.
+
+    - /health answered, with anything but 200 (vLLM 0.16: 503 once its engine is dead), or the
+      connection was refused or reset: vLLM's own statement, not slowness.
+    - /health gave no answer in `daemon.health_timeout_s`: slow, and a busy API server (its
+      event loop held by a long tokenization, or a flood of requests) is slow too. It counts
+      only if the API server (MainPID, the process that answers /health) was stopped at both
+      ends of the last `window_s`, or used under `idle_fraction` of one core over it.
+      `api`: its readings, oldest first; fewer than a window of them say nothing.
+    """
+    if not slow:
+        return f"/health answered {health}" if health else "/health refused the connection"
+    if not api:
+        return ""
+    cpu, base = api[-1], None
+    for c in api:
+        if c.at <= cpu.at - window_s:
+            base = c
+    if base is None:
+        return ""
+    why = no_progress(base, cpu, idle_fraction)
+    return f"/health gave no answer, and the API server: {why}" if why else ""
+
+
 @dataclass(frozen=True)
 class Hang:
     """A verdict: why, what each signal saw, and the last proof of progress (the loop's clock)."""
@@ -138,22 +186,7 @@ class Judge:
         self.progress_at, self.cpu_at_progress = now, cpu
 
     def cpu_signal(self, base: Cpu | None, cpu: Cpu | None) -> str:
-        """Why the engine's processes show no progress from `base` to `cpu` ("" if they do, or
-        cannot be read). A process counts as stopped only if it was at both ends: a debugger's
-        pause (py-spy, gdb) during a long step is no hang."""
-        if cpu is None or base is None:
-            return ""
-        if stopped := [p for p in cpu.stopped if p in base.stopped]:
-            return f"stopped: {', '.join(stopped)}"
-        if cpu.at <= base.at:
-            return ""
-        used, took = cpu.seconds - base.seconds, cpu.at - base.at
-        if used < self.cpu_idle_fraction * took:
-            return (
-                f"{cpu.processes} process(es) used {used:.2f} s of CPU in {took:.0f} s "
-                f"(under {self.cpu_idle_fraction:.0%} of one core)"
-            )
-        return ""
+        return no_progress(base, cpu, self.cpu_idle_fraction)
 
     def capturing(self, now: float, cpu: Cpu | None) -> None:
         """A capture starts, records or flushes: no verdict, and the stall starts again."""

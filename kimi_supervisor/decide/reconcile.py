@@ -18,11 +18,14 @@ again from what it sees. Read top to bottom:
                                                  operator restarts it with --apply)
       desired mode running, not healthy yet   -> RESUME_START at boot (a load in progress)
       ... a new MainPID while serving         -> DIED (restarted outside the supervisor)
-      ... unhealthy for health_grace_s        -> SWITCH (recover: teardown, start again)
+      ... unhealthy for health_grace_s, and
+          an answer that says so, or the API
+          server stopped or idle meanwhile    -> UNHEALTHY (incident, teardown, start again)
+      ... /health slow, the API server busy   -> nothing (slow is not hung; status says)
       was serving, unit gone or MainPID new   -> DIED
       another mode (or an unknown argv) runs  -> SWITCH
       nothing runs                            -> SWITCH (teardown makes the GPUs clean first)
-    a SWITCH or RETRY while a capture flushes -> HOLD_FOR_CAPTURE (stop recording, wait)
+    a SWITCH, RETRY or UNHEALTHY while a capture flushes -> HOLD_FOR_CAPTURE (stop recording, wait)
 
 The loop asks only when no teardown runs: a switch accepted meanwhile is its `intent`, and
 policy.after_teardown hands it over when the teardown ends.
@@ -50,6 +53,7 @@ class Observed:
     # running_mode was started with an earlier config's argv (edited since, and reloaded): it is
     # adopted as that mode, never torn down for it; a restart waits for an operator's --apply.
     argv_stale: bool = False
+    health_slow: bool = False  # /health gave no answer in daemon.health_timeout_s
 
     @property
     def unit_up(self) -> bool:
@@ -89,6 +93,9 @@ class Memory:
     start_deadline: float | None = None
     next_attempt_at: float | None = None
     unhealthy_since: float | None = None
+    # Why the failing /health is more than a slow answer (decide/liveness.health_failure), or
+    # "": then no restart, however long it fails.
+    unhealthy_why: str = ""
 
 
 class Do(enum.StrEnum):
@@ -101,6 +108,7 @@ class Do(enum.StrEnum):
     SWITCH = "switch"
     RETRY = "retry"
     HOLD_FOR_CAPTURE = "hold_for_capture"
+    UNHEALTHY = "unhealthy"  # lost as a dead one is: an incident, teardown, start again
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,8 @@ def decide(
     """`intent`: a switch an operator asked for, not yet begun; `capture`: a profiler capture
     is recording or flushing its traces."""
     action = _decide(desired, mem, obs, now, health_grace_s, intent)
-    if action.do in (Do.SWITCH, Do.RETRY) and capture and not (intent and intent.force):
+    held = (Do.SWITCH, Do.RETRY, Do.UNHEALTHY)
+    if action.do in held and capture and not (intent and intent.force):
         return Action(Do.HOLD_FOR_CAPTURE, "a capture is flushing its traces; the switch waits")
     return action
 
@@ -174,8 +183,16 @@ def _decide(
                 "supervisor, not healthy",
             )
         if mem.unhealthy_since is not None and now - mem.unhealthy_since >= health_grace_s:
+            failed_s = now - mem.unhealthy_since
+            if not mem.unhealthy_why:
+                # Slow is not hung: a busy API server answers late too (decide/liveness.py).
+                return Action(
+                    Do.NOTHING,
+                    f"/health has given no answer for {failed_s:.0f} s, but the API server is "
+                    "busy: not restarted",
+                )
             return Action(
-                Do.SWITCH, f"/health has failed for {now - mem.unhealthy_since:.0f} s: restarting"
+                Do.UNHEALTHY, f"/health has failed for {failed_s:.0f} s ({mem.unhealthy_why})"
             )
         return Action(Do.NOTHING, "unhealthy, within health_grace_s")
 

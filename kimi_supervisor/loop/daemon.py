@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kimi_supervisor.config import Config
+from kimi_supervisor.decide.liveness import health_failure
 from kimi_supervisor.decide.reconcile import Observed, decide
 from kimi_supervisor.loop import boot
 from kimi_supervisor.loop.admission import Desk
@@ -53,6 +54,7 @@ from kimi_supervisor.loop.inbox import (
     Warmed,
 )
 from kimi_supervisor.loop.lifecycle import Lifecycle
+from kimi_supervisor.loop.liveness import api_cpu
 from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.loop.publish import build, export, status_line
 from kimi_supervisor.messages import Reply
@@ -75,6 +77,8 @@ MAIN_EXIT_POLL_S = 0.01
 STEP_RETRY_S = 1.0
 STEP_RETRY_MAX_S = 300.0
 STEP_FAILED = "the loop's pass failed"
+# While /health fails, the API server's CPU is read at each pass: this many readings at most.
+MAX_API_READINGS = 64
 
 
 class Daemon:
@@ -384,12 +388,37 @@ class Daemon:
         obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting)
         s.waiting_for = "" if obs is not None else f"waiting for systemd: {self.ctx.observer.error}"
         if obs is not None:
-            now = self.ctx.clock.monotonic()
-            if obs.healthy or not obs.unit_up:
-                s.unhealthy_since = None
-            elif s.unhealthy_since is None:
-                s.unhealthy_since = now
+            self._watch_health(obs)
         return obs
+
+    def _watch_health(self, obs: Observed) -> None:
+        """Since when /health fails, and whether that is more than a slow answer: the API
+        server's CPU is read at each pass meanwhile (decide/liveness.health_failure)."""
+        s, d = self.s, self.config.daemon
+        if obs.healthy or not obs.unit_up:
+            s.unhealthy_since, s.unhealthy_api, s.unhealthy_why = None, [], ""
+            self.ctx.unwarn("/health has given no answer")
+            return
+        now = self.ctx.clock.monotonic()
+        if s.unhealthy_since is None:
+            s.unhealthy_since = now
+        if s.state not in (State.SERVING, State.BOOTING):
+            return  # a load answers nothing until it is ready: start_timeout_s judges it
+        cpu = api_cpu(obs.main_pid)
+        if cpu is not None:
+            keep = cpu.at - 2 * d.health_grace_s
+            s.unhealthy_api = [c for c in s.unhealthy_api[-MAX_API_READINGS:] if c.at >= keep]
+            s.unhealthy_api.append(cpu)
+        fraction = self.config.liveness.cpu_idle_fraction
+        s.unhealthy_why = health_failure(
+            obs.health, obs.health_slow, s.unhealthy_api, d.health_grace_s, fraction
+        )
+        failing = now - s.unhealthy_since
+        if obs.health_slow and not s.unhealthy_why and failing >= d.health_grace_s:
+            self.ctx.warn(
+                f"/health has given no answer for over {d.health_grace_s:g} s, but vLLM's API "
+                "server is busy: not restarted (slow is not hung)"
+            )
 
     def _main_exited(self, pid: int) -> None:
         """vLLM's MainPID exited (its pidfd said so). Told at once; then the passes that follow

@@ -123,6 +123,8 @@ class Lifecycle:
                 self.start_failed(action.reason)
             case Do.DIED:
                 self.died(action.reason)
+            case Do.UNHEALTHY:
+                self.unhealthy(action.reason, obs)
             case Do.HOLD_FOR_CAPTURE:
                 c = s.capture
                 if c is not None and c.phase.stoppable and not c.stop.is_set():
@@ -335,6 +337,14 @@ class Lifecycle:
     def died(self, reason: str) -> None:
         self._lost("vllm_died", reason, reason, f"vLLM died: {reason}", reason, {})
 
+    def unhealthy(self, reason: str, obs: Observed) -> None:
+        """/health has failed for `daemon.health_grace_s`, with a second sign of no progress
+        (decide/liveness.health_failure): what a dead one gets. The unavailable window opens at
+        its last /health 200."""
+        seen = {"main_pid": obs.main_pid, "health": obs.health, "health_slow": obs.health_slow}
+        what = f"vLLM unhealthy: {reason}"
+        self._lost("vllm_unhealthy", reason, what, what, f"unhealthy: {reason}", seen)
+
     def hung(self, hang: Hang, reading: Reading) -> None:
         """vLLM serves but makes no progress, by two signals (decide/liveness.py): what a dead
         one gets, an incident with what each signal saw, a teardown, a start again under the
@@ -382,7 +392,7 @@ class Lifecycle:
         seen: dict[str, Any],
         since: float | None = None,
     ) -> None:
-        """The vLLM that served is lost (dead or hung): logged, an incident (`what`, with
+        """The vLLM that served is lost (dead, hung or unhealthy): logged, an incident (`what`, with
         what was `seen`), an event, and the teardown (`why`) that comes before serving again."""
         s, ctx = self.s, self.ctx
         mode = s.serving.mode.value if s.serving else None

@@ -24,7 +24,7 @@ from kimi_supervisor.config import Config
 from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work, parse
 from kimi_supervisor.model import title
 from kimi_supervisor.ports import processes
-from kimi_supervisor.ports.http import HttpResult, request
+from kimi_supervisor.ports.http import request
 
 # vLLM's /metrics is some 100 KB with its histograms; more than this is not vLLM's.
 MAX_METRICS_BYTES = 4 << 20
@@ -72,8 +72,15 @@ def engine_cpu(pid: int) -> Cpu | None:
     return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped))
 
 
-def _timed_out(r: HttpResult) -> bool:
-    return r.status == 0 and "timed out" in r.error
+def api_cpu(pid: int) -> Cpu | None:
+    """vLLM's API server alone (MainPID, the process that answers /health): its CPU time, and
+    itself if stopped. None once it is gone."""
+    got = processes.cpu_of(pid)
+    if got is None:
+        return None
+    state, seconds = got
+    stopped = (f"PID {pid} (API server, state {state})",) if state in ("T", "t", "D") else ()
+    return Cpu(time.monotonic(), seconds, 1, stopped)
 
 
 def canary(url: str, prompt: str, timeout_s: float) -> Canary:
@@ -82,7 +89,7 @@ def canary(url: str, prompt: str, timeout_s: float) -> Canary:
     models = request(f"{url}/v1/models", "GET", timeout_s, max_bytes=1 << 16)
     if not models.ok:
         took = time.monotonic() - t0
-        return Canary(not _timed_out(models), False, took, f"/v1/models: {models.error}")
+        return Canary(not models.timed_out, False, took, f"/v1/models: {models.error}")
     try:
         model = json.loads(models.body)["data"][0]["id"]
     except (ValueError, KeyError, IndexError, TypeError):
@@ -96,7 +103,7 @@ def canary(url: str, prompt: str, timeout_s: float) -> Canary:
         except (ValueError, KeyError, TypeError):
             tokens = 0
         return Canary(True, True, took, "", tokens)
-    return Canary(not _timed_out(r), False, took, f"/v1/completions: {r.error} {r.body[:200]}")
+    return Canary(not r.timed_out, False, took, f"/v1/completions: {r.error} {r.body[:200]}")
 
 
 class Liveness:

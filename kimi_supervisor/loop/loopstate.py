@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from kimi_supervisor.decide.downtime import Stopwatch
 from kimi_supervisor.decide.eta import Estimate
+from kimi_supervisor.decide.liveness import Cpu
 from kimi_supervisor.decide.policy import Purpose
 from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
@@ -67,6 +68,10 @@ class LoopState:
     start_deadline: float | None = None
     next_attempt_at: float | None = None
     unhealthy_since: float | None = None
+    # While /health fails: the API server's CPU readings (oldest first, over the last two
+    # grace periods), and why it is more than slow (decide/liveness.health_failure), or "".
+    unhealthy_api: list[Cpu] = field(default_factory=list)
+    unhealthy_why: str = ""
     driver_retry_at: float = 0.0
     driver_retry_s: float = 0.5
     failures: tuple[float, ...] = ()
@@ -135,4 +140,5 @@ class LoopState:
             start_deadline=self.start_deadline,
             next_attempt_at=self.next_attempt_at,
             unhealthy_since=self.unhealthy_since,
+            unhealthy_why=self.unhealthy_why,
         )

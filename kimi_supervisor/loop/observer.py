@@ -94,7 +94,8 @@ class Observer:
     def __post_init__(self) -> None:
         self.unit = self.config.service.unit
         self._mode_of_pid: tuple[int, launcher.Running | None] = (0, None)
-        self._health: tuple[int, float] = (-1, 0.0)  # last /health status, when probed
+        # The last /health: its status, whether it gave no answer in time, when probed.
+        self._health: tuple[int, bool, float] = (-1, False, 0.0)
         self._listed: dict[int, list[int]] = {}  # GPU -> PIDs NVML listed at the last sample
         self.first_listed = FirstListed()  # when each (GPU, PID) was first seen listed
         self._unit_pids: set[int] = set()  # vLLM's unit's processes, as last read
@@ -132,7 +133,7 @@ class Observer:
         up = st.up
         steady = serving_pid != 0 and st.main_pid == serving_pid
         running = self._running_mode(st.main_pid) if up else None
-        health = self._probe_health(st.main_pid, steady) if up else -1
+        health, slow = self._probe_health(st.main_pid, steady) if up else (-1, False)
         fresh = self.gpus_at is not None and (
             self.clock.monotonic() - self.gpus_at < self.config.daemon.health_interval_s
         )
@@ -147,6 +148,7 @@ class Observer:
             running_mode=running.mode if running else None,
             argv_stale=running is not None and running.stale,
             health=health,
+            health_slow=slow,
             gpus_clean=clean,
             result=st.result,
             exec_main_status=st.exec_main_status,
@@ -167,19 +169,20 @@ class Observer:
 
     def forget_health(self) -> None:
         """vLLM's MainPID exited: the last /health answer says nothing any more."""
-        self._health = (-1, 0.0)
+        self._health = (-1, False, 0.0)
 
-    def _probe_health(self, main_pid: int, steady: bool) -> int:
-        """GET /health; while serving the same MainPID, at most every health_interval_s."""
+    def _probe_health(self, main_pid: int, steady: bool) -> tuple[int, bool]:
+        """GET /health (its status, and whether it gave no answer in time); while serving the
+        same MainPID, at most every health_interval_s."""
         d, now = self.config.daemon, self.clock.monotonic()
-        last, at = self._health
+        last, slow, at = self._health
         if steady and last != -1 and now - at < d.health_interval_s:
-            return last
-        status = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s).status
-        self._health = (status, now)
-        if status == 200:
+            return last, slow
+        r = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s)
+        self._health = (r.status, r.timed_out, now)
+        if r.status == 200:
             self.last_ok = now
-        return status
+        return r.status, r.timed_out
 
     def _running_mode(self, main_pid: int) -> launcher.Running | None:
         """The mode MainPID was started in; read once per MainPID (its argv does not change)."""

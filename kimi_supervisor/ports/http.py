@@ -20,6 +20,11 @@ class HttpResult:
     def ok(self) -> bool:
         return 200 <= self.status < 300
 
+    @property
+    def timed_out(self) -> bool:
+        """No answer within the timeout: slow, which alone says nothing of a hang."""
+        return self.status == 0 and "timed out" in self.error
+
 
 def request(
     url: str,

@@ -123,8 +123,20 @@ class Server:
         self.profiling = False
         self.profiler = json.loads(args.profiler_config) if args.profiler_config else None
         self.lock = threading.Lock()
+        self.event_loop = threading.Lock()
         self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
         self.worker_pids: list[int] = []
+
+    def wait_while_busy(self) -> None:
+        """While `api_busy_file` exists: a core spins (the held event loop's work) and the
+        caller waits (at most a minute), as a request to a busy API server waits."""
+        busy = self.opts.api_busy_file
+        deadline = time.monotonic() + 60
+        while busy and os.path.exists(busy) and time.monotonic() < deadline:
+            with self.event_loop:  # one spinner at a time
+                spin = time.monotonic() + 0.05
+                while time.monotonic() < spin:
+                    pass
 
     def complete(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         """POST /v1/completions, as vLLM 0.16 answers it (the engine makes the tokens)."""
@@ -229,6 +241,7 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/health":
+                server.wait_while_busy()
                 # Real vLLM 0.16: 200 with an empty body; 503 once its engine is dead. While
                 # loading nothing listens (the connection is refused): see serve_main.
                 self._send_empty(200 if server.ready.is_set() else 503)

@@ -38,6 +38,10 @@ class FakeOptions:
     engine_busy_fraction: float = 0.25
     # While this file exists, the engine begins no step and uses no CPU (a deadlock).
     deadlock_file: str | None = None
+    # While this file exists, the API server is busy (its event loop held by work, as a long
+    # tokenization holds real vLLM's): it uses a core, and /health answers only once the
+    # file is gone.
+    api_busy_file: str | None = None
     # As if started with --disable-log-stats: /metrics has no vllm:* series.
     disable_log_stats: bool = False
     # The profiler endpoints fail: "404", "500", or "hang" (no answer for a minute).

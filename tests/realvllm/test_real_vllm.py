@@ -101,8 +101,10 @@ def real() -> Iterator[DaemonHelper]:
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
+        # Two hangs are planted (the frozen engine, the frozen worker): the sandbox's limit (2)
+        # would leave the second FAILED, not restarted.
         "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
-                     "canary_timeout_s": 30},
+                     "canary_timeout_s": 30, "max_hang_restarts": 5},
     }  # fmt: skip
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -146,6 +148,18 @@ def as_executed(argv: list[str]) -> list[str]:
     if first.startswith(b"#!"):
         return [*first[2:].decode().split(), *argv]
     return argv
+
+
+def wait_new_vllm(real: DaemonHelper, old: int) -> None:
+    """Until a vLLM other than `old` runs; at once with the daemon's reason if it gives up
+    (FAILED), instead of the whole READY_S."""
+
+    def started() -> bool:
+        st = real.status()
+        assert st["state"] != "failed", f"the daemon gave up, not restarted: {st['status_line']}"
+        return real.vllm_pid() not in (0, old)
+
+    wait_until(started, READY_S, "a new vLLM")
 
 
 def unit_tree(real: DaemonHelper) -> dict[int, str]:
@@ -509,7 +523,7 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
     try:
         wait_until(lambda: not [pid for pid in engine if processes.ref_of(pid)], 120, "orphans")
         orphans_gone_s = time.monotonic() - t0
-        wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+        wait_new_vllm(real, api)
         real.wait_serving("production", READY_S)
         assert processes.is_alive(bystander) and processes.is_alive(binder)
         report = [e for e in real.history() if e["kind"] == "teardown"][teardowns]
@@ -557,7 +571,7 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
     assert "a one-token request got no answer in 30 s" in incident["what"], incident
     assert "the engine: stopped: PID" in incident["what"], incident
     assert incident["main_pid"] == api
-    wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+    wait_new_vllm(real, api)
     real.wait_serving("production", READY_S)
     assert not processes.is_alive(engine), "the frozen engine was ended"
     record(hang_noticed_s=round(noticed_s, 1),
@@ -586,7 +600,7 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
             wait_until(lambda: len(hangs(real)) > before, 60, "the hang to be recorded")
             noticed_s = time.monotonic() - t0
             # The teardown continues the frozen tree itself before it stops it.
-            wait_until(lambda: real.vllm_pid() not in (0, api), READY_S, "a new vLLM")
+            wait_new_vllm(real, api)
             real.wait_serving("production", READY_S)
             n = load.answered
             wait_until(lambda: load.answered > n + 8, 120, "the clients to be answered again")

@@ -272,3 +272,61 @@ def test_the_second_hang_within_the_window_is_not_restarted_but_failed_with_its_
     assert second["stopped"] and "VLLM::EngineCore" in str(second["stopped"])
     assert "liveness.max_hang_restarts = 2" in daemon.log()
     assert daemon.unit() == "active" and processes.ref_of(engine) is None
+
+
+def test_a_health_that_answers_late_from_a_busy_api_server_is_never_restarted(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """Slow is not hung: /health gives no answer in its timeout for four grace periods while
+    the API server works (its event loop held, a core in use). No restart; status says why.
+    Once it answers again, the warning goes."""
+    busy = Path(sandbox.sb.root) / "api-busy"
+    sandbox.fake(api_busy_file=str(busy))
+    daemon.start()
+    daemon.wait_serving("production")
+    pid = daemon.vllm_pid()
+    grace = sandbox.config.daemon.health_grace_s
+    busy.touch()
+    try:
+        status = daemon.wait_status(
+            lambda s: any("but vLLM's API server is busy" in w for w in s["warnings"]),
+            30 + 2 * grace,
+            "the daemon to say /health is slow and the API server busy",
+        )
+        time.sleep(3 * grace)  # three more grace periods of no answer
+        status = daemon.status()
+    finally:
+        busy.unlink()
+    assert daemon.vllm_pid() == pid and status["state"] == "serving", status["status_line"]
+    assert not any(e.get("kind") == "incident" for e in daemon.history())
+    daemon.wait_status(
+        lambda s: not any("/health has given no answer" in w for w in s["warnings"]),
+        60,
+        "the warning to go once /health answers",
+    )
+
+
+def test_an_api_server_frozen_with_health_unanswered_is_restarted_with_both_signs(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """The API server stopped (SIGSTOP, as one wedged in the kernel): /health gets no answer
+    and the process is stopped at both ends of the grace: two signs, so it is restarted, and
+    the reason names both."""
+    daemon.start()
+    daemon.wait_serving("production")
+    main = daemon.vllm_pid()
+    engine = engine_of(main)
+    os.kill(main, signal.SIGSTOP)  # the sandbox's own vLLM, started for this test
+    try:
+        wait_until(lambda: daemon.status()["state"] != "serving", 60, "the restart to begin")
+    finally:
+        if processes.ref_of(main) is not None:
+            os.kill(main, signal.SIGCONT)
+    status = daemon.wait_serving("production", 60)
+    assert status["unit"]["main_pid"] != main and processes.ref_of(engine) is None
+    (incident,) = [e for e in daemon.history() if "vLLM unhealthy" in str(e.get("what", ""))]
+    what = str(incident["what"])
+    assert "/health gave no answer" in what and f"PID {main} (API server, state T)" in what, what
+    assert incident["main_pid"] == main and incident["health_slow"] is True
+    # The window opens at the last /health 200, before the freeze, not at the restart.
+    assert status["downtime"]["window_s"] >= sandbox.config.daemon.health_grace_s, status

@@ -55,7 +55,21 @@ def obs(
             30,
             Do.NOTHING,
         ),
-        (P, Memory(State.SERVING, serving_pid=10, unhealthy_since=0), obs(health=0), 61, Do.SWITCH),
+        (
+            P,
+            Memory(State.SERVING, serving_pid=10, unhealthy_since=0, unhealthy_why="503"),
+            obs(health=503),
+            61,
+            Do.UNHEALTHY,
+        ),
+        # ... but a slow /health alone, from an API server that is busy, never restarts it
+        (
+            P,
+            Memory(State.SERVING, serving_pid=10, unhealthy_since=0),
+            obs(health=0),
+            6e4,
+            Do.NOTHING,
+        ),
         # starting: exited, ready, timed out, still loading
         (P, Memory(State.STARTING, start_deadline=100), obs(active="failed"), 0, Do.START_FAILED),
         (P, Memory(State.STARTING, start_deadline=100), obs(), 0, Do.READY),
@@ -782,3 +796,32 @@ def test_the_holder_steps_note_names_what_it_killed_and_whom_it_spared() -> None
     both = holders_note({**none, Evidence.OPEN_AND_MAPPED: 1}, {7})
     assert both == "1 open-and-mapped holder(s) killed; holder PID 7 protected, not signalled"
     assert holders_note(none, set()).startswith("nothing killed: NVML lists no live holder")
+
+
+# /health failing while serving (daemon.health_grace_s): a slow answer alone restarts nothing.
+@pytest.mark.parametrize(
+    "health,slow,api,said",
+    [
+        # vLLM said so itself: 503 once its engine is dead; a refused connection
+        (503, False, [], "/health answered 503"),
+        (0, False, [], "/health refused the connection"),
+        # no answer in time, the API server busy: a blocked event loop doing work
+        (0, True, [(0, 10.0), (30, 25.0), (60, 40.0)], ""),
+        # ... or not read for a whole window yet: nothing to judge by
+        (0, True, [(0, 10.0), (30, 10.0)], ""),
+        (0, True, [], ""),
+        # ... the API server idle over the last 60 s (deadlocked), though busy before
+        (0, True, [(0, 1.0), (30, 40.0), (60, 40.1), (90, 40.2)], "used 0.20 s of CPU in 60 s"),
+        # ... or stopped at both ends of the window (not during a debugger's moment)
+        (0, True, [(0, 1.0, ("PID 7 (api, state T)",)), (60, 60.0, ("PID 7 (api, state T)",))],
+         "stopped: PID 7"),
+        (0, True, [(0, 1.0), (60, 1.0, ("PID 7 (api, state T)",))], "used 0.00 s"),
+    ],
+)  # fmt: skip
+def test_a_failing_health_restarts_vllm_only_with_a_second_sign_of_no_progress(
+    health: int, slow: bool, api: list[tuple[Any, ...]], said: str
+) -> None:
+    from kimi_supervisor.decide.liveness import health_failure
+
+    why = health_failure(health, slow, [cpu(*a) for a in api], 60, 0.05)
+    assert (said in why) if said else why == "", why
