@@ -166,6 +166,7 @@ class LivenessStatus(BaseModel):
     cpu_s: float | None = None  # vLLM's processes' CPU time, summed
     stopped: list[str] = []  # vLLM's processes found stopped (state T)
     doubt: str | None = None  # one signal said hung and the other did not (not hung)
+    doubt_since: str | None = None  # since when, with no proof of progress since
     judging: str | None = None  # why no verdict is made now (a capture)
     canary_at: str | None = None
     canary_ok: bool | None = None

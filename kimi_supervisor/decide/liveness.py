@@ -28,16 +28,17 @@ one of them from outside vLLM's HTTP server:
 |---|---|
 | a capture starts, records or flushes | none; the stall counts again from its end |
 | work pending, counters still for `stall_s`, CPU flat or a process stopped | hung |
-| work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | not hung |
+| work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
 | canary unanswered, CPU flat or a process stopped | hung |
-| canary unanswered, CPU busy (load that /metrics does not show) | not hung |
+| canary unanswered, CPU busy (load /metrics does not show, a GPU wait that spins) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
 | the engine's processes unreadable | no CPU signal: never hung |
 
-The last proof of progress (a counter that moved, a canary answered) is when a hang's
+A doubt is no verdict: shown in status, alerted on after 15 minutes, and kept until a proof of
+progress. The last proof of progress (a counter that moved, a canary answered) is when a hang's
 unavailable window starts; "nothing pending" is no proof: a frozen engine's gauges are frozen.
 """
 
@@ -179,7 +180,12 @@ class Judge:
     alive_at: float | None = None
     counters: tuple[float | None, float | None, float] | None = None
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
-    doubt: str = ""  # the last time one signal said hung and the other did not
+    # One signal says no progress and the other does not (not hung): why, and since when. It
+    # lasts until a proof of progress, so that an engine that spins on a GPU that never
+    # answers (a hung collective: bench/cuda_wait_cpu.py) is shown, and alerted on, for as
+    # long as it lasts; the daemon never restarts on it.
+    doubt: str = ""
+    doubt_since: float | None = None
     samples: list[tuple[float, Cpu]] = field(default_factory=list)  # the engine's CPU, in time
 
     def progress(self, now: float, cpu: Cpu | None) -> None:
@@ -226,7 +232,8 @@ class Judge:
         stalled = work is not None and work.pending > 0 and now - since >= self.stall_s
         unanswered = canary is not None and not canary[0]
         if not (stalled or unanswered):
-            self.doubt = ""
+            if self.doubt_since is None or (self.alive_at or 0.0) > self.doubt_since:
+                self.doubt, self.doubt_since = "", None
             return None
         if stalled:
             assert work is not None
@@ -266,6 +273,8 @@ class Judge:
             # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict.
             why = "are busy" if cpu is not None else "cannot be read"
             self.doubt = f"{work_why}, but the engine's processes {why}: not hung"
+            if self.doubt_since is None:
+                self.doubt_since = since if stalled else now - canary[1] if canary else now
             return None
         assert self.alive_at is not None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)

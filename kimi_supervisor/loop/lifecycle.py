@@ -516,7 +516,8 @@ class Lifecycle:
     def liveness_seen(self, reading: Reading) -> None:
         s, ctx = self.s, self.ctx
         capturing = s.capture is not None and s.capture.phase.holds_switch
-        hang = self.liveness.seen(reading, ctx.clock.monotonic(), capturing)
+        now = ctx.clock.monotonic()
+        hang = self.liveness.seen(reading, now, capturing)
         c, w, cpu = reading.canary, reading.work, reading.cpu
         judge = self.liveness.judge
         seen = (s.liveness or LivenessStatus()).model_copy(
@@ -529,6 +530,11 @@ class Lifecycle:
                 "cpu_s": cpu.seconds if cpu else None,
                 "stopped": list(cpu.stopped) if cpu else [],
                 "doubt": judge.doubt or None,
+                "doubt_since": (
+                    (utcnow() - timedelta(seconds=now - judge.doubt_since)).isoformat()
+                    if judge.doubt_since is not None
+                    else None
+                ),
                 "judging": "paused: a capture is under way" if capturing else None,
             }
         )

@@ -96,6 +96,13 @@ class Metrics:
             "an idle canary unanswered) and restarted",
             registry=r,
         )
+        self.liveness_doubt_since = Gauge(
+            f"{ns}_liveness_doubt_since_timestamp_seconds",
+            "since when (Unix time) one sign says the serving vLLM makes no progress and the "
+            "other says it is busy (not hung, never restarted; an engine spinning on a GPU "
+            "that never answers looks so), with no proof of progress since; 0 if none",
+            registry=r,
+        )
         self.build_info = Gauge(
             f"{ns}_build_info", "1, labelled with the version running", ["version", "python"],
             registry=r,

@@ -59,6 +59,7 @@ def record(**figures: Any) -> None:
 
 pytestmark = [pytest.mark.realvllm, pytest.mark.systemd]
 
+HERE = Path(__file__).resolve().parent
 READY_S = 600  # 38-105 s measured here; a loaded CI machine is slower
 
 
@@ -89,9 +90,9 @@ def real() -> Iterator[DaemonHelper]:
                              "--block-size", "16"]},
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
-        # The tier kills or freezes its vLLM three times within the failure window (the
-        # SIGKILL of the API server, the frozen engine, the frozen worker): each is a failure,
-        # and the third would be FAILED with the shipped max_failures (3), not restarted.
+        # The tier kills, freezes or deadlocks its vLLM four times within the failure window
+        # (the SIGKILL of the API server, the frozen engine, the frozen worker, the deadlock):
+        # each is a failure, and the third would be FAILED with the shipped max_failures (3).
         "daemon": {"start_timeout_s": READY_S, "max_failures": 10},
         # Real vLLM's leftovers: its ZMQ sockets in its TMPDIR, and what a SIGKILLed tree
         # leaves in the real /dev/shm (which no sandbox can redirect: shm_open names it).
@@ -101,8 +102,8 @@ def real() -> Iterator[DaemonHelper]:
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
-        # Two hangs are planted (the frozen engine, the frozen worker): the sandbox's limit (2)
-        # would leave the second FAILED, not restarted.
+        # Three hangs are planted (the frozen engine, the frozen worker, the deadlock): the
+        # sandbox's limit (2) would leave the second FAILED, not restarted.
         "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
                      "canary_timeout_s": 30, "max_hang_restarts": 5},
     }  # fmt: skip
@@ -117,6 +118,10 @@ def real() -> Iterator[DaemonHelper]:
         "TQDM_MININTERVAL": "0",
         "TQDM_MINITERS": "1",
         "TMPDIR": str(root / "tmp"),
+        # A real deadlock on demand (test_a_real_engine_deadlocked_...): the engine core begins
+        # no step while this file exists.
+        "PYTHONPATH": str(HERE / "deadlock"),
+        "KIMI_DEADLOCK_FILE": str(root / "deadlock"),
     }
     # vLLM's caches are the product's (vllm.cache_dir, here {sandbox}/vllm-cache), empty at the
     # tier's first start: the profile start below shows production's compiled code reused. It
@@ -635,3 +640,53 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
         worker_hang_clients_gap_s=round(seen, 1),
         worker_hang_by=incident["what"][:60],
     )
+
+
+def test_a_real_engine_deadlocked_under_load_is_found_by_its_still_steps_and_idle_cpu(
+    real: DaemonHelper,
+) -> None:
+    """Real vLLM's engine core begins no step and sleeps (state S, not stopped: a deadlock),
+    requests running, /health 200 (tests/realvllm/deadlock). Found by the two signals that
+    need no stopped process: the step and token counters still for stall_s with work pending,
+    and the tree's CPU flat (the tier runs VLLM_SLEEP_WHEN_IDLE=1; see docs/operations.md for
+    vLLM's default, which spins). Served again; the window is what the clients went without."""
+    real.wait_serving("production", READY_S)
+    api = real.vllm_pid()
+    stuck = Path(real.sb.root) / "deadlock"  # the fixture's KIMI_DEADLOCK_FILE
+    before = len(hangs(real))
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        t0 = time.monotonic()
+        stuck.touch()
+        try:
+            assert request(real.config.vllm.health_url).status == 200
+            wait_until(lambda: len(hangs(real)) > before, 90, "the hang to be recorded")
+            noticed_s = time.monotonic() - t0
+        finally:
+            stuck.unlink()
+        wait_new_vllm(real, api)
+        real.wait_serving("production", READY_S)
+        n = load.answered
+        wait_until(lambda: load.answered > n + 8, 120, "the clients to be answered again")
+    finally:
+        load.stop()
+    incident = hangs(real)[-1]
+    assert incident["main_pid"] == api and not incident["stopped"], incident
+    what = str(incident["what"])
+    c = real.config.liveness
+    # The workers spin for 3 s after their last message before they sleep (vLLM 0.16's
+    # SpinSleepTimer, busy_loop_s): the CPU is flat from then on, for stall_s to a reading.
+    spin_s = 3
+    if "and no engine step, prompt or generated token for" in what:
+        assert incident["running"] + incident["waiting"] >= 1, incident
+        bound = spin_s + c.stall_s + 3 * c.metrics_interval_s + 1
+    else:  # deadlocked right after a step that ended every request: /metrics reads idle
+        assert "a one-token request got no answer in" in what, incident
+        bound = c.canary_interval_s + 2 * c.metrics_interval_s + c.canary_timeout_s + 1
+    assert "process(es) used" in what and "of CPU in" in what, what
+    assert noticed_s <= bound, (noticed_s, what)
+    window, seen = real.status()["downtime"]["window_s"], load.gap()
+    assert window >= seen - c.metrics_interval_s - 1, (window, seen)
+    record(deadlock_noticed_s=round(noticed_s, 1), deadlock_window_s=window,
+           deadlock_clients_gap_s=round(seen, 1), deadlock_by=what[:60])  # fmt: skip

@@ -825,3 +825,23 @@ def test_a_failing_health_restarts_vllm_only_with_a_second_sign_of_no_progress(
 
     why = health_failure(health, slow, [cpu(*a) for a in api], 60, 0.05)
     assert (said in why) if said else why == "", why
+
+
+def test_an_engine_spinning_on_a_gpu_that_never_answers_is_a_doubt_that_lasts_until_progress() -> (
+    None
+):
+    """A worker waiting on a hung collective spins a core (H200: 100 % of one, state R;
+    bench/cuda_wait_cpu.py), its gauges frozen idle: each canary goes unanswered with the CPU
+    busy. Never a verdict; a doubt, shown and alerted on, from the first canary sent until a
+    proof of progress, however many readings come between."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(0, 7), "ok", cpu(0, 0)) is None
+    for t in range(15, 1200, 15):
+        canary = (False, 60.0, cpu(t - 60, t - 60.0)) if t % 300 == 0 else None
+        assert judge.seen(t, Work(0, 7), "ok", cpu(t, float(t)), canary) is None
+    assert judge.doubt.startswith("a one-token request got no answer in 60 s")
+    assert judge.doubt_since == 240  # the first canary's sending
+    judge.seen(1215, Work(1, 8), "ok", cpu(1215, 1215.0))  # a token: progress
+    assert judge.doubt == "" and judge.doubt_since is None
