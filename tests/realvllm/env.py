@@ -41,7 +41,12 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-VLLM = build_for(cpu_flags()) or "none"
+# KIMI_REALVLLM_BUILD names one of BUILDS to use instead (the generic AVX2 build, tried on a CPU
+# that has AVX-512 too: what an AVX2-only CI machine gets).
+FORCED = os.environ.get("KIMI_REALVLLM_BUILD", "")
+if FORCED and FORCED not in {name for name, _needs in BUILDS}:
+    raise SystemExit(f"KIMI_REALVLLM_BUILD={FORCED!r}: not one of {[n for n, _ in BUILDS]}")
+VLLM = FORCED or build_for(cpu_flags()) or "none"
 
 
 class Unavailable(Exception):
