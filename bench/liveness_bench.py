@@ -48,7 +48,8 @@ def status(sb: Sandbox) -> dict[str, Any]:
 def incidents(sb: Sandbox) -> list[dict[str, Any]]:
     req = {"cmd": "history", "n": 1000}
     (reply,) = [m for _raw, m in exchange(sb.config().control.socket, req, 10)]
-    return [e for e in reply["data"]["entries"] if "vLLM hung" in e.get("what", "")]
+    lost = ("vLLM hung", "vLLM unhealthy")
+    return [e for e in reply["data"]["entries"] if e.get("what", "").startswith(lost)]
 
 
 def serving(sb: Sandbox, timeout_s: float = 60) -> dict[str, Any]:
@@ -236,6 +237,37 @@ def saturated(sb: Sandbox, seconds: float = 30) -> None:
         th.join(35)
 
 
+def slow_health(sb: Sandbox, busy: Path, graces: int = 4) -> int:
+    """Restarts (each a false one: the API server works) while /health gives no answer for
+    one probe interval and `graces` grace periods (sandbox/fake_options.py, api_busy_file)."""
+    d = sb.config().daemon
+    pid, before = status(sb)["unit"]["main_pid"], len(incidents(sb))
+    busy.touch()
+    try:
+        time.sleep(d.health_interval_s + graces * d.health_grace_s)
+    finally:
+        busy.unlink()
+    time.sleep(3)
+    return len(incidents(sb)) - before + int(status(sb)["unit"]["main_pid"] != pid)
+
+
+def api_frozen(sb: Sandbox) -> float:
+    """Seconds from SIGSTOP of the API server (MainPID) to its `vLLM unhealthy` incident."""
+    before, main = len(incidents(sb)), status(sb)["unit"]["main_pid"]
+    ref = processes.ref_of(main)
+    assert ref is not None
+    t0 = time.monotonic()
+    processes.send_signal(ref, signal.SIGSTOP)
+    try:
+        poll(lambda: len(incidents(sb)) > before, 120, every_s=0.1)
+        took = time.monotonic() - t0
+    finally:
+        if processes.is_alive(ref):
+            processes.send_signal(ref, signal.SIGCONT)
+    poll(lambda: status(sb)["state"] == "serving" and status(sb)["unit"]["main_pid"] != main, 90)
+    return took
+
+
 def run(runs: int) -> str:
     root = Path(tempfile.mkdtemp(prefix="kimi-liveness-bench-"))
     # Every freeze is a failure in the window: room for all of them, or the third is FAILED.
@@ -243,11 +275,12 @@ def run(runs: int) -> str:
                     "liveness": {"max_hang_restarts": 100}})  # fmt: skip
     try:
         serving(sb)
-        c = sb.config().liveness
+        c, d = sb.config().liveness, sb.config().daemon
         stuck = root / "deadlock"
         # Read by each new vLLM: the deadlock switch (off while the file is absent) and a
         # prefill of 3 ms a prompt word; the first freeze restarts vLLM with them.
-        base = {"deadlock_file": str(stuck), "prefill_s_per_token": 0.003}
+        base = {"deadlock_file": str(stuck), "prefill_s_per_token": 0.003,
+                "api_busy_file": str(root / "api-busy")}  # fmt: skip
         sb.set_fake_options(FakeOptions(**base))  # type: ignore[arg-type]
         idle = [freeze(sb) for _ in range(runs)]
         frozen_teardown = hang_teardown_s(sb)
@@ -263,6 +296,8 @@ def run(runs: int) -> str:
         deadlocked = [deadlock(sb, stuck) for _ in range(runs)]
         false = {"prefill": sum(busy_verdicts(sb, lambda: prefill(sb))
                                 for _ in range(runs))}  # fmt: skip
+        false["slow_health"] = slow_health(sb, root / "api-busy")
+        unhealthy = api_frozen(sb)
         sb.set_fake_options(FakeOptions(**base, profile_flush_s=12.0))  # type: ignore[arg-type]
         switch(sb, "profile")
         false["flush"] = sum(busy_verdicts(sb, lambda: flush_under_load(sb))
@@ -291,6 +326,8 @@ def run(runs: int) -> str:
     # The canary goes with the next /metrics read once it is due.
     idle_bound = c.canary_interval_s + c.metrics_interval_s + c.canary_timeout_s
     load_bound = c.stall_s + c.metrics_interval_s
+    # The probe that first fails, its timeout, the grace, and the pass after it.
+    health_bound = d.health_interval_s + d.health_timeout_s + d.health_grace_s + d.tick_s
     probes = IDLE_WINDOW_S / c.metrics_interval_s
     per_probe_ms = max(on_cpu - off_cpu, 0.0) / probes * 1000
     shipped = LivenessConfig()
@@ -315,6 +352,8 @@ def run(runs: int) -> str:
         f"{on_cpu / off_cpu if off_cpu else float('nan'):.2f} |\n"
         f"| the teardown of the frozen tree (continued, then stopped; the unit's "
         f"TimeoutStopSec would end it otherwise) | {frozen_teardown:.2f} s | - | - |\n"
+        f"| the API server frozen (/health unanswered, MainPID in state T) → incident | "
+        f"{unhealthy:.1f} s | {health_bound:g} s | {unhealthy / health_bound:.2f} |\n"
         f"| STUCK → the shipped STUCK alert firing (promtool, fed the daemon's own state series "
         f"through {retries} retries, one sample per 15 s scrape) | "
         f"{'never' if fired_at is None else f'{fired_at / 60:g} min'} | `for:` 5 min + one "
@@ -327,13 +366,16 @@ def run(runs: int) -> str:
         "vLLM's count is in the real-vLLM table).\n\n"
         "False verdicts (issue 41): each a hang called on a vLLM that works, which would cost a "
         "model load.\n\n"
-        "| a busy vLLM | runs | hang verdicts |\n|---|---|---|\n"
+        "| a busy vLLM | runs | hang or unhealthy verdicts |\n|---|---|---|\n"
         f"| a capture whose flush blocks the engine under load for 12 s ({12 / c.stall_s:g}x the "
         f"stall) | {runs} | {false['flush']} |\n"
         f"| a prefill of 4096 words at 3 ms each (12 s: past the stall and the canary's "
         f"timeout), alone | {runs} | {false['prefill']} |\n"
         f"| saturated (8 clients) for 30 s with vLLM's stats off (status: metrics {absent}) | 1 "
         f"| {false['stats_off']} |\n"
+        f"| /health unanswered for {d.health_interval_s + 4 * d.health_grace_s:g} s (4 grace "
+        f"periods past the first probe) while the API server works | 1 | "
+        f"{false['slow_health']} |\n"
     )
 
 
