@@ -250,3 +250,23 @@ def test_out_of_descriptors_the_metrics_server_waits_instead_of_spinning_and_the
     assert cpu_s < 0.3, f"{cpu_s:.2f} s of CPU in one second: it spun"
     (answer,) = answers
     assert answer[1] == 200, answer[:2]
+
+
+def test_a_collector_that_fails_answers_that_scrape_500_and_the_next_one_is_served() -> None:
+    calls: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        calls.append(environ["PATH_INFO"])
+        if len(calls) == 1:
+            raise RuntimeError("a collector's bug")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"fine\n"]
+
+    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP)
+    try:
+        first = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
+        second = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
+    finally:
+        server.close()
+    assert first.status == 500 and "a collector's bug" in first.body, first
+    assert (second.status, second.body) == (200, "fine\n")
