@@ -52,6 +52,7 @@ bench: setup
 	$(BIN)/python -m bench.scale_bench --runs 5 --write docs/performance.md
 	$(BIN)/python -m bench.daemon_bench --idle-s 60 --runs 5 --write docs/performance.md
 	$(BIN)/python -m bench.faults_bench --runs 200 --write docs/performance.md
+	$(BIN)/python -m bench.scrape_bench --seconds 12 --write docs/performance.md
 	$(BIN)/python -m bench.fleet_bench --hosts 3 --runs 3 --write docs/performance.md
 	$(BIN)/python -m bench.package_bench --runs 1 --write docs/performance.md
 

@@ -362,6 +362,11 @@ class MetricsConfig(_Strict):
     address: str = "127.0.0.1"
     # The metrics' port.
     port: int = Field(default=9464, ge=1, le=65535)
+    # One connection's whole exchange, from its accept (the request whole, then the answer
+    # taken): a client idle or trickling for longer is closed, and holds back no scrape meanwhile.
+    timeout_s: PositiveSeconds = 10.0
+    # Connections held at once; a new one beyond them closes the oldest.
+    max_connections: Annotated[int, Field(ge=1, le=512)] = 128
 
 
 class Config(_Strict):

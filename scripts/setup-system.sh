@@ -53,8 +53,10 @@ if [ "$purpose" = test ]; then
   # The booted-host tests: a Debian 12 root file system booted under its own systemd.
   command -v debootstrap >/dev/null 2>&1 || need="$need debootstrap"
   command -v systemd-nspawn >/dev/null 2>&1 || need="$need systemd-container"
-  # The alert rules are checked and unit-tested with promtool.
+  # The alert rules are checked and unit-tested with promtool; a real Prometheus scrapes the
+  # daemon while another user holds connections to it (tests/sandbox/test_scrapes.py).
   command -v promtool >/dev/null 2>&1 || promtool=true
+  command -v prometheus >/dev/null 2>&1 || promtool=true
 fi
 if [ -n "$need" ] || $promtool; then
   if [ "$(id -u)" != 0 ]; then
@@ -71,12 +73,15 @@ if [ -n "$need" ]; then
 fi
 if $promtool; then
   # Debian ships promtool only inside its prometheus package, with the server, which that
-  # package enables (it listened on *:9090 after a reboot). Only the promtool binary is taken
-  # from it (it needs nothing but libc): the package is downloaded, not installed.
-  echo "setup: installing promtool (from Debian's prometheus package, without the server)"
+  # package enables (it listened on *:9090 after a reboot). Only the two binaries are taken
+  # from it (they need nothing but libc): the package is downloaded, not installed, and no
+  # service is made; the tests start the server themselves, on loopback, and stop it.
+  echo "setup: installing promtool and prometheus (binaries from Debian's package, no service)"
   tmp=$(mktemp -d) && chmod 0755 "$tmp"  # apt-get download writes as _apt
   trap 'rm -rf "$tmp"' EXIT
   (cd "$tmp" && apt-get download -qq prometheus)
-  dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb | tar -x -C "$tmp" ./usr/bin/promtool
+  dpkg-deb --fsys-tarfile "$tmp"/prometheus_*.deb \
+    | tar -x -C "$tmp" ./usr/bin/promtool ./usr/bin/prometheus
   install -m 0755 "$tmp/usr/bin/promtool" /usr/local/bin/promtool
+  install -m 0755 "$tmp/usr/bin/prometheus" /usr/local/bin/prometheus
 fi

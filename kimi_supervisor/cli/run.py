@@ -88,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     server.serve()
     if metrics is not None:
         try:
-            metrics.serve(config.metrics.address, config.metrics.port)
+            m = config.metrics
+            metrics.serve(m.address, m.port, m.timeout_s, m.max_connections)
         except OSError as e:
             emit(
                 "metrics_unavailable",

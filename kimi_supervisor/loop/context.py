@@ -157,7 +157,8 @@ class Context:
             if not fields or behind:
                 return found
             aside = self.store.keep_aside("outside")
-            kept.append((fields, found.desired_mode, str(aside)))
+            pruned = self.store.prune_aside("outside", aside)
+            kept.append((fields, found.desired_mode, f"{aside} ({pruned.says('outside')})"))
             return found.model_copy(update={f: getattr(known, f) for f in DAEMON_FIELDS})
 
         return restore

@@ -1,13 +1,30 @@
 """The HTTP port: vLLM's /health, /metrics, profiler and completion endpoints on localhost.
-Plain urllib, short timeouts; every failure becomes a status code or a message, never an
-exception upwards."""
+Plain http.client, short timeouts; every failure becomes a status code or a message, never an
+exception upwards.
+
+`timeout_s` is one deadline for the whole exchange: the connect, the request sent, the status
+line and headers, and the body read. Each wait on the socket is cut to what is left of it, so a
+server that trickles a byte a second (or a vLLM whose API server wedged mid-answer) holds the
+caller no longer than `timeout_s`: the loop calls /health on its own thread. A per-wait timeout,
+as urllib's, never ends while bytes keep coming. The host's name is resolved before the deadline
+counts (vLLM's URLs are numeric addresses or `localhost`, from /etc/hosts).
+"""
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
-import urllib.request
+import socket
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+# At most this much of an error's body is kept (vLLM's JSON error, a proxy's page).
+ERROR_BODY_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -33,19 +50,91 @@ def request(
     json_body: dict[str, object] | None = None,
     max_bytes: int = 4096,
 ) -> HttpResult:
-    """`timeout_s` None waits as long as the server takes (a profiler flush); it bounds each
-    wait for the server, as urllib's does. At most `max_bytes` of the answer are read."""
+    """`timeout_s` bounds the whole exchange (the module's docstring); None waits as long as the
+    server takes (a profiler flush, whose caller bounds it by waiting on its own thread). At
+    most `max_bytes` of the answer are read. A timeout's `error` says "timed out"."""
     data = json.dumps(json_body).encode() if json_body is not None else None
     if data is None and method == "POST":
         data = b""
-    headers = {"Content-Type": "application/json"} if json_body is not None else {}
-    req = urllib.request.Request(url, method=method, data=data, headers=headers)
+    headers = {"Connection": "close", "User-Agent": "kimi-supervisor"}
+    if json_body is not None:
+        headers["Content-Type"] = "application/json"
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    conn: _Connection | None = None
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            return HttpResult(int(r.status), r.read(max_bytes).decode(errors="replace"))
-    except urllib.error.HTTPError as e:
-        body = e.read(4096).decode(errors="replace") if e.fp else ""
-        return HttpResult(int(e.code), body, f"HTTP {e.code}")
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        return HttpResult(0, "", str(reason) or type(e).__name__)
+        u = urlsplit(url)
+        if u.scheme != "http" or not u.hostname:
+            return HttpResult(0, "", f"not an http:// URL: {url}")
+        conn = _Connection(u.hostname, u.port or 80, deadline)
+        conn.request(method, (u.path or "/") + (f"?{u.query}" if u.query else ""), data, headers)
+        r = conn.getresponse()
+        if 200 <= r.status < 300:
+            return HttpResult(r.status, r.read(max_bytes).decode(errors="replace"))
+        body = r.read(ERROR_BODY_BYTES).decode(errors="replace")
+        return HttpResult(r.status, body, f"HTTP {r.status}")
+    except TimeoutError:
+        return HttpResult(0, "", f"timed out: no whole answer within {timeout_s:g} s")
+    except (OSError, ValueError, http.client.HTTPException) as e:
+        return HttpResult(0, "", str(e) or type(e).__name__)
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+class _DeadlineSocket(socket.socket):
+    """A socket whose every wait is cut to what is left of one deadline (None: no bound)."""
+
+    deadline: float | None = None
+
+    def _cut(self) -> None:
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("timed out")
+            self.settimeout(left)
+
+    def connect(self, address: Any) -> None:
+        self._cut()
+        super().connect(address)
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        self._cut()
+        return super().recv(bufsize, flags)
+
+    def recv_into(self, buffer: WriteableBuffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._cut()  # what the response's reader (socket.makefile) calls
+        return super().recv_into(buffer, nbytes, flags)
+
+    def send(self, data: ReadableBuffer, flags: int = 0) -> int:
+        self._cut()
+        return super().send(data, flags)
+
+    def sendall(self, data: ReadableBuffer, flags: int = 0) -> None:
+        self._cut()  # one timeout for the whole call (Python 3.5+), cut to what is left
+        super().sendall(data, flags)
+
+
+class _Connection(http.client.HTTPConnection):
+    """http.client's, with every socket wait under one deadline."""
+
+    def __init__(self, host: str, port: int, deadline: float | None) -> None:
+        super().__init__(host, port)
+        self._deadline = deadline
+
+    def connect(self) -> None:
+        error: OSError = OSError(f"cannot resolve {self.host}")
+        for family, kind, proto, _, address in socket.getaddrinfo(
+            self.host, self.port, type=socket.SOCK_STREAM
+        ):
+            sock = _DeadlineSocket(family, kind, proto)
+            sock.deadline = self._deadline
+            try:
+                sock.connect(address)
+            except OSError as e:
+                sock.close()
+                error = e
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock = sock
+            return
+        raise error

@@ -1,4 +1,4 @@
-"""Prometheus metrics on a localhost port (prometheus-client, its own registry and thread).
+"""Prometheus metrics on a localhost port (prometheus-client's registry, our own server thread).
 
 Named as Prometheus asks (base units: `_bytes`, `_seconds`; counters `_total`). Per-GPU series
 carry `gpu` (the index) and `uuid`, the label dcgm-exporter uses, so the two join. The shipped
@@ -6,18 +6,36 @@ alert rules (config/prometheus/kimi-supervisor-alerts.yml) and dashboard
 (config/grafana/kimi-supervisor.json) query these names; a test checks each against a live
 /metrics.
 
-The loop sets them; the exporter thread only reads. Off when metrics.enabled is false. The
-exporter blocks until a scrape arrives (prometheus-client's own server wakes twice a second to
-check for shutdown, which alone cost 0.5% of a core on an idle daemon).
+The loop sets them; the exporter thread only reads. Off when metrics.enabled is false.
+
+The server (`MetricsServer`) is one thread that never blocks on a client: any local user may
+connect, and one idle connection to a server that answered one request at a time with no timeout
+blinded every scrape (issue 42). Every connection is non-blocking and has one deadline for its
+whole exchange (`timeout_s` from its accept: the request whole, then the answer taken), so a
+client that trickles a byte a second is closed at it too. At most `max_connections` are held:
+a new one closes the oldest. A request that came with its connection, as a scraper's does, is
+answered in the same pass as its accept, before any later connection can push it out. The
+answer is prometheus-client's own WSGI app's (formats, gzip, `name[]`). The thread sleeps in
+select until a connection or a deadline: nothing wakes an idle daemon (prometheus-client's own
+server wakes twice a second to check for shutdown, which alone cost 0.5% of a core).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
+import os
 import platform
+import re
+import selectors
+import socket
+import sys
 import threading
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
@@ -25,6 +43,31 @@ from kimi_supervisor.model import Mode
 from kimi_supervisor.version import package_version
 
 MIB = 1 << 20
+
+# One connection's whole exchange, from its accept: its request whole, then its answer taken.
+# Prometheus sends its request at once and reads the answer at once.
+TIMEOUT_S = 10.0
+# Connections held at once; a new one beyond them closes the oldest. Each costs a descriptor of
+# the daemon's (whose soft limit is 1024) and at most one request and one answer in memory.
+MAX_CONNECTIONS = 128
+# A request's line and headers, at most (Prometheus sends about 250 bytes).
+MAX_REQUEST_BYTES = 8192
+# What a client sends after its request is read (and dropped) this much at a time.
+DRAIN_BYTES = 65536
+# Connections the kernel queues until the thread accepts them. Past it, a client's SYN is dropped
+# and sent again a second later: under a flood of connections, 128 cost root's scrapes that second.
+BACKLOG = 1024
+# Connections accepted per pass, at most: between batches, the requests that have come are read
+# first, so that a flood of new connections pushes out none that has asked.
+ACCEPT_BATCH = 8
+# accept(2) errors that say the daemon is out of a resource: tried again after a doubling wait.
+OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_BACKOFF_S = 0.01
+ACCEPT_BACKOFF_MAX_S = 1.0
+# The end of a request's headers (a bare LF is taken, as from `printf | nc`).
+_HEAD_END = re.compile(rb"\r?\n\r?\n")
+# The thread ends at close(): it wakes at once; this only bounds the join.
+CLOSE_JOIN_S = 2.0
 
 
 class Metrics:
@@ -145,26 +188,40 @@ class Metrics:
             ["file"],
             registry=r,
         )
-        self._server: Any = None
-
-    def serve(self, address: str, port: int) -> None:
-        server = make_server(
-            address, port, make_wsgi_app(self.registry), WSGIServer, handler_class=_Quiet
+        self.dropped = Counter(
+            f"{ns}_metrics_connections_dropped_total",
+            "connections to this /metrics closed unanswered: `timeout` (the request not whole, "
+            "or the answer not taken, within metrics.timeout_s), `evicted` (the oldest, closed "
+            "for a new one past metrics.max_connections), `too_large` (a request over 8 KiB)",
+            ["reason"],
+            registry=r,
         )
-        server.timeout = None  # handle_request blocks until a scrape arrives
+        self._server: MetricsServer | None = None
 
-        def serve() -> None:
-            with contextlib.suppress(OSError, ValueError):  # the socket was closed: done
-                while self._server is server:
-                    server.handle_request()
-
+    def serve(
+        self,
+        address: str,
+        port: int,
+        timeout_s: float = TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> int:
+        """Listen and answer on a thread of its own; the port listened on (`port` 0: any).
+        OSError if it cannot listen."""
+        server = MetricsServer(
+            make_wsgi_app(self.registry),
+            address,
+            port,
+            timeout_s,
+            max_connections,
+            lambda reason: self.dropped.labels(reason).inc(),
+        )
         self._server = server
-        threading.Thread(target=serve, daemon=True, name="metrics").start()
+        return server.port
 
     def close(self) -> None:
         if self._server is not None:
             server, self._server = self._server, None
-            server.server_close()
+            server.close()
 
     def set_modes(self, desired: Mode, actual: Mode | None) -> None:
         for m in Mode:
@@ -180,6 +237,265 @@ class Metrics:
         self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+class _Exchange:
+    """One connection: its request as it arrives, then its answer as the client takes it."""
+
+    __slots__ = ("answer", "deadline", "request", "sock")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.request = bytearray()
+        # None while the request comes; then what is left to send; empty once sent.
+        self.answer: memoryview | None = None
+
+
+class MetricsServer:
+    """HTTP/1.1 GET on one thread, every connection non-blocking with one deadline for its
+    whole exchange, at most `max_connections` held (the module's docstring says why)."""
+
+    def __init__(
+        self,
+        app: WsgiApp,
+        address: str,
+        port: int,
+        timeout_s: float = TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+        dropped: Callable[[str], None] = lambda reason: None,
+    ) -> None:
+        self._app = app
+        self.timeout_s = timeout_s
+        self.max_connections = max_connections
+        self._dropped = dropped
+        family, _, _, _, where = socket.getaddrinfo(
+            address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(where)
+            listener.listen(BACKLOG)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port: int = listener.getsockname()[1]
+        self._name = (address, str(self.port))
+        # Ordered by accept, so the first is the oldest and has the earliest deadline.
+        self._open: dict[int, _Exchange] = {}
+        self._closing = False
+        self._accept_backoff_s = 0.0
+        self._accept_again_at: float | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="metrics")
+        self._thread.start()
+
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    def close(self) -> None:
+        """Stop listening and close every connection (the thread wakes at once)."""
+        self._closing = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        self._thread.join(CLOSE_JOIN_S)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _serve(self) -> None:
+        try:
+            while not self._closing:
+                accept = False
+                for key, _events in self._selector.select(self._wait_s()):
+                    if key.fileobj is self._listener:
+                        accept = True
+                    elif isinstance(key.data, _Exchange):
+                        self._guarded(key.data)
+                # After the connections that were ready: a burst of new ones never pushes out
+                # one whose request is there to be answered.
+                if accept:
+                    self._accept()
+                self._expire(time.monotonic())
+        finally:
+            for ex in list(self._open.values()):
+                self._drop(ex)
+            self._selector.close()
+            self._listener.close()
+
+    def _guarded(self, ex: _Exchange) -> None:
+        """One connection's step; a failure of its own (a bug) closes it, never the server."""
+        try:
+            self._step(ex)
+        except Exception:
+            self._drop(ex)
+
+    def _wait_s(self) -> float | None:
+        """Until the oldest connection's deadline, or the end of an accept backoff; None (no
+        timer at all) with nothing open."""
+        due = [t for t in (self._accept_again_at,) if t is not None]
+        if self._open:
+            due.append(next(iter(self._open.values())).deadline)
+        if not due:
+            return None
+        return max(0.0, min(due) - time.monotonic())
+
+    def _accept(self) -> None:
+        # A batch at most per pass: a flood of connections never starves the open ones.
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno in OUT_OF_RESOURCES:
+                    self._back_off()
+                break
+            self._accept_backoff_s = 0.0
+            sock.setblocking(False)
+            if len(self._open) >= self.max_connections:
+                self._dropped("evicted")
+                self._drop(next(iter(self._open.values())))
+            ex = _Exchange(sock, time.monotonic() + self.timeout_s)
+            self._open[sock.fileno()] = ex
+            self._selector.register(sock, selectors.EVENT_READ, ex)
+            self._guarded(ex)  # a scraper's request came with its connection: answered now
+
+    def _back_off(self) -> None:
+        """Out of descriptors: stop accepting for a doubling while (the kernel queues the
+        connections meanwhile), rather than spin on a listener that stays readable."""
+        self._accept_backoff_s = min(
+            max(self._accept_backoff_s * 2, ACCEPT_BACKOFF_S), ACCEPT_BACKOFF_MAX_S
+        )
+        self._accept_again_at = time.monotonic() + self._accept_backoff_s
+        self._selector.unregister(self._listener)
+
+    def _expire(self, now: float) -> None:
+        if self._accept_again_at is not None and now >= self._accept_again_at:
+            self._accept_again_at = None
+            self._selector.register(self._listener, selectors.EVENT_READ)
+        while self._open:
+            ex = next(iter(self._open.values()))
+            if ex.deadline > now:
+                break
+            if ex.answer is None or ex.answer:  # not drained: its request or answer unfinished
+                self._dropped("timeout")
+            self._drop(ex)
+
+    def _drop(self, ex: _Exchange) -> None:
+        if self._open.pop(ex.sock.fileno(), None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(ex.sock)
+        ex.sock.close()
+
+    def _step(self, ex: _Exchange) -> None:
+        """Read what came, send what the client will take, or drain what it sends after its
+        answer; never waits."""
+        try:
+            if ex.answer:  # being sent
+                sent = ex.sock.send(ex.answer)
+                ex.answer = ex.answer[sent:]
+                if not ex.answer:
+                    self._sent(ex)
+                return
+            want = DRAIN_BYTES if ex.answer is not None else MAX_REQUEST_BYTES + 1 - len(ex.request)
+            data = ex.sock.recv(want)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(ex)
+            return
+        if not data:
+            self._drop(ex)  # the client closed: before asking, or after its answer
+            return
+        if ex.answer is not None:
+            return  # sent after its request: read and dropped
+        ex.request += data
+        end = _HEAD_END.search(ex.request)
+        if end is not None:
+            self._answer(ex, self._respond(bytes(ex.request[: end.start()])))
+        elif len(ex.request) > MAX_REQUEST_BYTES:
+            self._dropped("too_large")
+            self._answer(ex, _plain("431 Request Header Fields Too Large"))
+
+    def _sent(self, ex: _Exchange) -> None:
+        """The whole answer is the kernel's to deliver: the end is said (FIN), and what the
+        client sent beyond its request is read until it closes, within the same deadline.
+        Closed with that unread, the kernel would reset the connection, and the client could
+        lose its answer (a lingering close, as Apache's)."""
+        with contextlib.suppress(OSError):
+            ex.sock.shutdown(socket.SHUT_WR)
+        self._selector.modify(ex.sock, selectors.EVENT_READ, ex)
+
+    def _answer(self, ex: _Exchange, answer: bytes) -> None:
+        ex.request = bytearray()
+        ex.answer = memoryview(answer)
+        self._selector.modify(ex.sock, selectors.EVENT_WRITE, ex)
+        self._step(ex)
+
+    def _respond(self, head: bytes) -> bytes:
+        """The whole HTTP answer to a request's line and headers."""
+        lines = head.decode("latin-1").split("\n")
+        parts = lines[0].strip().split(" ")
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return _plain("400 Bad Request")
+        method, target, protocol = parts
+        environ: dict[str, Any] = {
+            "REQUEST_METHOD": method,
+            "SCRIPT_NAME": "",
+            "SERVER_NAME": self._name[0],
+            "SERVER_PORT": self._name[1],
+            "SERVER_PROTOCOL": protocol,
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": "http",
+            "wsgi.input": io.BytesIO(),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": False,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
+        }
+        try:
+            url = urlsplit(target)
+        except ValueError:
+            return _plain("400 Bad Request")
+        environ["PATH_INFO"] = unquote(url.path, "latin-1")
+        environ["QUERY_STRING"] = url.query
+        for line in lines[1:]:
+            name, colon, value = line.partition(":")
+            if not colon or not name.strip():
+                return _plain("400 Bad Request")
+            key = name.strip().upper().replace("-", "_")
+            if key not in ("CONTENT_TYPE", "CONTENT_LENGTH"):
+                key = f"HTTP_{key}"
+            environ[key] = value.strip()
+        started: list[Any] = []
+
+        def start_response(status: str, headers: list[tuple[str, str]], *_: Any) -> None:
+            started[:] = [status, headers]
+
+        try:
+            body = b"".join(self._app(environ, start_response))
+        except Exception as e:  # a collector that fails: the scraper is told, the server goes on
+            return _plain("500 Internal Server Error", f"{type(e).__name__}: {e}\n".encode())
+        status, headers = started
+        return _head(status, headers, len(body)) + body
+
+
+def _head(status: str, headers: list[tuple[str, str]], length: int) -> bytes:
+    own = {"content-length", "connection"}
+    lines = [f"HTTP/1.1 {status}"]
+    lines += [f"{k}: {v}" for k, v in headers if k.lower() not in own]
+    lines += [f"Content-Length: {length}", "Connection: close", "", ""]
+    return "\r\n".join(lines).encode("latin-1")
+
+
+def _plain(status: str, body: bytes | None = None) -> bytes:
+    text = body if body is not None else f"{status}\n".encode()
+    return _head(status, [("Content-Type", "text/plain; charset=utf-8")], len(text)) + text

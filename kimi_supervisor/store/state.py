@@ -6,6 +6,7 @@ symlink), fsync, rename over the old file, fsync of the directory. Read-modify-w
 `update`, under an flock, so the daemon and `kimi-supervisor calibrate` never lose each other's
 change. A file that cannot be read as a valid state (truncated, corrupt, a symlink) is moved
 aside with a timestamp and the defaults are used (production); the caller reports the warning.
+Of the files set aside, the newest KEEP_ASIDE of each kind are kept (`prune_aside`).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import errno
 import fcntl
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +29,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from kimi_supervisor.model import Mode, utcnow
 
 STATE_VERSION: Literal[1] = 1
+
+# The files set aside of each kind (state.json.outside-TIME, state.json.corrupt-TIME) that are
+# kept: an edit made outside the daemon in a loop would otherwise leave one more each pass.
+KEEP_ASIDE = 5
 
 
 class StateError(Exception):
@@ -143,6 +150,28 @@ def open_trusted(path: Path, flags: int, mode: int = 0o640) -> int:
     return fd
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """What `prune_aside` did: files of the kind now there, removed, left although old (not the
+    daemon's to remove), and why nothing could be done, if so."""
+
+    kept: int = 0
+    removed: int = 0
+    left: int = 0
+    error: str = ""
+
+    def says(self, kind: str) -> str:
+        """For a warning: "5 corrupt files kept, the newest; 1 older removed"."""
+        if self.error:
+            return f"older {kind} files not pruned: {self.error}"
+        text = f"{self.kept} {kind} file{'s' if self.kept != 1 else ''} kept, the newest"
+        if self.removed:
+            text += f"; {self.removed} older removed"
+        if self.left:
+            text += f"; {self.left} older left, not the daemon's to remove"
+        return text
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
@@ -217,12 +246,51 @@ class StateStore:
         os.link(self.path, aside, follow_symlinks=False)
         return aside
 
+    def prune_aside(self, tag: str, spare: Path, keep: int = KEEP_ASIDE) -> Pruned:
+        """Remove the files set aside as state.json.TAG-TIME but the newest `keep` (by the
+        time in their names; `spare`, the one just set aside, is kept whatever a stepped clock
+        named it). Only what the daemon made is removed: names it gives, in its own state
+        directory (opened without following a link, and trusted), each a regular file of the
+        daemon's user, looked at and unlinked from the directory's descriptor, never through a
+        link. Anything else by such a name is left, and counted. Errors are data: a directory
+        that cannot be listed removes nothing."""
+        pattern = re.compile(rf"state\.json\.{re.escape(tag)}-\d{{8}}T\d{{6}}\.\d{{6}}Z")
+        try:
+            dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            return Pruned(error=f"cannot open {self.dir}: {e}")
+        try:
+            if untrusted(os.fstat(dfd), str(self.dir)):
+                return Pruned(error=f"{self.dir} cannot be trusted: nothing removed")
+            names = sorted((n for n in os.listdir(dfd) if pattern.fullmatch(n)), reverse=True)
+            older = [n for n in names if n != spare.name][max(keep - 1, 0) :]
+            removed, left = 0, 0
+            for name in older:
+                try:
+                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                        left += 1  # not the daemon's: a link, a FIFO, another user's file
+                        continue
+                    os.unlink(name, dir_fd=dfd)  # the name itself: a link is never followed
+                except FileNotFoundError:
+                    continue  # gone meanwhile
+                except OSError:
+                    left += 1
+                    continue
+                removed += 1
+            return Pruned(len(names) - removed - left, removed, left)
+        except OSError as e:
+            return Pruned(error=f"cannot list {self.dir}: {e}")
+        finally:
+            os.close(dfd)
+
     def _move_aside(self, why: str) -> str:
         aside = self.path.with_name(f"state.json.corrupt-{utcnow():%Y%m%dT%H%M%S.%fZ}")
         os.rename(self.path, aside)  # renames a symlink itself, never its target
+        pruned = self.prune_aside("corrupt", aside)
         return (
-            f"{self.path} was unusable: {why}. Moved to {aside}; starting from defaults "
-            "(desired mode: production)"
+            f"{self.path} was unusable: {why}. Moved to {aside} ({pruned.says('corrupt')}); "
+            "starting from defaults (desired mode: production)"
         )
 
     def write(self, state: PersistedState) -> None:

@@ -1,0 +1,272 @@
+"""The daemon's /metrics server (ports/metrics.py) with real sockets: idle, trickling, many and
+slow clients of another user never hold back root's scrapes; its threads and connections stay
+bounded; every connection is closed at its deadline (issue 42)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.ports.http import request
+from kimi_supervisor.ports.metrics import MAX_REQUEST_BYTES, Metrics, MetricsServer
+from tests.conftest import as_user
+from tests.floods import METRICS_HOLD
+
+NOBODY = ("--reuid=65534", "--regid=65534", "--clear-groups")
+TIMEOUT_S = 1.0
+CAP = 64
+
+
+@pytest.fixture
+def metrics() -> Iterator[Metrics]:
+    m = Metrics()
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def _serve(m: Metrics, timeout_s: float = TIMEOUT_S, cap: int = CAP) -> int:
+    return m.serve("127.0.0.1", 0, timeout_s, cap)
+
+
+def _scrape(port: int) -> tuple[float, int, str]:
+    t0 = time.monotonic()
+    r = request(f"http://127.0.0.1:{port}/metrics", timeout_s=10, max_bytes=1 << 22)
+    return time.monotonic() - t0, r.status, r.body
+
+
+def _dropped(body: str, reason: str) -> float:
+    line = f'kimi_supervisor_metrics_connections_dropped_total{{reason="{reason}"}} '
+    values = [float(x.removeprefix(line)) for x in body.splitlines() if x.startswith(line)]
+    return values[0] if values else 0.0
+
+
+def _metrics_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "metrics"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="holds the connections as another user (setpriv)")
+def test_root_scrapes_answer_within_a_second_while_another_user_holds_100_idle_and_10_trickling_connections(  # noqa: E501
+    metrics: Metrics,
+) -> None:
+    before = threading.active_count()
+    port = _serve(metrics)
+    hold = subprocess.Popen(
+        [*as_user(*NOBODY), "-c", METRICS_HOLD, "127.0.0.1", str(port), "100", "10", "30", "once"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert hold.stdout is not None
+        assert hold.stdout.readline() == "held 65534\n"  # all 110 open, as nobody
+        scrapes = [_scrape(port) for _ in range(10)]
+        open_then = metrics._server.open_connections() if metrics._server else -1
+        threads_then = threading.active_count()
+        out = hold.stdout.read()  # the client ends once the server has closed them all
+        hold.wait(30)
+    finally:
+        if hold.poll() is None:
+            hold.kill()
+            hold.wait()
+    assert all(status == 200 for _took, status, _body in scrapes), scrapes
+    assert max(took for took, _s, _b in scrapes) < 1.0, [round(t, 3) for t, _s, _b in scrapes]
+    assert 0 < open_then <= CAP  # the rest were closed for newer ones: bounded
+    assert threads_then == before + 1 and len(_metrics_threads()) == 1  # one thread, whatever comes
+    held = json.loads(out)
+    assert held["opened"] == 110 and held["still_open"] == 0, held
+    closed = held["closed_after_s"]
+    assert len(closed) == 110 and max(closed) < TIMEOUT_S + 1.0, sorted(closed)[-5:]
+    # The trickling ones (opened last, never evicted) lasted until their deadline, no longer.
+    assert sum(1 for s in closed if s >= TIMEOUT_S - 0.2) >= 10, sorted(closed)
+    _took, _status, body = _scrape(port)
+    assert _dropped(body, "timeout") >= 10 and _dropped(body, "evicted") >= 110 - CAP, body
+
+
+def test_a_scraper_that_never_reads_is_closed_at_its_deadline_and_holds_back_no_scrape() -> None:
+    big = b"x" * (16 << 20)  # more than the kernel's buffers on both ends hold
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [big if environ["PATH_INFO"] == "/big" else b"small\n"]
+
+    dropped: list[str] = []
+    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP, dropped.append)
+    slow = socket.socket()
+    try:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(("127.0.0.1", server.port))
+        slow.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = time.monotonic()
+        took, status, body = _scrape(server.port)
+        assert (status, body) == (200, "small\n") and took < 1.0, took
+        # The slow one reads nothing until past its deadline, then all it can.
+        time.sleep(max(0.0, TIMEOUT_S + 0.5 - (time.monotonic() - t0)))
+        assert dropped == ["timeout"] and server.open_connections() == 0
+        slow.settimeout(10)
+        got = 0
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := slow.recv(1 << 20):
+                got += len(chunk)
+    finally:
+        slow.close()
+        server.close()
+    assert 0 < got < len(big), got  # its answer ends short: closed, not waited for
+
+
+def test_a_connection_past_the_cap_closes_the_oldest_and_a_late_scraper_is_still_answered(
+    metrics: Metrics,
+) -> None:
+    port = _serve(metrics, timeout_s=60, cap=4)
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(6)]
+    try:
+        took, status, body = _scrape(port)
+        assert status == 200 and took < 1.0
+        for s in idle[:3]:  # the three oldest made room for the three after the cap
+            s.settimeout(5)
+            assert s.recv(1) == b""
+        assert metrics._server is not None and metrics._server.open_connections() <= 4
+    finally:
+        for s in idle:
+            s.close()
+    assert _dropped(body, "evicted") == 3
+
+
+def test_a_request_over_8_kib_is_refused_with_431_and_closed(metrics: Metrics) -> None:
+    port = _serve(metrics)
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nX-Pad: " + b"a" * MAX_REQUEST_BYTES)
+        answer = s.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+
+
+def test_scrapers_get_prometheus_clients_own_answers_gzip_openmetrics_and_405(
+    metrics: Metrics,
+) -> None:
+    port = _serve(metrics)
+
+    def ask(raw: bytes) -> tuple[bytes, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(raw)
+            head, _, body = s.makefile("rb").read().partition(b"\r\n\r\n")
+        return head, body
+
+    head, body = ask(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n")
+    assert b"Content-Encoding: gzip" in head and b"Connection: close" in head
+    assert b"kimi_supervisor_build_info" in gzip.decompress(body)
+    head, body = ask(
+        b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text; version=1.0.0\r\n\r\n"
+    )
+    assert b"application/openmetrics-text" in head and body.endswith(b"# EOF\n")
+    head, _ = ask(b"GET /metrics?name[]=kimi_supervisor_build_info HTTP/1.0\n\n")  # printf | nc
+    assert head.startswith(b"HTTP/1.1 200 OK")
+    head, _ = ask(b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 405 ")
+    head, _ = ask(b"nonsense\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+
+
+def test_closing_stops_listening_closes_every_connection_and_ends_the_thread(
+    metrics: Metrics,
+) -> None:
+    port = _serve(metrics, timeout_s=60)
+    held = socket.create_connection(("127.0.0.1", port), timeout=5)
+    try:
+        assert _scrape(port)[1] == 200
+        metrics.close()
+        assert held.recv(1) == b""
+    finally:
+        held.close()
+    assert _metrics_threads() == []
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    # The port is free again at once (a re-exec listens on it anew).
+    again = Metrics()
+    try:
+        assert again.serve("127.0.0.1", port) == port
+    finally:
+        again.close()
+
+
+SERVER = """
+import os, resource, sys, time
+from kimi_supervisor.ports.metrics import Metrics
+m = Metrics()
+print(m.serve("127.0.0.1", 0, 30.0, 8), flush=True)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+held = []
+try:
+    while True:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print("exhausted", flush=True)
+sys.stdin.readline()  # a scraper waits in the queue
+cpu = time.process_time()
+sys.stdin.readline()
+print(time.process_time() - cpu, flush=True)
+for fd in held:
+    os.close(fd)
+sys.stdin.readline()
+"""
+
+
+def test_out_of_descriptors_the_metrics_server_waits_instead_of_spinning_and_then_answers() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        port = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "exhausted"
+        answers: list[tuple[float, int, str]] = []
+        scraper = threading.Thread(target=lambda: answers.append(_scrape(port)), daemon=True)
+        scraper.start()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        time.sleep(1.0)  # a second of the server out of descriptors, a scraper waiting
+        proc.stdin.write("\n")  # measure, then free the descriptors
+        proc.stdin.flush()
+        cpu_s = float(proc.stdout.readline())
+        scraper.join(10)
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert cpu_s < 0.3, f"{cpu_s:.2f} s of CPU in one second: it spun"
+    (answer,) = answers
+    assert answer[1] == 200, answer[:2]
+
+
+def test_a_collector_that_fails_answers_that_scrape_500_and_the_next_one_is_served() -> None:
+    calls: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        calls.append(environ["PATH_INFO"])
+        if len(calls) == 1:
+            raise RuntimeError("a collector's bug")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"fine\n"]
+
+    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP)
+    try:
+        first = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
+        second = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
+    finally:
+        server.close()
+    assert first.status == 500 and "a collector's bug" in first.body, first
+    assert (second.status, second.body) == (200, "fine\n")
