@@ -312,7 +312,7 @@ class Daemon:
                 return ok.model_copy(update={"message": why})
             case Stop():
                 s.stop_requested = True
-                s.stop_warming()  # a stop never waits for it
+                s.stop_warming("the daemon is stopping")  # a stop never waits for it
                 return ok.model_copy(update={"message": "stopping"})
             case Reexec():
                 s.reexec_requested = True
@@ -361,6 +361,7 @@ class Daemon:
             return
         if s.state is State.STARTING:
             life.follow_output()
+        life.warm_left_returned()
         self.desk.check_expiry()
         obs = s.observed = self._observe()
         if obs is None:
