@@ -237,7 +237,10 @@ class Daemon:
         """Sleep until a message rings, the served MainPID exits, or the next deadline (at most
         `max_s`: the in-process tests, whose clock is not the one select waits on)."""
         s = self.s
-        watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
+        # The vLLM that serves, also while a switch warms (it still serves then, and its exit
+        # ends the warming: Lifecycle.main_exited).
+        served = (s.state is State.SERVING and not s.busy) or s.state is State.WARMING
+        watch = s.serving.pid if s.serving and served else 0
         self.wakeup.watch(watch)
         timeout = 0.0 if len(self.inbox) else self.timeout()
         exited = self.wakeup.wait(timeout if max_s is None else min(timeout, max_s))

@@ -235,6 +235,22 @@ def test_a_stop_during_a_warming_does_not_wait_for_it(slow_host: LoopHost) -> No
     assert h.systemd.starts == [Mode.PRODUCTION]  # profile was never started
 
 
+def test_a_vllm_that_exits_during_a_warming_ends_it_and_the_switch_goes_on(
+    slow_host: LoopHost,
+) -> None:
+    h = slow_host
+    h.serving(Mode.PRODUCTION)
+    h.ask(Switch(Mode.PROFILE, "op"))
+    warming(h)
+    assert h.systemd.child is not None
+    h.systemd.child.kill()  # the old vLLM, the test's own child
+    h.until(lambda: h.daemon.s.state is not State.WARMING, "the warming to stop")
+    said = [x for x in h.lines if x["event"] == "warmed"][-1]
+    assert said["stopped"] == "aborted" and "stopped: the old vLLM exited" in said["text"]
+    h.serving(Mode.PROFILE)
+    assert h.systemd.starts == [Mode.PRODUCTION, Mode.PROFILE]
+
+
 def test_the_eta_of_a_load_is_made_of_the_past_switches_parts(host: LoopHost) -> None:
     host.serving(Mode.PRODUCTION)
     for mode in (Mode.PROFILE, Mode.PRODUCTION):
