@@ -87,7 +87,7 @@ def _openat2(dir_fd: int, rel: str, flags: int) -> int | None:
         _openat2_works = False  # an older kernel, or a seccomp filter that answers EPERM
         return None
     if err == errno.ELOOP:
-        raise Refused("a symbolic link on its way (never followed)")
+        raise Refused("a symbolic link (never followed)")
     if err == errno.EXDEV:
         raise Refused("outside the folder it was listed in")
     raise Refused(os.strerror(err).lower())
@@ -105,7 +105,7 @@ def _walk(dir_fd: int, rel: str, flags: int) -> int:
                 nxt = os.open(part, want | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR) and not last:
-                    raise Refused("a symbolic link on its way (never followed)") from None
+                    raise Refused("a symbolic link (never followed)") from None
                 raise Refused((e.strerror or str(e)).lower()) from None
             if fd != dir_fd:
                 os.close(fd)
