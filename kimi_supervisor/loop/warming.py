@@ -177,7 +177,7 @@ class _Warden:
 
     def _said(self, stopped: str, under_way: bool) -> WarmStatus:
         s, read, took = self.status, self.read_bytes, self.clock.monotonic() - self.t0
-        rate = f" at {read / took / GB:.2f} GB/s" if took > 0 and read else ""
+        rate = f" at {read / took / GB:.2f} GB/s" if took > 0 and read >= GB / 100 else ""
         text = (
             f"warmed {read / GB:.2f} of {s.bytes / GB:.2f} GB ({s.files} files) in {took:.1f} s"
             f"{rate}"

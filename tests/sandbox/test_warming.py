@@ -186,8 +186,16 @@ def test_a_switch_whose_model_reads_hang_goes_on_at_warm_timeout_s_and_leaves_it
     pid, vllm = daemon.pid(), daemon.vllm_pid()
     watch = StatusWatch(daemon)
     reader = switch_and_wait_stuck(daemon)
+    daemon.wait_status(lambda s: s["state"] in ("tearing_down", "starting"), 15, "giving up")
+    text = daemon.kimi_mode("status").stdout  # as a person reads it, while the switch goes on
     status = daemon.wait_serving("profile", 60)
     seen = watch.stop()
+    assert "warming:" not in text and "page cache:" in text, text
+    assert all(len(line) <= 80 for line in text.splitlines()), text
+    said = " ".join(text.split())  # the lines as wrapped at 80 columns, joined
+    assert "stopped at warm.timeout_s (6 s)" in said
+    assert f"the reader (PID {reader}) is left in kimi-supervisor-warm-{reader}.scope" in said
+    assert "a warming's reader is left" in said  # the warning
     # It gave up at warm.timeout_s (6 s) and the switch went on: the last "warming" status is
     # within the bound, and none says warming after the first that did not.
     warming = [line[0] for line in seen if said_warming(line)]

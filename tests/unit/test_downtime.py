@@ -219,6 +219,7 @@ def test_a_forced_switch_during_a_warming_does_not_wait_for_it(slow_host: LoopHo
     h.until(lambda: h.daemon.s.state is not State.WARMING, "the warming to stop")
     said = [x for x in h.lines if x["event"] == "warmed"][-1]
     assert said["stopped"] == "aborted" and said["read_bytes"] < said["bytes"]
+    assert said["abandoned"] == 0 and "a --force switch to production took over" in said["text"]
     h.serving(Mode.PRODUCTION)
     assert h.systemd.starts == [Mode.PRODUCTION, Mode.PRODUCTION]
 
@@ -232,6 +233,7 @@ def test_a_stop_during_a_warming_does_not_wait_for_it(slow_host: LoopHost) -> No
     h.until(lambda: h.daemon.s.stopped_clean is not None, "the daemon to stop")
     said = [x for x in h.lines if x["event"] == "warmed"][-1]
     assert said["stopped"] == "aborted" and said["read_bytes"] < said["bytes"]
+    assert said["abandoned"] == 0  # reads that progress end when their reader is killed
     assert h.systemd.starts == [Mode.PRODUCTION]  # profile was never started
 
 
