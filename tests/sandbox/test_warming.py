@@ -201,14 +201,14 @@ def test_a_switch_whose_model_reads_hang_goes_on_at_warm_timeout_s_and_leaves_it
     warming = [line[0] for line in seen if said_warming(line)]
     assert warming, "no status said warming"
     said_for = max(warming) - min(warming)
-    assert said_for < 6 + 1.0, f"status said warming for {said_for:.1f} s"
+    assert said_for < 6 + 1.5, f"status said warming for {said_for:.1f} s"
     print(f"measured: status said warming for {said_for:.2f} s (warm.timeout_s 6 s)")
     first_after = next(i for i, line in enumerate(seen) if line[0] > max(warming))
     assert not any(said_warming(line) for line in seen[first_after:])
     assert daemon.vllm_pid() != vllm and daemon.pid() == pid
     end = warmed(daemon)[-1]
     assert (end["stopped"], end["reader_pid"]) == ("timeout", reader)
-    assert 6 <= end["took_s"] < 6 + 0.8, end["took_s"]  # the deadline, the kill's 0.5 s wait
+    assert 6 <= end["took_s"] < 6 + 1.5, end["took_s"]  # the deadline, the kill's 0.5 s wait
     assert end["abandoned"] >= 1 and "stuck in the kernel abandoned" in end["text"]
     record = daemon.transitions()[-1]
     assert record["outcome"] == "ready" and record["downtime"]["warm"]["abandoned"] >= 1
