@@ -348,7 +348,8 @@ class WarmConfig(_Strict):
     # The most it reads, as a share of MemAvailable when it begins; files past it are skipped
     # (and said so): vLLM reads them from disk.
     max_ram_share: Annotated[float, Field(gt=0, le=0.9)] = 0.5
-    # The longest a warming may take; the teardown then begins all the same.
+    # The longest a warming may take; the teardown then begins all the same (a read stuck in a
+    # hung mount is left to its reader process, never waited for).
     timeout_s: PositiveSeconds = 900.0
     # Files read at once (a striped or NVMe volume reads faster with several).
     threads: Annotated[int, Field(ge=1, le=64)] = 4

@@ -110,7 +110,16 @@ class WarmStatus(BaseModel):
     skipped_bytes: int = 0
     budget_bytes: int = 0  # warm.max_ram_share of MemAvailable when it began
     took_s: float = 0.0
-    stopped: str = ""  # "aborted" (a --force switch, a stop), "timeout", "" when it ran out
+    # "aborted" (a --force switch, a stop, the old vLLM's exit), "timeout", "" when it ran out
+    stopped: str = ""
+    # Files vLLM reads that were not opened as they were judged ("name: why"): a link out of
+    # the tree, a FIFO, a device or a socket, another inode than the listing saw.
+    refused: list[str] = Field(default_factory=list)
+    # Reads stuck in the kernel (a hung mount) when the warming gave up: their reader process
+    # is left, in `left_in`, and never waited for.
+    abandoned: int = 0
+    reader_pid: int | None = None  # the reader left, while abandoned
+    left_in: str = ""  # the scope the reader was left in
     text: str
 
 

@@ -50,3 +50,6 @@ class NoSystemd:
 
     def jobs(self) -> dict[str, str]:
         return {}
+
+    def move_to_scope(self, name: str, pid: int, description: str) -> None:
+        raise SystemdError(f"cannot make the scope {name}: no systemd on this host")

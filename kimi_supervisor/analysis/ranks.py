@@ -2,7 +2,8 @@
 its own, all ranks at once, and the result written beside the traces as summary.json and shown
 as the operator reads it.
 
-Each trace is opened here, relative to the capture's folder and never through a link, and handed
+Each trace is opened relative to the capture's folder by the opener the caller gives (the daemon
+and kimi-mode give ports/safeopen's: never through a link, never a FIFO or a device), and handed
 to its process as stdin: the daemon runs this on folders its askers own. A process per rank
 spreads eight 80 MB traces over the host's cores and keeps the daemon's own memory flat; a rank
 that cannot be read, or takes longer than the deadline, is reported and the others still are.
@@ -13,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,34 +71,23 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def open_trace(dir_fd: int, name: str) -> tuple[int | None, str]:
-    """`name` in the folder `dir_fd`, opened for reading if it is a regular file: never through
-    a link, and without blocking (a FIFO renamed over a trace would block an open for ever; the
-    descriptor is then checked to be a regular file). (fd, "") or (None, why not)."""
-    try:
-        fd = os.open(
-            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
-        )
-    except OSError as e:
-        return None, f"cannot open it: {e.strerror}"
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError as e:
-        os.close(fd)
-        return None, f"cannot read it: {e.strerror}"
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        return None, "not a regular file (a FIFO, a device or a socket is never read)"
-    os.set_blocking(fd, True)
-    return fd, ""
+# How a trace is opened: (fd, "") or (None, why not). The caller gives it (ports/safeopen's
+# try_open): only a regular file, reached through no link, never a FIFO or a device, whose open
+# alone may block or act. This package imports nothing of the daemon's ports.
+Opener = Callable[[int, str], tuple[int | None, str]]
 
 
 def summarize(
-    dir_fd: int, names: list[str], timeout_s: float = 900.0, memory_mb: int = SUMMARY_MEMORY_MB
+    dir_fd: int,
+    names: list[str],
+    open_file: Opener,
+    timeout_s: float = 900.0,
+    memory_mb: int = SUMMARY_MEMORY_MB,
 ) -> dict[str, Any]:
-    """The summary of the rank traces among `names` in the folder `dir_fd` (see the module).
-    Each rank's summarizer may use `memory_mb` of address space at most (a trace with more
-    events than that holds is an error, not a daemon out of memory)."""
+    """The summary of the rank traces among `names` in the folder `dir_fd` (see the module),
+    each opened with `open_file`. Each rank's summarizer may use `memory_mb` of address space
+    at most (a trace with more events than that holds is an error, not a daemon out of
+    memory)."""
     t0 = time.monotonic()
     traces = rank_traces(names)
     running: list[tuple[int, str, subprocess.Popen[bytes]]] = []
@@ -106,7 +96,7 @@ def summarize(
     env = _child_env()
     for t in traces:
         rank, name = t.rank, t.name
-        fd, why = open_trace(dir_fd, name)
+        fd, why = open_file(dir_fd, name)
         if fd is None:
             errors.append({"rank": rank, "file": name, "error": why})
             continue
@@ -185,12 +175,12 @@ def write(dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1) ->
 SUMMARY_MAX_BYTES = 64 * 2**20  # a summary.json of 5,000 per-step rows is about 300 kB
 
 
-def read_summary(folder: Path) -> dict[str, Any] | None:
+def read_summary(folder: Path, open_file: Opener) -> dict[str, Any] | None:
     """The folder's summary.json, or None when it has none, or one that does not parse (made
-    again then). Never through a link; larger than SUMMARY_MAX_BYTES is none."""
+    again then). Opened with `open_file`; larger than SUMMARY_MAX_BYTES is none."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sfd, _why = open_trace(fd, SUMMARY)
+        sfd, _why = open_file(fd, SUMMARY)
     finally:
         os.close(fd)
     if sfd is None:
@@ -206,12 +196,14 @@ def read_summary(folder: Path) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
-def summarize_folder(folder: Path, timeout_s: float = 900.0) -> tuple[dict[str, Any], str | None]:
+def summarize_folder(
+    folder: Path, open_file: Opener, timeout_s: float = 900.0
+) -> tuple[dict[str, Any], str | None]:
     """`kimi-mode capture --summarize DIR`: the summary of an existing capture, written as
     summary.json when the folder is writable; the second value says why it was not."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        summary = summarize(fd, os.listdir(fd), timeout_s)
+        summary = summarize(fd, os.listdir(fd), open_file, timeout_s)
         try:
             write(fd, summary)
         except OSError as e:

@@ -27,6 +27,7 @@ from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, utcnow
+from kimi_supervisor.ports import safeopen
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
 
@@ -61,25 +62,46 @@ def check_out(fd: int, uid: int) -> str | None:
     return None
 
 
-def _move_into(src: Path, name: str, dir_fd: int, uid: int, gid: int) -> None:
-    """`src` becomes `name` in the directory `dir_fd`, owned by uid:gid: renamed when on the same
-    file system, else copied (created exclusively, never through a link) and removed."""
+def _move_into(
+    trace_fd: int, name: str, listed: safeopen.Identity, dir_fd: int, uid: int, gid: int
+) -> str:
+    """`name` in vLLM's trace folder (`trace_fd`) becomes `name` in the capture's folder
+    `dir_fd`, owned by uid:gid: renamed when on the same file system, else copied (read through
+    ports/safeopen, created exclusively, never through a link) and removed. vLLM's user can
+    swap the name after the listing: only the file listed is moved, chowned or read. Returns
+    "" when moved, else why not (said in the capture's record)."""
     try:
-        os.rename(src, name, dst_dir_fd=dir_fd)
+        os.rename(name, name, src_dir_fd=trace_fd, dst_dir_fd=dir_fd)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        out = os.open(name, flags, 0o640, dir_fd=dir_fd)
         try:
-            with open(src, "rb") as f:
-                while chunk := f.read(1 << 20):
+            src = safeopen.open_file(trace_fd, name, listed)
+        except safeopen.Refused as refused:
+            return str(refused)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            out = os.open(name, flags, 0o640, dir_fd=dir_fd)
+            try:
+                while chunk := os.read(src, 1 << 20):
                     os.write(out, chunk)
-            os.fsync(out)
+                os.fsync(out)
+            finally:
+                os.close(out)
         finally:
-            os.close(out)
-        src.unlink()
+            os.close(src)
+        os.unlink(name, dir_fd=trace_fd)
+    else:
+        # The capture's folder is root's until the capture ends: what is there now stays. Only
+        # the file listed is handed over; anything else is left unowned, never opened.
+        try:
+            got = safeopen.identify(dir_fd, name)
+        except safeopen.Refused as refused:
+            return f"{refused}; left in the folder, not handed over"
+        if (got.dev, got.ino) != (listed.dev, listed.ino):
+            return "replaced since it was listed; left in the folder, not handed over"
     os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+    return ""
 
 
 def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
@@ -96,14 +118,19 @@ def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
     return f"vLLM answered HTTP {r.status} to {endpoint}: {r.body.strip()[:300]}"
 
 
-def _files(d: Path) -> dict[str, tuple[int, int]]:
-    """Name -> (size, modification time) of the files in `d`."""
+def _files(d: Path) -> dict[str, tuple[int, int, safeopen.Identity]]:
+    """Name -> (size, modification time, identity) of the regular files in `d`, as lstat sees
+    them: a link is never one, whatever it points to."""
     out = {}
     try:
-        for p in d.iterdir():
-            st = p.stat()
-            if stat.S_ISREG(st.st_mode):
-                out[p.name] = (st.st_size, st.st_mtime_ns)
+        with os.scandir(d) as entries:
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    out[e.name] = (st.st_size, st.st_mtime_ns, safeopen.Identity.of(st))
     except FileNotFoundError:
         pass
     return out
@@ -226,7 +253,7 @@ class Capture:
         while stopper.is_alive():
             stopper.join(1.0)
             new = self._new_files(trace_dir, before)
-            self.bytes_written = sum(new.values())
+            self.bytes_written = sum(f.size for f in new.values())
             if self.bytes_written != last:
                 last = self.bytes_written
                 self._event(
@@ -257,16 +284,28 @@ class Capture:
         if into_captures_dir:
             retention.record(p.captures_dir, self.id)
         files: list[dict[str, Any]] = []
+        refused: list[dict[str, str]] = []
         summary: dict[str, Any] | None = None
         try:
+            trace_fd = os.open(trace_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            os.close(fd)
+            raise
+        try:
             for name in sorted(new):
-                _move_into(trace_dir / name, name, fd, spec.uid, spec.gid)
+                why = _move_into(trace_fd, name, new[name], fd, spec.uid, spec.gid)
+                if why:
+                    refused.append({"name": name, "why": why})
+                    self.log("capture_file_refused", capture=self.id, name=name, why=why)
+                    continue
                 rank = ranks.rank_of(name)
-                files.append({"name": name, "rank": rank, "bytes": new[name]})
+                files.append({"name": name, "rank": rank, "bytes": new[name].size})
             os.fchown(fd, spec.uid, spec.gid)
-            if p.summarize and ranks.rank_traces(list(new)):
-                summary = self._summarize(fd, list(new))
+            moved = [f["name"] for f in files]
+            if p.summarize and ranks.rank_traces(moved):
+                summary = self._summarize(fd, moved)
         finally:
+            os.close(trace_fd)
             os.close(fd)
         self.folder = folder
         removed = retention.retention(
@@ -274,14 +313,16 @@ class Capture:
         )
         for old in removed:
             self.log("capture_removed", folder=old, why="retention")
-        total = sum(new.values())
+        total = sum(f["bytes"] for f in files)
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
-            f"(flush took {flushed:.1f} s)",
+            f"(flush took {flushed:.1f} s)"
+            + "".join(f"; {r['name']} not taken: {r['why']}" for r in refused),
             folder=str(folder),
             files=files,
             removed=removed,
+            refused=refused,
             flush_s=round(flushed, 1),
             summary=brief(summary),
         )
@@ -293,7 +334,9 @@ class Capture:
         self._release()
         self.phase = CapturePhase.SUMMARIZING
         self._event("capture_summarizing", files=len(names))
-        summary = ranks.summarize(fd, names, self.config.profiling.summary_timeout_s)
+        summary = ranks.summarize(
+            fd, names, safeopen.try_open, self.config.profiling.summary_timeout_s
+        )
         try:
             ranks.write(fd, summary, self.spec.uid, self.spec.gid)
         except OSError as e:
@@ -302,10 +345,12 @@ class Capture:
         return summary
 
     @staticmethod
-    def _new_files(trace_dir: Path, before: dict[str, tuple[int, int]]) -> dict[str, int]:
-        """Name -> size of the files written since `before`: new ones, and those rewritten
-        (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
-        return {n: s[0] for n, s in _files(trace_dir).items() if before.get(n) != s}
+    def _new_files(
+        trace_dir: Path, before: dict[str, tuple[int, int, safeopen.Identity]]
+    ) -> dict[str, safeopen.Identity]:
+        """Name -> what the listing saw of the files written since `before`: new ones, and those
+        rewritten (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
+        return {n: s[2] for n, s in _files(trace_dir).items() if before.get(n) != s}
 
 
 def brief(summary: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -50,11 +50,12 @@ def cmd_summarize(args: argparse.Namespace) -> int:
     """`capture --summarize DIR`: an existing capture's summary, made here as the caller (no
     daemon needed), written beside the traces when the folder lets us."""
     from kimi_supervisor.analysis.ranks import summarize_folder  # the summarizer, only here
+    from kimi_supervisor.ports.safeopen import try_open
 
     o = Output(args.output)
     folder = Path(args.summarize)
     try:
-        summary, not_written = summarize_folder(folder)
+        summary, not_written = summarize_folder(folder, try_open)
     except OSError as e:
         return o.fail(Exit.USAGE, f"--summarize {folder}: {e.strerror}")
     if o.json:
@@ -71,11 +72,12 @@ def _summary_of(folder: Path) -> dict[str, Any]:
     """A capture folder's summary: its summary.json when it is of this version, else made again
     here (and written when the folder lets us). Raises OSError."""
     from kimi_supervisor.analysis.ranks import SUMMARY_VERSION, read_summary, summarize_folder
+    from kimi_supervisor.ports.safeopen import try_open
 
-    found = read_summary(folder)
+    found = read_summary(folder, try_open)
     if found is not None and found.get("version") == SUMMARY_VERSION:
         return found
-    return summarize_folder(folder)[0]
+    return summarize_folder(folder, try_open)[0]
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

@@ -75,7 +75,9 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
     if s.eta:
         lines.append(f"eta:           {s.eta.text}")
     if s.warm and s.transition:
-        lines.append(f"warming:       {s.warm.text}")
+        # "warming" only while it is under way: once it gave up or ended, what it did.
+        label = "warming:" if s.warm.under_way else "page cache:"
+        lines.append(f"{label:<15}{s.warm.text}")
     if s.downtime:
         when = "" if s.downtime.under_way else f" (last switch, to {s.downtime.target})"
         lines.append(f"downtime:      {s.downtime.text}{when}")

@@ -69,6 +69,20 @@ def repo_folder(model: str) -> str:
     return "models--" + model.replace("/", "--")
 
 
+def candidates(src: Source, env: Mapping[str, str], home: str) -> list[dict[str, str]]:
+    """Where to look for the model's folder, in vLLM's order: the local folder MODEL names
+    (only that, for an absolute path), then the hub caches' repository, whose `refs/<revision>`
+    names the snapshot (the reader process looks: ports/pagecache.find)."""
+    local = {"root": src.model}
+    if PurePosixPath(src.model).is_absolute():
+        return [local]
+    hub = [
+        {"root": cache, "repo": repo_folder(src.model), "rev": src.revision or "main"}
+        for cache in hub_caches(src, env, home)
+    ]
+    return [local, *hub]
+
+
 def pick(names: Sequence[str]) -> list[str]:
     """Of a model folder's file names, those vLLM reads, in the order it reads them."""
     weights = [n for n in names if n.endswith(WEIGHTS)]

@@ -125,7 +125,7 @@ class Desk:
         if verdict is policy.Admit.TAKE_OVER:
             assert tr is not None
             s.intent = Intent(r.mode, r.by, force=True, id=new_id())
-            s.stop_warming()  # --force never waits for it
+            s.stop_warming(f"a --force switch to {r.mode.value} took over")  # never waits
             return Reply(
                 ok=True,
                 code="accepted",

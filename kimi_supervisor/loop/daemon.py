@@ -241,7 +241,10 @@ class Daemon:
         """Sleep until a message rings, the served MainPID exits, or the next deadline (at most
         `max_s`: the in-process tests, whose clock is not the one select waits on)."""
         s = self.s
-        watch = s.serving.pid if s.serving and s.state is State.SERVING and not s.busy else 0
+        # The vLLM that serves, also while a switch warms (it still serves then, and its exit
+        # ends the warming: Lifecycle.main_exited).
+        served = (s.state is State.SERVING and not s.busy) or s.state is State.WARMING
+        watch = s.serving.pid if s.serving and served else 0
         self.wakeup.watch(watch)
         timeout = 0.0 if len(self.inbox) else self.timeout()
         exited = self.wakeup.wait(timeout if max_s is None else min(timeout, max_s))
@@ -316,7 +319,7 @@ class Daemon:
                 return ok.model_copy(update={"message": why})
             case Stop():
                 s.stop_requested = True
-                s.stop_warming()  # a stop never waits for it
+                s.stop_warming("the daemon is stopping")  # a stop never waits for it
                 return ok.model_copy(update={"message": "stopping"})
             case Reexec():
                 s.reexec_requested = True
@@ -365,6 +368,7 @@ class Daemon:
             return
         if s.state is State.STARTING:
             life.follow_output()
+        life.warm_left_returned()
         self.desk.check_expiry()
         obs = s.observed = self._observe()
         if obs is None:

@@ -17,6 +17,7 @@ from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message, Warmed
 from kimi_supervisor.loop.loopstate import Job
 from kimi_supervisor.ports.http import request as http_request
+from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import WarmStatus
 from kimi_supervisor.teardown.escalation import Teardown
 
@@ -75,11 +76,30 @@ class Jobs:
 
         url, clock = ctx.config.vllm.health_url, ctx.clock
 
+        def adopt(pid: int) -> str:
+            """The warming's reader into a scope of its own, outside the daemon's unit: where
+            it is then, or "" (it stays in the unit, whose stop a stuck read would hold)."""
+            name = f"kimi-supervisor-warm-{pid}.scope"
+            try:
+                ctx.systemd.move_to_scope(
+                    name, pid, "kimi-supervisor: reading a model into the cache"
+                )
+            except SystemdError as e:
+                ctx.log("warm_scope_failed", level="warning", pid=pid, error=str(e))
+                return ""
+            return name
+
         def run() -> None:
             if warm_argv is not None:
                 try:
                     end = warming.warm(
-                        ctx.config.warm, warm_argv, job.stop_warm, clock, lambda w: put(Warmed(w))
+                        ctx.config.warm,
+                        warm_argv,
+                        job.stop_warm,
+                        clock,
+                        lambda w: put(Warmed(w)),
+                        adopt,
+                        lambda: job.stop_warm_why,
                     )
                 except Exception as e:  # a warming never stops the switch
                     end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")

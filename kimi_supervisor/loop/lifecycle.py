@@ -40,7 +40,7 @@ from kimi_supervisor.loop.observer import Intruder, incident
 from kimi_supervisor.loop.window import Window
 from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, Outcome, State, TeardownReport, utcnow
-from kimi_supervisor.ports import launcher, processes
+from kimi_supervisor.ports import launcher, pagecache, processes
 from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
 from kimi_supervisor.store import history
@@ -49,6 +49,8 @@ from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepSta
 
 # How many of the newest history records are searched for a transition already recorded.
 RECENT = 200
+# The status warning while a warming's reader is left stuck in the kernel (its prefix).
+WARM_LEFT = "a warming's reader is left"
 
 
 class Lifecycle:
@@ -594,7 +596,7 @@ class Lifecycle:
         self.ctx.observer.forget_health()
         if s.state is State.WARMING:
             s.serving = None
-            s.stop_warming()
+            s.stop_warming("the old vLLM exited: nothing is left to serve meanwhile")
 
     def job_message(self, msg: JobEvent | JobDone | Warmed) -> None:
         match msg:
@@ -691,6 +693,14 @@ class Lifecycle:
         if not w.done:
             return
         ctx.log("warmed", **w.status.model_dump(mode="json"))
+        if w.status.abandoned:
+            s.warm_left = w.status.reader_pid
+            ctx.warn(
+                f"{WARM_LEFT}: {w.status.abandoned} read(s) of {w.status.folder or 'the model'} "
+                f"stuck in the kernel (a hung mount?); its reader (PID {w.status.reader_pid}) is "
+                f"left in {w.status.left_in or 'the daemon unit'}, and no warming starts until "
+                "it returns"
+            )
         if s.transition is not None:
             s.transition = s.transition.model_copy(
                 update={"step": "teardown", "step_changed_at": utcnow()}
@@ -699,6 +709,16 @@ class Lifecycle:
         s.serving = None
         # WARMING -> TEARING_DOWN: the warming ended, the old vLLM stops serving now
         self.set_state(State.TEARING_DOWN, w.status.text)
+
+    def warm_left_returned(self) -> None:
+        """Each pass while a warming's reader is left: once the kernel has let it end (the
+        mount answered, or was aborted), the warning goes and warming may run again."""
+        s, ctx = self.s, self.ctx
+        if s.warm_left is None or pagecache.stuck_readers():
+            return
+        ctx.log("warm_reader_ended", pid=s.warm_left)
+        ctx.unwarn(WARM_LEFT)
+        s.warm_left = None
 
     def _finish(self, done: JobDone) -> tuple[Job, TeardownReport, bool]:
         """The teardown's end, recorded (history, metrics, status); what policy reads next."""

@@ -47,8 +47,10 @@ class Job:
     detail: dict[str, Any] = field(default_factory=dict)
     attempt: int = 1
     cause: str = ""  # what went wrong, for the failure that may follow
-    # Set to stop the warming before its teardown (a --force switch, a stop).
+    # Set to stop the warming before its teardown (a --force switch, a stop, the old vLLM's
+    # exit), and what set it (said in the warming's end).
     stop_warm: threading.Event = field(default_factory=threading.Event)
+    stop_warm_why: str = ""
 
 
 @dataclass
@@ -92,6 +94,8 @@ class LoopState:
     last_downtime: DowntimeStatus | None = None
     expected_parts: dict[str, float] = field(default_factory=dict)
     warm: WarmStatus | None = None  # the switch's warming, under way or done
+    # The PID of a warming's reader left stuck in the kernel, while it is (a warning says so).
+    warm_left: int | None = None
     observed: Observed | None = None
     driver_ready: bool = False
     # What the loop cannot go on without and waits for (the GPU driver, systemd), "" if nothing.
@@ -123,9 +127,11 @@ class LoopState:
         self.load_started, self.eta = None, None
         return load
 
-    def stop_warming(self) -> None:
-        """A --force switch or a stop: the warming before the teardown stops now."""
-        if self.job is not None:
+    def stop_warming(self, why: str) -> None:
+        """A --force switch, a stop, the old vLLM's exit: the warming before the teardown gives
+        up now (loop/warming.py), whatever its reads are doing."""
+        if self.job is not None and not self.job.stop_warm.is_set():
+            self.job.stop_warm_why = why
             self.job.stop_warm.set()
 
     @property

@@ -3,19 +3,23 @@ files are read into the page cache, so that the new vLLM reads its weights from 
 the downtime instead of from disk (decide/warmset.py says which files and how many fit).
 
 It runs on the switch's job thread, before the teardown, and reports through the inbox
-(`Warmed`). It never delays what must not wait: a `--force` switch skips it and one accepted
-during it stops it, a stop stops it, and `warm.timeout_s` bounds it; each stops it between two
-reads of 16 MiB. What it found, read and skipped is in the status, the live display and the
-switch's history record.
+(`Warmed`). The reading itself is done by a reader process (ports/pagecache.py), moved into a
+scope of its own, and this thread only listens to it, never longer than POLL_S at a time: a
+read stuck in a hung mount can never hold the switch, a stop or a --force. The warming gives up
+at `warm.timeout_s`, when a --force switch takes over, at a stop, and when the old vLLM exits
+(the loop sets `stop`): the reader is killed, and one the kernel keeps (its reads stuck) is
+left where it is, counted as `abandoned`, never waited for. While such a reader is left, no
+other warming starts (say so, and skip): at most one reader is ever left. What it found, read,
+refused and left is in the status, the live display, the log and the switch's history record.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
+from typing import Any
 
 from kimi_supervisor.config import WarmConfig
 from kimi_supervisor.decide import warmset
@@ -25,30 +29,10 @@ from kimi_supervisor.status import WarmStatus
 
 GB = 1e9
 REPORT_S = 0.5  # progress at most this often
-
-
-def find_folder(argv: list[str], env: Mapping[str, str], home: str) -> tuple[Path, Path] | str:
-    """The folder vLLM will read the model from and the tree its links may point into, or why
-    there is none."""
-    src = warmset.source_of(argv)
-    if src is None:
-        return "vLLM's argv names no model"
-    local = Path(src.model)
-    if local.is_absolute() or local.is_dir():
-        return (local, local) if local.is_dir() else f"the model folder {local} does not exist"
-    looked = []
-    for cache in warmset.hub_caches(src, env, home):
-        repo = Path(cache) / warmset.repo_folder(src.model)
-        rev = src.revision or "main"
-        try:
-            commit = (repo / "refs" / rev).read_text().strip()
-        except OSError:
-            commit = rev
-        snap = repo / "snapshots" / commit
-        if commit and "/" not in commit and snap.is_dir():
-            return snap, repo
-        looked.append(str(snap))
-    return f"{src.model} is not in the hub's cache here (looked in {', '.join(looked)})"
+POLL_S = 0.05  # the longest this thread listens before it looks at the stop and the deadline
+# How long a killed reader has to end before it counts as stuck in the kernel: a reader that is
+# not stuck ends within milliseconds of its SIGKILL.
+KILL_WAIT_S = 0.5
 
 
 def warm(
@@ -57,91 +41,164 @@ def warm(
     stop: threading.Event,
     clock: Clock,
     report: Callable[[WarmStatus], None],
+    adopt: Callable[[int], str] = lambda _pid: "",
+    why: Callable[[], str] = lambda: "",
     env: Mapping[str, str] | None = None,
 ) -> WarmStatus:
-    """Read the files vLLM started with `argv` will read; the last report is returned."""
+    """Read the files vLLM started with `argv` will read; the last report is returned.
+    `adopt(pid)` moves the reader into a scope of its own and says where ("" if it could not);
+    `why()` says what set `stop`."""
     t0 = clock.monotonic()
-    found = find_folder(argv, os.environ if env is None else env, os.path.expanduser("~"))
-    if isinstance(found, str):
-        return WarmStatus(under_way=False, text=f"nothing warmed: {found}")
-    folder, tree = found
-    try:
-        files = {f.path.name: f for f in pagecache.files_in(folder, tree)}
-        mem = pagecache.memory()
-    except pagecache.PageCacheError as e:
-        return WarmStatus(under_way=False, folder=str(folder), text=f"nothing warmed: {e}")
-    ordered = [(n, files[n].size) for n in warmset.pick(list(files))]
-    plan = warmset.plan(ordered, mem.available, config.max_ram_share)
-    status = WarmStatus(
-        under_way=True,
-        folder=str(folder),
-        files=len(plan.read),
-        bytes=plan.read_bytes,
-        skipped=[n for n, _ in plan.skipped],
-        skipped_bytes=plan.skipped_bytes,
-        budget_bytes=plan.budget,
-        text="",
-    )
-    todo: queue.SimpleQueue[pagecache.File] = queue.SimpleQueue()
-    for name, _size in plan.read:
-        todo.put(files[name])
-    lock = threading.Lock()
-    read = [0]
-    deadline = t0 + config.timeout_s
-    timed_out = threading.Event()
-
-    def halt() -> bool:
-        return stop.is_set() or timed_out.is_set()
-
-    def done(n: int) -> None:
-        with lock:
-            read[0] += n
-
-    def worker() -> None:
-        buffer = bytearray(pagecache.CHUNK)
-        while not stop.is_set() and not timed_out.is_set():
-            try:
-                f = todo.get_nowait()
-            except queue.Empty:
-                return
-            pagecache.read_through(f, halt, done, buffer)
-
-    threads = [
-        threading.Thread(target=worker, name=f"warm-{i}", daemon=True)
-        for i in range(min(config.threads, max(len(plan.read), 1)))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        while t.is_alive():
-            t.join(REPORT_S)
-            if clock.monotonic() >= deadline:
-                timed_out.set()
-            with lock:
-                so_far = read[0]
-            report(_said(status, so_far, clock.monotonic() - t0, "", True))
-    stopped = "aborted" if stop.is_set() else "timeout" if timed_out.is_set() else ""
-    return _said(status, read[0], clock.monotonic() - t0, stopped, False)
-
-
-def _said(s: WarmStatus, read: int, took: float, stopped: str, under_way: bool) -> WarmStatus:
-    rate = f" at {read / took / GB:.2f} GB/s" if took > 0 and read else ""
-    text = (
-        f"warmed {read / GB:.2f} of {s.bytes / GB:.2f} GB ({s.files} files) in {took:.1f} s{rate}"
-    )
-    if under_way:
-        text = f"warming the page cache: {read / GB:.2f} of {s.bytes / GB:.2f} GB"
-    if stopped == "aborted":
-        text += "; stopped: the switch goes on without waiting for it"
-    elif stopped == "timeout":
-        text += "; stopped at warm.timeout_s"
-    if s.skipped:
-        text += (
-            f"; skipped {len(s.skipped)} file(s), {s.skipped_bytes / GB:.2f} GB: they do not fit "
-            f"in warm.max_ram_share of MemAvailable ({s.budget_bytes / GB:.2f} GB); vLLM reads "
-            "them from disk"
+    src = warmset.source_of(argv)
+    if src is None:
+        return WarmStatus(under_way=False, text="nothing warmed: vLLM's argv names no model")
+    left = pagecache.stuck_readers()
+    if left:
+        return WarmStatus(
+            under_way=False,
+            text=f"nothing warmed: the reader an earlier warming left (PID {left[0]}) is still "
+            "stuck in the kernel (a hung mount?); no other reader starts until it returns",
         )
-    return s.model_copy(
-        update={"read_bytes": read, "took_s": round(took, 2), "stopped": stopped,
-                "under_way": under_way, "text": text}
-    )  # fmt: skip
+    looks = warmset.candidates(src, os.environ if env is None else env, os.path.expanduser("~"))
+    try:
+        reader = pagecache.Reader.start()
+    except OSError as e:
+        return WarmStatus(under_way=False, text=f"nothing warmed: the reader did not start: {e}")
+    return _Warden(config, reader, stop, clock, report, why, t0).run(looks, adopt(reader.pid))
+
+
+class _Warden:
+    """Listens to the reader with a deadline, and gives it up."""
+
+    def __init__(
+        self,
+        config: WarmConfig,
+        reader: pagecache.Reader,
+        stop: threading.Event,
+        clock: Clock,
+        report: Callable[[WarmStatus], None],
+        why: Callable[[], str],
+        t0: float,
+    ) -> None:
+        self.config, self.reader, self.stop, self.clock = config, reader, stop, clock
+        self.report, self.why, self.t0 = report, why, t0
+        self.deadline = t0 + config.timeout_s
+        self.status = WarmStatus(under_way=True, text="warming the page cache: listing the files")
+        self.picked: set[str] = set()
+        self.refused: list[str] = []
+        self.read_bytes = 0
+        self.reading = 0
+
+    def run(self, looks: list[dict[str, str]], left_in: str) -> WarmStatus:
+        self.reader.ask({"find": looks})
+        self.report(self.status)
+        last_report = time.monotonic()  # pacing only, on the real clock: no deadline
+        end = ""  # why it ended before its reader said "done"
+        while True:
+            now = self.clock.monotonic()
+            if self.stop.is_set() or now >= self.deadline:
+                return self._give_up("aborted" if self.stop.is_set() else "timeout", left_in)
+            msg = self.reader.next(min(POLL_S, self.deadline - now))
+            if msg is not None:
+                end = self._heard(msg)
+                if end:
+                    break
+            if self.status.files and time.monotonic() - last_report >= REPORT_S:
+                last_report = time.monotonic()
+                self.report(self._said("", True))
+        self.reader.end(KILL_WAIT_S)
+        if end == "done":
+            return self._said("", False)
+        return self.status.model_copy(update={"under_way": False, "text": end})
+
+    def _heard(self, msg: dict[str, Any]) -> str:
+        """One message of the reader's; what ended the warming ("done", or why not), or ""."""
+        if "listed" in msg:
+            return self._plan(msg["listed"])
+        if "progress" in msg or "done" in msg:
+            p = msg.get("progress") or msg["done"]
+            self.read_bytes, self.reading = int(p["read_bytes"]), int(p["reading"])
+            self._refuse(p["refused"])
+            return "done" if "done" in msg else ""
+        if "error" in msg:
+            return f"nothing warmed: {msg['error']}"
+        code = msg.get("eof")
+        return f"nothing warmed: the reader ended early (exit {code})"
+
+    def _plan(self, listed: dict[str, Any]) -> str:
+        files = {name: int(size) for name, size in listed["files"]}
+        picked = warmset.pick(list(files))
+        self.picked = set(picked) | set(warmset.pick([n for n, _why in listed["refused"]]))
+        self._refuse(listed["refused"])
+        try:
+            mem = pagecache.memory()
+        except pagecache.PageCacheError as e:
+            return f"nothing warmed: {e}"
+        plan = warmset.plan([(n, files[n]) for n in picked], mem.available,
+                            self.config.max_ram_share)  # fmt: skip
+        self.status = WarmStatus(
+            under_way=True,
+            folder=listed["folder"],
+            files=len(plan.read),
+            bytes=plan.read_bytes,
+            skipped=[n for n, _ in plan.skipped],
+            skipped_bytes=plan.skipped_bytes,
+            budget_bytes=plan.budget,
+            text="",
+        )
+        if not plan.read:
+            return "done"
+        self.reader.ask({"read": [n for n, _ in plan.read], "threads": self.config.threads})
+        return ""
+
+    def _refuse(self, refused: list[list[str]]) -> None:
+        """Each refusal of a file vLLM reads, said once (another entry is not vLLM's)."""
+        for name, why in refused:
+            said = f"{name}: {why}"
+            if name in self.picked and said not in self.refused:
+                self.refused.append(said)
+
+    def _give_up(self, stopped: str, left_in: str) -> WarmStatus:
+        ended = self.reader.end(KILL_WAIT_S)
+        out = self._said(stopped, False)
+        if ended:
+            return out
+        # The kernel keeps it: its reads are stuck (or, before a listing, its open or list).
+        stuck = max(self.reading, 1)
+        where = left_in or "the daemon's own unit (no scope could be made for it)"
+        text = (
+            f"{out.text}; {stuck} read(s) stuck in the kernel abandoned: the reader (PID "
+            f"{self.reader.pid}) is left in {where} until they return (a hung mount?)"
+        )
+        return out.model_copy(
+            update={"abandoned": stuck, "reader_pid": self.reader.pid, "left_in": left_in,
+                    "text": text}
+        )  # fmt: skip
+
+    def _said(self, stopped: str, under_way: bool) -> WarmStatus:
+        s, read, took = self.status, self.read_bytes, self.clock.monotonic() - self.t0
+        rate = f" at {read / took / GB:.2f} GB/s" if took > 0 and read >= GB / 100 else ""
+        text = (
+            f"warmed {read / GB:.2f} of {s.bytes / GB:.2f} GB ({s.files} files) in {took:.1f} s"
+            f"{rate}"
+        )
+        if not s.folder:
+            text = "nothing warmed: the model's folder was not listed yet"
+        if under_way:
+            text = f"warming the page cache: {read / GB:.2f} of {s.bytes / GB:.2f} GB"
+        if stopped == "aborted":
+            text += f"; stopped: {self.why() or 'the switch goes on without waiting for it'}"
+        elif stopped == "timeout":
+            text += f"; stopped at warm.timeout_s ({self.config.timeout_s:g} s)"
+        if s.skipped:
+            text += (
+                f"; skipped {len(s.skipped)} file(s), {s.skipped_bytes / GB:.2f} GB: they do not "
+                f"fit in warm.max_ram_share of MemAvailable ({s.budget_bytes / GB:.2f} GB); vLLM "
+                "reads them from disk"
+            )
+        if self.refused:
+            text += f"; not opened (not the files judged): {'; '.join(self.refused)}"
+        return s.model_copy(
+            update={"read_bytes": read, "took_s": round(took, 2), "stopped": stopped,
+                    "under_way": under_way, "refused": list(self.refused), "text": text}
+        )  # fmt: skip

@@ -79,8 +79,10 @@ class Window:
         window = record["window_s"]
         if s.warm is not None and not s.warm.under_way:
             record["warm"] = s.warm.model_dump(
-                mode="json", include={"read_bytes", "skipped_bytes", "took_s", "stopped"}
-            )
+                mode="json",
+                include={"read_bytes", "skipped_bytes", "took_s", "stopped", "refused",
+                         "abandoned", "reader_pid"},
+            )  # fmt: skip
         record["text"] = downtime.describe(record)
         if ctx.metrics and window is not None:
             ctx.metrics.switch_downtime.labels(mode.value).observe(window)

@@ -50,6 +50,7 @@ class SystemdPort(Protocol):
     def activated_at(self, unit: str) -> float | None: ...
     def daemon_reload(self) -> None: ...
     def jobs(self) -> dict[str, str]: ...
+    def move_to_scope(self, name: str, pid: int, description: str) -> None: ...
 
 
 def _s(v: Any) -> str:
@@ -203,3 +204,21 @@ class PystemdSystemd:
         """Unit -> the type of the job queued or running for it ("restart", "start", ...)."""
         rows = self._call("listing jobs", self._manager().Manager.ListJobs)
         return {_s(name): _s(kind) for _id, name, kind, *_rest in rows}
+
+    def move_to_scope(self, name: str, pid: int, description: str) -> None:
+        """Move `pid` into a new transient scope `name` (as `systemd-run --scope` does): its
+        own cgroup, outside the caller's unit, so that the unit's stop never waits for it. The
+        scope is collected once empty; it allows only the standard pseudo devices."""
+        properties = {
+            b"Description": description.encode(),
+            b"CollectMode": b"inactive-or-failed",
+            b"DevicePolicy": b"closed",
+            b"_custom": (b"PIDs", b"au", [pid]),  # pystemd knows no signature for PIDs
+        }
+        self._call(
+            f"making the scope {name} for PID {pid}",
+            self._manager().Manager.StartTransientUnit,
+            name.encode(),
+            b"fail",
+            properties,
+        )

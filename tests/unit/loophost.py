@@ -176,6 +176,7 @@ class FakeSystemd:
         self.listening: subprocess.Popen[bytes] | None = None  # a child seen listening
         self.stopped = True  # by us (inactive), or it exited by itself (failed)
         self.starts: list[Mode] = []
+        self.scopes: list[tuple[str, int]] = []  # (scope, PID) made for warming readers
         # Set by a test to hold every stop until it is released: a teardown that lasts.
         self.hold: threading.Event | None = None
         self._lock = threading.Lock()
@@ -276,6 +277,9 @@ class FakeSystemd:
 
     def jobs(self) -> dict[str, str]:
         return {}
+
+    def move_to_scope(self, name: str, pid: int, description: str) -> None:
+        self.scopes.append((name, pid))
 
     def close(self) -> None:
         self.stop(UNIT)

@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,8 @@ import pytest
 from kimi_supervisor.analysis import trace as tracesummary
 from kimi_supervisor.analysis.ranks import rank_of, summarize, summarize_folder
 from kimi_supervisor.cli.render import format_summary as render
+from kimi_supervisor.ports.safeopen import try_open
+from tests.inotify import Watch
 
 from ..conftest import as_user
 
@@ -60,7 +63,7 @@ def decode_comm_share_the_slow_way(events: list[dict[str, Any]]) -> tuple[int, f
 def test_the_gpu_fixture_shows_each_ranks_nccl_share_of_the_decode_steps(tmp_path: Path) -> None:
     folder = tmp_path / "capture"
     shutil.copytree(FIXTURE, folder)
-    summary, not_written = summarize_folder(folder)
+    summary, not_written = summarize_folder(folder, try_open)
     assert not_written is None and json.loads((folder / "summary.json").read_text()) == summary
     assert [r["rank"] for r in summary["ranks"]] == [0, 1] and not summary["errors"]
     for r in summary["ranks"]:
@@ -161,7 +164,7 @@ def test_broken_and_linked_traces_are_reported_by_rank_and_the_others_still_summ
     secret = tmp_path / "elsewhere.json"
     secret.write_text("{}")
     (tmp_path / "9-rank-4.1.pt.trace.json.gz").symlink_to(secret)
-    summary, _ = summarize_folder(tmp_path)
+    summary, _ = summarize_folder(tmp_path, try_open)
     assert [r["rank"] for r in summary["ranks"]] == [0]
     errors = {e["rank"]: e["error"] for e in summary["errors"]}
     assert set(errors) == {1, 2, 3, 4, 5}
@@ -169,7 +172,7 @@ def test_broken_and_linked_traces_are_reported_by_rank_and_the_others_still_summ
     assert "cannot read" in errors[1] or "truncated" in errors[1] or "ends inside" in errors[1]
     assert "not a Chrome trace" in errors[2]
     assert "truncated" in errors[3] or "ends inside" in errors[3]
-    assert "cannot open it" in errors[4]  # a link is never followed
+    assert "a symbolic link" in errors[4]  # a link is never followed
     assert "rank 2 (9-rank-2.1.pt.trace.json.gz): not summarized: not a Chrome trace" in render(
         summary
     )
@@ -235,7 +238,9 @@ def test_a_fifo_swapped_over_a_rank_trace_is_refused_at_once_and_never_wedges_th
     shutil.copy(next(FIXTURE.glob("*rank-0*")), tmp_path / "9-rank-0.1.pt.trace.json.gz")
     os.mkfifo(tmp_path / "9-rank-1.1.pt.trace.json.gz")
     result: list[dict[str, Any]] = []
-    t = threading.Thread(target=lambda: result.append(summarize_folder(tmp_path)[0]), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.append(summarize_folder(tmp_path, try_open)[0]), daemon=True
+    )
     t.start()
     t.join(60)
     assert result, "the summary blocked on the FIFO"
@@ -257,12 +262,87 @@ def test_a_gzip_bomb_is_an_error_past_the_summarizers_memory_cap_not_a_daemon_ou
         f.write('{"traceEvents":[' + ",".join(event % (i, i) for i in range(200_000)) + "]}")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        summary = summarize(fd, os.listdir(fd), timeout_s=120, memory_mb=48)
+        summary = summarize(fd, os.listdir(fd), try_open, timeout_s=120, memory_mb=48)
     finally:
         os.close(fd)
     assert [r["rank"] for r in summary["ranks"]] == [0], "the real rank is still summarized"
     (error,) = summary["errors"]
     assert error["rank"] == 1 and "more than 48 MiB" in error["error"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root (CAP_MKNOD)")
+def test_a_device_or_a_link_swapped_over_a_rank_trace_is_never_opened_by_the_summary(
+    tmp_path: Path,
+) -> None:
+    """The daemon summarizes in a folder the asker owns by then: a device renamed over a
+    trace would have been opened (O_NONBLOCK does not keep a driver's open from acting)."""
+    folder = tmp_path / "capture"
+    folder.mkdir()
+    shutil.copy(next(FIXTURE.glob("*rank-0*")), folder / "9-rank-0.1.pt.trace.json.gz")
+    device = folder / "9-rank-1.1.pt.trace.json.gz"
+    os.mknod(device, 0o666 | stat.S_IFCHR, os.makedev(1, 5))  # /dev/zero's numbers
+    secret = tmp_path / "root-only.json"
+    secret.write_text("{}")
+    secret.chmod(0o600)
+    (folder / "9-rank-2.1.pt.trace.json.gz").symlink_to(secret)
+    watch = Watch(device, secret)
+    try:
+        summary, _ = summarize_folder(folder, try_open)
+        assert watch.opened() == [], "the summary opened what was swapped in"
+    finally:
+        watch.close()
+    assert [r["rank"] for r in summary["ranks"]] == [0]
+    errors = {e["rank"]: e["error"] for e in summary["errors"]}
+    assert "a character device, not a regular file" in errors[1]
+    assert "a symbolic link" in errors[2]
+
+
+def test_a_trace_vllms_user_swaps_before_the_handover_is_never_read_or_handed_over(
+    tmp_path: Path,
+) -> None:
+    """capture/job._move_into: vLLM's trace folder is vLLM's user's. A trace swapped after the
+    listing for a FIFO (copied across file systems: never opened) or a link (renamed: left in
+    the capture's folder, never chowned to the asker) is said, and the file listed only is
+    handed over."""
+    from kimi_supervisor.capture.job import _files, _move_into
+
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kimi-traces-"))  # another file system
+    try:
+        capture = tmp_path / "capture"
+        capture.mkdir()
+        for trace_dir in (shm, tmp_path):
+            (trace_dir / "a.pt.trace.json").write_text("{}")
+            (trace_dir / "b.pt.trace.json").write_text("{}")
+            listed = {n: ident for n, (_s, _m, ident) in _files(trace_dir).items()}
+            (trace_dir / "b.pt.trace.json").unlink()
+            if trace_dir == shm:
+                os.mkfifo(trace_dir / "b.pt.trace.json")
+            else:
+                (trace_dir / "b.pt.trace.json").symlink_to(trace_dir / "a.pt.trace.json")
+            watch = Watch(trace_dir / "b.pt.trace.json")
+            t_fd = os.open(trace_dir, os.O_RDONLY | os.O_DIRECTORY)
+            c_fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                assert _move_into(t_fd, "a.pt.trace.json", listed["a.pt.trace.json"], c_fd,
+                                  65534, 65534) == ""  # fmt: skip
+                why = _move_into(t_fd, "b.pt.trace.json", listed["b.pt.trace.json"], c_fd,
+                                 65534, 65534)  # fmt: skip
+                assert watch.opened() == []
+            finally:
+                watch.close()
+                os.close(t_fd)
+                os.close(c_fd)
+            if trace_dir == shm:  # copied: refused before any open; left where it was
+                assert why == "a FIFO, not a regular file (never opened)"
+                assert stat.S_ISFIFO(os.lstat(shm / "b.pt.trace.json").st_mode)
+            else:  # renamed: judged where only root can change it, left unowned
+                assert why.startswith("a symbolic link") and why.endswith("not handed over")
+                assert os.lstat(capture / "b.pt.trace.json").st_uid == 0
+            assert os.stat(capture / "a.pt.trace.json").st_uid == 65534  # handed over
+            for p in capture.iterdir():
+                p.unlink()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
 
 
 def test_summarize_given_a_fifo_or_a_device_says_it_is_not_a_capture_folder_at_once(
@@ -295,7 +375,7 @@ def test_the_rank_summarizer_never_runs_code_from_the_callers_working_directory(
     monkeypatch.chdir(evil)
     fd = os.open(traces, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        summary = summarize(fd, os.listdir(traces))
+        summary = summarize(fd, os.listdir(traces), try_open)
     finally:
         os.close(fd)
     assert not marker.exists()

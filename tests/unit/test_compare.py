@@ -14,6 +14,7 @@ from pydantic import TypeAdapter
 from kimi_supervisor.analysis.compare import CompareError, compare
 from kimi_supervisor.analysis.ranks import summarize_folder
 from kimi_supervisor.cli.output import OutputLine
+from kimi_supervisor.ports.safeopen import try_open
 from tests.synthetic_traces import write_capture
 
 from .test_capture import FIXTURE, kimi_mode
@@ -26,7 +27,9 @@ def test_less_skew_reads_as_the_skew_going_down_with_the_wait_delta_per_step(
 ) -> None:
     write_capture(tmp_path / "a", world=4, steps=STEPS, layers=LAYERS, late=1, late_us=400.0)
     write_capture(tmp_path / "b", world=4, steps=STEPS, layers=LAYERS, late=1, late_us=100.0)
-    c = compare(summarize_folder(tmp_path / "a")[0], summarize_folder(tmp_path / "b")[0])
+    c = compare(
+        summarize_folder(tmp_path / "a", try_open)[0], summarize_folder(tmp_path / "b", try_open)[0]
+    )
     rows = {r["what"]: r for r in c["rows"]}
     # Three of four ranks wait 300 us less at each of 8 all-reduces: 1.8 ms per step on average.
     assert rows["all-reduce wait"]["delta"] == pytest.approx(-0.3 * LAYERS * 3 / 4, rel=0.02)
@@ -38,13 +41,15 @@ def test_less_skew_reads_as_the_skew_going_down_with_the_wait_delta_per_step(
 def test_slower_transfers_read_as_the_data_moving_slower(tmp_path: Path) -> None:
     write_capture(tmp_path / "a", world=2, steps=STEPS, layers=LAYERS, transfer_us=30.0)
     write_capture(tmp_path / "b", world=2, steps=STEPS, layers=LAYERS, transfer_us=130.0)
-    c = compare(summarize_folder(tmp_path / "a")[0], summarize_folder(tmp_path / "b")[0])
+    c = compare(
+        summarize_folder(tmp_path / "a", try_open)[0], summarize_folder(tmp_path / "b", try_open)[0]
+    )
     assert "all-reduce transfer +0.80 ms per step: the data moves slower" in c["verdict"]
 
 
 def test_a_capture_against_itself_moves_nothing_beyond_the_noise_floor(tmp_path: Path) -> None:
     shutil.copytree(FIXTURE, tmp_path / "a")
-    s = summarize_folder(tmp_path / "a")[0]
+    s = summarize_folder(tmp_path / "a", try_open)[0]
     c = compare(s, s)
     assert all(r["delta"] == 0 for r in c["rows"] + c["top"])
     assert "nothing moved by more than the noise floor" in c["verdict"]
@@ -52,7 +57,7 @@ def test_a_capture_against_itself_moves_nothing_beyond_the_noise_floor(tmp_path:
 
 def test_captures_of_different_step_kinds_are_refused_with_what_to_do(tmp_path: Path) -> None:
     shutil.copytree(FIXTURE, tmp_path / "a")
-    s = summarize_folder(tmp_path / "a")[0]
+    s = summarize_folder(tmp_path / "a", try_open)[0]
     prefill = json.loads(json.dumps(s))
     for r in prefill["ranks"]:
         r["scope"] = "prefill steps"

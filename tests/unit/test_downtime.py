@@ -219,6 +219,7 @@ def test_a_forced_switch_during_a_warming_does_not_wait_for_it(slow_host: LoopHo
     h.until(lambda: h.daemon.s.state is not State.WARMING, "the warming to stop")
     said = [x for x in h.lines if x["event"] == "warmed"][-1]
     assert said["stopped"] == "aborted" and said["read_bytes"] < said["bytes"]
+    assert said["abandoned"] == 0 and "a --force switch to production took over" in said["text"]
     h.serving(Mode.PRODUCTION)
     assert h.systemd.starts == [Mode.PRODUCTION, Mode.PRODUCTION]
 
@@ -232,7 +233,24 @@ def test_a_stop_during_a_warming_does_not_wait_for_it(slow_host: LoopHost) -> No
     h.until(lambda: h.daemon.s.stopped_clean is not None, "the daemon to stop")
     said = [x for x in h.lines if x["event"] == "warmed"][-1]
     assert said["stopped"] == "aborted" and said["read_bytes"] < said["bytes"]
+    assert said["abandoned"] == 0  # reads that progress end when their reader is killed
     assert h.systemd.starts == [Mode.PRODUCTION]  # profile was never started
+
+
+def test_a_vllm_that_exits_during_a_warming_ends_it_and_the_switch_goes_on(
+    slow_host: LoopHost,
+) -> None:
+    h = slow_host
+    h.serving(Mode.PRODUCTION)
+    h.ask(Switch(Mode.PROFILE, "op"))
+    warming(h)
+    assert h.systemd.child is not None
+    h.systemd.child.kill()  # the old vLLM, the test's own child
+    h.until(lambda: h.daemon.s.state is not State.WARMING, "the warming to stop")
+    said = [x for x in h.lines if x["event"] == "warmed"][-1]
+    assert said["stopped"] == "aborted" and "stopped: the old vLLM exited" in said["text"]
+    h.serving(Mode.PROFILE)
+    assert h.systemd.starts == [Mode.PRODUCTION, Mode.PROFILE]
 
 
 def test_the_eta_of_a_load_is_made_of_the_past_switches_parts(host: LoopHost) -> None:

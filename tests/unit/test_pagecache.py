@@ -1,7 +1,8 @@
 """The page cache port on real files (ports/pagecache.py) and the launcher's cache directory
 (ports/launcher.py): what the daemon, as root, reads to warm a model and where vLLM may find
 compiled code. Their domain's edges: links out of the model's tree, FIFOs and devices where a
-file was, another user's directory on the cache's path."""
+file was, another user's directory on the cache's path. The open rule itself, case by case, is
+in test_safeopen.py; a reader whose reads never return, in test_warming.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.ports import pagecache
+from kimi_supervisor.ports import pagecache, safeopen
 from kimi_supervisor.ports.launcher import cache_untrusted
 
 
@@ -37,13 +38,40 @@ def test_a_model_s_files_are_its_regular_files_and_links_inside_its_tree_only(
     secret = tmp_path / "elsewhere"
     secret.write_text("not the model's")
     (snap / "leak.json").symlink_to(secret)  # out of the tree: not read
+    (snap / "up.json").symlink_to("../../../elsewhere")  # out of the tree, relatively
     os.mkfifo(snap / "fifo.json")  # would block a reader forever
     (snap / "sub").mkdir()
     (snap / "sub" / "x.safetensors").write_bytes(b"y")  # not in the folder vLLM reads
     (snap / "config.json").write_text("{}")
-    found = pagecache.files_in(snap, repo)
-    assert [(f.path.name, f.size) for f in found] == [("config.json", 2), ("model.safetensors", 10)]
-    assert [f.path.name for f in pagecache.files_in(snap)] == ["config.json"]  # tree = folder
+    fd = safeopen.open_root(repo)
+    try:
+        listing = pagecache.files_in(fd, "snapshots/abc")
+    finally:
+        os.close(fd)
+    assert [(f.name, f.rel, f.size) for f in listing.files] == [
+        ("config.json", "snapshots/abc/config.json", 2),
+        ("model.safetensors", "blobs/b1", 10),  # opened at its blob, which the listing saw
+    ]
+    blob = os.stat(repo / "blobs" / "b1")
+    assert (listing.files[1].listed.dev, listing.files[1].listed.ino) == (blob.st_dev, blob.st_ino)
+    assert sorted(listing.refused) == [
+        ("fifo.json", "a FIFO, never opened"),
+        ("leak.json", "a link out of the model's tree"),
+        ("up.json", "a link out of the model's tree"),
+    ]
+    fd = safeopen.open_root(snap)  # the folder is the tree: ../../blobs leaves it
+    try:
+        listing = pagecache.files_in(fd)
+    finally:
+        os.close(fd)
+    assert [f.name for f in listing.files] == ["config.json"]
+
+
+def listed(path: Path, size: int | None = None) -> tuple[int, pagecache.File]:
+    """`path`'s folder as the tree, and `path` as the listing saw it."""
+    st = os.stat(path)
+    ident = safeopen.Identity(st.st_dev, st.st_ino, st.st_size if size is None else size)
+    return safeopen.open_root(path.parent), pagecache.File(path.name, path.name, ident)
 
 
 def test_a_file_is_read_through_to_its_listed_size_and_a_stop_ends_it_between_reads(
@@ -53,30 +81,70 @@ def test_a_file_is_read_through_to_its_listed_size_and_a_stop_ends_it_between_re
     f.write_bytes(os.urandom(3 * 1024 + 7))
     got: list[int] = []
     buffer = bytearray(1024)
-    n = pagecache.read_through(
-        pagecache.File(f, f.stat().st_size), lambda: False, got.append, buffer
-    )
-    assert n == 3 * 1024 + 7 and got == [1024, 1024, 1024, 7]
-    # Grown after it was listed: read only as far as it was then.
-    with open(f, "ab") as out:
-        out.write(b"z" * 5000)
-    assert pagecache.read_through(pagecache.File(f, 100), lambda: False, got.append, buffer) == 100
-    stop = threading.Event()
+    tree, file = listed(f)
+    try:
+        assert pagecache.read_through(tree, file, lambda: False, got.append, buffer) == 3 * 1024 + 7
+        assert got == [1024, 1024, 1024, 7]
+        # Grown after it was listed: read only as far as it was then.
+        with open(f, "ab") as out:
+            out.write(b"z" * 5000)
+        small = pagecache.File(file.name, file.rel, safeopen.Identity(file.listed.dev,
+                               file.listed.ino, 100))  # fmt: skip
+        assert pagecache.read_through(tree, small, lambda: False, got.append, buffer) == 100
+        stop = threading.Event()
 
-    def done(k: int) -> None:
-        stop.set()  # a --force switch arrives during the first read
+        def done(k: int) -> None:
+            stop.set()  # a --force switch arrives during the first read
 
-    assert pagecache.read_through(pagecache.File(f, 8000), stop.is_set, done, buffer) == 1024
+        assert pagecache.read_through(tree, file, stop.is_set, done, buffer) == 1024
+    finally:
+        os.close(tree)
 
 
-def test_a_fifo_or_device_put_where_a_file_was_listed_is_never_read(tmp_path: Path) -> None:
+def test_a_fifo_put_where_a_file_was_listed_is_refused_at_once(tmp_path: Path) -> None:
     p = tmp_path / "model.safetensors"
-    os.mkfifo(p)
-    never = pagecache.read_through(pagecache.File(p, 10), lambda: False, lambda _n: None,
-                                   bytearray(16))  # fmt: skip
-    assert never == 0  # returned at once: opened non-blocking, not a regular file
-    zero = pagecache.File(Path("/dev/zero"), 1 << 40)
-    assert pagecache.read_through(zero, lambda: False, lambda _n: None, bytearray(16)) == 0
+    p.write_bytes(b"x")
+    tree, file = listed(p)
+    try:
+        p.unlink()
+        os.mkfifo(p)
+        with pytest.raises(safeopen.Refused, match="a FIFO"):
+            pagecache.read_through(tree, file, lambda: False, lambda _n: None, bytearray(16))
+    finally:
+        os.close(tree)
+
+
+def test_the_reader_process_finds_a_hub_snapshot_reads_it_and_says_what_it_refused(
+    tmp_path: Path,
+) -> None:
+    hub = tmp_path / "hub"
+    repo = hub / "models--org--m"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("c0ffee\n")
+    snap = repo / "snapshots" / "c0ffee"
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "b1").write_bytes(b"x" * 5000)
+    (snap / "model-00001-of-00001.safetensors").symlink_to("../../blobs/b1")
+    (snap / "config.json").write_text("{}")
+    (snap / "tokenizer.json").symlink_to("/etc/passwd")
+    reader = pagecache.Reader.start()
+    try:
+        hub_repo = {"root": str(hub), "repo": "models--org--m", "rev": "main"}
+        reader.ask({"find": [{"root": "org/m"}, hub_repo]})  # no local folder org/m: the hub
+        listed = reader.next(30)
+        assert (
+            listed is not None
+            and listed["listed"]["folder"] == f"{hub}/models--org--m/snapshots/c0ffee"
+        )
+        assert listed["listed"]["refused"] == [["tokenizer.json", "a link out of the model's tree"]]
+        reader.ask({"read": ["config.json", "model-00001-of-00001.safetensors"], "threads": 2})
+        while (msg := reader.next(30)) is not None and "done" not in msg:
+            assert "progress" in msg, msg
+        assert msg == {"done": {"read_bytes": 5002, "reading": 0, "refused": []}}
+    finally:
+        assert reader.end(5)  # it had ended: nothing is left
+    assert pagecache.stuck_readers() == []
 
 
 def test_the_cache_dir_is_made_private_and_refused_where_another_user_could_write(

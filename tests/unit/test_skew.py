@@ -18,6 +18,7 @@ import pytest
 from kimi_supervisor.analysis.collectives import Collective, collective
 from kimi_supervisor.analysis.ranks import summarize
 from kimi_supervisor.cli.summary_text import format_summary
+from kimi_supervisor.ports.safeopen import try_open
 from tests.synthetic_traces import write_capture
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "gpu-allreduce-2xh200"
@@ -27,7 +28,7 @@ STEPS, LAYERS = 12, 8
 def summary_of(folder: Path) -> dict[str, Any]:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        return summarize(fd, os.listdir(fd))
+        return summarize(fd, os.listdir(fd), try_open)
     finally:
         os.close(fd)
 
