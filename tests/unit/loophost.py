@@ -249,6 +249,9 @@ class FakeSystemd:
     def activated_at(self, unit: str) -> float | None:
         return None
 
+    def run_as(self, unit: str) -> int | None:
+        return os.geteuid()  # the child runs as this process's user
+
     def cgroup_pids(self, unit: str) -> list[int]:
         c = self.child
         return [c.pid] if c is not None and c.poll() is None else []
