@@ -63,21 +63,28 @@ def check_out(fd: int, uid: int) -> str | None:
 
 def _move_into(src: Path, name: str, dir_fd: int, uid: int, gid: int) -> None:
     """`src` becomes `name` in the directory `dir_fd`, owned by uid:gid: renamed when on the same
-    file system, else copied (created exclusively, never through a link) and removed."""
+    file system, else copied (created exclusively, never through a link) and removed. vLLM's
+    trace folder is its user's (not root's) to change: what is copied is opened without
+    following a link and without blocking, and only a regular file is read (a link put there to
+    a root-only file is never read out into the asker's folder)."""
     try:
         os.rename(src, name, dst_dir_fd=dir_fd)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        out = os.open(name, flags, 0o640, dir_fd=dir_fd)
-        try:
-            with open(src, "rb") as f:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fd = os.open(src, flags)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise OSError(errno.EINVAL, f"{src} is not a regular file") from None
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            out = os.open(name, flags, 0o640, dir_fd=dir_fd)
+            try:
                 while chunk := f.read(1 << 20):
                     os.write(out, chunk)
-            os.fsync(out)
-        finally:
-            os.close(out)
+                os.fsync(out)
+            finally:
+                os.close(out)
         src.unlink()
     os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
 
@@ -97,11 +104,11 @@ def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
 
 
 def _files(d: Path) -> dict[str, tuple[int, int]]:
-    """Name -> (size, modification time) of the files in `d`."""
+    """Name -> (size, modification time) of the regular files in `d` (not links to one)."""
     out = {}
     try:
         for p in d.iterdir():
-            st = p.stat()
+            st = p.lstat()
             if stat.S_ISREG(st.st_mode):
                 out[p.name] = (st.st_size, st.st_mtime_ns)
     except FileNotFoundError:

@@ -300,3 +300,37 @@ def test_the_rank_summarizer_never_runs_code_from_the_callers_working_directory(
         os.close(fd)
     assert not marker.exists()
     assert [r["rank"] for r in summary["ranks"]] == [0] and not summary["errors"]
+
+
+def test_a_link_in_vllms_trace_folder_is_never_read_out_into_the_askers_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's trace folder is its own user's to change: a link it puts there to a root-only
+    file is neither listed as a trace nor copied out (a move across file systems copies)."""
+    import errno
+
+    from kimi_supervisor.capture import job
+
+    traces, out = tmp_path / "traces", tmp_path / "out"
+    traces.mkdir()
+    out.mkdir()
+    secret = tmp_path / "shadow"
+    secret.write_text("root's secret")
+    (traces / "rank0.pt.trace.json").symlink_to(secret)
+    (traces / "rank1.pt.trace.json").write_text("{}")
+    assert set(job._files(traces)) == {"rank1.pt.trace.json"}
+
+    def cross_device(*_a: object, **_k: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(job.os, "rename", cross_device)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        uid, gid = os.getuid(), os.getgid()
+        with pytest.raises(OSError):
+            job._move_into(traces / "rank0.pt.trace.json", "rank0.pt.trace.json", fd, uid, gid)
+        job._move_into(traces / "rank1.pt.trace.json", "rank1.pt.trace.json", fd, uid, gid)
+    finally:
+        os.close(fd)
+    assert sorted(os.listdir(out)) == ["rank1.pt.trace.json"]
+    assert secret.read_text() == "root's secret" and (traces / "rank0.pt.trace.json").is_symlink()
