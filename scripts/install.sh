@@ -6,8 +6,9 @@
 # leaves the installed one as it was. Its scripts name PREFIX, so a staged tree (DESTDIR) works
 # once copied to /. The units go to UNITDIR (/usr/local/lib/systemd/system, where packages do not
 # write and an admin's /etc/systemd/system overrides them), their paths pointed at BINDIR and
-# PREFIX. Without DESTDIR the group and directories are created and systemd reloaded; nothing is
-# enabled or started (docs/operations.md). `make uninstall` removes all of it but the config.
+# PREFIX. Without DESTDIR the group, vLLM's user (kimi-vllm) and the directories are created and
+# systemd reloaded; nothing is enabled or started (docs/operations.md). `make uninstall` removes
+# all of it but the config, the state, the group and the user.
 set -eu
 DESTDIR=$1 PREFIX=$2 BINDIR=$3 UNITDIR=$4 SYSCONFDIR=$5 PYTHON=${6:-/usr/bin/python3}
 MANDIR=${7:-/usr/local/share/man}

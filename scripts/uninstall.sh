@@ -30,4 +30,5 @@ rm -rf "$DESTDIR$PREFIX"
 [ -z "$DESTDIR" ] && systemctl daemon-reload 2>/dev/null || true
 echo "uninstall: removed kimi-supervisor from $DESTDIR$PREFIX and its commands, units and pages."
 echo "  Kept: $DESTDIR$SYSCONFDIR/kimi-supervisor (the config), /var/lib/kimi-supervisor (state, captures), /var/cache/kimi-supervisor (vLLM's caches),"
-echo "  and the group kimi. Remove them with: rm -r $SYSCONFDIR/kimi-supervisor /var/lib/kimi-supervisor /var/cache/kimi-supervisor; groupdel kimi"
+echo "  /var/lib/kimi-vllm (vLLM's home), the group kimi and vLLM's user kimi-vllm. Remove them with:"
+echo "  rm -r $SYSCONFDIR/kimi-supervisor /var/lib/kimi-supervisor /var/cache/kimi-supervisor /var/lib/kimi-vllm; groupdel kimi; userdel kimi-vllm"

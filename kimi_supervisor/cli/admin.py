@@ -145,6 +145,19 @@ def cmd_launch_vllm(args: argparse.Namespace) -> int:
     return Exit.FAILED  # not reached: exec replaced this process
 
 
+def cmd_launch_record(args: argparse.Namespace) -> int:
+    from kimi_supervisor.ports.launcher import LaunchError, record_launch
+
+    try:
+        why = record_launch(Path(args.argv_file), args.pid)
+    except (LaunchError, OSError) as e:
+        why = str(e)
+    if why:
+        print(f"kimi-supervisor launch-record: {why}", file=sys.stderr)
+        return Exit.FAILED
+    return Exit.OK
+
+
 def cmd_sandbox(args: argparse.Namespace) -> int:
     from kimi_supervisor.sandbox import simgpu
     from kimi_supervisor.sandbox.sandbox import Sandbox
@@ -248,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("launch-vllm", help="(used by the unit) exec vLLM with the argv from a file")
     c.add_argument("--argv-file", required=True, help="the JSON list the daemon wrote")
     c.set_defaults(fn=cmd_launch_vllm)
+
+    c = sub.add_parser(
+        "launch-record", help="(used by the unit, as root) record which mode vLLM's MainPID runs"
+    )
+    c.add_argument("--argv-file", required=True, help="the JSON list the daemon wrote")
+    c.add_argument("--pid", type=int, required=True, help="vLLM's MainPID ($MAINPID)")
+    c.set_defaults(fn=cmd_launch_record)
 
     sb = sub.add_parser("sandbox", help="an isolated systemd manager, simulated GPUs, fake vLLM")
     sbs = sb.add_subparsers(dest="sandbox_cmd", required=True)

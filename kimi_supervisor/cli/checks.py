@@ -257,8 +257,13 @@ def check_systemd(config: Config) -> list[CheckOut]:
         return [bad("system bus", "pystemd is not installed", "reinstall kimi-supervisor")]
     unit = config.service.unit
     sd = PystemdSystemd(config.systemd.scope, config.systemd.bus_address)
+    user: int | str | None = None
     try:
         st = sd.status(unit)
+        try:
+            user = sd.run_as(unit) if st.load_state == "loaded" else None
+        except SystemdError as e:
+            user = str(e)
     except SystemdError as e:
         return [
             bad(
@@ -280,7 +285,35 @@ def check_systemd(config: Config) -> list[CheckOut]:
         )
     else:
         out.append(ok("vLLM's unit", f"{unit} loaded, {st.active_state}/{st.sub_state}"))
+        out.append(_vllm_user(unit, user))
     return out
+
+
+def _vllm_user(unit: str, uid: int | str | None) -> CheckOut:
+    """Whom the unit runs vLLM as: whose files in /dev/shm the teardown may remove."""
+    import pwd
+
+    name = "vLLM's user"
+    if isinstance(uid, str):
+        return unknown(name, f"cannot read {unit}'s user: {uid}")
+    if uid is None:
+        return bad(
+            name,
+            f"{unit} runs vLLM as a user this host has no entry for (or DynamicUser=): the "
+            "teardown can tell none of vLLM's leftovers from other programs' files",
+            "systemd-sysusers (it makes the package's kimi-vllm), or a drop-in with User=",
+        )
+    try:
+        who = f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        who = f"uid {uid}"
+    if uid == 0:
+        return ok(
+            name,
+            f"{unit} runs vLLM as root: of root's files in /dev/shm the teardown removes only "
+            'those vLLM\'s processes held (operations.md, "Running vLLM as root anyway")',
+        )
+    return ok(name, f"{unit} runs vLLM as {who}: the teardown removes that user's leftovers")
 
 
 def check_daemon(sock: Path, status: Callable[[Path], dict[str, Any]]) -> CheckOut:

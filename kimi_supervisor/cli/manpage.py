@@ -81,7 +81,8 @@ def pages() -> list[Page]:
                 "use systemctl start, stop, restart (vLLM is adopted, not reloaded) and reload "
                 "(after an upgrade), and kimi-mode(1) to switch.",
                 "The other commands are for the operator (check-config, calibrate, teardown), "
-                "for the units (reload, launch-vllm), and for development (sandbox).",
+                "for the units (reload, launch-vllm, launch-record), and for development "
+                "(sandbox).",
             ],
             [(str(code), what) for code, what in KIMI_SUPERVISOR.items()],
             [("KIMI_SUPERVISOR_CONFIG", "the config file, when --config is not given")],

@@ -5,10 +5,17 @@ The daemon writes the exact argv as a JSON array into the argv file; the unit's 
 No shell and no systemd quoting rules stand in between, so JSON arguments with quotes and
 spaces arrive unchanged, and the exec keeps the unit's MainPID.
 
+The unit runs vLLM as its own unprivileged user (`User=kimi-vllm`): the argv file is written
+readable by all (what it says is in /proc/PID/cmdline anyway), in the daemon's runtime directory,
+which that user cannot write.
+
 Which mode a running vLLM was started in is judged from what it actually runs: its command line
 (/proc/PID/cmdline ends with the argv; a script's interpreter may come first). A process that
-rewrote its title is matched through the launch record the launcher writes just before exec,
-which names the PID and its start time, so a recycled PID never matches.
+rewrote its title is matched through the launch record, which names the PID and its start time,
+so a recycled PID never matches. The unit's `ExecStartPost=+` writes it as root (`kimi-supervisor
+launch-record --pid $MAINPID`), beside the argv file: vLLM's user cannot write there, nor
+forge it. exec keeps the PID and the start time, so the record names vLLM whether the launcher
+has exec'd it yet or not.
 
 A vLLM whose argv matches no mode of the config in force, but which the launch record names
 (that very PID and start time) as started in a mode, runs that mode with an earlier config's
@@ -56,7 +63,7 @@ def write_argv_file(config: Config, mode: Mode) -> Path:
         "env": cache_env(config),
         "written_at": utcnow().isoformat(),
     }
-    _write_json_atomic(path, payload)
+    _write_json_atomic(path, payload, mode=0o644)  # read by launch-vllm, as vLLM's user
     return path
 
 
@@ -96,27 +103,36 @@ def launch_record_path(argv_file: Path) -> Path:
     return argv_file.with_name("vllm-launched.json")
 
 
-def _write_json_atomic(path: Path, payload: object) -> None:
+def _write_json_atomic(path: Path, payload: object, mode: int = 0o600) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), mode)
         json.dump(payload, f, ensure_ascii=False)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
+def record_launch(argv_file: Path, pid: int) -> str | None:
+    """The launch record: the unit's MainPID `pid` (its start time read now) runs the argv the
+    argv file names, in its mode (which a later config may start with another argv). Run by the
+    unit's `ExecStartPost=+`, as root. Why nothing was recorded, or None."""
+    ref = processes.ref_of(pid)
+    if ref is None:
+        return f"PID {pid} is gone: nothing to record"
+    data = _read_argv_payload(argv_file)
+    argv = _argv_of(data, argv_file)
+    mode = data.get("mode") if isinstance(data, dict) else None
+    _write_json_atomic(
+        launch_record_path(argv_file),
+        {"pid": ref.pid, "start_ticks": ref.start_ticks, "argv": argv, "mode": mode},
+    )
+    return None
+
+
 def exec_vllm(path: Path) -> None:
     data = _read_argv_payload(path)
     argv = _argv_of(data, path)
-    mode = data.get("mode") if isinstance(data, dict) else None
-    me = processes.ref_of(os.getpid())
-    if me is not None:
-        # exec keeps the PID and the start time: this record names the vLLM about to run, and
-        # the mode it was started in (which a later config may start with another argv).
-        _write_json_atomic(
-            launch_record_path(path),
-            {"pid": me.pid, "start_ticks": me.start_ticks, "argv": argv, "mode": mode},
-        )
     env = data.get("env") if isinstance(data, dict) else None
     if isinstance(env, dict) and env.get("VLLM_CACHE_ROOT"):
         why = cache_untrusted(Path(str(env["VLLM_CACHE_ROOT"])))

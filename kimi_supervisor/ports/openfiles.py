@@ -126,6 +126,40 @@ def maps_any(pid: int, prefix: str) -> set[str]:
     return found
 
 
+_SOCKET = re.compile(r"socket:\[(\d+)\]")
+
+
+def held_under(pid: int, prefixes: Iterable[str]) -> tuple[set[Key], set[int]]:
+    """What `pid` has open or mapped under `prefixes` (directories, each ending in "/"), by
+    identity (`file_key`), and the inodes of every socket it has open. The path a descriptor or
+    a mapping shows (the process's own view: a private /tmp, a container) only chooses what to
+    look at: the identity is the descriptor's own stat, or the device and inode its maps line
+    names. Nothing if it is gone or unreadable."""
+    wanted = tuple(prefixes)
+    keys: set[Key] = set()
+    sockets: set[int] = set()
+    fd_dir = PROC / str(pid) / "fd"
+    for fd, target in open_paths(pid):
+        m = _SOCKET.fullmatch(target)
+        if m:
+            sockets.add(int(m.group(1)))
+        elif target.startswith(wanted):
+            with contextlib.suppress(OSError):
+                keys.add(file_key(os.stat(fd_dir / str(fd))))
+    try:
+        with open(PROC / str(pid) / "maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.rstrip("\n").split(maxsplit=5)
+                if len(fields) < 6 or not fields[5].startswith(wanted):
+                    continue
+                with contextlib.suppress(ValueError):
+                    major, minor = (int(x, 16) for x in fields[3].split(":"))
+                    keys.add((1, os.makedev(major, minor), int(fields[4])))
+    except OSError:
+        pass
+    return keys, sockets
+
+
 _DEVICE_LINE = re.compile(rb"^[^\n]*/" + DEVICE_NAME + rb"[^/\n]*$", re.MULTILINE)
 
 

@@ -168,11 +168,18 @@ def started_at(ref: ProcessRef) -> float:
 
 
 def uid_of(pid: int) -> int | None:
-    """The effective uid a process runs as (the owner of /proc/PID), or None if it is gone."""
+    """The uid that owns the files a process creates (its filesystem uid, /proc/PID/status's
+    fourth `Uid:` field), or None if it is gone. Not the owner of /proc/PID, which is its
+    effective uid (the files inside are root's for a process that is not dumpable)."""
     try:
-        return os.stat(PROC / str(pid)).st_uid
+        status = (PROC / str(pid) / "status").read_text()
     except OSError:
         return None
+    for line in status.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            return int(fields[4]) if len(fields) == 5 else None
+    return None
 
 
 def describe(ref: ProcessRef) -> ProcessDescription:

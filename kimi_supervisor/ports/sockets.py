@@ -1,4 +1,5 @@
-"""Listening TCP sockets: which socket inodes listen on a port, and at which address.
+"""Listening TCP sockets: which socket inodes listen on a port, and at which address; bound Unix
+sockets, by path and by inode.
 
 Asked through the kernel's sock_diag netlink interface (what `ss -lnt` uses), for listening
 sockets only: the kernel then walks only its listening table. Reading /proc/net/tcp and tcp6
@@ -109,6 +110,23 @@ def bound_unix_paths(proc_net_unix: Path = Path("/proc/net/unix")) -> set[str]:
                 parts = line.split(None, 7)
                 if len(parts) == 8 and parts[7].startswith("/"):
                     out.add(parts[7].rstrip("\n"))
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def unix_paths_by_inode(proc_net_unix: Path = Path("/proc/net/unix")) -> dict[int, str]:
+    """Socket inode -> the path it is bound to, for every bound Unix socket in this network
+    namespace (a listener's accepted sockets show its path too). The path is as the binder
+    named it, in its own view of the files."""
+    out: dict[int, str] = {}
+    try:
+        with open(proc_net_unix, encoding="utf-8", errors="replace") as f:
+            next(f, None)  # the header
+            for line in f:
+                parts = line.split(None, 7)
+                if len(parts) == 8 and parts[7].startswith("/") and parts[6].isdigit():
+                    out[int(parts[6])] = parts[7].rstrip("\n")
     except FileNotFoundError:
         pass
     return out

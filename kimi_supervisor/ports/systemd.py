@@ -8,6 +8,7 @@ Calls return as soon as the manager has queued the job; callers that need to wai
 from __future__ import annotations
 
 import os
+import pwd
 import signal
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -48,6 +49,7 @@ class SystemdPort(Protocol):
     def reset_failed(self, unit: str) -> None: ...
     def cgroup_pids(self, unit: str) -> list[int]: ...
     def activated_at(self, unit: str) -> float | None: ...
+    def run_as(self, unit: str) -> int | None: ...
     def daemon_reload(self) -> None: ...
     def jobs(self) -> dict[str, str]: ...
     def move_to_scope(self, name: str, pid: int, description: str) -> None: ...
@@ -189,6 +191,29 @@ class PystemdSystemd:
         u = self._unit(unit)
         usec = int(self._call(f"reading {unit}", lambda: u.Unit.InactiveExitTimestamp))
         return usec / 1e6 if usec > 0 else None
+
+    def run_as(self, unit: str) -> int | None:
+        """The uid the unit's processes run as: its `User=`, a number or a name resolved here;
+        none set, the manager's own user (root for the system manager; for a user manager, this
+        process's user, which that manager runs the daemon as). None when it cannot be said: the
+        unit is not loaded, its user has no entry (yet), or it has `DynamicUser=` (a uid picked
+        at each start)."""
+        u = self._unit(unit)
+
+        def read() -> tuple[str, str, bool]:
+            return _s(u.Unit.LoadState), _s(u.Service.User), bool(u.Service.DynamicUser)
+
+        load_state, user, dynamic = self._call(f"reading {unit}", read)
+        if load_state != "loaded" or dynamic:
+            return None
+        if not user:
+            return 0 if self.scope == "system" else os.geteuid()
+        if user.isdigit():
+            return int(user)
+        try:
+            return pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return None
 
     def cgroup_pids(self, unit: str) -> list[int]:
         u = self._unit(unit)

@@ -119,6 +119,13 @@ class Teardown:
         except SystemdError:
             return None
 
+    def _run_as(self) -> int | None:
+        """The user vLLM's unit runs it as: whose files are vLLM's (None: unknown)."""
+        try:
+            return self.systemd.run_as(self.unit)
+        except SystemdError:
+            return None
+
     def _listeners(self) -> dict[int, set[str]]:
         v = self.config.vllm
         return listeners(v.port, v.host, self._likely())
@@ -311,7 +318,13 @@ class Teardown:
         start = self.clock.monotonic()
         self.on_event(ev.TeardownStarted(self.unit))
         snapshot = self._snapshot = unit_tree(self.systemd, self.unit, self.on_event)
-        self._owner = leftovers.Owner.of(snapshot, self._activated_at())
+        t = self.config.teardown
+        self._owner = leftovers.Owner.of(
+            snapshot,
+            self._activated_at(),
+            self._run_as(),
+            [t.shm_dir] + ([t.tmp_dir] if t.tmp_dir is not None else []),
+        )
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [
             (Step.KILL_GPU_HOLDERS, self._step_kill_gpu_holders, True),

@@ -6,12 +6,17 @@ names alone prove nothing (`psm_*` and `sem.mp-*` are Python multiprocessing's n
 program). An entry is removed only if all of these hold:
 - its name matches a configured pattern (or, in the tmp directory, it is a Unix socket named by
   a UUID), and it is not a link;
-- it belongs to vLLM's user: the owner of vLLM's processes when the teardown began, else the
-  unit's user as the teardown runs (root for the shipped unit), and everything inside a
-  directory does too;
+- it belongs to vLLM's user: the user its unit runs it as (`User=`, as systemd says: the
+  package's `kimi-vllm`) or the owner of one of vLLM's processes when the teardown began; and
+  everything inside a directory does too;
+- when that owner is root (vLLM run as root anyway, so that every root program's files carry
+  its owner), it is vLLM's by identity as well: a process of vLLM's tree had it (a directory:
+  something inside it) open or mapped when the teardown began, compared by device and inode,
+  or had it bound (a socket, by the path /proc/net/unix names); or its name begins with a PID of
+  vLLM's tree (`<pid>-tp:0-0-cpushm_N` of the CPU build);
 - it is vLLM's by time: created or changed since its unit last left `inactive` (systemd's
   InactiveExitTimestamp; else since vLLM's oldest process started, else since boot); or its
-  name carries a PID of vLLM's tree (`<pid>-tp:0-0-cpushm_N` of the CPU build);
+  name begins with a PID of vLLM's tree;
 - no live process has it, or anything inside it, open, mapped or bound.
 Directories are judged by their contents (at most MAX_ENTRIES of them, links never followed);
 an entry that fails any rule is kept and reported.
@@ -24,54 +29,124 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kimi_supervisor.config import TeardownConfig
 from kimi_supervisor.ports import openfiles, processes
+from kimi_supervisor.ports.openfiles import Key
 from kimi_supervisor.ports.processes import ProcessRef
-from kimi_supervisor.ports.sockets import bound_unix_paths
+from kimi_supervisor.ports.sockets import bound_unix_paths, unix_paths_by_inode
 from kimi_supervisor.teardown.events import EventSink, LeftoverKept
 
 # A ZMQ IPC socket of vLLM: `$TMPDIR/<uuid4>` (vllm/utils/network_utils.py get_open_zmq_ipc_path).
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
-_DIGITS = re.compile(r"\d+")
+# A name that begins with its maker's PID: the CPU build's `<pid>-tp:0-0-cpushm_N`. Only there:
+# digits elsewhere in a name (`psm_a1234b`, random hex) say nothing about who made it.
+_PID_FIRST = re.compile(r"(\d+)-")
 # A directory with more entries than this is not judged (kept): its walk is bounded.
 MAX_ENTRIES = 10_000
+ROOT = 0
+ROOTS_RULE = (
+    "owned by root, and vLLM runs as root: only what its processes held when the teardown "
+    "began, or what names one of their PIDs, is provably vLLM's"
+)
 
 
 @dataclass(frozen=True)
 class Owner:
-    """Whose leftovers these are: vLLM's user(s), since when, and its tree's PIDs."""
+    """Whose leftovers these are: vLLM's user(s), since when, and its tree's PIDs; with root
+    among the users, what the tree held in the leftovers directories when the teardown began."""
 
     uids: frozenset[int]
     since: float  # epoch seconds: entries unchanged since before this are not this vLLM's
     pids: frozenset[int] = field(default_factory=frozenset)
+    held: frozenset[Key] = field(default_factory=frozenset)  # files, by identity
+    bound: frozenset[str] = field(default_factory=frozenset)  # sockets, by path
 
     @classmethod
-    def of(cls, tree: list[ProcessRef], activated_at: float | None = None) -> Owner:
-        """From vLLM's processes when the teardown began (their users) and when its unit last
-        left inactive (`activated_at`: everything vLLM made since, its API server's too, even
-        after that one died); without the unit's time, the oldest process's start, else this
-        boot. With no process, the unit's user as this teardown runs (its own uid)."""
+    def of(
+        cls,
+        tree: list[ProcessRef],
+        activated_at: float | None = None,
+        unit_uid: int | None = None,
+        dirs: Iterable[Path] = (),
+    ) -> Owner:
+        """From vLLM's processes when the teardown began (their users, and with root among
+        them what they held under `dirs`), the user its unit runs it as (`unit_uid`: None if
+        unknown), and when its unit last left inactive (`activated_at`: everything vLLM made
+        since, its API server's too, even after that one died); without the unit's time, the
+        oldest process's start, else this boot."""
         uids = {u for u in map(processes.uid_of, (r.pid for r in tree)) if u is not None}
+        if unit_uid is not None:
+            uids.add(unit_uid)
         if activated_at is not None:
             since = activated_at
         elif tree:
             since = min(processes.started_at(r) for r in tree)
         else:
             since = processes.boot_time()
-        return cls(frozenset(uids or {os.geteuid()}), since, frozenset(r.pid for r in tree))
+        held: set[Key] = set()
+        bound: set[str] = set()
+        if ROOT in uids and tree:
+            prefixes = [str(d).rstrip("/") + "/" for d in dirs]
+            inodes: set[int] = set()
+            for r in tree:
+                keys, sockets = openfiles.held_under(r.pid, prefixes)
+                held |= keys
+                inodes |= sockets
+            paths = unix_paths_by_inode() if inodes else {}
+            bound = {paths[i] for i in inodes if i in paths}
+        return cls(
+            frozenset(uids),
+            since,
+            frozenset(r.pid for r in tree),
+            frozenset(held),
+            frozenset(bound),
+        )
 
-    def why_not(self, path: Path, st: os.stat_result) -> str | None:
-        """Why `path` (lstat `st`) is not provably vLLM's; None if it is."""
+    def names_pid(self, name: str) -> bool:
+        m = _PID_FIRST.match(name)
+        return m is not None and int(m.group(1)) in self.pids
+
+    def why_not(
+        self,
+        path: Path,
+        st: os.stat_result,
+        inside: list[tuple[Path, os.stat_result]] | None = None,
+    ) -> str | None:
+        """Why `path` (lstat `st`) is not provably vLLM's; None if it is. A directory is judged
+        whole only with what is `inside` it (before that, by its own owner and time)."""
+        if not self.uids:
+            return "vLLM's user is unknown (its unit's user has no entry here, and no vLLM ran)"
         if st.st_uid not in self.uids:
             users = ", ".join(map(str, sorted(self.uids)))
             return f"owned by uid {st.st_uid}, not vLLM's user ({users})"
-        names_pid = any(int(d) in self.pids for d in _DIGITS.findall(path.name))
+        for p, s in inside or []:
+            if s.st_uid not in self.uids:
+                return f"{p} inside it is owned by uid {s.st_uid}"
+        names_pid = self.names_pid(path.name)
         if st.st_ctime < self.since and not names_pid:
             return "older than vLLM's start and names no PID of its tree"
+        judged_whole = inside is not None or not stat.S_ISDIR(st.st_mode)
+        if (
+            st.st_uid == ROOT
+            and judged_whole
+            and not names_pid
+            and not self._held(path, st, inside)
+        ):
+            return ROOTS_RULE
         return None
+
+    def _held(
+        self, path: Path, st: os.stat_result, inside: list[tuple[Path, os.stat_result]] | None
+    ) -> bool:
+        if stat.S_ISSOCK(st.st_mode):
+            return str(path) in self.bound
+        if stat.S_ISDIR(st.st_mode):
+            return any(openfiles.file_key(s) in self.held for _p, s in inside or [])
+        return openfiles.file_key(st) in self.held
 
 
 def leftovers(directory: Path, patterns: list[str], ipc_sockets: bool = False) -> set[Path]:
@@ -193,7 +268,4 @@ def _why_not_vllms(path: Path, owner: Owner) -> str | None:
     inside = _inside(path)
     if inside is None:
         return f"a directory of more than {MAX_ENTRIES} entries"
-    for p, s in inside:
-        if s.st_uid not in owner.uids:
-            return f"{p} inside it is owned by uid {s.st_uid}"
-    return None
+    return owner.why_not(path, st, inside)

@@ -7,7 +7,9 @@ and drop-ins for both units), as an operator's test host would be set up.
 
 from __future__ import annotations
 
+import grp
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -32,6 +34,19 @@ def _fill(v: object) -> object:
     return v
 
 
+def gpus(sim: Path) -> None:
+    """The simulated GPUs as a host's device files may be: 0660 root:video (Debian's driver
+    packaging has used NVreg_DeviceFileGID=44; NVIDIA's default is 0666), so vLLM's user
+    reaches them only through its unit's SupplementaryGroups=video. A context is made in the
+    driver's side (driver/N) and recorded in alloc/, both the driver's, so those are too."""
+    video = grp.getgrnam("video").gr_gid
+    for node in [*(sim / "dev").iterdir(), *(sim / "driver").iterdir()]:
+        os.chown(node, 0, video)
+        node.chmod(0o660)
+    os.chown(sim / "alloc", 0, video)
+    (sim / "alloc").chmod(0o1770)
+
+
 def main(src: Path, ports: tuple[int, int] | None = None) -> None:
     raw = _fill(tomllib.loads((src / "config" / "sandbox.toml").read_text()))
     assert isinstance(raw, dict)
@@ -48,17 +63,25 @@ def main(src: Path, ports: tuple[int, int] | None = None) -> None:
     cmd = raw["vllm"]["command"]
     cmd[0] = "/usr/local/bin/vllm"
     cmd[cmd.index("--tensor-parallel-size") + 1] = "4"
+    # The package's own folders for vLLM: its caches, and the profile mode's trace folder (its
+    # unit makes both its user's).
+    raw["vllm"]["cache_dir"] = "/var/cache/kimi-supervisor/vllm"
+    for mode in raw["modes"].values():
+        mode["args"] = [
+            a.replace(str(SIM / "traces"), "/var/lib/kimi-supervisor/traces") for a in mode["args"]
+        ]
     config = Config.model_validate(raw)
     Path("/etc/kimi-supervisor/kimi-supervisor.toml").write_text(config.effective_toml())
-    for d in ("logs", "traces", "tmp"):  # tmp: vLLM's TMPDIR (teardown.tmp_dir)
+    for d in ("logs", "tmp"):  # tmp: teardown.tmp_dir (vLLM's own /tmp is private)
         (SIM / d).mkdir(parents=True, exist_ok=True)
     simgpu.create_host(SIM / "gpu", 4)
+    gpus(SIM / "gpu")
     vllm = Path("/usr/local/bin/vllm")
     vllm.write_text(f"#!{PYTHON}\nfrom kimi_supervisor.sandbox.fake_vllm import main\nmain()\n")
     vllm.chmod(0o755)
     env = f"Environment=KIMI_SIM_GPU_DIR={SIM / 'gpu'}\n"
-    # The simulated driver keeps its state in files the daemon writes (a real one is in /dev),
-    # and the fake vLLM writes its traces there: writable for the hardened daemon.
+    # The simulated driver keeps its state in files the daemon writes (a real one is in /dev):
+    # writable for the hardened daemon. vLLM runs as its package's user, with no drop-in.
     extra = {"kimi-supervisor.service": f"ReadWritePaths={SIM}\n", "vllm-kimi-k25.service": ""}
     for unit, more in extra.items():
         d = Path("/etc/systemd/system") / f"{unit}.d"

@@ -113,7 +113,10 @@ def test_apt_install_needs_no_index_nor_compiler_and_enables_the_daemon_alone(
     assert host.sh("systemctl is-active kimi-supervisor", check=False).stdout.strip() == "inactive"
     assert "enabled, not started: vllm.command[0] /opt/vllm/bin/vllm" in r.stdout, r.stdout
     assert host.sh("getent group kimi", check=False).returncode == 0
-    assert host.sh("stat -c '%a %U' /var/lib/kimi-supervisor").stdout.split() == ["750", "root"]
+    assert host.sh("stat -c '%a %U' /var/lib/kimi-supervisor").stdout.split() == ["751", "root"]
+    # vLLM's own user, which owns nothing else and cannot log in.
+    vllm = host.sh("getent passwd kimi-vllm").stdout.strip().split(":")
+    assert vllm[5:] == ["/var/lib/kimi-vllm", "/usr/sbin/nologin"], vllm
     assert host.sh("kimi-supervisor --version").returncode == 0
     host.sh(" ".join(CONFIGURE))  # the simulated GPUs, the fake vLLM and their config
 
@@ -170,6 +173,90 @@ def test_the_hardened_daemon_kills_a_ghost_and_hands_captures_to_a_member_in_tmp
         assert r.returncode == 0, r.stdout + r.stderr
         traces = host.sh(f"find {out} -type f -user alice -name '*rank*'").stdout.split()
         assert len(traces) == 4, host.sh(f"ls -laR {out}").stdout
+    wait_serving(host, "profile")
+
+
+def proc_ids(h: BootedHost, pid: int) -> tuple[int, set[int]]:
+    """A process's filesystem uid (what owns the files it makes) and its groups."""
+    status = dict(
+        line.split(":", 1) for line in h.sh(f"cat /proc/{pid}/status").stdout.splitlines()
+    )
+    return int(status["Uid"].split()[3]), {int(g) for g in status["Groups"].split()}
+
+
+def test_vllm_runs_as_its_own_user_on_its_gpus_and_a_switch_takes_its_leftovers_not_roots(
+    host: BootedHost,
+) -> None:
+    """Issue 42: the shipped unit ran vLLM as root, so "vLLM's user" was every root program and
+    a switch removed their unopened `psm_*` and `sem.mp-*` files made since vLLM's start."""
+    wait_serving(host, "profile")
+    vllm_uid = int(host.sh("id -u kimi-vllm").stdout)
+    video = int(host.sh("getent group video | cut -d: -f3").stdout)
+    # Every process of the unit runs as vLLM's user, with the video group for the GPUs' files.
+    listed = host.sh("grep -l '/vllm-kimi-k25.service$' /proc/[0-9]*/cgroup", check=False)
+    tree = [int(p.split("/")[2]) for p in listed.stdout.split()]
+    assert len(tree) >= 6, tree  # the API server, its engine, 4 workers (and a tracker)
+    for pid in tree:
+        uid, groups = proc_ids(host, pid)
+        assert uid == vllm_uid and video in groups, (pid, uid, groups)
+    # It reached its GPUs (0660 root:video here): each worker made a context, as its user.
+    alloc = host.sh("stat -c %u /var/lib/kimi-sim/gpu/alloc/*").stdout.split()
+    assert alloc == [str(vllm_uid)] * 4, alloc
+    gpus = status(host)["gpus"]
+    assert all(g["used_mib"] > g["baseline_mib"] for g in gpus), gpus
+    # It serves: the daemon said so (/health 200); and it answers a request of its API.
+    port = host.sh(
+        f'{PYTHON} -c "import tomllib; print(tomllib.load(open('
+        f"'/etc/kimi-supervisor/kimi-supervisor.toml', 'rb'))['vllm']['port'])\""
+    ).stdout.strip()
+    models = host.sh(
+        f'{PYTHON} -c "import urllib.request as u; '
+        f"print(u.urlopen('http://127.0.0.1:{port}/v1/models', timeout=5).status)\""
+    )
+    assert models.stdout.strip() == "200", models.stdout + models.stderr
+    # Its folders are its own; the launch record, which it cannot forge, root's.
+    for d, mode in (
+        ("/var/cache/kimi-supervisor/vllm", "700"),
+        ("/var/lib/kimi-supervisor/traces", "700"),
+        ("/var/lib/kimi-vllm", "700"),
+    ):
+        assert host.sh(f"stat -c '%a %U' {d}").stdout.split() == [mode, "kimi-vllm"], d
+    journal = host.sh("journalctl -b -u vllm-kimi-k25 --no-pager -o cat").stdout
+    assert "not using the cache" not in journal, journal[-2000:]
+    record = json.loads(host.sh("cat /run/kimi-supervisor/vllm-launched.json").stdout)
+    assert record["pid"] == vllm_pid(host) and record["mode"] == "profile", record
+    assert host.sh("stat -c %U /run/kimi-supervisor/vllm-launched.json").stdout.strip() == "root"
+
+    # Files the leftovers step may see, all made after vLLM's unit started, none of them open:
+    # root programs' look-alikes, and vLLM's user's own (as a SIGKILLed vLLM leaves them).
+    roots = ["/dev/shm/psm_b00t0001", "/dev/shm/sem.mp-b00t0001", "/dev/shm/vllm-root-cache"]
+    vllms = ["/dev/shm/psm_b00t0002", "/dev/shm/sem.mp-b00t0002", "/dev/shm/nccl-b00t0002"]
+    bystander = int(host.sh("setsid sleep 900 >/dev/null 2>&1 < /dev/null & echo $!").stdout)
+    try:
+        host.sh(f"touch {' '.join(roots)}")
+        host.sh(f"runuser -u kimi-vllm -- touch {' '.join(vllms)}")
+        r = host.sh("kimi-mode production", check=False, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        wait_serving(host, "production")
+        for path in roots:
+            assert host.sh(f"stat -c %U {path}").stdout.strip() == "root", path
+        for path in vllms:
+            assert host.sh(f"test -e {path}", check=False).returncode != 0, f"{path} was kept"
+        teardown = [e for e in history(host) if e["kind"] == "teardown"][-1]
+        assert set(vllms) <= set(teardown["shm_removed"]), teardown["shm_removed"]
+        assert not set(roots) & set(teardown["shm_removed"]), teardown["shm_removed"]
+        kept = host.sh(
+            "journalctl -u kimi-supervisor KIMI_EVENT=leftover_not_removed --no-pager -o cat"
+        ).stdout
+        for path in roots:
+            assert f"{path}" in kept, kept[-2000:]
+        assert f"owned by uid 0, not vLLM's user ({vllm_uid})" in kept, kept[-2000:]
+        assert host.sh(f"test -d /proc/{bystander}", check=False).returncode == 0
+    finally:
+        host.sh(f"kill {bystander}", check=False)  # the bystander this test started, alone
+        host.sh(f"rm -rf {' '.join(roots + vllms)}", check=False)
+    r = host.sh("kimi-mode profile", check=False, timeout=120)  # as the next tests expect
+    assert r.returncode == 0, r.stdout + r.stderr
     wait_serving(host, "profile")
 
 
@@ -232,6 +319,7 @@ def test_doctor_passes_on_the_healthy_host_and_fails_on_each_broken_precondition
     r = host.sh("kimi-mode doctor", check=False)
     assert r.returncode == 0, r.stdout
     assert r.stdout.splitlines()[-1].startswith("every check passed"), r.stdout
+    assert "runs vLLM as kimi-vllm (uid " in r.stdout, r.stdout
 
     def failing(check: str, says: str, options: str = "") -> None:
         r = host.sh(f"kimi-mode doctor -o json {options}", check=False)

@@ -26,6 +26,7 @@ import pytest
 from kimi_supervisor.capture.retention import oldest_first
 from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.http import request
+from kimi_supervisor.ports.sockets import unix_paths_by_inode
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
@@ -528,8 +529,20 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
     sockets = {p for p in tmp.iterdir() if p.is_socket() and p != theirs}
     # What the tree maps there and is still named (multiprocessing and glibc unlink their
     # semaphores' names at once).
-    shm = {p for pid in tree for p in map(Path, openfiles.maps_any(pid, "/dev/shm/")) if p.exists()}
+    # The sandbox runs vLLM as root: of root's files, the teardown takes only what the tree it
+    # finds (the orphans: the API server is dead by then) held. The API server's own files are
+    # then any root program's to it, and stay.
+    shm = {
+        p for pid in engine for p in map(Path, openfiles.maps_any(pid, "/dev/shm/")) if p.exists()
+    }
     assert sockets and shm, (sockets, shm)  # vLLM's ZMQ sockets and shared memory
+    paths = unix_paths_by_inode()
+    orphans_bound = {
+        Path(paths[i])
+        for pid in engine
+        for i in openfiles.held_under(pid, [f"{tmp}/"])[1]
+        if i in paths and Path(paths[i]) in sockets
+    }
     teardowns = real.teardown_count()
     processes.send_signal(processes.ref_of(api), signal.SIGKILL)  # type: ignore[arg-type]
     t0 = time.monotonic()
@@ -543,9 +556,10 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
         real.wait_serving("production", READY_S)
         assert processes.is_alive(bystander) and processes.is_alive(binder)
         report = [e for e in real.history() if e["kind"] == "teardown"][teardowns]
-        # The old tree's leftovers went in that teardown; the bystander's socket stayed.
+        # The orphaned tree's leftovers went in that teardown; the bystander's socket stayed.
         removed = set(map(Path, report["shm_removed"]))
-        assert sockets <= removed and shm <= removed, (sockets, shm, removed)
+        assert orphans_bound <= removed and shm <= removed, (orphans_bound, shm, removed)
+        assert removed & sockets <= orphans_bound, (sockets, removed)
         assert theirs.exists() and theirs not in removed
         record(orphans_killed_s=round(orphans_gone_s, 1), orphan_teardown_s=round(
             report["duration_s"], 2), leftovers_removed=len(removed))  # fmt: skip

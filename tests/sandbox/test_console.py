@@ -178,6 +178,8 @@ def test_doctor_passes_on_a_healthy_host_and_says_what_it_could_not_check(
     assert "?     nvidia-persistenced  simulated GPUs" in r.stdout
     for name in ("config", "vllm executable", "control group", "system bus", "vLLM's unit"):
         assert f"ok    {name}" in r.stdout, r.stdout
+    # The sandbox's vLLM runs as its manager's user, root, and doctor says what that costs.
+    assert "ok    vLLM's user" in r.stdout and "runs vLLM as root: of root's files" in r.stdout
     for name in ("GPU driver", "managed GPUs", "baseline", "daemon", "metrics"):
         assert f"ok    {name}" in r.stdout, r.stdout
 

@@ -81,6 +81,22 @@ def test_make_install_stages_the_package_commands_units_and_config(staged: Path)
     assert f"file://{PREFIX}/docs/operations.md" in unit and "/usr/bin/" not in unit
 
 
+def test_make_install_creates_vllms_own_user_and_its_unit_runs_vllm_as_that_user(
+    staged: Path,
+) -> None:
+    users = (staged / "usr/local/lib/sysusers.d/kimi-supervisor.conf").read_text().splitlines()
+    assert 'u kimi-vllm - "vLLM, run by kimi-supervisor" /var/lib/kimi-vllm' in users
+    unit = (staged / UNITDIR.lstrip("/") / "vllm-kimi-k25.service").read_text().splitlines()
+    assert {"User=kimi-vllm", "Group=kimi-vllm", "SupplementaryGroups=video"} <= set(unit)
+    # The launch record is written as root, by this install's command.
+    assert (
+        "ExecStartPost=-+/usr/local/bin/kimi-supervisor launch-record "
+        "--argv-file %t/kimi-supervisor/vllm-argv.json --pid $MAINPID"
+    ) in unit
+    tmpfiles = (staged / "usr/local/lib/tmpfiles.d/kimi-supervisor.conf").read_text()
+    assert "d /var/lib/kimi-supervisor 0751 root root -" in tmpfiles.splitlines()
+
+
 def test_an_upgrade_keeps_the_operators_config_and_ships_the_new_one_beside_it(
     staged: Path,
 ) -> None:

@@ -3,6 +3,7 @@ processes, simulated GPUs. Each ends CLEAN with the GPUs at baseline unless said
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -292,29 +294,52 @@ def test_memory_held_with_no_process_ends_stuck_within_the_deadlines_with_a_diag
     assert run.killed() == set()
 
 
-def test_leftover_shared_memory_nobody_uses_is_removed_and_nothing_else(
+# vLLM's own user (the package's kimi-vllm), as a uid: a drop-in gives the sandbox's vLLM unit
+# `User=` this uid (vLLM itself is not started as it); its files are planted with this owner.
+VLLM_UID = 64_321
+
+
+@contextlib.contextmanager
+def vllm_runs_as(sandbox: SandboxHelper, uid: int) -> Iterator[None]:
+    """vLLM's unit with `User=uid`, as the package's has `User=kimi-vllm`, until the end."""
+    dropin = sandbox.sb.manager.unit_dir / f"{UNIT}.d" / "zz-test-user.conf"
+    dropin.write_text(f"[Service]\nUser={uid}\n")
+    sandbox.sb.manager.systemctl("daemon-reload")
+    try:
+        yield
+    finally:
+        dropin.unlink(missing_ok=True)
+        sandbox.sb.manager.systemctl("daemon-reload")
+
+
+def plant(path: Path, uid: int, data: bytes = b"x") -> Path:
+    path.write_bytes(data)
+    os.chown(path, uid, uid)
+    return path
+
+
+def test_leftover_shared_memory_of_vllms_user_nobody_uses_is_removed_and_nothing_else(
     sandbox: SandboxHelper,
 ) -> None:
     shm = sandbox.config.teardown.shm_dir
-    (shm / "nccl-leaked").write_bytes(b"x")
-    (shm / "nccl-in-use").write_bytes(b"x")
-    (shm / "not-ours").write_bytes(b"x")
+    leaked = plant(shm / "nccl-leaked", VLLM_UID)
+    in_use = plant(shm / "nccl-in-use", VLLM_UID)
+    unnamed = plant(shm / "not-ours", VLLM_UID)  # no pattern names it
+    roots = plant(shm / "nccl-root", 0)  # a root program's look-alike, made since too
     user = sandbox.spawn(
-        [
-            sys.executable,
-            "-c",
-            f"import time; f = open({str(shm / 'nccl-in-use')!r}); time.sleep(600)",
-        ]
+        [sys.executable, "-c", f"import time; f = open({str(in_use)!r}); time.sleep(600)"]
     )
-    wait_until(lambda: openfiles.holds_any(user.pid, [str(shm / "nccl-in-use")]), 5, "open")
+    wait_until(lambda: openfiles.holds_any(user.pid, [str(in_use)]), 5, "open")
     try:
-        run = teardown(sandbox)
+        with vllm_runs_as(sandbox, VLLM_UID):
+            run = teardown(sandbox)
         assert_clean(sandbox, run)
-        assert run.report.shm_removed == [str(shm / "nccl-leaked")]
-        assert (shm / "nccl-in-use").exists() and (shm / "not-ours").exists()
+        assert run.report.shm_removed == [str(leaked)]
+        assert in_use.exists() and unnamed.exists() and roots.exists()
+        assert processes.is_alive(user)
     finally:
-        for name in ("nccl-leaked", "nccl-in-use", "not-ours"):
-            (shm / name).unlink(missing_ok=True)
+        for p in (leaked, in_use, unnamed, roots):
+            p.unlink(missing_ok=True)
 
 
 BIND = "import socket, sys, time; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); "
@@ -327,12 +352,15 @@ def test_vllms_dead_zmq_sockets_and_dist_files_in_its_tmpdir_are_removed_and_not
     assert tmp is not None
     dead = tmp / "0d49a536-9d4c-4f01-ad55-3291091f7f92"  # a ZMQ socket whose process is gone
     subprocess.run([sys.executable, "-c", BIND, str(dead)], check=True)
+    roots_dead = tmp / "1f2e3d4c-9d4c-4f01-ad55-3291091f7f92"  # a root program's, gone too
+    subprocess.run([sys.executable, "-c", BIND, str(roots_dead)], check=True)
     live = tmp / "34903d81-8cd4-4f43-9f89-6453bccef842"  # bound by a live bystander
     binder = sandbox.spawn([sys.executable, "-c", BIND + "time.sleep(600)", str(live)])
     plain = tmp / "6896fa19-2606-4610-a4a2-a58a85db57ce"  # a UUID-named file, not a socket
     plain.write_text("someone's")
     (tmp / "vllm_dist_abc").write_bytes(b"x")
     (tmp / "vllm_dist_held").write_bytes(b"x")
+    plant(tmp / "vllm_dist_root", 0)
     holder = sandbox.spawn(
         [sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); time.sleep(600)",
          str(tmp / "vllm_dist_held")]
@@ -340,15 +368,27 @@ def test_vllms_dead_zmq_sockets_and_dist_files_in_its_tmpdir_are_removed_and_not
     (tmp / "vllm_dist_link").symlink_to(plain)
     wait_until(lambda: live.exists(), 5, "the live socket")
     wait_until(lambda: openfiles.holds_any(holder.pid, [str(tmp / "vllm_dist_held")]), 5, "open")
+    for p in (dead, live, plain, tmp / "vllm_dist_abc", tmp / "vllm_dist_held"):
+        os.chown(p, VLLM_UID, VLLM_UID)  # vLLM's user made them
     before = {p.name for p in tmp.iterdir()}
-    run = teardown(sandbox)  # vLLM is not running: its own sockets from earlier runs go too
-    assert_clean(sandbox, run)
-    removed = {Path(p).name for p in run.report.shm_removed}
-    assert {dead.name, "vllm_dist_abc"} <= removed
-    assert not removed & {live.name, plain.name, "vllm_dist_held", "vllm_dist_link"}
-    left = {p.name for p in tmp.iterdir()}
-    assert left == before - removed and plain.read_text() == "someone's"
-    assert processes.is_alive(binder) and processes.is_alive(holder)
+    kept = {live.name, plain.name, "vllm_dist_held", "vllm_dist_link", "vllm_dist_root"}
+    try:
+        with vllm_runs_as(sandbox, VLLM_UID):
+            run = teardown(sandbox)  # vLLM is not running: its sockets from earlier runs go too
+        assert_clean(sandbox, run)
+        removed = {Path(p).name for p in run.report.shm_removed}
+        assert {dead.name, "vllm_dist_abc"} <= removed
+        assert not removed & (kept | {roots_dead.name})
+        left = {p.name for p in tmp.iterdir()}
+        assert left == before - removed and plain.read_text() == "someone's"
+        assert processes.is_alive(binder) and processes.is_alive(holder)
+        why = {
+            Path(d["path"]).name: d["error"] for k, d in run.events if k == "leftover_not_removed"
+        }
+        assert "owned by uid 0, not vLLM's user" in why[roots_dead.name], why
+    finally:
+        for name in [*kept, dead.name, roots_dead.name, "vllm_dist_abc"]:
+            (tmp / name).unlink(missing_ok=True)
 
 
 def test_every_signal_is_in_the_history_file_after_the_teardown(sandbox: SandboxHelper) -> None:
@@ -374,7 +414,8 @@ needs_root_to_chown = pytest.mark.skipif(
 def test_the_leftovers_step_never_removes_another_users_files_or_a_directory_in_use(
     sandbox: SandboxHelper,
 ) -> None:
-    """Issue 26: planted as uid 65534 under vLLM's own names, all were deleted before."""
+    """Issue 26: planted as uid 65534 under vLLM's own names, all were deleted before. Issue 42:
+    a root program's too, when vLLM ran as root."""
     shm, tmp = sandbox.config.teardown.shm_dir, sandbox.config.teardown.tmp_dir
     assert tmp is not None
     theirs = [shm / "psm_team2cache", shm / "sem.mp-team2", tmp / "vllm_dist_team2"]
@@ -385,9 +426,11 @@ def test_the_leftovers_step_never_removes_another_users_files_or_a_directory_in_
     (their_dir / "kv.bin").write_bytes(b"k" * 4096)
     for p in [*theirs, their_dir, their_dir / "kv.bin"]:
         os.chown(p, 65534, 65534)
+    roots = [plant(shm / "psm_7c1d00", 0), plant(shm / "sem.mp-cd34", 0)]
     in_use = shm / "vllm-cache"  # vLLM's user's, but a file inside is open and mapped
     in_use.mkdir()
-    (in_use / "kv.bin").write_bytes(b"k" * 4096)
+    plant(in_use / "kv.bin", VLLM_UID, b"k" * 4096)
+    os.chown(in_use, VLLM_UID, VLLM_UID)
     user = sandbox.spawn(
         [sys.executable, "-c",
          "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
@@ -395,26 +438,62 @@ def test_the_leftovers_step_never_removes_another_users_files_or_a_directory_in_
          "time.sleep(600)", str(in_use / "kv.bin")],
         wait_ready=True,
     )  # fmt: skip
-    ours = [shm / "psm_3f2a9c", shm / "vllm-dead"]
-    ours[0].write_bytes(b"x")
+    ours = [plant(shm / "psm_3f2a9c", VLLM_UID), shm / "vllm-dead"]
     ours[1].mkdir()
-    (ours[1] / "part").write_bytes(b"x")
+    plant(ours[1] / "part", VLLM_UID)
+    os.chown(ours[1], VLLM_UID, VLLM_UID)
+    mixed = shm / "vllm-mixed"  # vLLM's user's folder with a root file inside
+    mixed.mkdir()
+    os.chown(mixed, VLLM_UID, VLLM_UID)
+    plant(mixed / "root.bin", 0)
     try:
-        run = teardown(sandbox)
+        with vllm_runs_as(sandbox, VLLM_UID):
+            run = teardown(sandbox)
         assert_clean(sandbox, run)
         assert sorted(run.report.shm_removed) == sorted(map(str, ours))
-        for p in [*theirs, their_dir / "kv.bin", in_use / "kv.bin"]:
+        for p in [*theirs, their_dir / "kv.bin", in_use / "kv.bin", *roots, mixed / "root.bin"]:
             assert p.exists(), f"{p} was removed"
         kept = {d["path"]: d["error"] for kind, d in run.events if kind == "leftover_not_removed"}
         assert "uid 65534" in kept[str(shm / "psm_team2cache")]
+        assert "owned by uid 0, not vLLM's user" in kept[str(roots[0])]
+        assert "root.bin inside it is owned by uid 0" in kept[str(mixed)]
         assert processes.is_alive(user)
     finally:
-        for p in [*theirs, *ours]:
+        for p in [*theirs, *ours, *roots]:
             if p.is_dir():
                 shutil.rmtree(p)
             p.unlink(missing_ok=True)
-        shutil.rmtree(their_dir, ignore_errors=True)
-        shutil.rmtree(in_use, ignore_errors=True)
+        for d in (their_dir, in_use, mixed):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_with_vllm_run_as_root_the_teardown_keeps_root_programs_files_made_since_its_start(
+    sandbox: SandboxHelper,
+) -> None:
+    """The sandbox's vLLM runs as root (its manager's user): root's files are then every root
+    program's, and only what names a PID of vLLM's tree (or what it held) is taken."""
+    shm, tmp = sandbox.config.teardown.shm_dir, sandbox.config.teardown.tmp_dir
+    assert tmp is not None
+    before = set(tmp.iterdir())
+    main = sandbox.start_vllm()
+    bound = set(tmp.iterdir()) - before  # the ZMQ-like sockets the fake's processes bound
+    assert bound and all(p.is_socket() for p in bound), bound
+    roots = [plant(shm / "psm_7c1d00", 0), plant(shm / "sem.mp-cd34", 0)]
+    roots.append(plant(shm / f"psm_{main}", 0))  # its PID inside a name proves nothing
+    cpushm = plant(shm / f"{main}-tp:0-0-cpushm_0", 0)  # the CPU build's, named by its PID
+    bystander = sandbox.spawn([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        run = teardown(sandbox)
+        assert_clean(sandbox, run)
+        # What its tree bound (by /proc/net/unix) or names its PID; nothing else of root's.
+        assert sorted(run.report.shm_removed) == sorted(map(str, [cpushm, *bound]))
+        kept = {d["path"]: d["error"] for kind, d in run.events if kind == "leftover_not_removed"}
+        for p in roots:
+            assert p.exists() and "vLLM runs as root" in kept[str(p)], (p, kept)
+        assert processes.is_alive(bystander)
+    finally:
+        for p in [*roots, cpushm]:
+            p.unlink(missing_ok=True)
 
 
 def test_a_leftover_older_than_the_running_vllm_that_names_none_of_its_pids_is_kept(

@@ -77,8 +77,9 @@ def test_the_vllm_unit_cannot_be_enabled_on_its_own() -> None:
 
 
 # The highest exposure each unit may score (systemd-analyze's 0 safest .. 10 unsafe): the
-# daemon's, which kills and reads other processes, and vLLM's, which runs as root with the GPUs.
-EXPOSURE_LIMITS = {"kimi-supervisor.service": 3.5, "vllm-kimi-k25.service": 6.5}
+# daemon's, which kills and reads other processes as root, and vLLM's, which runs as its own
+# user with every device file that user may open (3.7 measured).
+EXPOSURE_LIMITS = {"kimi-supervisor.service": 3.5, "vllm-kimi-k25.service": 4.0}
 
 
 def exposure(unit: Path) -> float:

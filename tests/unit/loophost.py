@@ -36,6 +36,7 @@ from kimi_supervisor.config import Config
 from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.loop.daemon import Daemon
 from kimi_supervisor.model import Mode, State
+from kimi_supervisor.ports import launcher
 from kimi_supervisor.ports.gpu import DeviceSample
 from kimi_supervisor.ports.notify import Notifier
 from kimi_supervisor.ports.output import FileOutput
@@ -209,8 +210,9 @@ class FakeSystemd:
         with self._lock, self.log.open("ab") as out:
             self.starts.append(mode)
             self.stopped = False
-            # As the unit's ExecStart does: `kimi-supervisor launch-vllm` records what it
-            # launches (its PID and start time) and execs the argv file's argv.
+            # As the unit's ExecStart does: `kimi-supervisor launch-vllm` execs the argv file's
+            # argv; then, as its ExecStartPost does, `launch-record` records what it launched
+            # (its PID and start time).
             argv_file = str(self.config.vllm.argv_file)
             launch = [
                 sys.executable,
@@ -221,6 +223,7 @@ class FakeSystemd:
                 argv_file,
             ]
             self.child = subprocess.Popen(launch, env=env, stdout=out, stderr=out)
+            launcher.record_launch(self.config.vllm.argv_file, self.child.pid)
 
     def stop(self, unit: str) -> None:
         if self.hold is not None:
@@ -249,6 +252,9 @@ class FakeSystemd:
 
     def activated_at(self, unit: str) -> float | None:
         return None
+
+    def run_as(self, unit: str) -> int | None:
+        return os.geteuid()  # the child runs as this process's user
 
     def cgroup_pids(self, unit: str) -> list[int]:
         c = self.child

@@ -380,3 +380,41 @@ def test_the_rank_summarizer_never_runs_code_from_the_callers_working_directory(
         os.close(fd)
     assert not marker.exists()
     assert [r["rank"] for r in summary["ranks"]] == [0] and not summary["errors"]
+
+
+def test_a_link_in_vllms_trace_folder_is_never_read_out_into_the_askers_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's trace folder is its own user's to change: a link it puts there to a root-only
+    file is neither listed as a trace nor copied out (a move across file systems copies)."""
+    import errno
+
+    from kimi_supervisor.capture import job
+
+    traces, out = tmp_path / "traces", tmp_path / "out"
+    traces.mkdir()
+    out.mkdir()
+    secret = tmp_path / "shadow"
+    secret.write_text("root's secret")
+    (traces / "rank0.pt.trace.json").symlink_to(secret)
+    (traces / "rank1.pt.trace.json").write_text("{}")
+    listed = job._files(traces)
+    assert set(listed) == {"rank1.pt.trace.json"}
+    ident = listed["rank1.pt.trace.json"][2]
+
+    def cross_device(*_a: object, **_k: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(job.os, "rename", cross_device)
+    t_fd = os.open(traces, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        uid, gid = os.getuid(), os.getgid()
+        # Even handed the link's name with a listed identity, nothing is read through it.
+        assert job._move_into(t_fd, "rank0.pt.trace.json", ident, fd, uid, gid) != ""
+        assert job._move_into(t_fd, "rank1.pt.trace.json", ident, fd, uid, gid) == ""
+    finally:
+        os.close(fd)
+        os.close(t_fd)
+    assert sorted(os.listdir(out)) == ["rank1.pt.trace.json"]
+    assert secret.read_text() == "root's secret" and (traces / "rank0.pt.trace.json").is_symlink()

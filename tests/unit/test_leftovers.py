@@ -1,0 +1,342 @@
+"""The leftovers step's rule by owner (teardown/leftovers.py): vLLM's files are its own user's,
+and no other program's; vLLM run as root is judged by what its processes held.
+
+The rule's table is read on synthetic `lstat` results; then real files in a scratch folder and
+real processes (a tree that maps, opens or binds, as vLLM's workers do), with the bystanders'
+files and processes checked after each removal. Planting another user's files needs root."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.config import TeardownConfig
+from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.processes import ProcessRef
+from kimi_supervisor.teardown import leftovers
+from kimi_supervisor.teardown.events import LeftoverKept
+from kimi_supervisor.teardown.leftovers import ROOTS_RULE, Owner
+
+VLLM = 64_321  # vLLM's own user (the package's kimi-vllm), as a uid
+OTHER = 65_534  # another user on the host
+START = 1_000_000.0  # when vLLM's unit last left inactive
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="planting another user's files needs root"
+)
+
+
+def lstat(
+    uid: int, ctime: float = START + 5, kind: int = stat.S_IFREG, ino: int = 7, dev: int = 41
+) -> os.stat_result:
+    # st_mode, st_ino, st_dev, st_nlink, st_uid, st_gid, st_size, st_atime, st_mtime, st_ctime
+    return os.stat_result((kind | 0o600, ino, dev, 1, uid, uid, 0, ctime, ctime, ctime))
+
+
+# -- the rule, row by row ------------------------------------------------------------------------
+def test_a_file_of_vllms_own_user_made_since_its_start_is_vllms() -> None:
+    owner = Owner(frozenset({VLLM}), START)
+    assert owner.why_not(Path("/dev/shm/psm_3f2a9c"), lstat(VLLM)) is None
+    assert owner.why_not(Path("/dev/shm/sem.mp-x1"), lstat(VLLM)) is None
+
+
+def test_root_programs_psm_and_sem_files_are_never_vllms_when_vllm_runs_as_its_own_user() -> None:
+    """Issue 42: with vLLM as root, every root program's unopened `psm_*` and `sem.mp-*` made
+    since vLLM's start were removed."""
+    owner = Owner(frozenset({VLLM}), START)
+    for name in ("psm_3f2a9c", "sem.mp-abc", "vllm-cache", "nccl-x"):
+        why = owner.why_not(Path("/dev/shm") / name, lstat(0))
+        assert why == f"owned by uid 0, not vLLM's user ({VLLM})", name
+    assert "uid 65534" in str(owner.why_not(Path("/dev/shm/psm_t2"), lstat(OTHER)))
+
+
+def test_vllms_user_from_its_unit_owns_its_leftovers_even_with_no_vllm_running() -> None:
+    """No process at the teardown's start (vLLM died before it): the unit's `User=` says whose
+    files are vLLM's. Before, the teardown's own user (root) was taken."""
+    owner = Owner.of([], activated_at=START, unit_uid=VLLM)
+    assert owner.uids == {VLLM}
+    assert owner.why_not(Path("/dev/shm/psm_1"), lstat(VLLM)) is None
+    assert owner.why_not(Path("/dev/shm/psm_2"), lstat(0)) is not None
+
+
+def test_a_vllm_user_that_cannot_be_named_makes_nothing_vllms_and_says_so() -> None:
+    owner = Owner.of([], activated_at=START, unit_uid=None)
+    assert owner.uids == frozenset()
+    why = owner.why_not(Path("/dev/shm/psm_1"), lstat(VLLM))
+    assert why is not None and "vLLM's user is unknown" in why
+
+
+def test_a_file_older_than_vllms_start_is_kept_unless_it_begins_with_a_pid_of_its_tree() -> None:
+    owner = Owner(frozenset({VLLM}), START, pids=frozenset({4321}))
+    old = lstat(VLLM, ctime=START - 60)
+    assert "older than vLLM's start" in str(owner.why_not(Path("/dev/shm/psm_1"), old))
+    assert owner.why_not(Path("/dev/shm/4321-tp:0-0-cpushm_0"), old) is None
+
+
+def test_when_vllm_runs_as_root_only_what_its_tree_held_or_names_its_pid_is_vllms() -> None:
+    """vLLM run as root anyway: root's files are every root program's, so owner and time prove
+    nothing. What vLLM's processes had open or mapped when the teardown began (by device and
+    inode) or bound (a socket), or what begins with one of their PIDs, is vLLM's; no other."""
+    held = lstat(0, ino=100)
+    owner = Owner(
+        frozenset({0}),
+        START,
+        pids=frozenset({4321}),
+        held=frozenset({(1, held.st_dev, held.st_ino)}),
+        bound=frozenset({"/tmp/0d49a536-9d4c-4f01-ad55-3291091f7f92"}),
+    )
+    assert owner.why_not(Path("/dev/shm/psm_held"), held) is None
+    assert owner.why_not(Path("/dev/shm/psm_other"), lstat(0, ino=101)) == ROOTS_RULE
+    # The same inode number on another file system is another file.
+    assert owner.why_not(Path("/dev/shm/psm_x"), lstat(0, ino=100, dev=42)) == ROOTS_RULE
+    assert owner.why_not(Path("/dev/shm/4321-tp:0-0-cpushm_0"), lstat(0, ino=102)) is None
+    sock = stat.S_IFSOCK
+    bound = Path("/tmp/0d49a536-9d4c-4f01-ad55-3291091f7f92")
+    assert owner.why_not(bound, lstat(0, kind=sock, ino=103)) is None
+    other = Path("/tmp/34903d81-8cd4-4f43-9f89-6453bccef842")
+    assert owner.why_not(other, lstat(0, kind=sock, ino=104)) == ROOTS_RULE
+    # Time still holds: what the tree held is vLLM's only if made since its start.
+    assert "older" in str(owner.why_not(Path("/dev/shm/psm_held"), lstat(0, START - 1, ino=100)))
+
+
+def test_digits_inside_a_name_never_name_a_pid_of_vllms_tree() -> None:
+    """`psm_*` names are random hex: `psm_a1234b` says nothing about PID 1234."""
+    owner = Owner(frozenset({0, VLLM}), START, pids=frozenset({1234}))
+    assert owner.why_not(Path("/dev/shm/psm_a1234b"), lstat(0)) == ROOTS_RULE
+    old = lstat(VLLM, ctime=START - 60)
+    assert "older" in str(owner.why_not(Path("/dev/shm/sem.mp-1234"), old))
+    assert owner.why_not(Path("/dev/shm/1234-tp:0-0-cpushm_0"), lstat(0)) is None
+
+
+def test_a_directory_is_vllms_only_with_everything_inside_it() -> None:
+    d = Path("/dev/shm/vllm-cache")
+    owner = Owner(frozenset({VLLM}), START)
+    kv = lstat(VLLM, ino=9)
+    assert owner.why_not(d, lstat(VLLM, kind=stat.S_IFDIR), [(d / "kv.bin", kv)]) is None
+    theirs = [(d / "kv.bin", kv), (d / "root.bin", lstat(0, ino=10))]
+    why = owner.why_not(d, lstat(VLLM, kind=stat.S_IFDIR), theirs)
+    assert why == f"{d / 'root.bin'} inside it is owned by uid 0"
+    # vLLM as root: a directory its tree held something in.
+    root = Owner(frozenset({0}), START, held=frozenset({(1, 41, 11)}))
+    mine = [(d / "kv.bin", lstat(0, ino=11))]
+    assert root.why_not(d, lstat(0, kind=stat.S_IFDIR), mine) is None
+    unheld = [(d / "kv.bin", lstat(0, ino=12))]
+    assert root.why_not(d, lstat(0, kind=stat.S_IFDIR), unheld) == ROOTS_RULE
+
+
+def test_the_owner_is_the_units_user_and_every_user_vllms_processes_run_as() -> None:
+    """A vLLM started before its unit got `User=` (an upgrade) runs as root until its next
+    start: both users count, and root's files by the stricter rule."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ref = processes.ref_of(proc.pid)
+        assert ref is not None
+        owner = Owner.of([ref], activated_at=START, unit_uid=VLLM)
+        assert owner.uids == {os.geteuid(), VLLM} and owner.pids == {proc.pid}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@needs_root
+def test_a_process_that_is_not_dumpable_is_still_counted_as_its_own_user() -> None:
+    """The files in /proc/PID of a process that is not dumpable are root's, whoever it runs
+    as: vLLM's user is read from /proc/PID/status (its filesystem uid), never from them."""
+    code = (
+        "import ctypes, time; ctypes.CDLL(None).prctl(4, 0, 0, 0, 0); "  # PR_SET_DUMPABLE 0
+        "print('ready', flush=True); time.sleep(60)"
+    )
+    proc = subprocess.Popen(
+        ["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE, user=VLLM, group=VLLM
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(b"ready")
+        assert os.stat(f"/proc/{proc.pid}/status").st_uid == 0  # not dumpable: root's files
+        assert processes.uid_of(proc.pid) == VLLM
+        ref = processes.ref_of(proc.pid)
+        assert ref is not None and Owner.of([ref], activated_at=START).uids == {VLLM}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- the step, on real files and processes -------------------------------------------------------
+def _config(shm: Path, tmp: Path | None = None) -> TeardownConfig:
+    return TeardownConfig(shm_dir=shm, tmp_dir=tmp)
+
+
+def _plant(path: Path, uid: int, kind: str = "file") -> Path:
+    if kind == "dir":
+        path.mkdir()
+    else:
+        path.write_bytes(b"x")
+    os.chown(path, uid, uid)
+    return path
+
+
+def _remove(config: TeardownConfig, owner: Owner) -> tuple[list[str], dict[str, str], str]:
+    removed: list[str] = []
+    kept: dict[str, str] = {}
+
+    def on_event(e: object) -> None:
+        if isinstance(e, LeftoverKept):
+            kept[e.path] = e.error
+
+    note = leftovers.remove(config, removed, on_event, owner)
+    return removed, kept, note
+
+
+@pytest.fixture
+def spawned() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts; each one still running is ended after it, by its own PID."""
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def _start(procs: list[subprocess.Popen[bytes]], code: str, *args: str) -> ProcessRef:
+    p = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    procs.append(p)
+    assert p.stdout is not None
+    assert p.stdout.readline().startswith(b"ready"), "the process did not start"
+    ref = processes.ref_of(p.pid)
+    assert ref is not None
+    return ref
+
+
+MAPS = (
+    "import mmap, sys, time\n"
+    "f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); f.close()\n"
+    "g = open(sys.argv[2], 'rb')\n"
+    "import socket; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[3]); s.listen()\n"
+    "print('ready', flush=True); time.sleep(600)\n"
+)
+SLEEPS = "import time; print('ready', flush=True); time.sleep(600)"
+
+
+@needs_root
+def test_a_switch_removes_vllms_users_leftovers_and_keeps_every_root_programs_look_alike(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    since = time.time() - 1  # vLLM's unit started; everything below is made after it
+    bystander = _start(spawned, SLEEPS)  # a root program beside vLLM, holding nothing
+    vllms = [_plant(shm / "psm_3f2a9c", VLLM), _plant(shm / "sem.mp-ab12", VLLM)]
+    vllms.append(_plant(shm / "vllm-dead", VLLM, "dir"))
+    _plant(vllms[-1] / "part", VLLM)
+    roots = [_plant(shm / "psm_7c1d00", 0), _plant(shm / "sem.mp-cd34", 0)]
+    theirs = [_plant(shm / "psm_team2", OTHER)]
+    owner = Owner.of([], activated_at=since, unit_uid=VLLM, dirs=[shm])  # vLLM not running
+    removed, kept, note = _remove(_config(shm), owner)
+    assert sorted(removed) == sorted(map(str, vllms)), kept
+    for p in [*roots, *theirs]:
+        assert p.exists() and "not vLLM's user" in kept[str(p)], (p, kept)
+    assert note == "3 leftover(s) removed; 3 not provably vLLM's, kept"
+    assert processes.is_alive(bystander)
+
+
+@needs_root
+def test_vllm_run_as_root_loses_only_what_its_tree_held_and_other_root_programs_keep_theirs(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    since = time.time() - 1
+    mapped, opened = shm / "psm_3f2a9c", shm / "sem.mp-ab12"
+    for p in (mapped, opened):
+        p.write_bytes(b"x" * 4096)
+    zmq = tmp / "0d49a536-9d4c-4f01-ad55-3291091f7f92"
+    worker = _start(spawned, MAPS, str(mapped), str(opened), str(zmq))  # vLLM's tree, as root
+    pid_named = _plant(shm / f"{worker.pid}-tp:0-0-cpushm_0", 0)
+    # Root programs beside it: their files made since vLLM's start, none of them in use now.
+    roots = [_plant(shm / "psm_7c1d00", 0), _plant(shm / "sem.mp-cd34", 0)]
+    roots.append(_plant(shm / "psm_a1234b", 0))
+    dead = tmp / "34903d81-8cd4-4f43-9f89-6453bccef842"  # a socket its process left
+    bind = "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", bind, str(dead)], check=True)
+    roots.append(dead)
+    bystander = _start(spawned, SLEEPS)
+    owner = Owner.of([worker], activated_at=since, unit_uid=0, dirs=[shm, tmp])
+    os.kill(worker.pid, signal.SIGKILL)  # the teardown kills the tree: the files are left
+    spawned[0].wait()
+    removed, kept, _note = _remove(_config(shm, tmp), owner)
+    assert sorted(removed) == sorted(map(str, [mapped, opened, pid_named, zmq])), kept
+    for p in roots:
+        assert p.exists() and kept[str(p)] == f"not provably vLLM's: {ROOTS_RULE}", (p, kept)
+    assert processes.is_alive(bystander)
+
+
+@needs_root
+def test_a_file_of_vllms_user_that_a_live_process_has_open_is_kept(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    since = time.time() - 1
+    in_use = _plant(shm / "psm_in_use", VLLM)
+    holder = _start(
+        spawned, "import sys, time; f = open(sys.argv[1]); print('ready', flush=True); "
+        "time.sleep(600)", str(in_use),
+    )  # fmt: skip
+    owner = Owner.of([], activated_at=since, unit_uid=VLLM, dirs=[shm])
+    removed, _kept, note = _remove(_config(shm), owner)
+    assert (
+        removed == [] and in_use.exists() and note == "0 leftover(s) removed; 1 still in use, kept"
+    )
+    assert processes.is_alive(holder)
+
+
+def test_socket_paths_come_from_the_sockets_a_process_has_open(
+    tmp_path: Path, spawned: list[subprocess.Popen[bytes]]
+) -> None:
+    """The identity of a bound socket, for vLLM run as root: /proc/PID/fd names it only as
+    `socket:[inode]`; /proc/net/unix gives that inode's path."""
+    from kimi_supervisor.ports import openfiles
+    from kimi_supervisor.ports.sockets import unix_paths_by_inode
+
+    path = tmp_path / "0d49a536-9d4c-4f01-ad55-3291091f7f92"
+    data = tmp_path / "psm_x"
+    data.write_bytes(b"x" * 4096)
+    ref = _start(spawned, MAPS, str(data), str(data), str(path))
+    keys, inodes = openfiles.held_under(ref.pid, [str(tmp_path) + "/"])
+    st = os.stat(data)
+    assert keys == {(1, st.st_dev, st.st_ino)}
+    paths = unix_paths_by_inode()
+    assert str(path) in {paths[i] for i in inodes if i in paths}
+    with socket.socket(socket.AF_UNIX) as s:  # it is bound: this connects
+        s.connect(str(path))
+
+
+def test_a_directory_of_more_than_max_entries_is_kept_and_not_walked_further(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(leftovers, "MAX_ENTRIES", 50)  # the bound's rule, at a size made quickly
+    shm = tmp_path / "shm"
+    big = shm / "vllm-big"
+    big.mkdir(parents=True)
+    for i in range(leftovers.MAX_ENTRIES + 1):
+        (big / str(i)).touch()
+    owner = Owner.of([], activated_at=time.time() - 60, unit_uid=os.geteuid(), dirs=[shm])
+    removed, kept, _note = _remove(_config(shm), owner)
+    assert removed == [] and big.is_dir() and len(os.listdir(big)) == leftovers.MAX_ENTRIES + 1
+    assert (
+        kept[str(big)]
+        == f"not provably vLLM's: a directory of more than {leftovers.MAX_ENTRIES} entries"
+    )
