@@ -33,11 +33,18 @@ ROWS = [
         "(canary every 10 s, 30 s timeout)",
     ),
     ("hang_served_again_s", "the same freeze → serving again (teardown and a new load)"),
+    ("flush_under_load_s", "a capture's flush under load, longer than the 5 s stall: no verdict"),
+    ("worker_hang_noticed_s", "VLLM::Worker_TP1 frozen under load → its incident (stall 5 s)"),
+    ("worker_hang_window_s", "that hang: the unavailable window the daemon reports"),
+    ("worker_hang_clients_gap_s", "that hang: the longest gap between answers its clients saw"),
+    ("deadlock_noticed_s", "the engine core deadlocked under load (no step, asleep) → incident"),
+    ("deadlock_window_s", "that deadlock: the unavailable window the daemon reports"),
+    ("deadlock_clients_gap_s", "that deadlock: the longest gap between answers its clients saw"),
 ]
 
 
 def render(runs: list[tuple[Path, dict[str, Any]]]) -> str:
-    head = "| figure | " + " | ".join(f"`{p.name}`" for p, _ in runs) + " |"
+    head = "| figure | " + " | ".join(f"`{p.name}` ({d['vllm']})" for p, d in runs) + " |"
     lines = [head, "|---|" + "---|" * len(runs)]
     for key, label in ROWS:
         lines.append(f"| {label} | " + " | ".join(str(d.get(key, "—")) for _, d in runs) + " |")
@@ -45,9 +52,11 @@ def render(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     steps = with_steps[-1]["teardown_steps"] if with_steps else {}
     detail = ", ".join(f"{k} {v} s" for k, v in steps.items()) or "not recorded"
     return (
-        f"{runs[-1][1]['vllm']} (CPU build, tensor parallel 2, the tiny model of "
-        "tests/realvllm) under the daemon in the sandbox, on this 2-core VM; seconds unless "
-        "marked.\n\n" + "\n".join(lines) + f"\n\nThe last run's teardown by step: {detail}.\n"
+        "vLLM 0.16's CPU builds (each run's in its column's head; tensor parallel 2, the tiny "
+        "model of tests/realvllm) under the daemon in the sandbox, on this 2-core VM; seconds "
+        "unless marked.\n\n"
+        + "\n".join(lines)
+        + f"\n\nThe last run's teardown by step: {detail}.\n"
     )
 
 
