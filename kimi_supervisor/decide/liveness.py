@@ -9,7 +9,8 @@ one of them from outside vLLM's HTTP server:
 
 - **the engine's processes** (vLLM's unit: the API server, `VLLM::EngineCore`, its workers):
   one of them stopped (state T or t, SIGSTOP or a tracer; D, stuck in the kernel or the driver)
-  at both ends of the window, or their CPU time, summed, grew by less
+  at both ends of the window with its own CPU time still (a profiler's samples stop a busy
+  process for moments), or their CPU time, summed, grew by less
   than `cpu_idle_fraction` of one core over the last `stall_s` (or since the last proof of
   progress, if that is nearer; over the canary's wait for the canary). A stopped or
   deadlocked engine stops using the CPU; a busy one (a long prefill, a capture's flush on the
@@ -109,20 +110,29 @@ class Cpu:
     seconds: float
     processes: int
     stopped: tuple[str, ...] = ()
+    stopped_cpu: tuple[float, ...] = ()  # each stopped one's own CPU time, in that order
 
 
 def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
     """Why the processes show no progress from `base` to `cpu` ("" if they do, or cannot be
-    read). A process counts as stopped only if it was at both ends: a debugger's pause (py-spy,
-    gdb) during a long step is no hang."""
-    if cpu is None or base is None:
+    read). A process counts as stopped only if it was stopped at both ends and its own CPU
+    time did not grow between them: a sampling profiler (py-spy stops its target for each
+    sample: state t in 44-58 % of reads of a busy real EngineCore at 100 Hz) or a debugger's
+    moment during a long step is no hang. The sum going down (a process left the tree) says
+    nothing."""
+    if cpu is None or base is None or cpu.at <= base.at:
         return ""
-    if stopped := [p for p in cpu.stopped if p in base.stopped]:
+    took = cpu.at - base.at
+    before = dict(zip(base.stopped, base.stopped_cpu, strict=False))
+    stopped = [
+        p
+        for p, s in zip(cpu.stopped, cpu.stopped_cpu, strict=False)
+        if p in before and s - before[p] < idle_fraction * took
+    ]
+    if stopped:
         return f"stopped: {', '.join(stopped)}"
-    if cpu.at <= base.at:
-        return ""
-    used, took = cpu.seconds - base.seconds, cpu.at - base.at
-    if used < idle_fraction * took:
+    used = cpu.seconds - base.seconds
+    if 0 <= used < idle_fraction * took:
         return (
             f"{cpu.processes} process(es) used {used:.2f} s of CPU in {took:.0f} s "
             f"(under {idle_fraction:.0%} of one core)"
@@ -131,31 +141,32 @@ def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
 
 
 def health_failure(
-    health: int, slow: bool, api: Sequence[Cpu], window_s: float, idle_fraction: float
+    health: int, slow: bool, tree: Sequence[Cpu], window_s: float, idle_fraction: float
 ) -> str:
     """Why a serving vLLM whose /health fails makes no progress, or "" (a slow answer alone):
     the restart after `daemon.health_grace_s` needs this second signal.
 
     - /health answered, with anything but 200 (vLLM 0.16: 503 once its engine is dead), or the
-      connection was refused or reset: vLLM's own statement, not slowness.
-    - /health gave no answer in `daemon.health_timeout_s`: slow, and a busy API server (its
-      event loop held by a long tokenization, or a flood of requests) is slow too. It counts
-      only if the API server (MainPID, the process that answers /health) was stopped at both
-      ends of the last `window_s`, or used under `idle_fraction` of one core over it.
-      `api`: its readings, oldest first; fewer than a window of them say nothing.
+      connection was refused (nothing listens): vLLM's own statement, not slowness.
+    - no answer that says anything (`slow`: none in `daemon.health_timeout_s`, a reset, or the
+      daemon's own error, such as no descriptor left): a busy API server is slow too. It counts
+      only if vLLM's processes (MainPID and its descendants: the API servers, wherever they
+      are, and the engine) used under `idle_fraction` of one core over the last `window_s`, or
+      one of them was stopped throughout it. `tree`: their readings, oldest first; fewer than
+      a window of them say nothing.
     """
     if not slow:
         return f"/health answered {health}" if health else "/health refused the connection"
-    if not api:
+    if not tree:
         return ""
-    cpu, base = api[-1], None
-    for c in api:
+    cpu, base = tree[-1], None
+    for c in tree:
         if c.at <= cpu.at - window_s:
             base = c
     if base is None:
         return ""
     why = no_progress(base, cpu, idle_fraction)
-    return f"/health gave no answer, and the API server: {why}" if why else ""
+    return f"/health gave no answer, and vLLM's processes: {why}" if why else ""
 
 
 @dataclass(frozen=True)

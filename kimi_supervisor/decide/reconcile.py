@@ -53,7 +53,9 @@ class Observed:
     # running_mode was started with an earlier config's argv (edited since, and reloaded): it is
     # adopted as that mode, never torn down for it; a restart waits for an operator's --apply.
     argv_stale: bool = False
-    health_slow: bool = False  # /health gave no answer in daemon.health_timeout_s
+    # /health gave no answer that says anything (none in daemon.health_timeout_s, a reset, the
+    # daemon's own error): a second sign is needed (decide/liveness.health_failure).
+    health_slow: bool = False
 
     @property
     def unit_up(self) -> bool:
@@ -188,8 +190,8 @@ def _decide(
                 # Slow is not hung: a busy API server answers late too (decide/liveness.py).
                 return Action(
                     Do.NOTHING,
-                    f"/health has given no answer for {failed_s:.0f} s, but the API server is "
-                    "busy: not restarted",
+                    f"/health has given no answer for {failed_s:.0f} s, but vLLM's processes "
+                    "are busy: not restarted",
                 )
             return Action(
                 Do.UNHEALTHY, f"/health has failed for {failed_s:.0f} s ({mem.unhealthy_why})"

@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from kimi_supervisor.config import Config
@@ -54,7 +55,7 @@ from kimi_supervisor.loop.inbox import (
     Warmed,
 )
 from kimi_supervisor.loop.lifecycle import Lifecycle
-from kimi_supervisor.loop.liveness import api_cpu
+from kimi_supervisor.loop.liveness import engine_cpu
 from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.loop.publish import build, export, status_line
 from kimi_supervisor.messages import Reply
@@ -396,11 +397,13 @@ class Daemon:
         return obs
 
     def _watch_health(self, obs: Observed) -> None:
-        """Since when /health fails, and whether that is more than a slow answer: the API
-        server's CPU is read at each pass meanwhile (decide/liveness.health_failure)."""
+        """Since when /health fails, and whether that is more than a slow answer: vLLM's
+        processes' CPU is read at each pass meanwhile (decide/liveness.health_failure). A slow
+        /health with busy processes is a doubt (status, the doubt metric), never a restart."""
         s, d = self.s, self.config.daemon
         if obs.healthy or not obs.unit_up:
             s.unhealthy_since, s.unhealthy_api, s.unhealthy_why = None, [], ""
+            s.health_doubt_since = None
             self.ctx.unwarn("/health has given no answer")
             return
         now = self.ctx.clock.monotonic()
@@ -408,7 +411,7 @@ class Daemon:
             s.unhealthy_since = now
         if s.state not in (State.SERVING, State.BOOTING):
             return  # a load answers nothing until it is ready: start_timeout_s judges it
-        cpu = api_cpu(obs.main_pid)
+        cpu = engine_cpu(obs.main_pid)
         if cpu is not None:
             keep = cpu.at - 2 * d.health_grace_s
             s.unhealthy_api = [c for c in s.unhealthy_api[-MAX_API_READINGS:] if c.at >= keep]
@@ -419,9 +422,12 @@ class Daemon:
         )
         failing = now - s.unhealthy_since
         if obs.health_slow and not s.unhealthy_why and failing >= d.health_grace_s:
+            if s.health_doubt_since is None:
+                s.health_doubt_since = utcnow() - timedelta(seconds=failing)
+            seen = "are busy" if s.unhealthy_api else "cannot be read"
             self.ctx.warn(
-                f"/health has given no answer for over {d.health_grace_s:g} s, but vLLM's API "
-                "server is busy: not restarted (slow is not hung)"
+                f"/health has given no answer for over {d.health_grace_s:g} s, but vLLM's "
+                f"processes {seen}: not restarted (slow is not hung)"
             )
 
     def _main_exited(self, pid: int) -> None:

@@ -51,6 +51,8 @@ from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepSta
 RECENT = 200
 # The status warning while a warming's reader is left stuck in the kernel (its prefix).
 WARM_LEFT = "a warming's reader is left"
+# The incidents that count against liveness.max_hang_restarts.
+VERDICTS = ("vLLM hung", "vLLM unhealthy")
 
 
 class Lifecycle:
@@ -61,6 +63,7 @@ class Lifecycle:
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
         self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
+        self._verdicts: list[str] = []  # when this daemon gave a hang or unhealthy verdict
 
     # ------------------------------------------------------------------ the one door
     def set_state(self, state: State, why: str = "") -> None:
@@ -341,11 +344,14 @@ class Lifecycle:
 
     def unhealthy(self, reason: str, obs: Observed) -> None:
         """/health has failed for `daemon.health_grace_s`, with a second sign of no progress
-        (decide/liveness.health_failure): what a dead one gets. The unavailable window opens at
-        its last /health 200."""
-        seen = {"main_pid": obs.main_pid, "health": obs.health, "health_slow": obs.health_slow}
+        (decide/liveness.health_failure): what a hung one gets, under the same bound. The
+        unavailable window opens at its last /health 200."""
+        seen: dict[str, Any] = {
+            "main_pid": obs.main_pid, "health": obs.health, "health_slow": obs.health_slow
+        }  # fmt: skip
+        at = self._bound_restarts(seen)
         what = f"vLLM unhealthy: {reason}"
-        self._lost("vllm_unhealthy", reason, what, what, f"unhealthy: {reason}", seen)
+        self._lost("vllm_unhealthy", reason, what, what, f"unhealthy: {reason}", seen, at=at)
 
     def hung(self, hang: Hang, reading: Reading) -> None:
         """vLLM serves but makes no progress, by two signals (decide/liveness.py): what a dead
@@ -353,36 +359,50 @@ class Lifecycle:
         failure window's backoff. The unavailable window opens at the last proof of progress.
         The `liveness.max_hang_restarts`-th hang within `liveness.hang_window_s` is not
         restarted: FAILED, with the evidence, for an operator (no restart loop)."""
-        c = self.ctx.config.liveness
         seen: dict[str, Any] = {"main_pid": reading.pid, **hang.evidence}
         if self.ctx.metrics:
             self.ctx.metrics.hangs.inc()
         what = f"vLLM hung: {hang.reason}"
-        # Counted from the history (this one included), so a daemon restarted between two
-        # hangs counts them too.
-        n = self._recent_hangs(c.hang_window_s) + 1
+        at = self._bound_restarts(seen)
+        self._lost(
+            "vllm_hung", hang.reason, what, what, f"hung: {hang.reason}", seen, hang.since, at
+        )
+
+    def _bound_restarts(self, seen: dict[str, Any]) -> str:
+        """Hangs and unhealthy restarts are bounded together: the `liveness.max_hang_restarts`-th
+        within `liveness.hang_window_s` (this one included) is not restarted (`hang_limit`)."""
+        c = self.ctx.config.liveness
+        at = utcnow().isoformat()
+        self._verdicts.append(at)
+        del self._verdicts[:-1000]
+        n = len(self._recent_verdicts(c.hang_window_s))
         if n >= c.max_hang_restarts:
             seen["hang_limit"] = (
-                f"{n} hangs within {c.hang_window_s:g} s "
+                f"{n} hangs or unhealthy restarts within {c.hang_window_s:g} s "
                 f"(liveness.max_hang_restarts = {c.max_hang_restarts}): not restarting"
             )
-        self._lost("vllm_hung", hang.reason, what, what, f"hung: {hang.reason}", seen, hang.since)
+        return at  # the incident's time: the same verdict is counted once
 
-    def _recent_hangs(self, window_s: float) -> int:
-        """The hangs the history records within the last `window_s` (wall clock)."""
+    def _recent_verdicts(self, window_s: float) -> set[str]:
+        """When the hang and unhealthy verdicts within the last `window_s` (wall clock) were
+        given: those the history records (a daemon restarted between two counts both), those
+        not written yet (a full disk), and this daemon's own (a history it cannot read)."""
         since = utcnow() - timedelta(seconds=window_s)
-        try:
-            records = history.read(self.ctx.config.state.dir, 1000)
-        except OSError:
-            return 0
-        n = 0
+        records: list[Any] = [r for kind, r in self.ctx.pending if kind == "incident"]
+        with contextlib.suppress(OSError):
+            records += history.read(self.ctx.config.state.dir, 1000)
+        at = set(self._verdicts)
         for e in records:
-            if e.get("kind") != "incident" or not str(e.get("what", "")).startswith("vLLM hung"):
-                continue
+            if e.get("kind", "incident") == "incident" and str(e.get("what", "")).startswith(
+                VERDICTS
+            ):
+                at.add(str(e.get("at", "")))
+        recent = set()
+        for a in at:
             with contextlib.suppress(ValueError, TypeError):
-                if datetime.fromisoformat(str(e["at"])) >= since:
-                    n += 1
-        return n
+                if datetime.fromisoformat(a) >= since:
+                    recent.add(a)
+        return recent
 
     def _lost(
         self,
@@ -393,13 +413,14 @@ class Lifecycle:
         cause: str,
         seen: dict[str, Any],
         since: float | None = None,
+        at: str | None = None,
     ) -> None:
         """The vLLM that served is lost (dead, hung or unhealthy): logged, an incident (`what`, with
         what was `seen`), an event, and the teardown (`why`) that comes before serving again."""
         s, ctx = self.s, self.ctx
         mode = s.serving.mode.value if s.serving else None
         ctx.log(event, level="error", reason=reason, mode=mode, **seen)
-        ctx.incident({"at": utcnow().isoformat(), "what": what, **seen})
+        ctx.incident({"at": at or utcnow().isoformat(), "what": what, **seen})
         ctx.event(event, {"reason": reason, **seen})
         s.serving = None
         self.window.lost(since)

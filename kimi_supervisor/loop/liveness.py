@@ -58,7 +58,7 @@ def engine_cpu(pid: int) -> Cpu | None:
     if main is None:
         return None
     pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
-    seconds, stopped, n = 0.0, [], 0
+    seconds, stopped, stopped_cpu, n = 0.0, [], [], 0
     for p in pids:
         got = main if p == pid else processes.cpu_of(p)
         if got is None:
@@ -69,18 +69,8 @@ def engine_cpu(pid: int) -> Cpu | None:
         if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness.py)
             name = title(processes.cmdline_of(p), processes.comm_of(p))
             stopped.append(f"PID {p} ({name}, state {state})")
-    return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped))
-
-
-def api_cpu(pid: int) -> Cpu | None:
-    """vLLM's API server alone (MainPID, the process that answers /health): its CPU time, and
-    itself if stopped. None once it is gone."""
-    got = processes.cpu_of(pid)
-    if got is None:
-        return None
-    state, seconds = got
-    stopped = (f"PID {pid} (API server, state {state})",) if state in ("T", "t", "D") else ()
-    return Cpu(time.monotonic(), seconds, 1, stopped)
+            stopped_cpu.append(cpu_s)
+    return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped), tuple(stopped_cpu))
 
 
 def canary(url: str, prompt: str, timeout_s: float) -> Canary:

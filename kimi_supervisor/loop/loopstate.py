@@ -74,6 +74,9 @@ class LoopState:
     # grace periods), and why it is more than slow (decide/liveness.health_failure), or "".
     unhealthy_api: list[Cpu] = field(default_factory=list)
     unhealthy_why: str = ""
+    # Since when (wall clock) /health has been slow past the grace with vLLM's processes busy:
+    # a doubt, exported with the liveness one (kimi_supervisor_liveness_doubt_since_...).
+    health_doubt_since: datetime | None = None
     driver_retry_at: float = 0.0
     driver_retry_s: float = 0.5
     failures: tuple[float, ...] = ()

@@ -179,10 +179,14 @@ class Observer:
         if steady and last != -1 and now - at < d.health_interval_s:
             return last, slow
         r = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s)
-        self._health = (r.status, r.timed_out, now)
+        # No answer that says anything (none in time, a reset, the daemon's own error such as
+        # no descriptor left) needs a second sign before it restarts anything; a refused
+        # connection (nothing listens) and an HTTP status are vLLM's own statements.
+        slow = r.status == 0 and "refused" not in r.error.lower()
+        self._health = (r.status, slow, now)
         if r.status == 200:
             self.last_ok = now
-        return r.status, r.timed_out
+        return r.status, slow
 
     def _running_mode(self, main_pid: int) -> launcher.Running | None:
         """The mode MainPID was started in; read once per MainPID (its argv does not change)."""

@@ -255,8 +255,13 @@ def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> 
     m.stuck_since.set(s.stuck_since.timestamp() if s.stuck_since else 0)
     m.stuck_retries.set(st.stuck.retries if st.stuck else 0)
     m.restart_needed.set(1 if st.restart_needed else 0)
-    doubt = st.liveness.doubt_since if st.liveness and s.state is State.SERVING else None
-    m.liveness_doubt_since.set(datetime.fromisoformat(doubt).timestamp() if doubt else 0)
+    doubts = []
+    if s.state is State.SERVING:
+        if st.liveness and st.liveness.doubt_since:
+            doubts.append(datetime.fromisoformat(st.liveness.doubt_since).timestamp())
+        if s.health_doubt_since is not None:
+            doubts.append(s.health_doubt_since.timestamp())
+    m.liveness_doubt_since.set(min(doubts, default=0))
     d = s.last_downtime
     if d is not None:
         for part, seconds in d.parts.items():

@@ -141,9 +141,10 @@ class Metrics:
         )
         self.liveness_doubt_since = Gauge(
             f"{ns}_liveness_doubt_since_timestamp_seconds",
-            "since when (Unix time) one sign says the serving vLLM makes no progress and the "
-            "other says it is busy (not hung, never restarted; an engine spinning on a GPU "
-            "that never answers looks so), with no proof of progress since; 0 if none",
+            "since when (Unix time) one sign says the serving vLLM makes no progress (requests "
+            "pending and no step, a canary or /health unanswered) and its processes are busy "
+            "(not hung, never restarted; an engine spinning on a GPU that never answers looks "
+            "so), with no proof of progress since; 0 if none",
             registry=r,
         )
         self.build_info = Gauge(

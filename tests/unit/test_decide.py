@@ -625,10 +625,12 @@ vllm:generation_tokens_created{{engine="0",model_name="m"}} 1.7e9
 """
 
 
-def cpu(at: float, seconds: float, stopped: tuple[str, ...] = ()) -> Any:
+def cpu(at: float, seconds: float, stopped: tuple[str, ...] = (), own: float | None = None) -> Any:
+    """The engine's processes at `at`; those `stopped` have used `own` seconds of CPU each
+    (0 unless said: a stopped process uses none)."""
     from kimi_supervisor.decide.liveness import Cpu
 
-    return Cpu(at, seconds, 3, stopped)
+    return Cpu(at, seconds, 3, stopped, tuple(own or 0.0 for _ in stopped))
 
 
 def test_vllms_metrics_are_read_with_its_step_counter_and_a_missing_series_is_no_reading() -> None:
@@ -810,11 +812,14 @@ def test_the_holder_steps_note_names_what_it_killed_and_whom_it_spared() -> None
         # ... or not read for a whole window yet: nothing to judge by
         (0, True, [(0, 10.0), (30, 10.0)], ""),
         (0, True, [], ""),
-        # ... the API server idle over the last 60 s (deadlocked), though busy before
+        # ... vLLM's processes idle over the last 60 s (deadlocked), though busy before
         (0, True, [(0, 1.0), (30, 40.0), (60, 40.1), (90, 40.2)], "used 0.20 s of CPU in 60 s"),
-        # ... or stopped at both ends of the window (not during a debugger's moment)
+        # ... or one stopped throughout the window, whatever the others use
         (0, True, [(0, 1.0, ("PID 7 (api, state T)",)), (60, 60.0, ("PID 7 (api, state T)",))],
          "stopped: PID 7"),
+        # ... not one paused at the ends only (a profiler's samples): its own CPU grew
+        (0, True, [(0, 1.0, ("PID 7 (api, state t)",), 1.0),
+                   (60, 60.0, ("PID 7 (api, state t)",), 30.0)], ""),
         (0, True, [(0, 1.0), (60, 1.0, ("PID 7 (api, state T)",))], "used 0.00 s"),
     ],
 )  # fmt: skip
@@ -845,3 +850,27 @@ def test_an_engine_spinning_on_a_gpu_that_never_answers_is_a_doubt_that_lasts_un
     assert judge.doubt_since == 240  # the first canary's sending
     judge.seen(1215, Work(1, 8), "ok", cpu(1215, 1215.0))  # a token: progress
     assert judge.doubt == "" and judge.doubt_since is None
+
+
+def test_a_profiler_that_stops_a_busy_engine_for_each_sample_is_no_hang() -> None:
+    """py-spy stops its target for each sample: a busy real EngineCore read in state t in
+    44-58 % of reads at 100 Hz (an outside review). Seen stopped at both ends of a window but
+    using the CPU in between, it was called hung; only a process whose own CPU stood still
+    counts as stopped."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.05)
+    paused = ("PID 9 (VLLM::EngineCore, state t)",)
+    for t in range(0, 600, 15):  # one long step: no counter moves, the engine works
+        assert judge.seen(t, Work(1, 7), "ok", cpu(t, 0.9 * t, paused, own=0.9 * t)) is None
+    frozen = ("PID 9 (VLLM::EngineCore, state T)",)
+    assert judge.seen(600, Work(1, 7), "ok", cpu(600, 540.0, frozen, own=540.0)) is None
+    hang = judge.seen(721, Work(1, 7), "ok", cpu(721, 600.0, frozen, own=540.0))
+    assert hang is not None and "stopped: PID 9 (VLLM::EngineCore, state T)" in hang.reason
+
+
+def test_a_process_leaving_the_tree_makes_its_cpu_sum_fall_and_that_says_nothing() -> None:
+    from kimi_supervisor.decide.liveness import no_progress
+
+    assert no_progress(cpu(0, 50.0), cpu(60, 49.25), 0.05) == ""
+    assert "used 0.50 s" in no_progress(cpu(0, 50.0), cpu(60, 50.5), 0.05)
