@@ -153,7 +153,8 @@ def _scrape(address: str, port: int) -> bool:
     try:
         with socket.create_connection((address, port), timeout=3) as sock:
             sock.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            return sock.recv(64).startswith(b"HTTP/1.0 200")
+            status = sock.recv(64).split(b"\r\n", 1)[0].split()
+            return status[:1] in ([b"HTTP/1.0"], [b"HTTP/1.1"]) and status[1:2] == [b"200"]
     except OSError:
         return False
 
