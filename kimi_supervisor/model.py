@@ -211,3 +211,14 @@ class TeardownReport(BaseModel):
     shm_removed: list[str] = Field(default_factory=list)
     diagnosis: str = ""
     next_action: str = ""
+
+
+def shown(name: str) -> str:
+    """A file's name as it may be shown: one that is not UTF-8 (Python hands its bytes on as
+    lone surrogates) with its odd bytes escaped, never a string that no JSON, journal or
+    sd_notify can carry (an outside review: such a name in the model's folder wedged status
+    and crashed the daemon)."""
+    try:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "backslashreplace").decode("ascii")

@@ -26,7 +26,7 @@ from kimi_supervisor.analysis import ranks
 from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
-from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, utcnow
+from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, shown, utcnow
 from kimi_supervisor.ports import safeopen
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
@@ -79,6 +79,9 @@ def _move_into(
             src = safeopen.open_file(trace_fd, name, listed)
         except safeopen.Refused as refused:
             return str(refused)
+        if why := _not_vllms(os.fstat(src), trace_fd):
+            os.close(src)
+            return f"{why}; left where it was, not read"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             out = os.open(name, flags, 0o640, dir_fd=dir_fd)
@@ -100,7 +103,23 @@ def _move_into(
             return f"{refused}; left in the folder, not handed over"
         if (got.dev, got.ino) != (listed.dev, listed.ino):
             return "replaced since it was listed; left in the folder, not handed over"
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if why := _not_vllms(st, trace_fd):
+            return f"{why}; left in the folder, not handed over"
     os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+    return ""
+
+
+def _not_vllms(st: os.stat_result, trace_fd: int) -> str:
+    """Why a trace is not a file vLLM wrote ("" if it is): vLLM's user can hard-link anyone's
+    file it may write into its folder (protected_hardlinks allows that), and a root that
+    chowned it to the asker would give it away (an outside review). A trace has one name, and
+    the trace folder's owner (vLLM's user) owns it."""
+    if st.st_nlink != 1:
+        return f"a file with {st.st_nlink} names (a hard link to a file elsewhere)"
+    owner = os.fstat(trace_fd).st_uid
+    if st.st_uid != owner:
+        return f"owned by uid {st.st_uid}, not by vLLM's user (uid {owner})"
     return ""
 
 
@@ -285,6 +304,7 @@ class Capture:
             retention.record(p.captures_dir, self.id)
         files: list[dict[str, Any]] = []
         refused: list[dict[str, str]] = []
+        moved: list[str] = []
         summary: dict[str, Any] | None = None
         try:
             trace_fd = os.open(trace_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -295,13 +315,13 @@ class Capture:
             for name in sorted(new):
                 why = _move_into(trace_fd, name, new[name], fd, spec.uid, spec.gid)
                 if why:
-                    refused.append({"name": name, "why": why})
-                    self.log("capture_file_refused", capture=self.id, name=name, why=why)
+                    refused.append({"name": shown(name), "why": why})
+                    self.log("capture_file_refused", capture=self.id, name=shown(name), why=why)
                     continue
                 rank = ranks.rank_of(name)
-                files.append({"name": name, "rank": rank, "bytes": new[name].size})
+                files.append({"name": shown(name), "rank": rank, "bytes": new[name].size})
+                moved.append(name)  # as the file system names it: the summary opens these
             os.fchown(fd, spec.uid, spec.gid)
-            moved = [f["name"] for f in files]
             if p.summarize and ranks.rank_traces(moved):
                 summary = self._summarize(fd, moved)
         finally:

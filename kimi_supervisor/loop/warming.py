@@ -23,6 +23,7 @@ from typing import Any
 
 from kimi_supervisor.config import WarmConfig
 from kimi_supervisor.decide import warmset
+from kimi_supervisor.model import shown
 from kimi_supervisor.ports import pagecache
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.status import WarmStatus
@@ -67,6 +68,10 @@ def warm(
     return _Warden(config, reader, stop, clock, report, why, t0).run(looks, adopt(reader.pid))
 
 
+# The refusals said by name (status, the history, the journal); past them, a count.
+MAX_REFUSED = 20
+
+
 class _Warden:
     """Listens to the reader with a deadline, and gives it up."""
 
@@ -86,6 +91,8 @@ class _Warden:
         self.status = WarmStatus(under_way=True, text="warming the page cache: listing the files")
         self.picked: set[str] = set()
         self.refused: list[str] = []
+        self._refused_set: set[str] = set()
+        self.refused_more = 0  # refusals past MAX_REFUSED, counted only
         self.read_bytes = 0
         self.reading = 0
 
@@ -138,10 +145,10 @@ class _Warden:
                             self.config.max_ram_share)  # fmt: skip
         self.status = WarmStatus(
             under_way=True,
-            folder=listed["folder"],
+            folder=shown(listed["folder"]),
             files=len(plan.read),
             bytes=plan.read_bytes,
-            skipped=[n for n, _ in plan.skipped],
+            skipped=[shown(n) for n, _ in plan.skipped],
             skipped_bytes=plan.skipped_bytes,
             budget_bytes=plan.budget,
             text="",
@@ -152,11 +159,17 @@ class _Warden:
         return ""
 
     def _refuse(self, refused: list[list[str]]) -> None:
-        """Each refusal of a file vLLM reads, said once (another entry is not vLLM's)."""
+        """Each refusal of a file vLLM reads, said once (another entry is not vLLM's), up to
+        MAX_REFUSED: a folder of 80,000 links is a count, not 5 MB of status."""
         for name, why in refused:
-            said = f"{name}: {why}"
-            if name in self.picked and said not in self.refused:
+            said = f"{shown(name)}: {why}"
+            if name not in self.picked or said in self._refused_set:
+                continue
+            self._refused_set.add(said)
+            if len(self.refused) < MAX_REFUSED:
                 self.refused.append(said)
+            else:
+                self.refused_more += 1
 
     def _give_up(self, stopped: str, left_in: str) -> WarmStatus:
         ended = self.reader.end(KILL_WAIT_S)
@@ -197,7 +210,8 @@ class _Warden:
                 "reads them from disk"
             )
         if self.refused:
-            text += f"; not opened (not the files judged): {'; '.join(self.refused)}"
+            more = f"; and {self.refused_more} more" if self.refused_more else ""
+            text += f"; not opened (not the files judged): {'; '.join(self.refused)}{more}"
         return s.model_copy(
             update={"read_bytes": read, "took_s": round(took, 2), "stopped": stopped,
                     "under_way": under_way, "refused": list(self.refused), "text": text}

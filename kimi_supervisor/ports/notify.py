@@ -27,7 +27,13 @@ class Notifier:
 
         # unset_environment=0: the re-executed daemon (a reload) notifies too. sd_notify returns
         # a negative errno when the manager went away: nothing to tell then.
-        pystemd.daemon.notify(0, **fields)
+        # A text that is not UTF-8 (a file's name another user chose) has its odd bytes
+        # escaped: sd_notify carries bytes, and an encoding error would end the daemon.
+        safe = {
+            k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+            for k, v in fields.items()
+        }
+        pystemd.daemon.notify(0, **safe)
 
     def ready(self, status: str) -> None:
         self.send(ready=1, status=status, mainpid=os.getpid())

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.model import TeardownReport
+from kimi_supervisor.model import TeardownReport, shown
 from kimi_supervisor.store.state import StateError, open_trusted
 
 
@@ -31,7 +31,9 @@ def append(
     one. Once the file passes `max_bytes` it is rotated (`keep` older files are kept). Raises
     StateError (with the reason) when the record could not be written."""
     body = record.model_dump(mode="json") if isinstance(record, TeardownReport) else record
-    line = (json.dumps({"kind": kind, **body}, ensure_ascii=False) + "\n").encode()
+    # A name that is not UTF-8 (a file another user named) has its odd bytes escaped, never a
+    # record lost or a daemon crashed over it.
+    line = (json.dumps(_shown({"kind": kind, **body}), ensure_ascii=False) + "\n").encode()
     path = history_path(state_dir)
     fd = open_trusted(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
@@ -150,3 +152,14 @@ def _read_one(path: Path, last: int | None, max_bytes: int | None = None) -> lis
             continue  # a torn line, or the cut-off first line of the tail read
         out.append(line)
     return out[-last:] if last else out
+
+
+def _shown(value: Any) -> Any:
+    """`value` with every string as model.shown gives it (JSON cannot carry a lone surrogate)."""
+    if isinstance(value, str):
+        return shown(value)
+    if isinstance(value, dict):
+        return {shown(str(k)): _shown(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_shown(v) for v in value]
+    return value

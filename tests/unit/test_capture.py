@@ -418,3 +418,46 @@ def test_a_link_in_vllms_trace_folder_is_never_read_out_into_the_askers_folder(
         os.close(t_fd)
     assert sorted(os.listdir(out)) == ["rank1.pt.trace.json"]
     assert secret.read_text() == "root's secret" and (traces / "rank0.pt.trace.json").is_symlink()
+
+
+def test_a_hard_link_to_another_users_file_in_vllms_trace_folder_is_never_given_to_the_asker(
+    tmp_path: Path,
+) -> None:
+    """vLLM's user may hard-link anyone's file it can write into its trace folder; the
+    capture renamed it into the asker's folder and chowned it to them (an outside review).
+    A trace has one name and vLLM's user owns it: anything else stays whose it was."""
+    from kimi_supervisor.capture.job import _files, _move_into
+
+    traces, capture = tmp_path / "traces", tmp_path / "capture"
+    traces.mkdir()
+    capture.mkdir()
+    alice = tmp_path / "alice.txt"
+    alice.write_text("alice's")
+    os.chown(alice, 4245, 4245)
+    os.link(alice, traces / "rank0.pt.trace.json")
+    (traces / "rank1.pt.trace.json").write_text("{}")
+    os.chown(traces / "rank1.pt.trace.json", 4245, 4245)  # one name, but not vLLM's user's
+    listed = {n: ident for n, (_s, _m, ident) in _files(traces).items()}
+    t_fd = os.open(traces, os.O_RDONLY | os.O_DIRECTORY)
+    c_fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        why = _move_into(t_fd, "rank0.pt.trace.json", listed["rank0.pt.trace.json"], c_fd,
+                         4246, 4246)  # fmt: skip
+        assert why.startswith("a file with 2 names (a hard link"), why
+        why = _move_into(t_fd, "rank1.pt.trace.json", listed["rank1.pt.trace.json"], c_fd,
+                         4246, 4246)  # fmt: skip
+        assert why.startswith("owned by uid 4245, not by vLLM's user"), why
+    finally:
+        os.close(t_fd)
+        os.close(c_fd)
+    assert os.stat(alice).st_uid == 4245 and alice.read_text() == "alice's"
+
+
+def test_a_file_named_in_bytes_that_are_not_utf8_is_shown_escaped_and_recorded() -> None:
+    """Such a name in the model's folder wedged status and crashed the daemon (sd_notify, the
+    history, the status JSON; an outside review): it is shown with its odd bytes escaped."""
+    from kimi_supervisor.model import shown
+
+    name = os.fsdecode(b"model-\xff.safetensors")
+    assert shown(name) == "model-\\xff.safetensors" and shown("plain.json") == "plain.json"
+    assert shown("\ud800x") == "\\ud800x"  # not even bytes: escaped all the same

@@ -874,3 +874,15 @@ def test_a_process_leaving_the_tree_makes_its_cpu_sum_fall_and_that_says_nothing
 
     assert no_progress(cpu(0, 50.0), cpu(60, 49.25), 0.05) == ""
     assert "used 0.50 s" in no_progress(cpu(0, 50.0), cpu(60, 50.5), 0.05)
+
+
+def test_a_history_record_naming_a_file_in_odd_bytes_is_written_escaped_not_lost(
+    tmp_path: Path,
+) -> None:
+    from kimi_supervisor.store import history
+
+    tmp_path.chmod(0o700)
+    name = os.fsdecode(b"tokenizer-\xe9.json")
+    history.append(tmp_path, "incident", {"at": "2026-12-03T00:00:00+00:00", "what": name})
+    (got,) = history.read(tmp_path, 10)
+    assert got["what"] == "tokenizer-\\xe9.json"

@@ -41,9 +41,9 @@ def _serve(m: Metrics, timeout_s: float = TIMEOUT_S, cap: int = CAP) -> int:
     return m.serve("127.0.0.1", 0, timeout_s, cap)
 
 
-def _scrape(port: int) -> tuple[float, int, str]:
+def _scrape(port: int, path: str = "/metrics") -> tuple[float, int, str]:
     t0 = time.monotonic()
-    r = request(f"http://127.0.0.1:{port}/metrics", timeout_s=10, max_bytes=1 << 22)
+    r = request(f"http://127.0.0.1:{port}{path}", timeout_s=10, max_bytes=1 << 22)
     return time.monotonic() - t0, r.status, r.body
 
 
@@ -270,3 +270,28 @@ def test_a_collector_that_fails_answers_that_scrape_500_and_the_next_one_is_serv
         server.close()
     assert first.status == 500 and "a collector's bug" in first.body, first
     assert (second.status, second.body) == (200, "fine\n")
+
+
+def test_a_flood_of_whole_requests_renders_the_registry_once_per_interval_not_once_each() -> None:
+    """Another user sending complete requests without a pause had the one thread render the
+    registry for each (an outside review: root's scrapes then took up to 1.6 s). The same
+    request within RENDER_REUSE_S gets the answer already made; another request is its own."""
+    from kimi_supervisor.ports.metrics import RENDER_REUSE_S
+
+    renders: list[str] = []
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        renders.append(environ["PATH_INFO"])
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"rendered {len(renders)}\n".encode()]
+
+    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP)
+    try:
+        t0 = time.monotonic()
+        bodies = {_scrape(server.port)[2] for _ in range(200)}
+        took = time.monotonic() - t0
+        assert len(renders) <= 1 + took / RENDER_REUSE_S, (len(renders), took)
+        assert len(bodies) == len(renders)  # each answer whole, from one render
+        assert _scrape(server.port, "/other")[1] == 200 and renders[-1] == "/other"
+    finally:
+        server.close()
