@@ -192,13 +192,62 @@ def open_dir(dir_fd: int, rel: str) -> int:
         os.close(pfd)
 
 
+MAX_LINKS = 40  # as the kernel's own limit on links followed in one path
+
+
 def open_root(path: Path | str) -> int:
     """The folder an operator named (config, vLLM's argv), opened as named: the anchor that
-    everything beneath is reached from. Refused if it is no folder."""
+    everything beneath is reached from. Refused if it is no folder. Walked a component at a
+    time without following links; a link is followed only where it sits in a folder that only
+    root (or the daemon's user) can change, as sshd's StrictModes judges: `/models` ->
+    `/mnt/nfs/models` made by root is followed, while a model folder its owner swapped for a
+    link to a root-only folder is refused (an outside review had root read that folder)."""
+    text = os.fspath(path)
+    if not text.startswith("/"):
+        raise Refused(f"cannot open the folder {text}: not an absolute path")
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open("/", flags | os.O_DIRECTORY)
+    parts, links = [p for p in text.split("/") if p], 0
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise Refused(f"cannot open the folder {path}: {e.strerror}") from None
+        while parts:
+            name = parts.pop(0)
+            if name == ".":
+                continue
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as e:
+                raise Refused(f"cannot open the folder {text}: {name}: {e.strerror}") from None
+            if stat.S_ISLNK(st.st_mode):
+                links += 1
+                if links > MAX_LINKS or not _trusted(os.fstat(fd), st):
+                    raise Refused(
+                        f"cannot open the folder {text}: {name} is a link in a folder another "
+                        "user can change (name the folder it points to)"
+                    )
+                target = os.readlink(name, dir_fd=fd)
+                parts = [p for p in target.split("/") if p] + parts
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = os.open("/", flags | os.O_DIRECTORY)
+                continue
+            nxt = os.open(name, flags, dir_fd=fd)  # ".." too: lexically walked, as the kernel
+            os.close(fd)
+            fd = nxt
+        try:
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as e:
+            raise Refused(f"cannot open the folder {text}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _trusted(folder: os.stat_result, link: os.stat_result) -> bool:
+    """Whether a link in `folder` is the word of root or the daemon's user: the folder is
+    theirs and nobody else may write it (or it is sticky, like /tmp, and the link theirs)."""
+    ours = (0, os.geteuid())
+    others_write = bool(folder.st_mode & 0o022)
+    sticky_and_ours = bool(folder.st_mode & stat.S_ISVTX) and link.st_uid in ours
+    return folder.st_uid in ours and (not others_write or sticky_and_ours)
 
 
 def read_small(dir_fd: int, rel: str, limit: int) -> bytes:

@@ -169,3 +169,39 @@ def test_a_hub_snapshot_s_file_is_opened_at_its_blob_which_the_listing_saw(
             safeopen.identify(fd, "blobs/gone")
     finally:
         os.close(fd)
+
+
+def test_the_model_folder_swapped_for_a_link_by_its_owner_is_refused_and_roots_link_followed(
+    tmp_path: Path,
+) -> None:
+    """The folder named in vLLM's argv, walked a link at a time: its owner (another user)
+    swapping it for a link to a root-only folder had root read that folder's files (an outside
+    review); a link root made in a folder only root can change (`/models` -> an NFS mount) is
+    followed, as sshd's StrictModes would."""
+    from kimi_supervisor.ports import safeopen
+
+    tmp_path.chmod(0o755)
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    (secret / "model.safetensors").write_bytes(b"root's")
+    home = tmp_path / "bob"
+    home.mkdir()
+    os.chown(home, 4245, 4245)
+    (home / "model").symlink_to(secret)  # Bob's swap: a link in Bob's folder
+    with pytest.raises(safeopen.Refused, match="model is a link in a folder another user"):
+        safeopen.open_root(home / "model")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: sticky, anyone writes
+    (shared / "model").symlink_to(secret)
+    os.chown(shared / "model", 4245, 4245, follow_symlinks=False)
+    with pytest.raises(safeopen.Refused, match="a link in a folder another user"):
+        safeopen.open_root(shared / "model")
+    (tmp_path / "models").symlink_to(secret)  # root's own link, in a folder only root writes
+    fd = safeopen.open_root(tmp_path / "models")
+    try:
+        assert os.listdir(fd) == ["model.safetensors"]
+    finally:
+        os.close(fd)
+    fd = safeopen.open_root(secret / ".." / "root-only")  # no link: opened as named
+    os.close(fd)
