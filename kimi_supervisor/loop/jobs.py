@@ -16,6 +16,7 @@ from kimi_supervisor.loop import warming
 from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message, Warmed
 from kimi_supervisor.loop.loopstate import Job
+from kimi_supervisor.ports import pagecache
 from kimi_supervisor.ports.http import request as http_request
 from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import WarmStatus
@@ -79,7 +80,7 @@ class Jobs:
         def adopt(pid: int) -> str:
             """The warming's reader into a scope of its own, outside the daemon's unit: where
             it is then, or "" (it stays in the unit, whose stop a stuck read would hold)."""
-            name = f"kimi-supervisor-warm-{pid}.scope"
+            name = f"{pagecache.SCOPE_PREFIX}{pid}.scope"
             try:
                 ctx.systemd.move_to_scope(
                     name, pid, "kimi-supervisor: reading a model into the cache"

@@ -44,6 +44,7 @@ CHUNK = 16 << 20  # one read
 REPORT_S = 0.5  # the reader's progress, at most this often
 REFS_MAX = 256  # a hub ref is a 40-character commit
 NAME = b"kimi-warm"  # the reader's process name (comm): how a re-executed daemon finds it
+SCOPE_PREFIX = "kimi-supervisor-warm-"  # its scope's name: SCOPE_PREFIX + its PID + ".scope"
 PR_SET_NAME = 15
 _started: set[int] = set()  # the readers this image started, until each is reaped
 
@@ -447,7 +448,33 @@ def stuck_readers() -> list[int]:
             _started.discard(pid)
         else:
             left.append(pid)
-    return left
+    return left + [pid for pid in _orphaned() if pid not in left]
+
+
+def _orphaned(proc: Path = Path("/proc")) -> list[int]:
+    """Readers an earlier daemon left that are no child of this one (the daemon was restarted,
+    not re-executed: they were handed to PID 1): root's processes named `kimi-warm` in a
+    `kimi-supervisor-warm-*` scope. Another user can name a process so, but not make it root's:
+    at worst a warming is skipped (an outside review found two readers left before)."""
+    found = []
+    try:
+        entries = list(os.scandir(proc))
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (proc / entry.name / "comm").read_bytes().strip() != NAME:
+                continue
+            if entry.stat().st_uid != 0:
+                continue
+            cgroup = (proc / entry.name / "cgroup").read_text()
+        except OSError:
+            continue
+        if f"/{SCOPE_PREFIX}" in cgroup:
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 if __name__ == "__main__":

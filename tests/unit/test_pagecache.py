@@ -165,3 +165,28 @@ def test_the_cache_dir_is_made_private_and_refused_where_another_user_could_writ
         theirs.mkdir(mode=0o755)
         os.chown(theirs, 65534, 65534)  # nobody's
         assert "owned by uid 65534" in (cache_untrusted(theirs / "vllm") or "x")
+
+
+def test_a_reader_an_earlier_daemon_left_is_found_by_its_name_owner_and_scope(
+    tmp_path: Path,
+) -> None:
+    """A daemon restarted (not re-executed) has no child of the readers its predecessor left
+    stuck: it found none, and started another (an outside review left two). Root's process
+    named kimi-warm in a kimi-supervisor-warm-* scope is one; another user's, or one elsewhere,
+    is not. Read from a /proc laid out as the kernel's."""
+    from kimi_supervisor.ports import pagecache
+
+    def process(pid: int, comm: bytes, cgroup: str, uid: int = 0) -> None:
+        d = tmp_path / str(pid)
+        d.mkdir()
+        (d / "comm").write_bytes(comm + b"\n")
+        (d / "cgroup").write_text(f"0::{cgroup}\n")
+        os.chown(d, uid, uid)
+
+    scope = f"/system.slice/{pagecache.SCOPE_PREFIX}41.scope"
+    process(41, b"kimi-warm", scope)
+    process(42, b"kimi-warm", scope, uid=4245)  # another user's look-alike
+    process(43, b"kimi-warm", "/system.slice/kimi-supervisor.service")  # not in its scope
+    process(44, b"python3", scope)
+    (tmp_path / "self").mkdir()
+    assert pagecache._orphaned(tmp_path) == [41]
