@@ -172,11 +172,15 @@ class Observer:
         self._health = (-1, False, 0.0)
 
     def _probe_health(self, main_pid: int, steady: bool) -> tuple[int, bool]:
-        """GET /health (its status, and whether it gave no answer in time); while serving the
-        same MainPID, at most every health_interval_s."""
+        """GET /health (its status, and whether it gave no answer that says anything); while
+        serving the same MainPID, a 200 at most every health_interval_s, a failure each pass."""
         d, now = self.config.daemon, self.clock.monotonic()
         last, slow, at = self._health
-        if steady and last != -1 and now - at < d.health_interval_s:
+        # Only a 200 is kept for a while: a failure is asked again at each pass, so that the
+        # restart's second sign (decide/liveness.health_failure) always stands beside a failure
+        # of now, never one a busy vLLM has since got over (the bench saw that restart with a
+        # grace shorter than the interval).
+        if steady and last == 200 and now - at < d.health_interval_s:
             return last, slow
         r = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s)
         # No answer that says anything (none in time, a reset, the daemon's own error such as
