@@ -407,6 +407,20 @@ class DaemonHelper:
     def wait_state(self, state: str, timeout_s: float = 30) -> dict[str, Any]:
         return self.wait_status(lambda s: s["state"] == state, timeout_s, f"state {state}")
 
+    def wait_serving_anew(self, mode: str, old_pid: int, timeout_s: float = 60) -> dict[str, Any]:
+        """Until a vLLM other than `old_pid` serves `mode`. An incident is in the history a moment
+        before status leaves SERVING, so `wait_serving` right after one may see the old vLLM.
+        Fails at once with the daemon's reason if it gave up (FAILED)."""
+
+        def anew(s: dict[str, Any]) -> bool:
+            assert s["state"] != "failed", f"the daemon gave up, not restarted: {s['status_line']}"
+            return (
+                s["state"] == "serving" and s["mode"] == mode
+                and s["unit"]["main_pid"] not in (0, old_pid)
+            )  # fmt: skip
+
+        return self.wait_status(anew, timeout_s, f"a new vLLM to serve {mode}")
+
 
 @pytest.fixture
 def daemon(sandbox: SandboxHelper) -> Iterator[DaemonHelper]:

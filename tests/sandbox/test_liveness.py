@@ -110,8 +110,8 @@ def freeze_and_wait(sandbox: SandboxHelper, daemon: DaemonHelper, sign: str) -> 
         if processes.ref_of(engine) is not None:
             os.kill(engine, signal.SIGCONT)
     (incident,) = [e for e in daemon.history() if sign in e.get("what", "")]
-    status = daemon.wait_serving("production", 60)
-    assert status["unit"]["main_pid"] != main and processes.ref_of(engine) is None
+    daemon.wait_serving_anew("production", main)
+    assert processes.ref_of(engine) is None
     assert incident["main_pid"] == main
     return incident
 
