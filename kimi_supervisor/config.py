@@ -126,6 +126,12 @@ class GpusConfig(_Strict):
     baseline_mib: dict[str, Annotated[int, Field(ge=0, le=1 << 24)]] = Field(default_factory=dict)
     # Only for backend = "sim": the simulated host's directory.
     sim_dir: Path | None = None
+    # How long one NVML query may take (NVML's calls have no timeout of their own). One that
+    # takes longer is abandoned on its thread and counts as no reading: status says so, the
+    # teardown cannot call the GPUs clean (STUCK, retried), and nothing is killed on it. Until
+    # the stuck call returns, the GPUs are not asked again. A healthy host answers in well
+    # under a millisecond (0.05 ms for two H200s, docs/performance.md).
+    timeout_s: PositiveSeconds = 10.0
 
     @model_validator(mode="after")
     def _sim_needs_dir(self) -> GpusConfig:
@@ -226,6 +232,12 @@ class StateConfig(_Strict):
     history_max_mb: Annotated[float, Field(gt=0, le=100_000)] = 64.0
     # How many rotated history files are kept (see history_max_mb).
     history_keep: Annotated[int, Field(ge=1, le=100)] = 5
+    # How long one write or read of state.json or history.jsonl may hold the daemon's loop.
+    # One that takes longer (a hung or frozen file system) is abandoned on its thread: what it
+    # wrote is kept in memory and written again once the folder answers, and until then the
+    # folder is not asked again. An operator's switch, which must be on disk before anything
+    # is torn down for it, is refused meanwhile, with the reason.
+    timeout_s: PositiveSeconds = 10.0
 
 
 class DaemonConfig(_Strict):

@@ -34,14 +34,17 @@ def ports(config: Config) -> tuple[PystemdSystemd, GpuPort]:
 def open_gpu(config: Config) -> GpuPort:
     """The GPU backend the config names: real NVML, or a simulated GPU host's reader (the
     sandbox's, chosen here and nowhere else, so that no other wing imports the sandbox)."""
+    from kimi_supervisor.ports.gpu import BoundedGpu, NvmlGpu
+
+    inner: GpuPort
     if config.gpus.backend == "nvml":
-        from kimi_supervisor.ports.gpu import NvmlGpu
+        inner = NvmlGpu()
+    else:
+        from kimi_supervisor.sandbox.simreader import SimGpu
 
-        return NvmlGpu()
-    from kimi_supervisor.sandbox.simreader import SimGpu
-
-    assert config.gpus.sim_dir is not None  # GpusConfig refuses backend "sim" without sim_dir
-    return SimGpu(config.gpus.sim_dir)
+        assert config.gpus.sim_dir is not None  # GpusConfig refuses "sim" without sim_dir
+        inner = SimGpu(config.gpus.sim_dir)
+    return BoundedGpu(inner, config.gpus.timeout_s)
 
 
 def managed_indices(config: Config, gpu: GpuPort) -> list[int]:

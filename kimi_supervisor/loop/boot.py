@@ -43,6 +43,8 @@ def driver_up(ctx: Context) -> bool:
         n = ctx.gpu.device_count()
         s.indices = list(ctx.config.gpus.managed) or list(range(n))
         ctx.gpu.sample(s.indices)
+        for i in range(n):  # asked once here: a driver that hangs later need not answer them
+            ctx.gpu.device_path(i)
     except GpuUnavailable as e:
         msg = f"waiting for the GPU driver: {e}"
         s.waiting_for = msg
@@ -62,9 +64,15 @@ def resolve_baseline(ctx: Context) -> None:
     next seen idle (after a CLEAN teardown)."""
     s = ctx.s
     fixed = ctx.config.gpus.baseline_mib
+    c = ctx.config
     try:
-        s.baselines, fresh = baseline.resolve(ctx.gpu, s.indices, fixed, ctx.config.state.dir)
-    except baseline.BaselineError as e:
+        # On the state folder's thread (it reads state.json), bounded by its wait and NVML's.
+        s.baselines, fresh = ctx.disk.call(
+            lambda: baseline.resolve(ctx.gpu, s.indices, fixed, c.state.dir),
+            "reading the stored baseline",
+            c.state.timeout_s + c.gpus.timeout_s,
+        )
+    except (baseline.BaselineError, OSError) as e:
         s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
         s.baseline_provisional = True
         ctx.warn(

@@ -21,6 +21,7 @@ from kimi_supervisor.loop.loopstate import LoopState
 from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import Mode, TeardownReport, utcnow
+from kimi_supervisor.ports.bounded import Worker
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort
 from kimi_supervisor.ports.metrics import Metrics
@@ -41,6 +42,18 @@ from kimi_supervisor.store.state import (
 Log = Callable[..., None]
 # History records kept in memory while the history cannot be appended to (a full disk).
 MAX_PENDING = 1000
+# What status says while a call to the state folder is stuck (see Context.disk).
+DISK_STUCK = "the state folder does not answer"
+
+
+@dataclass
+class Pending:
+    """A history record not written yet. `written` is set by the state folder's thread once
+    the append is done, even by a call the loop gave up on: it is never appended twice."""
+
+    kind: str
+    record: TeardownReport | dict[str, Any]
+    written: bool = False
 
 
 def new_id() -> str:
@@ -67,9 +80,12 @@ class Context:
         self.saved = PersistedState()  # what state.json holds, as last read or written
         self.saved_stamp: tuple[int, int, int] | None = None  # its inode, size, mtime then
         self.unsaved_state = False
-        self.pending: collections.deque[tuple[str, TeardownReport | dict[str, Any]]] = (
-            collections.deque()
-        )
+        self.pending: collections.deque[Pending] = collections.deque()
+        # Every read and write of the state folder (state.json, history.jsonl) runs on this
+        # one thread, waited for at most state.timeout_s (ports/bounded.py): a hung or frozen
+        # file system holds no pass of the loop longer. A call that passes it is left there;
+        # until it returns, the others fail at once, as a full disk's do (kept in memory).
+        self.disk = Worker("state-io", self.config.state.timeout_s)
         # What this pass has to say to the bus's subscribers: sent by the daemon once the
         # pass's status is published, so that whoever reacts to an event reads a status at
         # least as new as the event.
@@ -87,8 +103,15 @@ class Context:
         gone: list[bool] = []
         restore = self._restoring(kept, gone)
         try:
-            new, warning = self.store.update(lambda found: change(restore(found)), self.saved)
+            new, warning = self.disk.call(
+                lambda: self.store.update(lambda found: change(restore(found)), self.saved),
+                f"writing {self.store.path}",
+            )
         except (StateError, OSError) as e:
+            if isinstance(e, TimeoutError):
+                # It may still land when the folder answers: written over from memory then.
+                self.unsaved_state = True
+                self._disk_stuck()
             if must:
                 raise StateError(str(e)) from e
             self.saved = change(self.saved)
@@ -115,17 +138,32 @@ class Context:
             self.incident({"at": utcnow().isoformat(), "what": warning})
 
     def stamp(self) -> tuple[int, int, int] | None:
+        path = self.store.path
         try:
-            st = os.stat(self.store.path, follow_symlinks=False)
+            st = self.disk.call(lambda: os.stat(path, follow_symlinks=False), f"reading {path}")
         except OSError:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _disk_stuck(self) -> None:
+        stuck = self.disk.stuck()
+        if stuck is not None:
+            self.warn(f"{DISK_STUCK}: {stuck[0]} has had no answer since it began; what the "
+                      "daemon writes is kept in memory until it answers")  # fmt: skip
+
+    def disk_answers(self) -> bool:
+        """Each pass: False while a call to the state folder is stuck (said in status)."""
+        if self.disk.stuck() is not None:
+            self._disk_stuck()
+            return False
+        self.unwarn(DISK_STUCK)
+        return True
 
     def verify_state(self) -> None:
         """state.json changed behind the daemon's back (a stat per pass): read it again, so that
         a file that stopped parsing is moved aside, recorded and rewritten from memory now,
         not found at the next restart (which would start from defaults)."""
-        if self.unsaved_state:
+        if self.unsaved_state or not self.disk_answers():
             return
         if self.stamp() != self.saved_stamp:
             # A calibrate's baseline taken (see _restoring); a file deleted is written again
@@ -186,29 +224,46 @@ class Context:
     def record(self, kind: str, record: TeardownReport | dict[str, Any]) -> None:
         """Append to history.jsonl; a record that cannot be written is kept and appended at
         the next pass (up to MAX_PENDING; older ones are counted as lost in the log)."""
-        self.pending.append((kind, record))
+        self.pending.append(Pending(kind, record))
         self.flush()
 
     def flush(self) -> None:
         """Write what could not be written: the state, then pending history records in order."""
+        if not self.disk_answers():
+            self._bound_pending()
+            return
         if self.unsaved_state:
             saved = self.saved
             self.persist(lambda _on_disk: saved)
+        st = self.config.state
         while self.pending:
-            kind, record = self.pending[0]
-            try:
-                st = self.config.state
+            p = self.pending[0]
+            if p.written:  # by a call given up on, which returned since
+                self.pending.popleft()
+                continue
+
+            def append(p: Pending = p) -> None:
                 history.append(
-                    st.dir, kind, record, int(st.history_max_mb * 2**20), st.history_keep
+                    st.dir, p.kind, p.record, int(st.history_max_mb * 2**20), st.history_keep
                 )
+                p.written = True
+
+            try:
+                self.disk.call(append, f"appending to {history.history_path(st.dir)}")
             except (StateError, OSError) as e:
-                if len(self.pending) > MAX_PENDING:
-                    dropped = self.pending.popleft()
-                    self.log("history_record_lost", level="error", kind=dropped[0])
+                if isinstance(e, TimeoutError):
+                    self._disk_stuck()
+                self._bound_pending()
                 self._unsaved("history.jsonl", f"cannot append to the history, kept: {e}")
                 return
             self.pending.popleft()
             self.unwarn("cannot append to the history")
+
+    def _bound_pending(self) -> None:
+        while len(self.pending) > MAX_PENDING:
+            dropped = self.pending.popleft()
+            if not dropped.written:
+                self.log("history_record_lost", level="error", kind=dropped.kind)
 
     def persist_transition(self) -> None:
         tr = self.s.transition
@@ -238,6 +293,12 @@ class Context:
         for msg in out:
             self.bus.publish(msg)
 
+    def read_history(self, last: int) -> list[dict[str, Any]]:
+        """The last `last` history records, read on the state folder's thread (OSError,
+        TimeoutError included, when it cannot be read in time)."""
+        d = self.config.state.dir
+        return self.disk.call(lambda: history.read(d, last), "reading the history")
+
     def incident(self, record: dict[str, Any]) -> None:
         self.record("incident", record)
 
@@ -259,7 +320,7 @@ class Context:
         median of each part of the past switches' unavailable windows (decide/downtime.py)."""
         key = argv_key(argv)
         try:
-            records = history.read(self.config.state.dir, 1000)
+            records = self.read_history(1000)
         except OSError:
             return None, key, {}
         return estimate(records, mode.value, key), key, expected_parts(records, mode.value, key)

@@ -41,9 +41,9 @@ from kimi_supervisor.loop.window import Window
 from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, Outcome, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, pagecache, processes
+from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
-from kimi_supervisor.store import history
 from kimi_supervisor.store.state import TransitionRecord
 from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepStarted
 
@@ -388,9 +388,9 @@ class Lifecycle:
         given: those the history records (a daemon restarted between two counts both), those
         not written yet (a full disk), and this daemon's own (a history it cannot read)."""
         since = utcnow() - timedelta(seconds=window_s)
-        records: list[Any] = [r for kind, r in self.ctx.pending if kind == "incident"]
+        records: list[Any] = [p.record for p in self.ctx.pending if p.kind == "incident"]
         with contextlib.suppress(OSError):
-            records += history.read(self.ctx.config.state.dir, 1000)
+            records += self.ctx.read_history(1000)
         at = set(self._verdicts)
         for e in records:
             if e.get("kind", "incident") == "incident" and str(e.get("what", "")).startswith(
@@ -428,6 +428,15 @@ class Lifecycle:
         self.set_state(State.TEARING_DOWN, what)
         limit = {"hang_limit": seen["hang_limit"]} if "hang_limit" in seen else {}
         self._teardown(Purpose.DIED, why, {**limit, "seen": seen} if seen else None, cause=cause)
+
+    def _recorded(self, tid: str) -> bool:
+        """The history holds transition `tid`'s record. One that cannot be read in time says
+        no: a record written twice is better than none."""
+        try:
+            recent = self.ctx.read_history(RECENT)
+        except OSError:
+            return False
+        return any(e.get("kind") == "transition" and e.get("id") == tid for e in recent)
 
     def intrusion(self, found: list[Intruder]) -> None:
         """While vLLM loads, a process outside its unit took a managed GPU: noticed (history,
@@ -750,8 +759,16 @@ class Lifecycle:
         if report is None:
             ctx.log("teardown_crashed", level="error", error=repr(done.error))
             report = TeardownReport(unit=ctx.unit, started_at=utcnow(), outcome=Outcome.STUCK)
-            report.diagnosis = f"the teardown failed with an internal error: {done.error!r}"
-            report.next_action = "see `journalctl -u kimi-supervisor`, then retry the switch"
+            if isinstance(done.error, GpuUnavailable):
+                # No reading, so the GPUs cannot be called free, and nothing is killed on it.
+                report.diagnosis = f"the GPUs could not be read: {done.error}"
+                report.next_action = (
+                    "check the driver (`nvidia-smi`, the kernel's Xid lines in `dmesg`); the "
+                    "teardown is retried, and goes on once NVML answers"
+                )
+            else:
+                report.diagnosis = f"the teardown failed with an internal error: {done.error!r}"
+                report.next_action = "see `journalctl -u kimi-supervisor`, then retry the switch"
         s.last_teardown = report
         tid = s.transition.id if s.transition else None
         body = report.model_dump(mode="json") | {"transition": tid, "reason": job.reason}
@@ -786,13 +803,7 @@ class Lifecycle:
         # One record per transition, whatever the moment of a kill: a daemon killed between
         # this append and clearing the persisted transition finds it here when it ends it again
         # (only a transition inherited at boot can have been recorded already).
-        if recorded and (
-            tr.id != s.inherited_id
-            or not any(
-                e.get("kind") == "transition" and e.get("id") == tr.id
-                for e in history.read(ctx.config.state.dir, RECENT)
-            )
-        ):
+        if recorded and (tr.id != s.inherited_id or not self._recorded(tr.id)):
             ctx.record("transition", record)
         if ctx.metrics:
             ctx.metrics.transitions.labels(tr.target.value, outcome).inc()

@@ -158,3 +158,59 @@ def _mib(value: int | None) -> int | None:
     if value is None or value >= 2**63:
         return None
     return int(value) // MIB
+
+
+class BoundedGpu:
+    """A GpuPort whose every call waits at most `timeout_s` (`gpus.timeout_s`): NVML's calls
+    take no timeout, and a driver that hangs in one would hold the loop or the teardown for as
+    long as it lasts. Each call runs on one thread of its own (ports/bounded.py); one that
+    passes the deadline is abandoned there, and until it returns every other call fails at
+    once. Either way the caller gets GpuUnavailable: no reading, which decides nothing by
+    itself (the teardown cannot call the GPUs clean without one; the observer says so)."""
+
+    def __init__(self, inner: GpuPort, timeout_s: float) -> None:
+        from kimi_supervisor.ports.bounded import Worker
+
+        self.inner = inner
+        self.worker = Worker("nvml", timeout_s)
+        # A GPU's device node and UUID do not change while the host runs: asked once (the
+        # daemon asks at boot), they need no answer of a driver that hangs later.
+        self._paths: dict[int, str] = {}
+        self._uuids: dict[int, str] = {}
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return self.worker.call(lambda: fn(*args), what)
+        except TimeoutError as e:
+            raise GpuUnavailable(f"NVML: {e}") from e
+
+    def device_count(self) -> int:
+        return int(self._call("the GPU count", self.inner.device_count))
+
+    def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        shown = ", ".join(map(str, indices))
+        return list(self._call(f"reading GPU(s) {shown}", self.inner.sample, list(indices)))
+
+    def device_path(self, index: int) -> str:
+        if index not in self._paths:
+            what = f"GPU {index}'s device file"
+            self._paths[index] = str(self._call(what, self.inner.device_path, index))
+        return self._paths[index]
+
+    def uuid(self, index: int) -> str:
+        if index not in self._uuids:
+            self._uuids[index] = str(self._call(f"GPU {index}'s UUID", self.inner.uuid, index))
+        return self._uuids[index]
+
+    def driver_version(self) -> str:
+        return str(self._call("the driver version", self.inner.driver_version))
+
+    def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
+        # Asked once per device node while judging a holder, on the caller's thread: NVML's
+        # answers nothing here (None); the simulated host's reads a file of its own folder.
+        return self.inner.node_key(path, st)
+
+    def close(self) -> None:
+        """Shut the library down, unless a call is stuck in it (then it is left as it is)."""
+        with contextlib.suppress(GpuUnavailable):
+            self._call("closing NVML", self.inner.close)

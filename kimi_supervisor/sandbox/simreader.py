@@ -31,6 +31,7 @@ FLOCK = "hhqqi4x"
 F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 PAGE = 4096
+HANG = "nvml_hang"  # in the sim folder: the driver answers no call while it exists
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -147,7 +148,16 @@ class SimGpu:
             return 0.0
         return self._delay
 
+    def _answer(self) -> None:
+        """A driver that does not answer: while the sim folder holds `nvml_hang`, every call
+        waits, as NVML's calls do in a hung driver (nvidia-smi in state D after an Xid 45 or 79:
+        NVIDIA/gpu-monitoring-tools#46, leptonai/gpud#117, NVIDIA/NVSentinel#1576). Not seen
+        on the H200s here; no call of NVML takes a timeout."""
+        while (self.root / HANG).exists():
+            time.sleep(0.02)
+
     def device_count(self) -> int:
+        self._answer()
         return len(self._devices)
 
     def _device(self, index: int) -> _Device:
@@ -159,6 +169,7 @@ class SimGpu:
         )
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        self._answer()
         devices = [self._device(i) for i in indices]
         used = {d.index: d.baseline_mib for d in devices}
         listed: dict[int, dict[int, int]] = {d.index: {} for d in devices}
@@ -203,14 +214,17 @@ class SimGpu:
         ]
 
     def device_path(self, index: int) -> str:
+        self._answer()
         return str(device_file(self.root, self._device(index).index))
 
     def uuid(self, index: int) -> str:
         """As NVML names one (`GPU-` and a UUID), stable per simulated device."""
+        self._answer()
         self._device(index)
         return f"GPU-5e1f0000-0000-4000-8000-{index:012d}"
 
     def driver_version(self) -> str:
+        self._answer()
         self._devices  # noqa: B018 - loads the host
         return self._driver
 

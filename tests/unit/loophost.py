@@ -37,7 +37,7 @@ from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.loop.daemon import Daemon
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports import launcher
-from kimi_supervisor.ports.gpu import DeviceSample
+from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample
 from kimi_supervisor.ports.notify import Notifier
 from kimi_supervisor.ports.output import FileOutput
 from kimi_supervisor.ports.systemd import SystemdError, UnitStatus, Who
@@ -45,6 +45,9 @@ from tests.fakes import FakeClock
 
 UNIT = "vllm-kimi-k25.service"
 STEP_S = 0.25  # the most the fake clock moves between two turns while a daemon's thread runs
+# The daemon's threads for blocking I/O (ports/bounded.py): they wait for calls, and a call on
+# them is the loop's or the teardown's own, waited for there.
+IO_THREADS = {"nvml", "state-io"}
 
 FAKE_VLLM = r"""
 import http.server, os, sys, time
@@ -297,11 +300,15 @@ class FakeGpu:
         self.baseline_mib = baseline_mib
         self.extra = dict.fromkeys(range(count), 0)
         self.fault: Exception | None = None  # raised by sample (a port's unexpected error)
+        self.answers = threading.Event()  # cleared: every call waits, as in a hung driver
+        self.answers.set()
 
     def device_count(self) -> int:
+        self.answers.wait()
         return self.count
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
+        self.answers.wait()
         if self.fault is not None:
             raise self.fault
         return [DeviceSample(i, self.baseline_mib + self.extra[i], 143_771) for i in indices]
@@ -352,6 +359,7 @@ class LoopHost:
         self.gpu = FakeGpu()
         self.lines: list[dict[str, Any]] = []
         self.threads = set(threading.enumerate())  # the others are the daemon's
+        self.longest_turn = 0.0  # the longest pass of the loop, in real seconds
         self.daemon = self.new_daemon()
 
     def new_daemon(self) -> Daemon:
@@ -363,7 +371,7 @@ class LoopHost:
         d = Daemon(
             self.config,
             self.systemd,
-            self.gpu,
+            BoundedGpu(self.gpu, self.config.gpus.timeout_s),  # as cli/compose.py composes it
             FileOutput(self.root / "vllm.log"),
             Notifier(enabled=False),
             log,
@@ -389,7 +397,10 @@ class LoopHost:
     def until(self, cond: Callable[[], bool], what: str, real_s: float = 20.0) -> None:
         d, deadline = self.daemon, time.monotonic() + real_s
         while True:
-            if not d.turn():
+            began = time.monotonic()
+            turned = d.turn()
+            self.longest_turn = max(self.longest_turn, time.monotonic() - began)
+            if not turned:
                 if cond():
                     return
                 raise AssertionError(f"the loop ended before {what}{self.tail()}")
@@ -406,7 +417,10 @@ class LoopHost:
                 # is a few real milliseconds; with neither, nothing but this thread can move
                 # until the next deadline, and the clock goes straight to it.
                 real = d.s.busy or self.systemd.starting()
-                threads = not self.threads.issuperset(threading.enumerate())
+                threads = any(
+                    t not in self.threads and t.name not in IO_THREADS
+                    for t in threading.enumerate()
+                )
                 if not real:
                     self.clock.now += min(d.timeout(), STEP_S) if threads else d.timeout()
                 d.wait(max_s=0.005 if real or threads else 0.0)

@@ -503,3 +503,79 @@ def test_a_switch_is_answered_before_a_slow_pass_and_its_status_is_already_publi
     # The desk reads systemd before it answers (a port's holder); the pass reads it after.
     assert answered_during_pass[-1], answered_during_pass
     assert host.status()["desired_mode"] == "profile"
+
+
+def test_a_driver_that_stops_answering_holds_no_pass_and_kills_nothing_until_it_answers(
+    tmp_path: Path,
+) -> None:
+    """NVML takes no timeout: a hung driver (nvidia-smi in state D after an Xid) would have held
+    the loop's pass, or the teardown, for as long as it lasts. Now a call past gpus.timeout_s is
+    no reading: said in status; a switch's teardown cannot call the GPUs free, so it ends STUCK
+    before anything is stopped, and the vLLM that serves goes on serving; once the driver
+    answers, the retry switches."""
+    host = booted(LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n", health_interval_s=1))
+    served = host.systemd.child
+    host.gpu.answers.clear()
+    host.longest_turn = 0.0
+    host.until(
+        lambda: any("cannot read the GPUs: NVML" in w for w in host.status()["warnings"]),
+        "status to say the GPUs cannot be read",
+    )
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.until(lambda: host.state is State.STUCK, "STUCK")
+    report = host.history("teardown")[-1]
+    assert report["diagnosis"].startswith("the GPUs could not be read: NVML: reading GPU(s)")
+    assert "nvidia-smi" in report["next_action"] and not report["kills"]
+    assert host.systemd.child is served and served.poll() is None, "the vLLM serving goes on"
+    assert host.longest_turn < 1.0, host.longest_turn  # the deadline, not the driver, bounds it
+    host.gpu.answers.set()
+    host.serving(Mode.PROFILE)
+    assert not any("cannot read the GPUs" in w for w in host.status()["warnings"])
+
+
+def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_record_once(
+    host: LoopHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen or hung file system under /var/lib held every pass that writes state.json or
+    the history. Now each call waits at most state.timeout_s: an operator's switch, which must
+    be on disk first, is refused with the reason; what the daemon records meanwhile is kept in
+    memory and written once, in order, when the folder answers."""
+    from kimi_supervisor.store import history
+
+    booted(host)
+    ctx = host.daemon.ctx
+    ctx.disk.timeout_s = 0.3
+    answers = threading.Event()
+    update, append = ctx.store.update, history.append
+
+    def hung(fn: Any) -> Any:
+        def call(*a: Any, **kw: Any) -> Any:
+            answers.wait()
+            return fn(*a, **kw)
+
+        return call
+
+    monkeypatch.setattr(ctx.store, "update", hung(update))
+    monkeypatch.setattr(history, "append", hung(append))
+    before = len(host.history())
+    host.longest_turn = 0.0
+    reply = host.ask(Switch(Mode.PROFILE, "op"))
+    assert not reply.ok and reply.code == "state_error", reply
+    assert "no answer in 0.3 s" in reply.message and "nothing was changed" in reply.message
+    assert host.daemon.s.desired is Mode.PRODUCTION
+    assert any("the state folder does not answer" in w for w in host.status()["warnings"])
+    # vLLM dies meanwhile: restarted all the same, its incident kept for later.
+    host.systemd.child.kill()  # the host's own child vLLM
+    host.until(lambda: host.state is not State.SERVING, "the death to be seen")
+    host.serving(Mode.PRODUCTION)
+    assert host.longest_turn < 2.0, host.longest_turn
+    answers.set()
+    host.until(lambda: not ctx.pending and not ctx.unsaved_state, "the records to be written")
+    written = host.history()[before:]
+    kinds = [e["kind"] for e in written]
+    assert kinds[0] == "incident" and "is gone" in written[0]["what"], written[0]
+    assert kinds.count("incident") == 1 and kinds.count("transition") == 1, kinds
+    shown = [json.dumps(e, sort_keys=True) for e in written]
+    assert len(set(shown)) == len(shown), "no record written twice"
+    assert not any("the state folder does not answer" in w for w in host.status()["warnings"])
+    assert json.loads(ctx.store.path.read_text())["desired_mode"] == "production"
