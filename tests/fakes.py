@@ -45,6 +45,9 @@ class NoSystemd:
     def activated_at(self, unit: str) -> float | None:
         return None
 
+    def environment(self, unit: str) -> dict[str, str]:
+        return {}
+
     def run_as(self, unit: str) -> int | None:
         return None  # no unit: only the uids of the processes the caller started count
 

@@ -6,6 +6,7 @@ in loop/lifecycle.py.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,9 @@ class Jobs:
         )
 
         url, clock = ctx.config.vllm.health_url, ctx.clock
+        # Where vLLM's unit will look for the model (its user's hub cache), read here, on the
+        # loop's thread, which owns the bus.
+        env, home = warming.vllm_env(ctx.systemd, ctx.unit) if warm_argv else ({}, None)
 
         def adopt(pid: int) -> str:
             """The warming's reader into a scope of its own, outside the daemon's unit: where
@@ -101,6 +105,8 @@ class Jobs:
                         lambda w: put(Warmed(w)),
                         adopt,
                         lambda: job.stop_warm_why,
+                        {**os.environ, **env} if home is None else env,
+                        home,
                     )
                 except Exception as e:  # a warming never stops the switch
                     end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")

@@ -16,6 +16,7 @@ refused and left is in the status, the live display, the log and the switch's hi
 from __future__ import annotations
 
 import os
+import pwd
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from kimi_supervisor.decide import warmset
 from kimi_supervisor.model import shown
 from kimi_supervisor.ports import pagecache
 from kimi_supervisor.ports.clock import Clock
+from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
 from kimi_supervisor.status import WarmStatus
 
 GB = 1e9
@@ -45,6 +47,7 @@ def warm(
     adopt: Callable[[int], str] = lambda _pid: "",
     why: Callable[[], str] = lambda: "",
     env: Mapping[str, str] | None = None,
+    home: str | None = None,
 ) -> WarmStatus:
     """Read the files vLLM started with `argv` will read; the last report is returned.
     `adopt(pid)` moves the reader into a scope of its own and says where ("" if it could not);
@@ -60,12 +63,36 @@ def warm(
             text=f"nothing warmed: the reader an earlier warming left (PID {left[0]}) is still "
             "stuck in the kernel (a hung mount?); no other reader starts until it returns",
         )
-    looks = warmset.candidates(src, os.environ if env is None else env, os.path.expanduser("~"))
+    looks = warmset.candidates(
+        src,
+        os.environ if env is None else env,
+        os.path.expanduser("~") if home is None else home,
+    )
     try:
         reader = pagecache.Reader.start()
     except OSError as e:
         return WarmStatus(under_way=False, text=f"nothing warmed: the reader did not start: {e}")
     return _Warden(config, reader, stop, clock, report, why, t0).run(looks, adopt(reader.pid))
+
+
+def vllm_env(systemd: SystemdPort, unit: str) -> tuple[dict[str, str], str | None]:
+    """The environment and home vLLM's unit gives it, where the hub's cache is looked for
+    (`HF_HUB_CACHE`, `HF_HOME`, else ~/.cache/huggingface/hub): its `Environment=`, and the
+    home of its `User=` (systemd sets HOME from it). The package's unit runs vLLM as kimi-vllm,
+    whose cache is under /var/lib/kimi-vllm, not root's. None for the home when the user cannot
+    be said (DynamicUser=, no such user, no bus): then the daemon's own is looked at, which
+    `--download-dir` in the argv avoids. On the loop's thread (a D-Bus read)."""
+    try:
+        env = systemd.environment(unit)
+        uid = systemd.run_as(unit)
+    except SystemdError:
+        return {}, None
+    if "HOME" in env:
+        return env, env["HOME"]
+    try:
+        return env, (pwd.getpwuid(uid).pw_dir if uid is not None else None)
+    except KeyError:
+        return env, None
 
 
 # The refusals said by name (status, the history, the journal); past them, a count.

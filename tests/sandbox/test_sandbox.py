@@ -193,6 +193,8 @@ def test_daemon_reload_through_the_port_picks_up_a_changed_drop_in(sandbox: Sand
         main_pid = sandbox.start_vllm()
         environ = Path(f"/proc/{main_pid}/environ").read_bytes().split(b"\0")
         assert b"KIMI_TEST_MARKER=reloaded" in environ
+        # What the warming reads as vLLM's environment (loop/warming.vllm_env) is the unit's.
+        assert sandbox.systemd.environment(UNIT)["KIMI_TEST_MARKER"] == "reloaded"
     finally:
         dropin.unlink()
         sandbox.systemd.daemon_reload()

@@ -256,6 +256,9 @@ class FakeSystemd:
     def activated_at(self, unit: str) -> float | None:
         return None
 
+    def environment(self, unit: str) -> dict[str, str]:
+        return {}
+
     def run_as(self, unit: str) -> int | None:
         return os.geteuid()  # the child runs as this process's user
 

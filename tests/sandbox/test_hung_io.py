@@ -1,0 +1,162 @@
+"""I/O that hangs in the kernel holds no command of the daemon, and kills nothing (issue 42).
+
+- The state folder on a real file system frozen by the kernel (`fsfreeze` of an ext4 on a loop
+  device): every write waits in state D until it is thawed, as on a hung disk. The daemon
+  answers status at once, refuses a switch it cannot persist with the reason, restarts a vLLM
+  that died meanwhile, and writes what it kept, once, when the folder answers.
+- A GPU driver that answers no NVML call (the simulated host's `nvml_hang`, which copies what a
+  hung driver does: no call returns): status says the GPUs cannot be read; a switch's teardown
+  ends STUCK before it stops anything, the serving vLLM serves on, and the retry switches once
+  the driver answers.
+
+Needs root, a loop device, mkfs.ext4 and fsfreeze: skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kimi_supervisor.configfile import load_config
+from kimi_supervisor.sandbox.simreader import HANG
+from kimi_supervisor.tomlwrite import to_toml
+
+from ..conftest import DaemonHelper, SandboxHelper, wait_until
+
+TIMEOUT_S = 2  # state.timeout_s and gpus.timeout_s here (10 s shipped)
+
+
+def unavailable() -> str:
+    if os.geteuid() != 0:
+        return "needs root (a loop device and fsfreeze)"
+    for tool in ("losetup", "mkfs.ext4", "fsfreeze", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed"
+    if not Path("/dev/loop-control").exists():
+        return "no /dev/loop-control: loop devices are not available here"
+    return ""
+
+
+pytestmark = [pytest.mark.systemd, pytest.mark.skipif(bool(unavailable()), reason=unavailable())]
+
+
+def run(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+@contextlib.contextmanager
+def on_a_freezable_disk(folder: Path, ns_of: int) -> Iterator[Callable[[str], None]]:
+    """`folder` on an ext4 of its own (content, owner and mode kept), mounted in the mount
+    namespace of `ns_of` (the sandbox's manager: its services see their own mounts) and moved
+    back afterwards. Yields `fsfreeze(option)`; thawed first at the end, whatever happened."""
+    work = Path(tempfile.mkdtemp(prefix="kimi-freeze-"))
+    image = work / "state.img"
+    run("truncate", "-s", "32M", str(image))
+    run("mkfs.ext4", "-q", "-F", str(image))
+    device = run("losetup", "--find", "--show", str(image)).strip()
+    ns = ["nsenter", f"--mount=/proc/{ns_of}/ns/mnt", "sh", "-euc"]
+    f, m, kept = shlex.quote(str(folder)), shlex.quote(str(work / "m")), str(work / "kept")
+    try:
+        run(*ns, f"mkdir {m}; mount {device} {m}; cp -a {f}/. {m}/; rm -rf {m}/lost+found; "
+            f"chown --reference={f} {m}; chmod --reference={f} {m}; umount {m}; "
+            f"mount {device} {f}")  # fmt: skip
+        try:
+            yield lambda option: print(run(*ns, f"fsfreeze {option} {f}"), end="")
+        finally:
+            subprocess.run([*ns, f"fsfreeze -u {f}"], capture_output=True, timeout=30)
+            run(*ns, f"mkdir {kept}; cp -a {f}/. {kept}/; umount {f}; cp -a {kept}/. {f}/")
+    finally:
+        run("losetup", "-d", device)
+        shutil.rmtree(work)
+
+
+@contextlib.contextmanager
+def bounded(sandbox: SandboxHelper) -> Iterator[None]:
+    """The sandbox's config with both deadlines at TIMEOUT_S, for the daemon started inside."""
+    path = sandbox.sb.config_path
+    original = path.read_text()
+    c = load_config(path)
+    c = c.model_copy(update={
+        "state": c.state.model_copy(update={"timeout_s": TIMEOUT_S}),
+        "gpus": c.gpus.model_copy(update={"timeout_s": TIMEOUT_S}),
+    })  # fmt: skip
+    path.write_text(to_toml(c))
+    try:
+        yield
+    finally:
+        path.write_text(original)
+
+
+def warned(daemon: DaemonHelper, prefix: str) -> bool:
+    return any(w.startswith(prefix) for w in daemon.status()["warnings"])
+
+
+def test_a_frozen_state_disk_holds_no_command_and_what_was_kept_is_written_once_after(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    folder = sandbox.config.state.dir
+    bystander = sandbox.spawn([sys.executable, "-c", "import time; time.sleep(600)"])
+    with bounded(sandbox), on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze:
+        daemon.start()
+        daemon.wait_serving("production")
+        before, first = len(daemon.history()), daemon.vllm_pid()
+        fsfreeze("-f")
+        try:
+            t0 = time.monotonic()
+            assert daemon.status()["state"] == "serving"
+            assert time.monotonic() - t0 < 1, "status is answered from memory"
+            t0 = time.monotonic()
+            r = daemon.kimi_mode("profile", timeout=60)
+            refused_s = time.monotonic() - t0
+            assert r.returncode != 0, r.stdout
+            assert "cannot be persisted" in r.stdout + r.stderr, r.stdout + r.stderr
+            assert f"no answer in {TIMEOUT_S} s" in r.stdout + r.stderr, r.stdout + r.stderr
+            assert refused_s < TIMEOUT_S + 5, refused_s
+            wait_until(lambda: warned(daemon, "the state folder does not answer"), 10, "said")
+            # vLLM dies meanwhile: the daemon restarts it all the same.
+            os.kill(first, 9)  # the sandbox's own vLLM, started for this test
+            daemon.wait_serving_anew("production", first, 60)
+            assert daemon.status()["desired_mode"] == "production"
+        finally:
+            fsfreeze("-u")
+        wait_until(lambda: not warned(daemon, "the state folder does not answer"), 30, "gone")
+        wait_until(lambda: not daemon.status()["warnings"], 30, "every warning to go")
+        written = daemon.history()[before:]
+        gone = [e for e in written if e["kind"] == "incident" and "is gone" in e["what"]]
+        assert len(gone) == 1, written
+        assert [e["kind"] for e in written].count("transition") == 1, written
+        daemon.stop()  # before its folder is moved back
+    assert bystander.pid and os.path.exists(f"/proc/{bystander.pid}")
+
+
+def test_a_driver_that_answers_nothing_stops_no_vllm_and_the_switch_waits_for_it(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    hang = sandbox.sb.gpu_dir / HANG
+    with bounded(sandbox):
+        daemon.start()
+        daemon.wait_serving("production")
+        served = daemon.vllm_pid()
+        hang.touch()
+        try:
+            r = daemon.kimi_mode("profile", "--no-wait", timeout=30)
+            assert r.returncode == 0, r.stdout + r.stderr
+            st = daemon.wait_state("stuck", 30)
+            assert st["last_teardown"]["diagnosis"].startswith("the GPUs could not be read"), st
+            assert any(w.startswith("cannot read the GPUs: NVML") for w in st["warnings"]), st
+            assert not st["last_teardown"]["kills"]
+            assert daemon.vllm_pid() == served, "the serving vLLM was not stopped on no reading"
+        finally:
+            hang.unlink(missing_ok=True)
+        st = daemon.wait_serving_anew("profile", served, 60)
+        assert not any(w.startswith("cannot read the GPUs") for w in st["warnings"])
