@@ -55,6 +55,7 @@ bench: setup
 	$(BIN)/python -m bench.scrape_bench --seconds 12 --write docs/performance.md
 	$(BIN)/python -m bench.fleet_bench --hosts 3 --runs 3 --write docs/performance.md
 	$(BIN)/python -m bench.package_bench --runs 1 --write docs/performance.md
+	$(BIN)/python -m bench.bounded_bench --runs 7 --write docs/performance.md
 
 # The main job: the sandbox demo (a real systemd user manager, 8 simulated GPUs, the daemon).
 demo: setup

@@ -72,7 +72,7 @@ def resolve_baseline(ctx: Context) -> None:
             "reading the stored baseline",
             c.state.timeout_s + c.gpus.timeout_s,
         )
-    except (baseline.BaselineError, OSError) as e:
+    except (baseline.BaselineError, GpuUnavailable, OSError) as e:
         s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
         s.baseline_provisional = True
         ctx.warn(

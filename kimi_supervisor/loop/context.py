@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,12 +103,21 @@ class Context:
         kept: list[tuple[list[str], Mode, str]] = []
         gone: list[bool] = []
         restore = self._restoring(kept, gone)
+        # A write the caller must have on disk first is refused when it times out: it must not
+        # land afterwards either (a refused switch coming back at the next start), so it is
+        # dropped before its rename if the wait ended by then. Any other keeps its course: it
+        # holds what memory holds, and the next pass writes memory over it anyway.
+        refused = threading.Event()
+        proceed = (lambda: not refused.is_set()) if must else None
         try:
             new, warning = self.disk.call(
-                lambda: self.store.update(lambda found: change(restore(found)), self.saved),
+                lambda: self.store.update(
+                    lambda found: change(restore(found)), self.saved, proceed
+                ),
                 f"writing {self.store.path}",
             )
         except (StateError, OSError) as e:
+            refused.set()
             if isinstance(e, TimeoutError):
                 # It may still land when the folder answers: written over from memory then.
                 self.unsaved_state = True
@@ -115,7 +125,8 @@ class Context:
             if must:
                 raise StateError(str(e)) from e
             self.saved = change(self.saved)
-            self._unsaved("state.json", f"cannot persist the state, kept in memory: {e}")
+            key = "cannot persist the state"
+            self._unsaved("state.json", f"{key}, kept in memory: {e}", key)
             return
         self.saved = new
         self.saved_stamp = self.stamp()
@@ -213,11 +224,11 @@ class Context:
             self.log("state_file_changed", level="error", message=what, fields=fields)
             self.incident({"at": utcnow().isoformat(), "what": what})
 
-    def _unsaved(self, file: str, message: str) -> None:
+    def _unsaved(self, file: str, message: str, key: str) -> None:
         self.log("persist_failed", level="error", file=file, message=message)
         if self.metrics:
             self.metrics.persist_failures.labels(file).inc()
-        self.warn(message)
+        self.warn(message, key=key)
         if file == "state.json":
             self.unsaved_state = True
 
@@ -254,7 +265,8 @@ class Context:
                 if isinstance(e, TimeoutError):
                     self._disk_stuck()
                 self._bound_pending()
-                self._unsaved("history.jsonl", f"cannot append to the history, kept: {e}")
+                key = "cannot append to the history"
+                self._unsaved("history.jsonl", f"{key}, kept: {e}", key)
                 return
             self.pending.popleft()
             self.unwarn("cannot append to the history")
@@ -302,9 +314,16 @@ class Context:
     def incident(self, record: dict[str, Any]) -> None:
         self.record("incident", record)
 
-    def warn(self, message: str) -> None:
-        """Logged once while it lasts (a failing read repeats every tick); shown in status."""
+    def warn(self, message: str, key: str | None = None) -> None:
+        """Logged once while it lasts (a failing read repeats every tick); shown in status.
+        With `key`, the warning that starts with it is replaced, not logged again: one line
+        for one cause, whatever its text says from pass to pass (an elapsed time)."""
         w = self.s.warnings
+        if key is not None:
+            for i, old in enumerate(w):
+                if old.startswith(key):
+                    w[i] = message
+                    return
         if message not in w:
             self.log("warning", level="warning", message=message)
             w.append(message)

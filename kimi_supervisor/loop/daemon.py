@@ -82,6 +82,10 @@ STEP_FAILED = "the loop's pass failed"
 MAX_API_READINGS = 64
 
 
+# What status says while a re-exec waits for a call stuck in the kernel.
+REEXEC_WAITS = "the re-exec waits"
+
+
 class Daemon:
     def __init__(
         self,
@@ -101,7 +105,7 @@ class Daemon:
         clock = clock or SystemClock()
         # The observer's warnings are the context's (they show in status while they last).
         observer = Observer(
-            config, systemd, gpu, clock, lambda m: self.ctx.warn(m), lambda p: self.ctx.unwarn(p)
+            config, systemd, gpu, clock, lambda *a: self.ctx.warn(*a), lambda p: self.ctx.unwarn(p)
         )
         self.ctx = ctx = Context(
             config,
@@ -226,8 +230,11 @@ class Daemon:
                 msg.answer(reply)
         go_on = s.stopped_clean is None
         if go_on and s.reexec_requested and not s.stop_requested and not s.busy:
-            self.ctx.verify_state()  # the new image must read what this one knows
-            go_on = False
+            if self._stuck_in_kernel():
+                pass  # said in status; the re-exec waits for the call to return
+            else:
+                self.ctx.verify_state()  # the new image must read what this one knows
+                go_on = False
         if go_on and not s.busy:
             if s.stop_requested and s.state is not State.STOPPING:
                 self.life.begin_shutdown()
@@ -341,6 +348,21 @@ class Daemon:
             case LivenessSeen(reading=reading):
                 self.life.liveness_seen(reading)
         return ok
+
+    def _stuck_in_kernel(self) -> bool:
+        """A call to NVML or the state folder has had no answer past its deadline. execve waits
+        until every other thread of the process has left the kernel, so a re-exec now would
+        leave the host unsupervised, its control socket gone, until that call returns (seen by
+        an outside review with a frozen file system): the re-exec waits, and status says so."""
+        workers = [self.ctx.disk, getattr(self.ctx.gpu, "worker", None)]
+        stuck = [w.stuck() for w in workers if w is not None and w.stuck() is not None]
+        if stuck:
+            what = stuck[0][0] if stuck[0] else ""
+            self.ctx.warn(f"{REEXEC_WAITS}: {what} is stuck in the kernel, and a re-exec would "
+                          "wait for it unsupervised", key=REEXEC_WAITS)  # fmt: skip
+            return True
+        self.ctx.unwarn(REEXEC_WAITS)
+        return False
 
     def _stop_without_teardown(self) -> str:
         """Why this SIGTERM must not tear vLLM down ("" if it must): the stop half of a restart

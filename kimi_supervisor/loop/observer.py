@@ -86,7 +86,7 @@ class Observer:
     systemd: SystemdPort
     gpu: GpuPort
     clock: Clock
-    warn: Callable[[str], None]
+    warn: Callable[..., None]  # (message, key=None): see Context.warn
     unwarn: Callable[[str], None]
     gpus: list[GpuStatus] = field(default_factory=list)
     gpus_at: float | None = None  # when the GPUs were last sampled (monotonic)
@@ -208,7 +208,7 @@ class Observer:
         try:
             samples = self.gpu.sample(indices)
         except GpuUnavailable as e:
-            self.warn(f"cannot read the GPUs: {e}")
+            self.warn(f"cannot read the GPUs: {e}", "cannot read the GPUs")
             return False
         self.unwarn("cannot read the GPUs")
         self.gpus_at = self.clock.monotonic()

@@ -4,9 +4,15 @@ A call stuck in the kernel (a driver that does not answer, a frozen or hung file
 be interrupted from Python, and joining it would hold the daemon's loop, a stop or a switch for
 as long as it lasts. So each kind of such I/O gets one thread of its own (`Worker`): the caller
 hands the call over and waits at most the deadline. A call that passes it is abandoned: left on
-its thread (a daemon thread, which the daemon's exit does not wait for), never joined. Until it
-returns, every other call fails at once, so that no threads pile up behind it and no caller
-waits twice; once it returns, the next call runs as usual.
+its thread (a daemon thread), never joined. Until it returns, every other call fails at once,
+so that no threads pile up behind it and no caller waits twice; once it returns, the next call
+runs as usual.
+
+What a thread cannot do: the kernel ends a process (exit, execve) only once each of its threads
+has left the kernel, so a call stuck in state D (a frozen file system, a hung driver) still
+holds the process's own exit and re-exec, not its loop. The daemon defers a re-exec while a
+call is stuck (loop/daemon.py); its exit waits for the call (systemd's TimeoutStopSec). Only a
+process of its own, in a scope of its own, would free it: as the warming's reader does.
 
 The failure is `TimeoutError`, an `OSError`: callers that treat a failing disk as data (kept in
 memory, written again later) treat a stuck one the same way. A call whose caller gave up before

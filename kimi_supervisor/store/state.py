@@ -293,7 +293,10 @@ class StateStore:
             "starting from defaults (desired mode: production)"
         )
 
-    def write(self, state: PersistedState) -> None:
+    def write(self, state: PersistedState, proceed: Callable[[], bool] | None = None) -> None:
+        """The new state.json, whole or not at all. `proceed`, asked just before the rename
+        (the moment the write takes effect): False drops it (StateError), for a writer that
+        stopped waiting for it."""
         self._ensure_dir()
         data = state.model_dump_json(indent=2).encode() + b"\n"
         tmp = self.dir / f".state.json.{os.getpid()}.tmp"
@@ -308,6 +311,8 @@ class StateStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if proceed is not None and not proceed():
+                raise OSError(errno.ECANCELED, "given up by its writer before it took effect")
             os.replace(tmp, self.path)
             dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
@@ -323,6 +328,7 @@ class StateStore:
         self,
         change: Callable[[PersistedState], PersistedState],
         fallback: PersistedState | None = None,
+        proceed: Callable[[], bool] | None = None,
     ) -> tuple[PersistedState, str | None]:
         """Read, change and write under the lock; returns the new state and any read warning.
         A file found unusable (moved aside) is replaced by `fallback` changed, when given: the
@@ -333,7 +339,7 @@ class StateStore:
                 current = fallback
                 warning += "; rewritten from the daemon's state in memory"
             new = change(current)
-            self.write(new)
+            self.write(new, proceed)
             return new, warning
 
 

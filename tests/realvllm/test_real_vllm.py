@@ -466,9 +466,10 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     load = Load(real)
     try:
         wait_until(lambda: load.answered > 8, 120, "the load to be answered")
-        # One second under load: a flush grows with the trace (3 s took a 33.6 s flush here
-        # and made a 380 s test in CI); it must still outlast the stall (asserted below).
-        r = real.kimi_mode("capture", "--seconds", "1", "--then", "stay", timeout=READY_S)
+        # Two seconds under load: the flush grows faster than the trace (here 1 s took a 4.5 s
+        # flush, under the 5 s stall; 3 s took 33.6 s, and a 380 s test in CI). It must
+        # outlast the stall (asserted below), or this tests nothing.
+        r = real.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=READY_S)
         assert r.returncode == 0, r.stdout + r.stderr
         m = re.search(r"flush took ([\d.]+) s", r.stdout)
         assert m, r.stdout

@@ -323,6 +323,7 @@ class FakeGpu:
         return f"GPU-fake-{index}"
 
     def driver_version(self) -> str:
+        self.answers.wait()
         return "580.0"
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:

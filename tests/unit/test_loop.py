@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -521,6 +522,12 @@ def test_a_driver_that_stops_answering_holds_no_pass_and_kills_nothing_until_it_
         lambda: any("cannot read the GPUs: NVML" in w for w in host.status()["warnings"]),
         "status to say the GPUs cannot be read",
     )
+    # A re-exec now would wait in execve for the stuck call, unsupervised: it waits instead.
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert host.daemon.turn(), "the loop goes on"
+    assert any(w.startswith("the re-exec waits") for w in host.status()["warnings"])
+    host.daemon.s.reexec_requested = False  # asked again below, once the driver answers
     host.ask(Switch(Mode.PROFILE, "op"))
     host.until(lambda: host.state is State.STUCK, "STUCK")
     report = host.history("teardown")[-1]
@@ -528,9 +535,31 @@ def test_a_driver_that_stops_answering_holds_no_pass_and_kills_nothing_until_it_
     assert "nvidia-smi" in report["next_action"] and not report["kills"]
     assert host.systemd.child is served and served.poll() is None, "the vLLM serving goes on"
     assert host.longest_turn < 1.0, host.longest_turn  # the deadline, not the driver, bounds it
+    said = [w for w in host.status()["warnings"] if w.startswith("cannot read the GPUs")]
+    assert len(said) == 1, said  # one line for one cause, whatever its elapsed time says
     host.gpu.answers.set()
     host.serving(Mode.PROFILE)
     assert not any("cannot read the GPUs" in w for w in host.status()["warnings"])
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn(), "the re-exec goes on once nothing is stuck"
+
+
+def test_a_driver_that_hangs_while_the_baseline_is_resolved_leaves_a_provisional_one(
+    tmp_path: Path,
+) -> None:
+    """An outside review: NVML hanging as a CLEAN teardown re-resolved a provisional baseline
+    escaped as GpuUnavailable, and the operator's transition was never ended."""
+    from kimi_supervisor.loop import boot
+
+    host = booted(LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n"))
+    host.gpu.answers.clear()
+    try:
+        boot.resolve_baseline(host.daemon.ctx)
+        assert host.daemon.s.baseline_provisional
+        assert any(w.startswith("no baseline") for w in host.daemon.s.warnings)
+    finally:
+        host.gpu.answers.set()
 
 
 def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_record_once(
@@ -570,6 +599,11 @@ def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_re
     host.serving(Mode.PRODUCTION)
     assert host.longest_turn < 2.0, host.longest_turn
     answers.set()
+    deadline = time.monotonic() + 5
+    while ctx.disk.stuck() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the stuck write returns; the loop has not turned since
+    on_disk = json.loads(ctx.store.path.read_text())
+    assert on_disk["desired_mode"] == "production", "the refused switch never lands"
     host.until(lambda: not ctx.pending and not ctx.unsaved_state, "the records to be written")
     written = host.history()[before:]
     kinds = [e["kind"] for e in written]
