@@ -55,6 +55,13 @@ TABLE: list[tuple[re.Pattern[str], str, str]] = [
     (re.compile(r"shm_allreduce"), ALL_REDUCE, "vLLM CPU shared memory"),
     (re.compile(r"shm_all_gather|shm_gather"), ALL_GATHER, "vLLM CPU shared memory"),
     (re.compile(r"shm_send|shm_recv"), OTHER_COMM, "vLLM CPU shared memory"),
+    # gloo's worker threads' ranges, where a gloo collective runs (the c10d operator only hands
+    # it over; analysis/timeline.py takes the kind from that operator: gloo runs a
+    # reduce-scatter as `gloo:all_reduce`).
+    (re.compile(r"^gloo:all_?reduce"), ALL_REDUCE, "gloo"),
+    (re.compile(r"^gloo:_?all_?gather"), ALL_GATHER, "gloo"),
+    (re.compile(r"^gloo:_?reduce_?scatter"), REDUCE_SCATTER, "gloo"),
+    (re.compile(r"^gloo:"), OTHER_COMM, "gloo"),
     # torch.distributed's operators (gloo on a CPU, or any backend's CPU-side call).
     (re.compile(r"c10d::allreduce|gloo:all_?reduce|^all_reduce$", re.I), ALL_REDUCE, "c10d"),
     (re.compile(r"c10d::_?allgather|gloo:all_?gather|^all_gather", re.I), ALL_GATHER, "c10d"),

@@ -141,6 +141,13 @@ def verdict(fa: dict[str, float], fb: dict[str, float], kind: str) -> str:
     if abs(delta) < noise:
         return f"{head}; nothing moved by more than the noise floor ({noise:.2f} ms per step)"
     meaning = MEANING[part][delta > 0]
+    if part == "wait":  # the skew itself: how much later the last rank arrives, per call
+        spread = f"{said.split()[0]} arrival spread p50"
+        grew = fb.get(spread, 0.0) - fa.get(spread, 0.0)
+        return (
+            f"{head}; {meaning} by {grew:+.3f} ms per call ({spread}), {said} "
+            f"{delta:+.2f} ms per step"
+        )
     return f"{head}; {said} {delta:+.2f} ms per step: {meaning}"
 
 

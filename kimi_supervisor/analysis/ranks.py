@@ -42,6 +42,17 @@ def rank_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+HOST = re.compile(r"^(.+?)[-_.]rank[_-]?\d+", re.IGNORECASE)
+
+
+def host_of(name: str) -> str:
+    """The host a trace's name gives, "" for none: an operator who gathers several hosts'
+    traces into one folder names each `HOST-rank-N...`; vLLM's own names (`<instance id, a
+    number>-rank-N`, `rankN`) give none: the ranks of one capture, on the daemon's host."""
+    m = HOST.match(name)
+    return "" if m is None or m.group(1).isdigit() else m.group(1)
+
+
 @dataclass(frozen=True, order=True)
 class RankTrace:
     """A rank's trace file in a capture's folder, and the rank its name gives."""
@@ -143,7 +154,7 @@ def summarize(
             errors.append({"rank": rank, "file": name, "error": result["error"]})
         else:
             if (tl := result.pop("timeline", None)) is not None:
-                timelines.append(skew.RankTimeline(rank, Timeline.from_json(tl)))
+                timelines.append(skew.RankTimeline(rank, Timeline.from_json(tl), host_of(name)))
             ranks.append({**result, "rank": rank, "file": name})
     return {
         "version": SUMMARY_VERSION,

@@ -21,6 +21,7 @@ STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$|^
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
 CPU_STEP_CATS = {"user_annotation", "cpu_op"}
+GLOO = "gloo:"  # the ranges gloo's worker threads record (ProcessGroupGloo's RECORD_FUNCTION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,10 @@ class Reader:
     launch_ts: array[float] = field(default_factory=lambda: array("d"))
     # NCCL kernels, by index: the collective and the process group their arguments name.
     nccl_args: dict[int, NcclArgs] = field(default_factory=dict)
+    # gloo's worker threads' ranges (`gloo:all_reduce`, a `user_annotation`): where a gloo
+    # collective runs, waits included; the c10d operator on the calling thread only hands it
+    # over (its wait is in `work.wait()`, which the profiler does not record).
+    gloo: Ops = field(default_factory=Ops)
     process_name: str = ""
     count: int = 0
 
@@ -134,6 +139,11 @@ class Reader:
             tid = tid if isinstance(tid, int) else hash(tid)
             if STEP.match(name):
                 self.cpu_steps.append(Step(ts, ts + dur, name, tid))
+            elif name.startswith(GLOO):
+                g = self.gloo
+                g.ts.append(ts)
+                g.dur.append(dur)
+                g.name.append(self.index(name))
             elif cat == "cpu_op":
                 ops = self.cpu_ops.get(tid)
                 if ops is None:

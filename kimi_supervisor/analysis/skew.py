@@ -41,6 +41,9 @@ from kimi_supervisor.analysis.reader import Step
 from kimi_supervisor.analysis.timeline import Timeline, kind_of, leading, percentile
 
 CLOCK_TOLERANCE_US = 20.0
+# The profiler-start transient: leading calls whose arrival spread is over this many times the
+# capture's median and this floor, while their ends agree within 1/TRANSIENT_FACTOR of it.
+TRANSIENT_FACTOR, TRANSIENT_MIN_US = 10.0, 1000.0
 MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's
 # A per-step row: the step's index in the lowest rank's trace, its kind, its time there, and the
 # mean over ranks of its split collectives' time and wait; the rank last most often; whether the
@@ -55,6 +58,7 @@ class RankTimeline:
 
     rank: int
     timeline: Timeline
+    host: str = ""  # the host its trace's name gives; "" the capture's own (ranks.host_of)
 
 
 # The calls of one key in a step: per call, its (start, duration) on each rank in the ranks'
@@ -144,24 +148,78 @@ def match(ranks: list[RankTimeline]) -> Matching:
     return Matching(steps, shifts, unmatched)
 
 
-def _clock(steps: list[MatchedStep], names: list[int]) -> tuple[list[float], str]:
-    """Each rank's clock offset to add (µs) and how it was found (see the module)."""
+def _clock(steps: list[MatchedStep], names: list[int], hosts: list[str]) -> tuple[list[float], str]:
+    """Each rank's clock offset to add (µs) and how it was found (see the module): none on one
+    host; across hosts, per host, the median of its ranks' ends less the lowest rank's, stated
+    with its bound and never larger than the arrival spread it would explain away."""
     n = len(names)
+    if len(set(hosts)) <= 1:
+        return [0.0] * n, "one host: the ranks share its clock, no correction"
     late: list[float] = []
+    spread: list[float] = []
     diffs: list[list[float]] = [[] for _ in range(n)]
     for step in steps:
         for per_call in step.calls.values():
             for call in per_call:
                 last = max(t for t, _d in call)
                 late.append(last - min(t + d for t, d in call))
+                spread.append(last - min(t for t, _d in call))
                 end0 = call[0][0] + call[0][1]
                 for k, (t, d) in enumerate(call):
                     diffs[k].append(end0 - (t + d))
     if not late or statistics.median(late) <= CLOCK_TOLERANCE_US:
-        return [0.0] * n, "the host's clock (the collectives' ends agree)"
-    offsets = [statistics.median(d) if d else 0.0 for d in diffs]
-    said = ", ".join(f"rank {r} {o / 1000:+.3f} ms" for r, o in zip(names, offsets, strict=True))
-    return offsets, f"not one: aligned by the collectives' ends ({said})"
+        return [0.0] * n, "hosts' clocks agree (the collectives' ends agree), no correction"
+    cap = statistics.median(spread)
+    offsets = [0.0] * n
+    said: list[str] = []
+    for host in dict.fromkeys(hosts):
+        ks = [k for k in range(n) if hosts[k] == host]
+        if host == hosts[0]:
+            continue
+        ends = sorted(x for k in ks for x in diffs[k])
+        mid = statistics.median(ends)
+        bound = (percentile(ends, 75) - percentile(ends, 25)) / 2
+        capped = max(-cap, min(cap, mid))
+        for k in ks:
+            offsets[k] = capped
+        note = " (capped at the arrival spread)" if capped != mid else ""
+        said.append(f"{host} {capped / 1000:+.3f} ms ± {bound / 1000:.3f}{note}")
+    return offsets, (
+        f"{len(set(hosts))} hosts, aligned by the collectives' ends to {hosts[0] or 'this host'}: "
+        + ", ".join(said)
+    )
+
+
+def _transient(
+    steps: list[MatchedStep], offsets: list[float]
+) -> tuple[set[int], dict[str, Any] | None]:
+    """The matched steps (positions) of the profiler-start transient: the leading calls whose
+    arrival spread is over TRANSIENT_FACTOR x the capture's median and TRANSIENT_MIN_US, while
+    their ends agree within 1/TRANSIENT_FACTOR of that spread (the ranks that started their
+    profiler first waited for the others' to start); and what was trimmed."""
+    calls: list[tuple[int, float, float]] = []  # (position, entry spread, exit spread)
+    for pos, step in enumerate(steps):
+        for per_call in sorted(step.calls.values(), key=lambda pc: min(t for t, _ in pc[0])):
+            for call in per_call:
+                starts = [t + offsets[k] for k, (t, _d) in enumerate(call)]
+                ends = [t + d + offsets[k] for k, (t, d) in enumerate(call)]
+                calls.append((pos, max(starts) - min(starts), max(ends) - min(ends)))
+    if not calls:
+        return set(), None
+    floor = max(TRANSIENT_MIN_US, TRANSIENT_FACTOR * statistics.median(c[1] for c in calls))
+    n = 0
+    while (
+        n < len(calls) - 1 and calls[n][1] > floor and calls[n][2] * TRANSIENT_FACTOR < calls[n][1]
+    ):
+        n += 1
+    if not n:
+        return set(), None
+    return {c[0] for c in calls[:n]}, {
+        "calls": n,
+        "entry_spread_ms": round(max(c[1] for c in calls[:n]) / 1000, 3),
+        "exit_spread_ms": round(max(c[2] for c in calls[:n]) / 1000, 4),
+        "threshold_ms": round(floor / 1000, 3),
+    }
 
 
 def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
@@ -174,12 +232,13 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
     m = match(ranks)
     n = len(ranks)
     names = [r.rank for r in ranks]
-    offsets, clock = _clock(m.steps, names)
+    offsets, clock = _clock(m.steps, names, [r.host for r in ranks])
+    trimmed, transient = _transient(m.steps, offsets)
     acc: dict[tuple[str, str], dict[str, Any]] = {}
     step_ms: dict[str, list[float]] = {}
     rows: list[list[Any]] = []
     ref_steps = ranks[0].timeline.steps
-    startup = _startup(m.steps, ref_steps)
+    startup = _startup(m.steps, ref_steps) | trimmed
     for pos, matched in enumerate(m.steps):
         i, calls = matched.index, matched.calls
         kind = kind_of(matched.name)
@@ -199,7 +258,9 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
                 a["spread"].append(last - min(starts))
                 a["last"][starts.index(last)] += 1
                 row_last[starts.index(last)] += 1
+                shortest = min(d for _t, d in call)
                 for k, (_t, d) in enumerate(call):
+                    a["short_wait"][k] += d - shortest
                     wait = min(max(last - starts[k], 0.0), d)
                     a["total"][k] += d
                     a["wait"][k] += wait
@@ -236,6 +297,7 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
         "clock": clock,
         "matched_steps": len(m.steps),
         "startup_steps": len(startup),
+        "transient": transient,
         "unmatched_steps": m.unmatched,
         "shifts": dict(zip(map(str, names), m.shifts, strict=True)),
         "kinds": kinds,
@@ -262,7 +324,14 @@ def _startup(steps: list[MatchedStep], ref_steps: list[Step]) -> set[int]:
 
 
 def _new(n: int) -> dict[str, Any]:
-    return {"steps": 0, "total": [0.0] * n, "wait": [0.0] * n, "last": Counter(), "spread": []}
+    return {
+        "steps": 0,
+        "total": [0.0] * n,
+        "wait": [0.0] * n,
+        "short_wait": [0.0] * n,
+        "last": Counter(),
+        "spread": [],
+    }
 
 
 def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[str, Any]:
@@ -285,22 +354,58 @@ def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[s
     calls = sum(a["last"].values())
     slowest = a["last"].most_common(1)
     spread = sorted(a["spread"])
+    last = (
+        {"rank": names[slowest[0][0]], "share": round(slowest[0][1] / calls, 4)}
+        if slowest and calls
+        else None
+    )
+    short = statistics.mean(a["short_wait"]) / steps / 1000
+    agrees = abs(short - wait) <= max(AGREE_SHARE * max(wait, short), AGREE_MS)
     return {
+        "verdict": verdict(wait / total if total else 0.0, last, percentile(spread, 50) / 1000),
+        "cross_check": {
+            "rule": "shortest duration across the ranks is the transfer (TraceLens)",
+            "wait_ms": round(short, 3),
+            "transfer_ms": round(total - short, 3),
+            "agrees": agrees,
+        },
         "calls_per_step": round(len(spread) / steps, 2),
         "ms_per_step": round(total, 3),
         "wait_ms": round(wait, 3),
         "transfer_ms": round(total - wait, 3),
         "share_of_step": round(total / mean, 4) if mean else 0.0,
         "wait_share": round(wait / total, 4) if total else 0.0,
-        "last_to_arrive": (
-            {"rank": names[slowest[0][0]], "share": round(slowest[0][1] / calls, 4)}
-            if slowest and calls
-            else None
-        ),
+        "last_to_arrive": last,
         "arrival_spread_ms": {
             "p50": round(percentile(spread, 50) / 1000, 4),
             "p90": round(percentile(spread, 90) / 1000, 4),
             "max": round(spread[-1] / 1000, 4) if spread else 0.0,
         },
         "per_rank": per_rank,
+    }
+
+
+# The verdicts' thresholds (docs/operations.md, "Reading the split"): one rank last in at least
+# SLOW_SHARE of the calls, arriving SLOW_SPREAD_MS or more after the first at the median call, is
+# one slow rank; else a wait of WAITING of the time or more is jitter; else moving data. The
+# split and the shortest-duration rule agree when their waits are within AGREE_SHARE or AGREE_MS.
+SLOW_SHARE, SLOW_SPREAD_MS, WAITING = 0.8, 0.05, 0.5
+AGREE_SHARE, AGREE_MS = 0.1, 0.05
+
+
+def verdict(wait_share: float, last: dict[str, Any] | None, spread_p50_ms: float) -> dict[str, Any]:
+    """One collective's reading: "one slow rank" (with the rank), "jitter" or "moving data",
+    and the thresholds it was read by."""
+    if last and last["share"] >= SLOW_SHARE and spread_p50_ms >= SLOW_SPREAD_MS:
+        reading, rank = "one slow rank", last["rank"]
+    else:
+        reading, rank = ("jitter" if wait_share >= WAITING else "moving data"), None
+    return {
+        "reading": reading,
+        "rank": rank,
+        "thresholds": {
+            "slow_rank_last_share": SLOW_SHARE,
+            "slow_rank_spread_p50_ms": SLOW_SPREAD_MS,
+            "waiting_share": WAITING,
+        },
     }

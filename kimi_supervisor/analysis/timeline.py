@@ -2,9 +2,12 @@
 the collective calls of each step (what analysis/skew.py matches across the ranks), the steps'
 time distribution, and how much of the communication overlaps compute.
 
-A collective's time on a rank is the kernel's on a GPU (its start is when the rank arrived:
-NCCL's and vLLM's custom all-reduce's kernels spin until every rank's data is there), the
-operator's on a CPU (vLLM's `_C::shm_allreduce` waits in a loop for the other ranks' flags).
+A collective's time on a rank is where it runs, per backend (docs/architecture.md has the table):
+the kernel's on a GPU (its start is when the rank arrived: NCCL's and vLLM's custom all-reduce's
+kernels spin until every rank's data is there); gloo's worker thread's range (`gloo:all_reduce`)
+on a CPU, with the kind of the c10d operator that handed it over (that operator returns at once;
+the caller's wait is in `work.wait()`, which the profiler does not record); the operator's for
+vLLM's CPU shared memory (`_C::shm_allreduce` waits in a loop for the other ranks' flags).
 A call belongs to the step whose CPU range launched it, else to the step whose range holds it.
 """
 
@@ -131,12 +134,19 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
                 key = f"{c}@{what.group}" if what and what.group else c
                 out.append((step, key, k.ts[j], k.dur[j]))
     else:
+        handed = bool(len(r.gloo.ts))
+        for handover, start, dur, c in gloo_calls(r, names):
+            # The rank arrived when it handed the work over; the call ends with the worker's.
+            if (step := index.at(handover)) >= 0:
+                out.append((step, c, handover, start + dur - handover))
         for ops in r.cpu_ops.values():
             ends: dict[str, float] = {}  # an operator inside one of its own kind is not a call
             for j in sorted(range(len(ops.ts)), key=ops.ts.__getitem__):
                 c = kind(ops.name[j])
                 if c is None or ops.ts[j] < ends.get(c, -1.0):
                     continue
+                if handed and names[ops.name[j]].startswith("c10d::"):
+                    continue  # a hand-over to gloo: the call is its worker's range
                 ends[c] = ops.ts[j] + ops.dur[j]
                 if (step := index.at(ops.ts[j])) >= 0:
                     out.append((step, c, ops.ts[j], ops.dur[j]))
@@ -147,6 +157,36 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
         start=[c[2] for c in out],
         dur=[c[3] for c in out],
     )
+
+
+def gloo_calls(r: Reader, names: dict[int, str]) -> list[tuple[float, float, float, str]]:
+    """gloo's collectives as (hand-over start, start, duration, kind): each worker range paired,
+    in start order, with the c10d operator that handed it over, the first range to start at or
+    after the operator's start (gloo's queue is first in, first out). The kind is the
+    operator's (gloo runs a reduce-scatter as `gloo:all_reduce`); a range with no operator
+    before it is a call handed over before the trace began, and is dropped."""
+    g = r.gloo
+    if not len(g.ts):
+        return []
+    handovers: list[tuple[float, str]] = []
+    for ops in r.cpu_ops.values():
+        for ts, n in zip(ops.ts, ops.name, strict=True):
+            name = names[n]
+            if name.startswith("c10d::") and (c := collective(name)) is not None:
+                handovers.append((ts, c.kind))
+    handovers.sort()
+    ranges = sorted(range(len(g.ts)), key=g.ts.__getitem__)
+    out: list[tuple[float, float, float, str]] = []
+    j = 0
+    for ts, kind in handovers:
+        while j < len(ranges) and g.ts[ranges[j]] < ts:
+            j += 1
+        if j == len(ranges):
+            break
+        k = ranges[j]
+        out.append((ts, g.ts[k], g.dur[k], kind))
+        j += 1
+    return out
 
 
 def percentile(sorted_values: list[float], p: float) -> float:

@@ -79,6 +79,13 @@ def format_split(split: dict[str, Any]) -> list[str]:
         f"matched ({split['unmatched_steps']} not; {split.get('startup_steps', 0)} start-up "
         f"left out of the totals); clock: {split['clock']}"
     ]
+    if t := split.get("transient"):
+        lines.append(
+            f"  profiler-start transient trimmed: the first {t['calls']} call(s), arrivals up to "
+            f"{t['entry_spread_ms']:.3f} ms apart while their ends agree within "
+            f"{t['exit_spread_ms']:.4f} ms (over {t['threshold_ms']:.3f} ms, 10x the median "
+            "spread, is the profilers starting, not the host's skew)"
+        )
     for kind, k in sorted(split["kinds"].items(), key=lambda kv: kv[0] != "decode"):
         lines.append(f"  {kind} ({k['steps']} steps, {k['step_ms']:.2f} ms per step):")
         for coll, c in k["collectives"].items():
@@ -103,30 +110,38 @@ def format_split(split: dict[str, Any]) -> list[str]:
     return lines
 
 
-# A collective whose wait is at least this share of its time is mostly waiting; a rank last in at
-# least LAST_SHARE of the calls (with more than two ranks) is one slow rank, not jitter.
-WAITING, LAST_SHARE = 0.5, 0.6
-
-
 def reading(c: dict[str, Any]) -> str:
-    """What the split suggests (docs/operations.md, "Reading the split")."""
+    """What the split suggests, by its verdict (analysis/skew.py's thresholds; docs/operations.md,
+    "Reading the split"), and whether the shortest-duration rule agrees."""
+    v = c["verdict"]
+    t = v["thresholds"]
     last = c.get("last_to_arrive") or {}
-    n = len(c.get("per_rank", []))
-    if c["wait_share"] >= WAITING:
-        if last and last["share"] >= max(LAST_SHARE, 1.5 / max(n, 1)):
-            return (
-                f"mostly waiting for rank {last['rank']}, last in {last['share'] * 100:.0f} % of "
-                f"calls: look at what rank {last['rank']} does before its collectives (a host "
-                "stall, more work than the others, a slower GPU)"
-            )
-        return (
-            "mostly waiting, the last rank changing from call to call: jitter (host noise, CPU "
-            "scheduling of the ranks' processes), not one slow rank"
+    if v["reading"] == "one slow rank":
+        part = "mostly waiting for" if c["wait_share"] >= t["waiting_share"] else "waiting for"
+        said = (
+            f"one slow rank: {part} rank {v['rank']}, last in {last['share'] * 100:.0f} % of "
+            f"calls, p50 {c['arrival_spread_ms']['p50']:.3f} ms after the first: look at what "
+            f"rank {v['rank']} does before its collectives (a host stall, more work than the "
+            "others, a slower GPU)"
         )
-    return (
-        "mostly moving data, the ranks arriving together: faster links or smaller messages "
-        "would help, removing skew would not"
-    )
+    elif v["reading"] == "jitter":
+        said = (
+            "jitter: mostly waiting, the last rank changing from call to call (none last in "
+            f"{t['slow_rank_last_share'] * 100:.0f} % of calls): host noise, CPU scheduling of "
+            "the ranks' processes, not one slow rank"
+        )
+    else:
+        said = (
+            "mostly moving data, the ranks arriving together: faster links or smaller messages "
+            "would help, removing skew would not"
+        )
+    x = c.get("cross_check")
+    if x and not x["agrees"]:
+        said += (
+            f" (the shortest-duration rule reads a wait of {x['wait_ms']:.3f} ms, not "
+            f"{c['wait_ms']:.3f}: the ranks' durations differ by more than their arrivals)"
+        )
+    return said
 
 
 def format_compare(c: dict[str, Any], a: str, b: str) -> str:

@@ -34,7 +34,10 @@ def test_less_skew_reads_as_the_skew_going_down_with_the_wait_delta_per_step(
     # Three of four ranks wait 300 us less at each of 8 all-reduces: 1.8 ms per step on average.
     assert rows["all-reduce wait"]["delta"] == pytest.approx(-0.3 * LAYERS * 3 / 4, rel=0.02)
     assert rows["all-reduce transfer"]["delta"] == pytest.approx(0, abs=0.01)
-    assert "all-reduce wait -1.80 ms per step: the skew went down" in c["verdict"]
+    assert (
+        "the skew went down by -0.300 ms per call (all-reduce arrival spread p50), "
+        "all-reduce wait -1.80 ms per step" in c["verdict"]
+    )
     assert c["kind"] == "decode" and not c["notes"]
 
 

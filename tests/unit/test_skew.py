@@ -99,9 +99,12 @@ def test_ranks_on_clocks_that_disagree_are_aligned_by_their_collectives_ends_and
         tmp_path, world=4, steps=STEPS, layers=LAYERS, late=2, late_us=300.0,
         jitter_us=30.0, clock_us=[0.0, 1500.0, -2300.0, 0.0],
     )  # fmt: skip
+    for path in tmp_path.glob("*-rank-*"):  # gathered from their hosts, each named by its host
+        rank = path.name.split("-rank-")[1].split(".")[0]
+        path.rename(path.with_name(f"node{rank}-rank-" + path.name.split("-rank-")[1]))
     s = summary_of(tmp_path)
-    assert s["across_ranks"]["clock"].startswith("not one: aligned by the collectives' ends")
-    assert "rank 1 -1.500 ms" in s["across_ranks"]["clock"]
+    assert s["across_ranks"]["clock"].startswith("4 hosts, aligned by the collectives' ends")
+    assert "node1 -1.500 ms ± 0.0" in s["across_ranks"]["clock"]
     c = all_reduce(s)
     assert c["last_to_arrive"]["rank"] == 2
     for p in c["per_rank"]:
@@ -110,7 +113,38 @@ def test_ranks_on_clocks_that_disagree_are_aligned_by_their_collectives_ends_and
 
 def test_ranks_sharing_the_hosts_clock_are_not_shifted(tmp_path: Path) -> None:
     write_capture(tmp_path, world=2, steps=STEPS, layers=LAYERS, late=1, late_us=100.0)
-    assert summary_of(tmp_path)["across_ranks"]["clock"].startswith("the host's clock")
+    assert summary_of(tmp_path)["across_ranks"]["clock"].startswith("one host")
+
+
+def test_ranks_of_one_host_are_never_corrected_even_when_their_ends_disagree(
+    tmp_path: Path,
+) -> None:
+    # vLLM's names name no host: the capture's own. Ends 2 ms apart are not a reason to move
+    # one host's clock: a correction would remove the real 2 ms skew.
+    write_capture(
+        tmp_path, world=2, steps=STEPS, layers=LAYERS, late=1, late_us=100.0,
+        clock_us=[0.0, 2000.0],
+    )  # fmt: skip
+    a = summary_of(tmp_path)["across_ranks"]
+    assert a["clock"] == "one host: the ranks share its clock, no correction"
+    assert a["kinds"]["decode"]["collectives"]["all_reduce"]["arrival_spread_ms"]["p50"] > 1.5
+
+
+def test_a_correction_across_hosts_is_never_larger_than_the_spread_it_explains_away(
+    tmp_path: Path,
+) -> None:
+    write_capture(
+        tmp_path, world=2, steps=STEPS, layers=LAYERS, late=1, late_us=300.0,
+        clock_us=[0.0, -1500.0],
+    )  # fmt: skip
+    for path in tmp_path.glob("*-rank-*"):
+        rank = path.name.split("-rank-")[1].split(".")[0]
+        path.rename(path.with_name(f"node{rank}-rank-" + path.name.split("-rank-")[1]))
+    a = summary_of(tmp_path)["across_ranks"]
+    said = a["clock"].split("node1 ")[1]
+    corrected = abs(float(said.split(" ms")[0]))
+    assert 0 < corrected <= 1.5 + 0.3 + 0.001
+    assert " ± " in said  # stated with its bound
 
 
 def test_a_rank_whose_profiler_started_a_step_later_is_still_matched_step_for_step(
@@ -142,7 +176,11 @@ def test_the_h200_fixtures_ranks_move_the_same_data_in_the_same_time_and_rank_0_
     shutil.copytree(FIXTURE, tmp_path / "c")
     s = summary_of(tmp_path / "c")
     a = s["across_ranks"]
-    assert a["clock"].startswith("the host's clock") and a["matched_steps"] == 13
+    assert a["clock"] == "one host: the ranks share its clock, no correction"
+    assert a["matched_steps"] == 13
+    # The profilers' start: the first all-reduce's arrivals 164 ms apart, its ends within µs.
+    assert a["transient"]["calls"] >= 1 and a["transient"]["entry_spread_ms"] > 100
+    assert a["transient"]["exit_spread_ms"] < 0.05
     c = all_reduce(s)
     transfer = [p["transfer_ms"] for p in c["per_rank"]]
     assert transfer[0] == pytest.approx(transfer[1], rel=0.1)  # the same bytes on one link
