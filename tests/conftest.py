@@ -407,6 +407,25 @@ class DaemonHelper:
     def wait_state(self, state: str, timeout_s: float = 30) -> dict[str, Any]:
         return self.wait_status(lambda s: s["state"] == state, timeout_s, f"state {state}")
 
+    @contextlib.contextmanager
+    def configured(self, **sections: dict[str, Any]) -> Iterator[None]:
+        """The sandbox's config with `sections`' fields changed (`daemon={"tick_s": 0.5}`),
+        for the daemon started inside the block; the original file afterwards."""
+        from kimi_supervisor.configfile import load_config
+        from kimi_supervisor.tomlwrite import to_toml
+
+        path = self.sb.config_path
+        original = path.read_text()
+        c = load_config(path)
+        c = c.model_copy(
+            update={k: getattr(c, k).model_copy(update=v) for k, v in sections.items()}
+        )
+        path.write_text(to_toml(c))
+        try:
+            yield
+        finally:
+            path.write_text(original)
+
     def wait_serving_anew(self, mode: str, old_pid: int, timeout_s: float = 60) -> dict[str, Any]:
         """Until a vLLM other than `old_pid` serves `mode`. An incident is in the history a moment
         before status leaves SERVING, so `wait_serving` right after one may see the old vLLM.

@@ -27,9 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.configfile import load_config
 from kimi_supervisor.sandbox.simreader import HANG
-from kimi_supervisor.tomlwrite import to_toml
 
 from ..conftest import DaemonHelper, SandboxHelper, wait_until
 
@@ -80,21 +78,9 @@ def on_a_freezable_disk(folder: Path, ns_of: int) -> Iterator[Callable[[str], No
         shutil.rmtree(work)
 
 
-@contextlib.contextmanager
-def bounded(sandbox: SandboxHelper) -> Iterator[None]:
+def bounded(daemon: DaemonHelper) -> contextlib.AbstractContextManager[None]:
     """The sandbox's config with both deadlines at TIMEOUT_S, for the daemon started inside."""
-    path = sandbox.sb.config_path
-    original = path.read_text()
-    c = load_config(path)
-    c = c.model_copy(update={
-        "state": c.state.model_copy(update={"timeout_s": TIMEOUT_S}),
-        "gpus": c.gpus.model_copy(update={"timeout_s": TIMEOUT_S}),
-    })  # fmt: skip
-    path.write_text(to_toml(c))
-    try:
-        yield
-    finally:
-        path.write_text(original)
+    return daemon.configured(state={"timeout_s": TIMEOUT_S}, gpus={"timeout_s": TIMEOUT_S})
 
 
 def warned(daemon: DaemonHelper, prefix: str) -> bool:
@@ -106,7 +92,7 @@ def test_a_frozen_state_disk_holds_no_command_and_what_was_kept_is_written_once_
 ) -> None:
     folder = sandbox.config.state.dir
     bystander = sandbox.spawn([sys.executable, "-c", "import time; time.sleep(600)"])
-    with bounded(sandbox), on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze:
+    with bounded(daemon), on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze:
         daemon.start()
         daemon.wait_serving("production")
         before, first = len(daemon.history()), daemon.vllm_pid()
@@ -143,7 +129,7 @@ def test_a_driver_that_answers_nothing_stops_no_vllm_and_the_switch_waits_for_it
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
     hang = sandbox.sb.gpu_dir / HANG
-    with bounded(sandbox):
+    with bounded(daemon):
         daemon.start()
         daemon.wait_serving("production")
         served = daemon.vllm_pid()
