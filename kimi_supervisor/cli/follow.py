@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.cli import ask
 from kimi_supervisor.cli.exits import Exit, refusal_exit
 from kimi_supervisor.cli.follower import Follower
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.control.client import TimedOut, exchange
+from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
+
+# How often a live display on a terminal is drawn again when no event comes.
+TICK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,10 @@ class Follow:
                 if left is not None and left <= 0:
                     raise TimedOut()
                 pause = 0.0
-                for raw, msg in exchange(self.sock, request, timeout_s=left, fds=fds):
+                tick = self.on_tick if self.display is not None and self.display.tty else None
+                for raw, msg in exchange(
+                    self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
+                ):
                     kind = msg.get("type")
                     if self.o.json and (kind != "reply" or self.prints_reply):
                         self.o.raw(raw)
@@ -91,6 +98,17 @@ class Follow:
         except KeyboardInterrupt:
             self._finish()
             return self.on_interrupt()
+
+    def on_tick(self) -> None:
+        """Each second on a terminal, events or not: the live display's clock moves, and its
+        bars and vLLM's progress follow the status the daemon published (asked for once; the
+        clock moves on without it)."""
+        assert self.display is not None
+        try:
+            status = ask.status(self.sock, timeout_s=TICK_S)
+        except (Unreachable, TimedOut):
+            status = None
+        self.display.tick(status)
 
     def refused(self, msg: dict[str, Any]) -> Exit:
         """The daemon refused the request: why, and what that means as an exit."""

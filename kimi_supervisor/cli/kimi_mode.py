@@ -17,7 +17,7 @@ from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
 from kimi_supervisor.cli.exits import KIMI_MODE, Exit, refusal_exit
 from kimi_supervisor.cli.output import IsServingOut, Output
-from kimi_supervisor.cli.render import format_history
+from kimi_supervisor.cli.render import columns, format_history
 from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.cli.watch import print_status, status_exit
 from kimi_supervisor.control.client import Unreachable
@@ -200,7 +200,7 @@ def cmd_history(args: argparse.Namespace, sock: Path) -> int:
         for e in entries:
             o.line({"v": 1, "type": "record", **e})
     else:
-        print(format_history(entries), file=o.out)
+        print(format_history(entries, columns(o.out)), file=o.out)
     return Exit.OK
 
 

@@ -13,7 +13,7 @@ from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Again, Follow
 from kimi_supervisor.cli.follower import Follower, redraws
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.cli.render import format_status
+from kimi_supervisor.cli.render import columns, format_status, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
 
 
@@ -31,11 +31,7 @@ def print_status(o: Output, data: dict[str, Any]) -> None:
     if o.json:
         o.line({"v": 1, "type": "status", **data})
     else:
-        import shutil
-
-        tty = o.out.isatty()
-        width = shutil.get_terminal_size((80, 24)).columns if tty else 80
-        print(format_status(data, max(width, 40)), file=o.out, flush=True)
+        print(format_status(data, columns(o.out)), file=o.out, flush=True)
 
 
 def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
@@ -124,7 +120,8 @@ class WaitFollow(Follow):
             if self.o.json:
                 print_status(self.o, data)
             elif not self.following:
-                print(f"nothing to wait for: {data['status_line']}", file=self.o.out)
+                said = [f"nothing to wait for: {data['status_line']}"]
+                print("\n".join(wrap(said, columns(self.o.out) - 1)), file=self.o.out)
         return verdict
 
     def on_event(self, msg: dict[str, Any]) -> None:
