@@ -135,6 +135,46 @@ def title(cmdline: Sequence[str], comm: str, width: int = TITLE_CHARS) -> str:
     return " ".join(cmdline)[:width] or comm
 
 
+# Programs that run another one named in their argv: a line names the one they run.
+INTERPRETERS = ("python", "pypy", "perl", "ruby", "node", "bash", "sh", "dash")
+_VALUED = frozenset({"-X", "-W", "-Q", "--check-hash-based-pycs"})
+
+
+def program(cmdline: Sequence[str] | str, comm: str) -> str:
+    """The program a process runs, as a line that names it says it: the module or script an
+    interpreter runs (`python3 -m vllm.entrypoints.openai.api_server ...` ->
+    `vllm.entrypoints.openai.api_server`; `/opt/vllm/bin/python /opt/vllm/bin/vllm serve ...`
+    -> `vllm serve`), else the name of argv[0] and its sub-command (`VLLM::Worker_TP0`,
+    `nvidia-persistenced`), else `comm`. A command line given as one string (a status's) is
+    split at its spaces."""
+    argv = cmdline.split() if isinstance(cmdline, str) else list(cmdline)
+    if not argv:
+        return comm
+    head, rest = argv[0].rsplit("/", 1)[-1], argv[1:]
+    if head.rstrip("0123456789.") in INTERPRETERS:
+        i = 0
+        while i < len(rest):
+            a = rest[i]
+            if a in ("-m", "-c"):
+                if a == "-c" or i + 1 >= len(rest):
+                    return f"{head} -c"
+                return _with_command(rest[i + 1], rest[i + 2 :])
+            if not a.startswith("-"):
+                return _with_command(a.rsplit("/", 1)[-1], rest[i + 1 :])
+            i += 2 if a in _VALUED else 1
+        return head
+    return _with_command(head, rest) or comm
+
+
+def _with_command(name: str, after: Sequence[str]) -> str:
+    """`name` and its sub-command, when the next word is one (`vllm serve`), not an option or
+    a path."""
+    nxt = after[0] if after else ""
+    if nxt and nxt.isidentifier() and nxt.islower():
+        return f"{name} {nxt}"
+    return name
+
+
 class ProcessDescription(BaseModel):
     pid: int
     start_time: float = Field(description="process start, seconds since the epoch")

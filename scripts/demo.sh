@@ -9,7 +9,9 @@ cd "$(dirname "$0")/.."
 BIN="${VENV:-.venv}/bin"
 DIR="$(mktemp -d /tmp/kimi-demo.XXXXXX)"
 
-step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
+# Bold headings on a terminal only: piped into a file or a pager, plain text.
+if [ -t 1 ] && [ "${TERM:-dumb}" != dumb ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; else BOLD= PLAIN=; fi
+step() { printf '\n%s== %s%s\n' "$BOLD" "$*" "$PLAIN"; }
 cleanup() {
   step "cleaning up: kimi-supervisor sandbox down --dir $DIR"
   "$BIN/kimi-supervisor" sandbox down --dir "$DIR" || true

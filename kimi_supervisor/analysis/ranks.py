@@ -211,10 +211,16 @@ def summarize_folder(
     folder: Path, open_file: Opener, timeout_s: float = 900.0
 ) -> tuple[dict[str, Any], str | None]:
     """`kimi-mode capture --summarize DIR`: the summary of an existing capture, written as
-    summary.json when the folder is writable; the second value says why it was not."""
+    summary.json when the folder is writable and holds traces; the second value says why it
+    was not."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         summary = summarize(fd, os.listdir(fd), open_file, timeout_s)
+        if not summary["ranks"]:
+            return summary, (
+                f"no rank traces to summarize in {folder} (*.pt.trace.json or "
+                f"*.pt.trace.json.gz); {SUMMARY} not written"
+            )
         try:
             write(fd, summary)
         except OSError as e:

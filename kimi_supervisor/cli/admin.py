@@ -12,6 +12,7 @@ from kimi_supervisor.cli.exits import KIMI_SUPERVISOR, Exit
 from kimi_supervisor.cli.run import cmd_reload, cmd_run
 from kimi_supervisor.config import ConfigError
 from kimi_supervisor.configfile import load_config
+from kimi_supervisor.model import program
 from kimi_supervisor.version import package_version
 
 if TYPE_CHECKING:
@@ -115,9 +116,9 @@ def format_report(report: TeardownReport) -> str:
         lines.append(f"  {s.step.value:<17} {s.duration_s:6.2f} s  {s.note}")
     for k in report.kills:
         if k.signal == "SIGKILL":
-            title = k.process.title(60)
+            name = program(k.process.cmdline, k.process.comm)
             lines.append(
-                f"  killed PID {k.process.pid} ({title}) in {k.step.value}: "
+                f"  killed PID {k.process.pid} ({name}) in {k.step.value}: "
                 f"{k.evidence.value}; {k.result}"
             )
     for d in report.devices:
@@ -131,7 +132,9 @@ def format_report(report: TeardownReport) -> str:
         remaining = report.model_dump(mode="json")["remaining"]
         lines += ["  " + x for x in format_remaining(remaining)]
         lines.append(f"  next: {report.next_action}")
-    return "\n".join(lines)
+    from kimi_supervisor.cli.render import columns, wrap
+
+    return "\n".join(wrap(lines, columns(sys.stdout) - 1))
 
 
 def cmd_launch_vllm(args: argparse.Namespace) -> int:

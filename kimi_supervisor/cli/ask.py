@@ -20,8 +20,8 @@ def one_reply(
     raise Unreachable("the daemon closed the connection without answering")
 
 
-def status(sock: Path) -> dict[str, Any]:
-    _raw, msg = one_reply(sock, {"cmd": "status"})
+def status(sock: Path, timeout_s: float = 10.0) -> dict[str, Any]:
+    _raw, msg = one_reply(sock, {"cmd": "status"}, timeout_s)
     if not msg["ok"]:
         raise Unreachable(msg["message"])
     data: dict[str, Any] = msg["data"]

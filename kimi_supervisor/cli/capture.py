@@ -16,7 +16,7 @@ from kimi_supervisor.cli import ask
 from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.cli.follow import Follow
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.cli.render import format_capture
+from kimi_supervisor.cli.render import columns, format_capture, wrap
 from kimi_supervisor.cli.summary_text import format_compare, format_summary
 from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
@@ -58,13 +58,16 @@ def cmd_summarize(args: argparse.Namespace) -> int:
         summary, not_written = summarize_folder(folder, try_open)
     except OSError as e:
         return o.fail(Exit.USAGE, f"--summarize {folder}: {e.strerror}")
+    if not summary["ranks"]:
+        return o.fail(Exit.FAILED, str(not_written))
     if o.json:
         o.line({"v": 1, "type": "summary", **summary})
     else:
-        print(format_summary(summary))
-        print(not_written or f"written to {folder / SUMMARY}")
-    if not summary["ranks"]:
-        return Exit.FAILED
+        lines = [
+            *format_summary(summary).splitlines(),
+            not_written or f"written to {folder / SUMMARY}",
+        ]
+        print("\n".join(wrap(lines, columns(sys.stdout) - 1)))
     return Exit.OK
 
 
@@ -100,7 +103,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if o.json:
         o.line({"v": 1, "type": "compare", "a": a, "b": b, **c})
     else:
-        print(format_compare(c, a, b))
+        print("\n".join(wrap(format_compare(c, a, b).splitlines(), columns(sys.stdout) - 1)))
     return Exit.OK
 
 
@@ -240,7 +243,7 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     if not o.json:
         print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
         if ended["ok"]:
-            print(format_capture(ended["data"]))
+            print(format_capture(ended["data"], columns(sys.stdout)))
     if args.then == "production":
         if not o.json:
             print("going back to production")

@@ -10,13 +10,26 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.cli import ask
 from kimi_supervisor.cli.exits import Exit, refusal_exit
 from kimi_supervisor.cli.follower import Follower
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.control.client import TimedOut, exchange
+from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
+
+# How often a live display on a terminal is drawn again when no event comes.
+TICK_S = 1.0
+
+
+@dataclass(frozen=True)
+class Again:
+    """What `on_reply` says when the reply cannot be judged yet (a status older than an end
+    already heard): ask again after `after_s`, under the same deadline."""
+
+    after_s: float
 
 
 class Follow:
@@ -42,14 +55,19 @@ class Follow:
     ) -> Exit:
         """Send `request` and follow its answers until a hook ends it, until `timeout_s` has
         passed, Ctrl-C, or the daemon closes the connection. An `on_end` that says None asks
-        again, with the same request, under the same deadline."""
+        again, with the same request, under the same deadline; an `on_reply` that says Again
+        asks again after its pause, under that deadline too."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
             while True:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimedOut()
-                for raw, msg in exchange(self.sock, request, timeout_s=left, fds=fds):
+                pause = 0.0
+                tick = self.on_tick if self.display is not None and self.display.tty else None
+                for raw, msg in exchange(
+                    self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
+                ):
                     kind = msg.get("type")
                     if self.o.json and (kind != "reply" or self.prints_reply):
                         self.o.raw(raw)
@@ -57,6 +75,9 @@ class Follow:
                         self.on_event(msg)
                     elif kind == "reply":
                         code = self.on_reply(msg) if msg["ok"] else self.refused(msg)
+                        if isinstance(code, Again):
+                            pause = code.after_s
+                            break
                         if code is not None:
                             return code
                     elif kind == "end":
@@ -66,6 +87,9 @@ class Follow:
                         return code
                 else:
                     return self.on_closed()
+                if pause:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    time.sleep(pause if left is None else max(min(pause, left), 0.0))
         except TimedOut:
             self._finish()
             return self.o.fail(
@@ -75,6 +99,17 @@ class Follow:
             self._finish()
             return self.on_interrupt()
 
+    def on_tick(self) -> None:
+        """Each second on a terminal, events or not: the live display's clock moves, and its
+        bars and vLLM's progress follow the status the daemon published (asked for once; the
+        clock moves on without it)."""
+        assert self.display is not None
+        try:
+            status = ask.status(self.sock, timeout_s=TICK_S)
+        except (Unreachable, TimedOut):
+            status = None
+        self.display.tick(status)
+
     def refused(self, msg: dict[str, Any]) -> Exit:
         """The daemon refused the request: why, and what that means as an exit."""
         code = refusal_exit(msg["code"])
@@ -83,8 +118,9 @@ class Follow:
             return code
         return self.o.fail(code, msg["message"])
 
-    def on_reply(self, msg: dict[str, Any]) -> Exit | None:
-        """A reply that accepts the request: an exit to end here, or None to follow on."""
+    def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
+        """A reply that accepts the request: an exit to end here, None to follow on, or Again
+        to ask again after a pause."""
         return None
 
     def on_event(self, msg: dict[str, Any]) -> None:

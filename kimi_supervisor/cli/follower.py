@@ -1,5 +1,6 @@
 """A followed switch as an operator watches it: redrawn in place on a terminal, plain lines
-otherwise (a pipe, a log, TERM=dumb). Pure formatting of the daemon's events."""
+otherwise (a pipe, a log, TERM=dumb). Pure formatting of the daemon's events, and, on a
+terminal, of the status it publishes (`tick`, each second: the clock never stands still)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from kimi_supervisor.cli.render import duration, whole, wrap
-from kimi_supervisor.model import title
+from kimi_supervisor.model import program
 
 
 def redraws(out: TextIO, env: Mapping[str, str]) -> bool:
@@ -55,9 +56,30 @@ class Follower:
             self.loading = True
 
     def say(self, text: str) -> None:
+        """A line that stays (above the redrawn lines on a terminal), wrapped at its width, or
+        at 80 columns in a pipe or a log."""
         if self.tty:
             self._clear()
-        print(text, file=self.out, flush=True)
+        width = max(self.width(), 40) if self.tty else 80
+        print("\n".join(wrap([text], width - 1)), file=self.out, flush=True)
+        if self.tty:
+            self._draw(force=True)
+
+    def tick(self, status: dict[str, Any] | None) -> None:
+        """Each second on a terminal, whether events came or not: the clock moves, and the GPU
+        bars, vLLM's progress and the ETA follow the status the daemon last published (None:
+        not to be had now; the clock moves on)."""
+        if status is not None:
+            if status.get("gpus"):
+                self.gpus = [g for g in status["gpus"] if "used_mib" in g]
+                if not self.loading:
+                    for d in self.gpus:
+                        self.drain_from.setdefault(d["index"], d["used_mib"])
+            if status.get("state") == "starting":
+                self.loading = True
+                progress, eta = status.get("progress"), status.get("eta")
+                if progress:
+                    self.vllm = progress["text"] + (f"; {eta['text']}" if eta else "")
         if self.tty:
             self._draw(force=True)
 
@@ -81,7 +103,7 @@ class Follower:
                 self.say(f"  teardown {data['step']:<17} {mark:>8}  {data.get('note', '')}")
         elif name == "kill" and data.get("signal") == "SIGKILL":
             p = data["process"]
-            name = title(p.get("cmdline", []), p.get("comm", ""), 50)
+            name = program(p.get("cmdline", []), p.get("comm", ""))
             head, why = f"killed PID {p['pid']} {name}", f"({data['step']}: {data['evidence']})"
             self.kills.append((head, why))
             if not self.tty:

@@ -8,15 +8,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kimi_supervisor.cli.ask import one_reply as _one_reply
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
 from kimi_supervisor.cli.exits import KIMI_MODE, Exit, refusal_exit
 from kimi_supervisor.cli.output import IsServingOut, Output
-from kimi_supervisor.cli.render import format_history
+from kimi_supervisor.cli.render import columns, format_history
 from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.cli.watch import print_status, status_exit
 from kimi_supervisor.control.client import Unreachable
@@ -28,7 +29,78 @@ DEFAULT_CONFIG = "/etc/kimi-supervisor/kimi-supervisor.toml"
 
 
 class UsageError(Exception):
-    pass
+    """The command line is wrong: what, and (from the parser) the usage of the command that
+    was given it."""
+
+    def __init__(self, message: str, usage: str = "", prog: str = "kimi-mode") -> None:
+        super().__init__(message)
+        self.usage = usage
+        self.prog = prog
+
+
+def did_you_mean(value: str, choices: Sequence[str]) -> str | None:
+    """What `value` most likely meant: the choices it begins (`prod`: production; `pro`:
+    production or profile), else the closest spelling (`prodcution`, `stauts`); None when
+    none is near."""
+    import difflib
+
+    starts = [c for c in choices if value and c.startswith(value)]
+    if starts:
+        return " or ".join(starts)
+    close = difflib.get_close_matches(value, choices, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are raised with its own usage (a command's error shows
+    that command's usage, not kimi-mode's), and whose wrong choices say what was meant."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self.format_usage(), self.prog)
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(c) for c in action.choices]
+        guess = did_you_mean(str(value), choices)
+        if guess:
+            said = f"{value!r}: did you mean {guess}?"
+        else:
+            said = f"{value!r} is not one of {', '.join(choices)}"
+        raise argparse.ArgumentError(action, said)
+
+
+def wants_json(argv: Sequence[str]) -> bool:
+    """Whether a command line asks for JSON output, read before (or without) parsing it: an
+    error in parsing is then said as a JSON line too."""
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        if a in ("--json", "-ojson", "--output=json") or (
+            a in ("-o", "--output") and argv[i + 1 : i + 2] == ["json"]
+        ):
+            return True
+    return False
+
+
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return n
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not s > 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a positive number of seconds")
+    return s
 
 
 def parse_duration(text: str) -> float:
@@ -128,7 +200,7 @@ def cmd_history(args: argparse.Namespace, sock: Path) -> int:
         for e in entries:
             o.line({"v": 1, "type": "record", **e})
     else:
-        print(format_history(entries), file=o.out)
+        print(format_history(entries, columns(o.out)), file=o.out)
     return Exit.OK
 
 
@@ -165,9 +237,9 @@ def mode_argument(c: argparse.ArgumentParser, what: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from kimi_supervisor.cli import capture  # it imports this module's neighbours (switches)
 
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     global_options(common, suppress=True)
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kimi-mode",
         description="Switch vLLM between production and profile mode, and see what it is doing.",
         epilog=exit_codes(KIMI_MODE),
@@ -286,7 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
         "-w", "--watch", action="store_true", help="show it again every --interval, until Ctrl-C"
     )
     c.add_argument(
-        "--interval", type=float, default=2.0, metavar="S", help="--watch's period (default 2)"
+        "--interval",
+        type=positive_seconds,
+        default=2.0,
+        metavar="S",
+        help="--watch's period (default 2)",
     )
     c.set_defaults(fn=cmd_status)
     c = command(
@@ -304,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Past switches, teardowns (with every process killed and the evidence), captures "
         "and incidents, oldest first.",
     )
-    c.add_argument("-n", type=int, default=20, help="how many records (default 20)")
+    c.add_argument("-n", type=positive_int, default=20, help="how many records (default 20)")
     c.set_defaults(fn=cmd_history)
     c = command(
         "wait",
@@ -332,7 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
         "root or the group systemd-journal (or adm).",
     )
     c.add_argument("-f", "--follow", action="store_true", help="go on printing new lines")
-    c.add_argument("-n", "--lines", type=int, default=50, metavar="N", help="last N (default 50)")
+    c.add_argument(
+        "-n", "--lines", type=positive_int, default=50, metavar="N", help="last N (default 50)"
+    )
     c.add_argument("--daemon", action="store_true", help="the daemon's log instead of vLLM's")
     c.set_defaults(fn=cmd_logs)
     c = command(
@@ -348,15 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return usage_error(e, Output("json" if wants_json(argv) else "text"))
     o = Output(args.output)
-    if getattr(args, "timeout", None) is not None and args.timeout <= 0:
-        parser.error("--timeout must be positive")
-    if getattr(args, "n", 1) < 1 or getattr(args, "lines", 1) < 1:
-        parser.error("-n must be at least 1")
-    if getattr(args, "interval", 1.0) <= 0:
-        parser.error("--interval must be positive")
     try:
         if args.fn is cmd_doctor:
             sock = _doctor_socket(args)
@@ -375,6 +450,16 @@ def main(argv: list[str] | None = None) -> int:
         return Exit.INTERRUPTED
     except BrokenPipeError:
         return Exit.OK
+
+
+def usage_error(e: UsageError, o: Output) -> int:
+    """A wrong command line: in json mode one `error` line (and the message on stderr);
+    otherwise the usage of the command given, and the error, as argparse says them."""
+    if o.json:
+        command = e.prog.removeprefix("kimi-mode").strip()
+        return o.fail(Exit.USAGE, f"{command}: {e}" if command else str(e))
+    print(f"{e.usage}{e.prog}: error: {e}", file=o.err, flush=True)
+    return Exit.USAGE
 
 
 def _doctor_socket(args: argparse.Namespace) -> Path:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 from kimi_supervisor.cli.summary_text import format_summary
-from kimi_supervisor.model import SUMMARY, Outcome, State, title
+from kimi_supervisor.model import SUMMARY, Outcome, State, program, title
 from kimi_supervisor.status import Status
 
 
@@ -145,7 +145,7 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
         )
         for k in td.kills:
             lines.append(
-                f"                 PID {k.pid} {title([k.cmdline], k.comm, 60)} "
+                f"                 PID {k.pid} {program(k.cmdline, k.comm)} "
                 f"({k.step}: {k.evidence})"
             )
         if td.outcome is not Outcome.CLEAN:
@@ -198,7 +198,9 @@ def format_remaining(remaining: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def format_history(entries: list[dict[str, Any]]) -> str:
+def format_history(entries: list[dict[str, Any]], width: int = 80) -> str:
+    """The history as `kimi-mode history` prints it, every row within `width` columns (a
+    record's continuation rows under its text, after the time)."""
     lines = []
     for e in entries:
         kind = e.get("kind")
@@ -219,7 +221,7 @@ def format_history(entries: list[dict[str, Any]]) -> str:
             )
             for k in kills:
                 p = k["process"]
-                name = title(p.get("cmdline", []), p.get("comm", ""), 60)
+                name = program(p.get("cmdline", []), p.get("comm", ""))
                 lines.append(f"{'':21}killed PID {p['pid']} {name} ({k['step']}: {k['evidence']})")
             if e["outcome"] != "clean":
                 lines.append(f"{'':21}{e.get('diagnosis', '')}")
@@ -231,11 +233,11 @@ def format_history(entries: list[dict[str, Any]]) -> str:
             lines.append(f"{_hhmmss(e.get('at'))}  incident {e.get('what')}")
         else:
             lines.append(json.dumps(e))
-    return "\n".join(lines) or "(no history yet)"
+    return "\n".join(wrap(lines, width - 1, hang=21)) or "(no history yet)"
 
 
 # ------------------------------------------------------------------------------ commands
-def format_capture(data: dict[str, Any]) -> str:
+def format_capture(data: dict[str, Any], width: int = 80) -> str:
     lines = [f"traces in {data['folder']}:"]
     for f in data.get("files", []):
         rank = "-" if f["rank"] is None else str(f["rank"])
@@ -244,8 +246,8 @@ def format_capture(data: dict[str, Any]) -> str:
         lines.append(f"  removed by retention: {old}")
     if data.get("summary"):
         lines.append(f"summary ({SUMMARY} beside the traces):")
-        lines.append(format_summary(data["summary"]))
-    return "\n".join(lines)
+        lines += format_summary(data["summary"]).splitlines()
+    return "\n".join(wrap(lines, width - 1))
 
 
 NBSP = "\xa0"
@@ -256,11 +258,18 @@ def whole(text: str) -> str:
     return text.replace(" ", NBSP)
 
 
+def columns(out: TextIO) -> int:
+    """The width a person's text is wrapped to: the terminal's, else 80 (a pipe, a log)."""
+    import shutil
+
+    return max(shutil.get_terminal_size((80, 24)).columns, 40) if out.isatty() else 80
+
+
 def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
-    """Each line wrapped at spaces to `width` columns (a word longer than that is broken), its
-    continuation rows indented under the line's own indent plus two (or `hang` columns): nothing
-    is cut. What
-    whole() joined breaks only if it alone is wider than a row."""
+    """Each line wrapped at spaces to `width` columns, its continuation rows indented under the
+    line's own indent plus two (or `hang` columns): nothing is cut. What whole() joined stays
+    on one row if it fits in one, else breaks at its own spaces; only a word wider than a row
+    is broken."""
     import textwrap
 
     out: list[str] = []
@@ -270,10 +279,13 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
             continue
         own = len(line) - len(line.lstrip(" "))
         indent = " " * (own + 2 if hang is None or own >= hang else hang)
+        indent = indent[: width // 2]
+        room = width - len(indent)
+        line = " ".join(w if len(w) <= room else w.replace(NBSP, " ") for w in line.split(" "))
         out += textwrap.wrap(
             line,
             width,
-            subsequent_indent=indent[: width // 2],
+            subsequent_indent=indent,
             break_on_hyphens=False,
             drop_whitespace=True,
         ) or [line[:width]]

@@ -15,6 +15,7 @@ from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Follow
 from kimi_supervisor.cli.follower import Follower, redraws
 from kimi_supervisor.cli.output import Output
+from kimi_supervisor.cli.render import columns, wrap
 
 REJOIN = "`kimi-mode wait` follows it again; `kimi-mode status` shows where it is"
 
@@ -71,7 +72,9 @@ def cmd_switch(args: argparse.Namespace, sock: Path) -> int:
 
 
 def print_end(msg: dict[str, Any], o: Output) -> None:
-    """A followed switch's last lines: its outcome, and the window it cost the service."""
-    print(("done: " if msg["ok"] else "FAILED: ") + msg["message"], file=o.out)
+    """A followed switch's last lines: its outcome, and the window it cost the service, wrapped
+    at the terminal's width (80 in a pipe)."""
+    lines = [("done: " if msg["ok"] else "FAILED: ") + msg["message"]]
     if said := (msg.get("data", {}).get("downtime") or {}).get("text"):
-        print(f"  {said}", file=o.out)
+        lines.append(f"  {said}")
+    print("\n".join(wrap(lines, columns(o.out) - 1)), file=o.out)

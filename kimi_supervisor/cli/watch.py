@@ -10,10 +10,10 @@ from typing import Any
 
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.exits import Exit, end_exit
-from kimi_supervisor.cli.follow import Follow
+from kimi_supervisor.cli.follow import Again, Follow
 from kimi_supervisor.cli.follower import Follower, redraws
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.cli.render import format_status
+from kimi_supervisor.cli.render import columns, format_status, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
 
 
@@ -31,11 +31,7 @@ def print_status(o: Output, data: dict[str, Any]) -> None:
     if o.json:
         o.line({"v": 1, "type": "status", **data})
     else:
-        import shutil
-
-        tty = o.out.isatty()
-        width = shutil.get_terminal_size((80, 24)).columns if tty else 80
-        print(format_status(data, max(width, 40)), file=o.out, flush=True)
+        print(format_status(data, columns(o.out)), file=o.out, flush=True)
 
 
 def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
@@ -72,10 +68,21 @@ def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
         return Exit.OK
 
 
+# A status older than an end already heard is asked for again, first after this long, the
+# pause doubling up to STALE_MAX_S (under --timeout, if given).
+STALE_PAUSE_S = 0.02
+STALE_MAX_S = 1.0
+
+
 class WaitFollow(Follow):
     """`wait`: a subscription whose reply is the status to judge (the switch under way is
     joined from its real start), whose events draw the live display, and whose end is the
-    answer, or, given MODE, a reason to judge the status again."""
+    answer, or, given MODE, a reason to judge the status again.
+
+    The end of a transition and the status that no longer shows it may reach this client in
+    either order: a status that still shows a transition whose end was heard is older than
+    that end, and is asked for again (after a short pause) instead of being followed, since
+    nothing more will come about that transition."""
 
     goes_on = "the switch goes on"
     stopped = "stopped waiting"
@@ -88,25 +95,33 @@ class WaitFollow(Follow):
         super().__init__(o, sock, follower_for(o))
         self.mode: str | None = args.mode
         self.following = ""  # the transition being followed
+        self.ended: set[str] = set()  # transitions whose end was heard
+        self._pause_s = STALE_PAUSE_S
 
-    def on_reply(self, msg: dict[str, Any]) -> Exit | None:
+    def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
         # Subscribed first, the status read from the subscription's own reply: no event between
         # the two is lost; the stream is read until something to judge.
         data = msg["data"]
         tr = data.get("transition")
+        if tr and tr["id"] in self.ended:
+            pause, self._pause_s = self._pause_s, min(self._pause_s * 2, STALE_MAX_S)
+            return Again(pause)  # older than the end heard: nothing more comes about it
+        self._pause_s = STALE_PAUSE_S
         if tr and tr["id"] != self.following:
             self.following = tr["id"]
             self.display.join(tr)
-            self.display.say(
-                f"following {tr['id']}: {tr.get('previous') or 'nothing'} -> "
-                f"{tr['target']} (since {tr['started_at'][11:19]} UTC, {tr['step']})"
-            )
+            if not self.o.json:
+                self.display.say(
+                    f"following {tr['id']}: {tr.get('previous') or 'nothing'} -> "
+                    f"{tr['target']} (since {tr['started_at'][11:19]} UTC, {tr['step']})"
+                )
         verdict = _wait_verdict(data, self.mode)
         if verdict is not None:
             if self.o.json:
                 print_status(self.o, data)
             elif not self.following:
-                print(f"nothing to wait for: {data['status_line']}", file=self.o.out)
+                said = [f"nothing to wait for: {data['status_line']}"]
+                print("\n".join(wrap(said, columns(self.o.out) - 1)), file=self.o.out)
         return verdict
 
     def on_event(self, msg: dict[str, Any]) -> None:
@@ -116,6 +131,8 @@ class WaitFollow(Follow):
             self.display.on_event(msg)
 
     def on_end(self, msg: dict[str, Any]) -> Exit | None:
+        if ended := (msg.get("data") or {}).get("transition"):
+            self.ended.add(str(ended))
         self.display.finish()
         if not self.o.json:
             print_end(msg, self.o)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +67,19 @@ def exchange(
     request: dict[str, Any],
     timeout_s: float | None = None,
     fds: Sequence[int] = (),
+    tick: Callable[[], None] | None = None,
+    tick_s: float = 1.0,
 ) -> Iterator[tuple[bytes, dict[str, Any]]]:
     """Send `request` and yield each answer line (raw, parsed) until the daemon closes.
     `timeout_s` bounds the whole exchange (TimedOut); None waits as long as it takes. `fds`
     travel with the request's first bytes (SCM_RIGHTS): a directory opened here, as the user,
-    so that the daemon writes into what the user reached, in the user's view of the files."""
+    so that the daemon writes into what the user reached, in the user's view of the files.
+    `tick` is called every `tick_s` while the exchange lasts, whether lines come or not (a live
+    display's clock)."""
     import time
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    next_tick = time.monotonic() + tick_s
     sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
     with sock:
         data = json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n"
@@ -95,13 +100,18 @@ def exchange(
                 if line.strip():
                     answered = True
                     yield line, json.loads(line)
+            now = time.monotonic()
+            if tick is not None and now >= next_tick:
+                tick()
+                now = time.monotonic()
+                next_tick = max(next_tick + tick_s, now + tick_s / 2)
+            wait_s = min(next_tick - now, 1.0) if tick is not None else 1.0
             if deadline is not None:
-                left = deadline - time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     raise TimedOut()
-                sock.settimeout(min(left, 1.0))
-            else:
-                sock.settimeout(1.0)
+                wait_s = min(left, wait_s)
+            sock.settimeout(max(wait_s, 0.001))
             try:
                 chunk = sock.recv(65536)
             except TimeoutError:

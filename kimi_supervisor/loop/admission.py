@@ -275,6 +275,8 @@ class Desk:
             # What the switch into profile mode before it cost in service.
             record["downtime_before"] = d.model_dump(mode="json")
         self.ctx.record("capture", record)
+        if self.ctx.metrics:
+            self.ctx.metrics.captures.labels("ok" if c.ok else "failed").inc()
         if s.capture is c:
             s.capture = None
         if c.spec.then == "production" and s.desired is Mode.PROFILE:

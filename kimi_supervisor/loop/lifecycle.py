@@ -42,6 +42,7 @@ from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, Outcome, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, pagecache, processes
 from kimi_supervisor.ports.gpu import GpuUnavailable
+from kimi_supervisor.ports.metrics import evidence_label
 from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
 from kimi_supervisor.store.state import TransitionRecord
@@ -709,7 +710,7 @@ class Lifecycle:
             case GpusRead(devices=devices):
                 ctx.observer.gpus_from_teardown(devices)
             case Signalled(record=r) if r.signal == "SIGKILL" and ctx.metrics:
-                ctx.metrics.kills.labels(r.step.value, r.evidence.value).inc()
+                ctx.metrics.kills.labels(r.step.value, evidence_label(r.evidence)).inc()
             case Spared() if ctx.metrics:
                 ctx.metrics.spared.inc()
         ctx.event(e.kind, data)

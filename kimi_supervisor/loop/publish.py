@@ -262,6 +262,12 @@ def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> 
         if s.health_doubt_since is not None:
             doubts.append(s.health_doubt_since.timestamp())
     m.liveness_doubt_since.set(min(doubts, default=0))
+    if doubts:
+        m.set_liveness("doubt")
+    elif s.state is State.SERVING and st.liveness is not None and not st.liveness.judging:
+        m.set_liveness("progress")
+    else:
+        m.set_liveness("not_judged")
     d = s.last_downtime
     if d is not None:
         for part, seconds in d.parts.items():

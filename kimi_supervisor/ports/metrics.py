@@ -39,7 +39,7 @@ from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from kimi_supervisor.model import Mode
+from kimi_supervisor.model import Evidence, Mode, Step
 from kimi_supervisor.version import package_version
 
 MIB = 1 << 20
@@ -73,6 +73,37 @@ ACCEPT_BACKOFF_MAX_S = 1.0
 _HEAD_END = re.compile(rb"\r?\n\r?\n")
 # The thread ends at close(): it wakes at once; this only bounds the join.
 CLOSE_JOIN_S = 2.0
+
+
+# Every labelled counter's label values, made at 0 when the daemon starts: a panel or an alert
+# over `increase()` reads 0, not "no data", until the first event.
+KILL_STEPS = (Step.KILL_CGROUP, Step.KILL_STRAYS, Step.KILL_GPU_HOLDERS)
+TRANSITION_OUTCOMES = (
+    "ready", "preempted", "rolled_back", "failed", "intruded", "stuck", "stopped"
+)  # fmt: skip
+PERSISTED_FILES = ("state.json", "history.jsonl")
+DROP_REASONS = ("timeout", "evicted", "too_large")
+CAPTURE_OUTCOMES = ("ok", "failed")
+# The liveness verdict, as kimi_supervisor_liveness{verdict} says it: `progress` (serving, no
+# sign against it), `doubt` (one sign says no progress, the other not: never restarted),
+# `not_judged` (not serving, a capture holds the verdict, or no reading).
+LIVENESS_VERDICTS = ("progress", "doubt", "not_judged")
+
+
+def evidence_label(e: Evidence) -> str:
+    """The short label value of an evidence (`vllm_signature`); the sentence stays in the
+    journal, the history and status."""
+    return e.name.lower()
+
+
+def _counter_at_0(
+    registry: CollectorRegistry, name: str, doc: str, label: str, values: Iterable[str]
+) -> Counter:
+    """A counter with one label, present at 0 for each of its values from the start."""
+    c = Counter(name, doc, [label], registry=registry)
+    for v in values:
+        c.labels(v)
+    return c
 
 
 class Metrics:
@@ -172,10 +203,15 @@ class Metrics:
         )
         self.kills = Counter(
             f"{ns}_kills_total",
-            "SIGKILLs sent, by teardown step and the evidence that named the process",
+            "SIGKILLs sent, by teardown step and the evidence that named the process (unit_cgroup, "
+            "escaped_unit, listens_on_port, vllm_signature, respawns, nvml_listed, "
+            "open_and_mapped: the Evidence enum's names; its sentence is in the journal)",
             ["step", "evidence"],
             registry=r,
         )
+        for step in KILL_STEPS:
+            for e in Evidence:
+                self.kills.labels(step.value, evidence_label(e))
         self.intrusions = Counter(
             f"{ns}_gpu_intrusions_total",
             "processes outside vLLM's unit found on a managed GPU while vLLM loaded, by GPU",
@@ -188,19 +224,40 @@ class Metrics:
             ["target", "outcome"],
             registry=r,
         )
-        self.persist_failures = Counter(
+        for m in Mode:
+            for outcome in TRANSITION_OUTCOMES:
+                self.transitions.labels(m.value, outcome)
+        self.persist_failures = _counter_at_0(
+            r,
             f"{ns}_persist_failures_total",
             "writes of state.json or history.jsonl that failed (a full disk, a bad state dir)",
-            ["file"],
+            "file",
+            PERSISTED_FILES,
+        )
+        self.captures = _counter_at_0(
+            r,
+            f"{ns}_captures_total",
+            "captures ended, by outcome: ok (traces flushed and handed over) or failed",
+            "outcome",
+            CAPTURE_OUTCOMES,
+        )
+        self.liveness = Gauge(
+            f"{ns}_liveness",
+            "1 for the liveness verdict on the serving vLLM now: progress, doubt (one sign says "
+            "no progress and the other does not: never restarted), not_judged (not serving, a "
+            "capture holds the verdict, or no reading)",
+            ["verdict"],
             registry=r,
         )
-        self.dropped = Counter(
+        self.set_liveness("not_judged")
+        self.dropped = _counter_at_0(
+            r,
             f"{ns}_metrics_connections_dropped_total",
             "connections to this /metrics closed unanswered: `timeout` (the request not whole, "
             "or the answer not taken, within metrics.timeout_s), `evicted` (the oldest, closed "
             "for a new one past metrics.max_connections), `too_large` (a request over 8 KiB)",
-            ["reason"],
-            registry=r,
+            "reason",
+            DROP_REASONS,
         )
         self._server: MetricsServer | None = None
 
@@ -238,9 +295,14 @@ class Metrics:
         for s in all_states:
             self.state.labels(s).set(1 if s == state else 0)
 
+    def set_liveness(self, verdict: str) -> None:
+        for v in LIVENESS_VERDICTS:
+            self.liveness.labels(v).set(1 if v == verdict else 0)
+
     def set_gpu(self, index: int, uuid: str, used_mib: int, baseline_mib: int) -> None:
         self.gpu_used.labels(str(index), uuid).set(used_mib * MIB)
         self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
+        self.intrusions.labels(str(index))  # at 0 from the first reading of each managed GPU
 
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

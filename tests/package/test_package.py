@@ -164,3 +164,80 @@ def test_an_upgrade_switches_current_only_after_every_file_of_the_new_version(
     lib = "usr/lib/kimi-supervisor"
     last_file = max(i for i, p in enumerate(order) if p.startswith(f"{lib}/{version}/"))
     assert order.index(f"{lib}/current") > last_file
+
+
+def test_the_licence_is_apache_2_0_stated_the_same_everywhere_with_its_full_text() -> None:
+    licence = (ROOT / "LICENSE").read_text()
+    assert licence == Path("/usr/share/common-licenses/Apache-2.0").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert pyproject["license"] == "Apache-2.0" and pyproject["license-files"] == ["LICENSE"]
+    galaxy = (ROOT / "ansible/ansible_collections/kimi/supervisor/galaxy.yml").read_text()
+    assert re.search(r"^license:\n  - Apache-2.0\n", galaxy, re.M), galaxy
+    copyright_ = (ROOT / "debian/copyright").read_text()
+    assert re.findall(r"^License: (\S+)", copyright_, re.M) == ["Apache-2.0", "Apache-2.0"]
+    assert "/usr/share/common-licenses/Apache-2.0" in copyright_
+    readme = (ROOT / "README.md").read_text()
+    assert "Apache License 2.0" in readme and "GPL" not in galaxy + copyright_ + readme
+
+
+def purge(root: Path, **env: str) -> str:
+    """The package's postrm at `apt purge`, on a host whose file system is under `root`."""
+    r = subprocess.run(
+        ["sh", str(ROOT / "debian/kimi-supervisor.postrm"), "purge"],
+        capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "DPKG_ROOT": str(root),
+                                             **env},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def host_with_captures(root: Path) -> Path:
+    for d in (
+        "etc/kimi-supervisor",
+        "var/cache/kimi-supervisor",
+        "var/lib/kimi-vllm",
+        "run/kimi-supervisor",
+        "var/lib/kimi-supervisor/captures/2026-12-03T10-00-00",
+    ):
+        (root / d).mkdir(parents=True)  # fmt: skip
+    state = root / "var/lib/kimi-supervisor"
+    (state / "state.json").write_text("{}")
+    (state / "captures/2026-12-03T10-00-00/rank-0.pt.trace.json.gz").write_bytes(b"x" * 4096)
+    return state
+
+
+def test_purge_says_what_it_removes_and_keeps_the_captures_saying_how_to_remove_them(
+    tmp_path: Path,
+) -> None:
+    state = host_with_captures(tmp_path)
+    said = purge(tmp_path)
+    assert "purge removes /etc/kimi-supervisor (the configuration)," in said
+    assert "KEPT the captures in /var/lib/kimi-supervisor/captures" in said
+    assert "KIMI_SUPERVISOR_PURGE_CAPTURES=yes" in said
+    assert all(len(line) <= 80 for line in said.splitlines()), said
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["var/lib/kimi-supervisor/captures/2026-12-03T10-00-00/rank-0.pt.trace.json.gz"]
+    for gone in (
+        "etc/kimi-supervisor",
+        "var/cache/kimi-supervisor",
+        "var/lib/kimi-vllm",
+        "run/kimi-supervisor",
+    ):
+        assert not (tmp_path / gone).exists(), gone  # fmt: skip
+    assert not (state / "state.json").exists()
+
+
+def test_purge_asked_to_removes_the_captures_and_says_so_and_a_linked_folder_is_not_followed(
+    tmp_path: Path,
+) -> None:
+    state = host_with_captures(tmp_path)
+    said = purge(tmp_path, KIMI_SUPERVISOR_PURGE_CAPTURES="yes")
+    assert "removing the captures in /var/lib/kimi-supervisor/captures" in said
+    assert not state.exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "trace").write_text("x")
+    state.mkdir(parents=True)
+    (state / "captures").symlink_to(elsewhere)
+    said = purge(tmp_path)
+    assert "KEPT" not in said and not state.exists() and (elsewhere / "trace").exists()

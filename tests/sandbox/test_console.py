@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, 
 
 pytestmark = pytest.mark.systemd
 
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gpu-allreduce-2xh200"
 SCHEMA = json.loads(
     (Path(__file__).resolve().parents[2] / "docs" / "kimi-mode-output.schema.json").read_text()
 )
@@ -92,10 +94,18 @@ def test_every_command_with_o_json_prints_lines_that_match_the_documented_schema
     r = km("doctor", "-o", "json")
     seen["doctor"] = json_lines(r)
     assert r.returncode == 0 and seen["doctor"][0]["ok"], r.stdout
-    empty = tmp_path / "capture"
-    empty.mkdir()
-    seen["capture"] = json_lines(km("capture", "--summarize", str(empty), "-o", "json"))
+    traces = tmp_path / "capture"
+    shutil.copytree(FIXTURE, traces)
+    seen["capture"] = json_lines(km("capture", "--summarize", str(traces), "-o", "json"))
     assert seen["capture"][0]["type"] == "summary"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (nothing,) = json_lines(km("capture", "--summarize", str(empty), "-o", "json"))
+    assert nothing["type"] == "error" and nothing["exit"] == 1  # and no summary.json written
+    assert not (empty / "summary.json").exists()
+    # A wrong command line in json mode: one error line, nothing else on stdout.
+    (usage,) = json_lines(km("-o", "json", "prod"))
+    assert usage["type"] == "error" and "did you mean production?" in usage["message"]
     seen["production"] = json_lines(km("-o", "json", "production"))
     # A command that fails says so in one `error` line, with its exit code.
     r = km("status", "-o", "json", "--socket", str(tmp_path / "no.sock"))
@@ -127,8 +137,9 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     r = serving.kimi_mode("wait")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "following t-" in r.stdout and "-> profile (since " in r.stdout
-    assert r.stdout.strip().splitlines()[-2].startswith("done: profile is ready"), r.stdout
-    assert r.stdout.strip().splitlines()[-1].startswith("  unavailable "), r.stdout
+    ending = " ".join(r.stdout[r.stdout.rindex("done: ") :].split())  # wrapped at 80 columns
+    assert ending.startswith("done: profile is ready") and " unavailable " in ending, r.stdout
+    assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
     # Nothing to wait for: at once, with the status's exit; never a switch.
     transitions = len(serving.transitions())
     r = serving.kimi_mode("wait", "profile")

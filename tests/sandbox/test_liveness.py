@@ -22,6 +22,7 @@ import pytest
 from kimi_supervisor.ports import processes
 
 from ..conftest import DaemonHelper, SandboxHelper, health, wait_until
+from ..promtool import PROMETHEUS, dashboard_queries, prometheus, query
 
 pytestmark = pytest.mark.systemd
 
@@ -116,14 +117,38 @@ def freeze_and_wait(sandbox: SandboxHelper, daemon: DaemonHelper, sign: str) -> 
     return incident
 
 
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus (the set-up takes it from Debian's)")
 def test_an_idle_vllm_whose_engine_froze_is_found_by_its_canary_and_served_again(
-    sandbox: SandboxHelper, daemon: DaemonHelper
+    sandbox: SandboxHelper, daemon: DaemonHelper, tmp_path: Path
 ) -> None:
+    """And a real Prometheus, scraping the daemon with the shipped rules through the hang, a
+    STUCK and a switch, gets data for every query of the shipped dashboard (issue 44: two
+    counters had no series until their first event, so their panels were empty), and fires the
+    hang's alert on the daemon's own series."""
     daemon.start()
     daemon.wait_serving("production")
-    incident = freeze_and_wait(sandbox, daemon, "a one-token request got no answer in 5 s")
-    assert "the engine: stopped: PID" in str(incident["what"])
-    assert any(t["trigger"] == "boot" for t in daemon.transitions())
+    m = sandbox.config.metrics
+    with prometheus(tmp_path, f"{m.address}:{m.port}", rules=True) as web:
+        incident = freeze_and_wait(sandbox, daemon, "a one-token request got no answer in 5 s")
+        assert "the engine: stopped: PID" in str(incident["what"])
+        assert any(t["trigger"] == "boot" for t in daemon.transitions())
+        hang = 'ALERTS{alertname="KimiSupervisorVllmHangRestarted",alertstate="firing"}'
+        wait_until(lambda: query(web, hang) == [1.0], 20, "the hang's alert to fire")
+        leak = sandbox.sb.leak(1, 20_000)  # memory no teardown can free: STUCK
+        assert daemon.kimi_mode("profile").returncode == 6
+        leak.unlink()
+        daemon.wait_serving("profile", 60)
+        empty: list[str] = []
+
+        def every_query_answers() -> bool:
+            empty[:] = [f"{t}: {q}" for t, q in dashboard_queries() if not query(web, q)]
+            return not empty
+
+        try:
+            wait_until(every_query_answers, 20, "every dashboard query to return data")
+        except AssertionError:
+            raise AssertionError(f"no data for {empty}") from None
+    assert len(dashboard_queries()) >= 25
 
 
 def test_a_loaded_vllm_whose_engine_froze_is_found_by_its_metrics_and_served_again(

@@ -223,7 +223,10 @@ def summarize_as_another_user(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     r = kimi_mode("--summarize", str(empty))
-    assert r.returncode == 1 and "no rank traces to summarize" in r.stdout
+    assert r.returncode == 1 and "no rank traces to summarize" in r.stderr
+    assert "summary.json not written" in r.stderr and not (empty / "summary.json").exists()
+    r = kimi_mode("--summarize", str(empty), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["type"] == "error"
     r = kimi_mode("--summarize", str(tmp_path / "missing"))
     assert r.returncode == 2 and "No such file or directory" in r.stderr
     r = kimi_mode("--summarize", str(folder), "--seconds", "3")

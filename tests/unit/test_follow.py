@@ -173,3 +173,42 @@ def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks
     assert "following t-1: production -> production" in out.getvalue()
     assert "FAILED: rolled back" in out.getvalue()
     assert err.getvalue() == "kimi-mode: timed out after 0.5 s waiting; the switch goes on\n"
+
+
+def test_wait_for_a_mode_returns_in_50_of_50_switches_whatever_order_end_and_status_come() -> None:
+    """Issue 44: the end of a switch came before the status that no longer shows it; asked
+    again, the daemon answered the old status, and `wait MODE` waited forever. Here each switch
+    reaches the real client in one order: the status first (serving already), or the end first
+    and then 0 to 2 answers that still show the ended transition, each held open as a
+    subscription that never says more, before the new status."""
+    import random
+
+    rng = random.Random(44)
+    took = []
+    for i in range(50):
+        target = ("profile", "production")[i % 2]
+        tr = {**TRANSITION, "id": f"t-{i}", "target": target}
+        loading = reply(code="subscribed", state="starting", mode=None, desired_mode=target,
+                        transition=tr, status_line=f"starting {target}")  # fmt: skip
+        serving = reply(code="subscribed", state="serving", mode=target, desired_mode=target,
+                        transition=None, status_line=f"serving {target}")  # fmt: skip
+        ready = {**end(True, "ready", f"{target} is ready"), "data": {"transition": tr["id"]}}
+        stale = rng.choice([None, 0, 1, 2])  # None: the status comes first
+        if stale is None:
+            talks = [([serving], True)]
+        else:
+            talks = [([loading, event("progress", text="loading"), ready], False)]
+            talks += [([loading], True)] * stale + [([serving], True)]
+        with daemon(*talks) as (sock, requests):
+            o, out, _err = output(rng.choice(["text", "json"]))
+            began = time.monotonic()
+            code = WaitFollow(argparse.Namespace(mode=target), sock, o).run(
+                {"cmd": "subscribe"}, timeout_s=5
+            )
+            took.append(time.monotonic() - began)
+        assert code == Exit.OK, (i, stale, out.getvalue())
+        assert len(requests) == len(talks)
+        if o.json:  # only JSON lines, the last the status that serves
+            lines = [json.loads(x) for x in out.getvalue().splitlines()]
+            assert lines[-1]["type"] == "status" and lines[-1]["mode"] == target, lines
+    assert max(took) < 1.0, took

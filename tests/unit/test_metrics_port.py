@@ -295,3 +295,31 @@ def test_a_flood_of_whole_requests_renders_the_registry_once_per_interval_not_on
         assert _scrape(server.port, "/other")[1] == 200 and renders[-1] == "/other"
     finally:
         server.close()
+
+
+def test_every_counter_is_present_at_0_from_the_start_with_short_label_values() -> None:
+    """Issue 44: two counters had no series until their first event (their panels were empty,
+    and increase() cannot see the event that creates a series), and kills_total's evidence
+    label was a whole sentence."""
+    import re
+
+    from prometheus_client import generate_latest
+
+    from kimi_supervisor.model import Evidence
+    from kimi_supervisor.ports.metrics import evidence_label
+
+    m = Metrics()
+    m.set_gpu(3, "GPU-3", 600, 500)  # a managed GPU's first reading
+    text = generate_latest(m.registry).decode()
+    counters = re.findall(r"^# TYPE (\S+) counter$", text, re.M)
+    assert len(counters) >= 8, counters
+    for name in counters:
+        samples = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        assert samples and set(samples) == {"0.0"}, (name, samples)
+    assert 'kimi_supervisor_gpu_intrusions_total{gpu="3"} 0.0' in text
+    assert 'kimi_supervisor_persist_failures_total{file="state.json"} 0.0' in text
+    assert 'kimi_supervisor_captures_total{outcome="failed"} 0.0' in text
+    values = set(re.findall(r'[{,]\w+="([^"]*)"', text)) - {"GPU-3"}
+    assert all(re.fullmatch(r"[\w.:-]+", v) for v in values), values  # no sentence
+    assert {evidence_label(e) for e in Evidence} <= values
+    assert 'kimi_supervisor_liveness{verdict="not_judged"} 1.0' in text

@@ -135,3 +135,55 @@ def test_every_command_has_a_description_and_examples() -> None:
         assert sub.epilog and sub.epilog.startswith("examples:\n  kimi-mode "), name
         for line in sub.format_help().splitlines():
             assert len(line) <= 80, (name, line)
+
+
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["prod"], "'prod': did you mean production?"),
+        (["pro"], "'pro': did you mean production or profile?"),
+        (["stauts"], "'stauts': did you mean status?"),
+        (["wait", "prodcution"], "'prodcution': did you mean production?"),
+        (["capture", "--then", "stya"], "'stya': did you mean stay?"),
+        (["turbo"], "'turbo' is not one of production, profile, capture"),
+    ],
+)
+def test_a_near_miss_says_what_was_meant(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kimi_mode.main(argv) == Exit.USAGE
+    assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["history", "-n", "0"], "history"),
+        (["status", "--interval", "0"], "status"),
+        (["wait", "--timeout", "x"], "wait"),
+        (["logs", "-n", "-3"], "logs"),
+    ],
+)
+def test_a_commands_own_error_shows_that_commands_usage(
+    argv: list[str], command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kimi_mode.main(argv) == Exit.USAGE
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert said.err.startswith(f"usage: kimi-mode {command} "), said.err
+    assert f"kimi-mode {command}: error: argument " in said.err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-o", "json", "prod"], ["wait", "--json", "--timeout", "x"], ["--output=json", "history",
+     "-n", "0"], ["status", "-ojson", "--bogus"]],
+)  # fmt: skip
+def test_in_json_mode_a_usage_error_is_one_json_error_line_and_nothing_else(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert kimi_mode.main(argv) == Exit.USAGE
+    said = capsys.readouterr()
+    (line,) = [json.loads(x) for x in said.out.splitlines()]
+    assert line["type"] == "error" and line["exit"] == 2 and line["code"] == "usage", line
+    assert said.err.startswith("kimi-mode: ") and "usage:" not in said.err

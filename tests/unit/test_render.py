@@ -17,6 +17,12 @@ import pytest
 from kimi_supervisor.cli.follower import Follower, redraws
 
 LONG = "/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server " + "--flag value " * 20
+PYTHON_HOLDER = ["/opt/venvs/vllm-0.16/bin/python3.12", "-X", "dev", "-m",
+                 "vllm.entrypoints.openai.api_server", "--model", "Kimi-K2.5"]  # fmt: skip
+MAPPED = (
+    "has a managed GPU's device file open and mapped, and no live listed process explains "
+    "that GPU's memory"
+)
 
 
 def events() -> list[dict[str, Any]]:
@@ -34,6 +40,8 @@ def events() -> list[dict[str, Any]]:
                     "cmdline": LONG.split()}}})  # fmt: skip
     for step in ("stop_unit", "kill_cgroup", "kill_strays", "kill_gpu_holders", "wait_driver"):
         out.append({"event": "step_finished", "data": {"step": step, "duration_s": 0.21}})
+    out.append({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_gpu_holders",
+                "evidence": MAPPED, "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}})  # fmt: skip
     out.append({"event": "teardown_finished", "data": {"outcome": "clean", "duration_s": 1.19}})
     out.append({"event": "starting", "data": {"mode": "production"}})
     for used in (615, 45_615, 90_615):  # the load fills the GPUs towards their total
@@ -151,5 +159,203 @@ def test_in_a_real_terminal_the_redraw_leaves_one_header_at_any_width(
         assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
         evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
         assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
+        # A reason wider than a row wraps at its spaces; the kill names the program.
+        assert words(screen) >= {"vllm.entrypoints.openai.api_server", "memory)"}, screen
+        assert "/opt/venvs" not in screen
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+
+
+# ------------------------------------------------------------------------------ 80 columns
+def words(text: str) -> set[str]:
+    return set(text.split())
+
+
+def assert_wrapped_whole(rows: list[str], source: list[str], columns: int) -> None:
+    """Every row fits, and every word of the source is on one row: none is cut."""
+    assert all(len(r) <= columns for r in rows), [r for r in rows if len(r) > columns]
+    assert words("\n".join(rows)) <= words("\n".join(source)), words("\n".join(rows)) - words(
+        "\n".join(source)
+    )
+
+
+def test_a_kill_line_names_the_program_not_the_interpreter() -> None:
+    from kimi_supervisor.model import program
+
+    assert program(PYTHON_HOLDER, "python3.12") == "vllm.entrypoints.openai.api_server"
+    assert program(["/opt/vllm/bin/python", "/opt/vllm/bin/vllm", "serve", "m"], "") == "vllm serve"
+    assert program("/usr/bin/python3 -u /tmp/x/ghost.py --title t", "") == "ghost.py"
+    assert program(["VLLM::Worker_TP3"], "VLLM::Worker_TP") == "VLLM::Worker_TP3"
+    assert program([], "kworker/0:1") == "kworker/0:1"
+    f = Follower(io.StringIO(), tty=False)
+    f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_gpu_holders",
+                "evidence": MAPPED, "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}})  # fmt: skip
+    said = f.out.getvalue()  # type: ignore[attr-defined]
+    assert said.startswith("  killed PID 7 vllm.entrypoints.openai.api_server (kill_gpu_holders:")
+    assert "/opt/venvs" not in said
+
+
+def test_at_80_columns_a_long_kill_reason_wraps_at_its_spaces_never_mid_word() -> None:
+    """Issue 44: the evidence was kept whole (one unbreakable unit) and, wider than a row, cut
+    as `memor` / `y)`."""
+    for tty in (True, False):
+        out = io.StringIO()
+        f = Follower(out, tty=tty, width=lambda: 80)
+        kill = {"signal": "SIGKILL", "step": "kill_gpu_holders", "evidence": MAPPED,
+                "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}  # fmt: skip
+        f.on_event({"event": "kill", "data": kill})
+        f.finish()
+        rows = [r.split("F", 1)[-1] if "\x1b[" in r else r for r in out.getvalue().splitlines()]
+        source = [*f._lines(), f"killed PID 7 {MAPPED}"]
+        assert_wrapped_whole([r.replace("\x1b[J", "") for r in rows], source, 80)
+        assert any(r.rstrip().endswith("memory)") for r in rows), rows
+
+
+def test_history_wraps_every_record_at_80_columns_at_word_boundaries() -> None:
+    from kimi_supervisor.cli.render import format_history
+
+    at = "2026-12-03T10:00:00+00:00"
+    kill = {"signal": "SIGKILL", "step": "kill_gpu_holders", "evidence": MAPPED,
+            "process": {"pid": 4242, "cmdline": PYTHON_HOLDER}}  # fmt: skip
+    entries = [
+        {"kind": "transition", "started_at": at, "previous": "production", "target": "profile",
+         "trigger": "switch", "outcome": "ready", "duration_s": 1834.2, "id": "t-20261203T100000-"
+         "abcdef", "requested_by": "alice (PID 123456)", "message": "profile is ready (1834.2 s)"
+         ", after a teardown that took its time and a load of the whole model from the disk",
+         "downtime": {"text": "unavailable for 30m 34s: old vLLM exit 2.1 s, teardown 1.2 s, "
+                              "to weights 1201.0 s, engine init 600.4 s, to ready 29.5 s"}},
+        {"kind": "teardown", "started_at": at, "outcome": "stuck", "duration_s": 12.5,
+         "kills": [kill], "reason": "switch to profile asked by alice (PID 123456) from tmux",
+         "diagnosis": "GPU 3 still holds 20,000 MiB above its baseline after every step; "
+                      "nothing that holds it could be killed on the evidence there is",
+         "remaining": []},
+        {"kind": "capture", "started_at": at, "ok": True, "message": "capture c-1 wrote 8 "
+         "trace files (2.1 GB) to /var/lib/kimi-supervisor/captures/2026-12-03T10-00-00"},
+        {"kind": "incident", "at": at, "what": "vLLM hung: 3 requests running and no token for "
+         "135 s, its processes using no CPU; restarted (1 of 3 in the window)"},
+    ]  # fmt: skip
+    text = format_history(entries, 80)
+    rows = text.splitlines()
+    assert_wrapped_whole(rows, [format_history(entries, 10_000)], 80)
+    assert len(rows) > 12  # wrapped, not cut
+    assert all(r[:21].strip() == "" for r in rows if not r.startswith("2026")), rows  # hung
+    assert "vllm.entrypoints.openai.api_server" in text and "/opt/venvs" not in text
+
+
+def test_a_captures_summary_wraps_at_80_columns() -> None:
+    from kimi_supervisor.cli.render import format_capture
+
+    data = {"folder": "/var/lib/kimi-supervisor/captures/2026-12-03T10-00-00-alice-" + "x" * 12,
+            "files": [{"rank": 0, "bytes": 2e9, "name": "1796000000000000000-rank-0.1796080"
+                       "794321189670.pt.trace.json.gz"}], "removed": ["/var/lib/kimi-super"
+            "visor/captures/2026-11-01T10-00-00 (older than profiling.keep_days)"]}  # fmt: skip
+    rows = format_capture(data, 80).splitlines()
+    assert all(len(r) <= 80 for r in rows), rows
+    assert words("\n".join(rows)) <= words(format_capture(data, 10_000))
+
+
+# A daemon that accepts a switch, says the load began, then says nothing for LOAD_S while its
+# published status moves on (the GPUs filling, the ETA shrinking), then ends it; the real
+# kimi-mode follows it in the terminal.
+TICKING = """
+import json, os, socket, sys, tempfile, threading, time
+from datetime import UTC, datetime
+sys.path.insert(0, {root!r})
+from kimi_supervisor.cli import kimi_mode
+LOAD_S = {load_s}
+d = tempfile.mkdtemp(prefix="kimi-tick-")
+path = os.path.join(d, "s")
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(16)
+began = time.monotonic()
+
+def status():
+    t = time.monotonic() - began
+    gpus = [{{"index": i, "used_mib": 615 + int(t * 20_000), "baseline_mib": 615,
+             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in (0, 1)]
+    return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
+        "state": "starting", "gpus": gpus,
+        "progress": {{"phase": "weights", "text": "loading weights"}},
+        "eta": {{"expected_s": 60, "remaining_s": 60 - t, "elapsed_s": t, "past_loads": 3,
+                 "slower_than_past": False, "text": f"about {{60 - t:.0f}} s left"}}}}}}
+
+def talk(conn):
+    req = json.loads(conn.makefile("rb").readline())
+    if req["cmd"] == "status":
+        conn.sendall(json.dumps(status()).encode() + b"\\n")
+        conn.close()
+        return
+    tr = {{"id": "t-1", "target": "profile", "previous": "production",
+          "started_at": datetime.now(UTC).isoformat(), "step": "starting"}}
+    reply = {{"v": 1, "type": "reply", "ok": True, "code": "accepted",
+             "message": "switching to profile", "data": {{"transition": tr}}}}
+    start = {{"v": 1, "type": "event", "event": "starting", "at": "",
+              "data": {{"mode": "profile"}}}}
+    conn.sendall(json.dumps(reply).encode() + b"\\n" + json.dumps(start).encode() + b"\\n")
+    time.sleep(LOAD_S)
+    end = {{"v": 1, "type": "end", "ok": True, "outcome": "ready",
+           "message": "profile is ready", "data": {{"transition": "t-1"}}}}
+    conn.sendall(json.dumps(end).encode() + b"\\n")
+    conn.close()
+
+def serve():
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=talk, args=(conn,), daemon=True).start()
+
+threading.Thread(target=serve, daemon=True).start()
+kimi_mode.main(["profile", "--socket", path])
+print("DONE")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
+)
+def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_silent_load(
+    tmp_path: Path,
+) -> None:
+    """Issue 44: between the daemon's events the display stood still ("(2s)" for 8-9 s, the
+    bars frozen), which during a 30-minute load with silent phases looks like a hang."""
+    load_s = 4.5
+    script = tmp_path / "tick.py"
+    root = str(Path(__file__).resolve().parents[2])
+    script.write_text(TICKING.format(root=root, load_s=load_s))
+    server = f"kimi-tick-{os.getpid()}"
+    tmux = ["tmux", "-L", server, "-f", "/dev/null"]
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("TMUX", None)
+    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "30",
+                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
+    clocks: list[tuple[float, str]] = []
+    bars, etas = set(), set()
+    try:
+        began = time.monotonic()
+        screen = ""
+        while "DONE" not in screen:
+            assert time.monotonic() - began < 30, screen
+            time.sleep(0.2)
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J"], capture_output=True,
+                                    text=True, env=env).stdout  # fmt: skip
+            for line in screen.splitlines():
+                if line.startswith("kimi-mode: switching to profile  ("):
+                    clocks.append((time.monotonic(), line.rsplit("(", 1)[1].rstrip(")")))
+                elif line.startswith("  GPU 0 ["):
+                    bars.add(bar(line))
+                elif "s left" in line:
+                    etas.add(line.strip())
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+    shown = [c for _, c in clocks]
+    # The clock said each second of the silent load, and never stood for more than ~1 s.
+    assert {"1s", "2s", "3s", "4s"} <= set(shown), shown
+    stood, last, since = 0.0, None, 0.0
+    for at, c in clocks:
+        if c != last:
+            last, since = c, at
+        stood = max(stood, at - since)
+    assert stood < 1.6, (stood, shown)
+    assert len(bars) >= 3, bars  # the bars followed the published readings
+    assert len(etas) >= 3, etas  # and so did the ETA
