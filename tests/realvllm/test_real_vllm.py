@@ -155,6 +155,12 @@ def as_executed(argv: list[str]) -> list[str]:
     return argv
 
 
+def flat(text: str) -> str:
+    """`text` with every run of white space one space: what kimi-mode said, whatever width it
+    wrapped its lines to (80 columns when piped, issue 44)."""
+    return " ".join(text.split())
+
+
 def wait_new_vllm(real: DaemonHelper, old: int) -> None:
     """Until a vLLM other than `old` runs; at once with the daemon's reason if it gives up
     (FAILED), instead of the whole READY_S."""
@@ -229,7 +235,7 @@ def test_profile_starts_from_the_compile_cache_production_made_and_its_downtime_
     parts = d["parts"]
     assert set(parts) == {"old_exit", "teardown", "to_weights", "engine_init", "to_ready"}, d
     assert abs(sum(parts.values()) - d["window_s"]) < 0.01
-    assert d["text"] in r.stdout  # said at the end of the switch
+    assert flat(d["text"]) in flat(r.stdout)  # said at the end of the switch
     model = Path(json.loads(real.config.vllm.argv_file.read_text())["argv"][2])
     weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     assert d["warm"]["read_bytes"] >= weights and not d["warm"]["stopped"], d
@@ -352,11 +358,12 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
         assert p["wait_ms"] + p["transfer_ms"] == pytest.approx(p["ms_per_step"], abs=0.002)
         assert p["transfer_ms"] > 0, ar
     assert ar["last_to_arrive"]["rank"] in (0, 1) and ar["calls_per_step"] >= 1, ar
-    assert "across ranks 0, 1:" in out and "last to arrive: rank " in out, out
+    assert "across ranks 0, 1:" in flat(out) and "last to arrive: rank " in flat(out), out
     kept = tmp_path_factory.mktemp("first-capture") / folder.name
     shutil.copytree(folder, kept)
     FIRST_CAPTURE.append(kept)
-    assert f"rank 0 (VLLM::Worker_TP0): {summary['ranks'][0]['steps']['decode']} decode" in out
+    decode = summary["ranks"][0]["steps"]["decode"]
+    assert f"rank 0 (VLLM::Worker_TP0): {decode} decode" in flat(out), out
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
     assert processes.cmdline_of(real.vllm_pid()) == as_executed(argv)
     flush = float(re.search(r"flush took ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
@@ -387,8 +394,9 @@ def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> Non
     (first,) = FIRST_CAPTURE
     r = real.kimi_mode("capture", "--compare", str(first), str(folder), timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "decode steps, ms per step" in r.stdout and "all-reduce wait" in r.stdout, r.stdout
-    assert "verdict: decode step p50" in r.stdout, r.stdout
+    said = flat(r.stdout)
+    assert "decode steps, ms per step" in said and "all-reduce wait" in said, r.stdout
+    assert "verdict: decode step p50" in said, r.stdout
     record(compare_output=r.stdout)
 
 
@@ -463,7 +471,7 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
         # outlast the stall (asserted below), or this tests nothing.
         r = real.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=READY_S)
         assert r.returncode == 0, r.stdout + r.stderr
-        m = re.search(r"flush took ([\d.]+) s", r.stdout)
+        m = re.search(r"flush took ([\d.]+) s", flat(r.stdout))
         assert m, r.stdout
         assert float(m.group(1)) > real.config.liveness.stall_s, "the flush outlasts the stall"
         served = load.answered
@@ -489,11 +497,11 @@ def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     # and vLLM's "Loading weights took" come within one read of it (tens of ms), so only the
     # last step shows here; the steps of a slow load, in the same bytes, are the fake's
     # (test_sandbox, test_kimi_mode).
-    assert "vLLM: weights loaded; initializing the engine" in r.stdout, r.stdout
+    assert "vLLM: weights loaded; initializing the engine" in flat(r.stdout), r.stdout
     last = [e for e in real.history() if e["kind"] == "teardown"][-1]
     steps = {s["step"]: round(s["duration_s"], 2) for s in last["steps"]}
     back = [e for e in real.history() if e["kind"] == "transition"][-1]["downtime"]
-    assert back["window_s"] < switch_s and back["text"] in r.stdout, back
+    assert back["window_s"] < switch_s and flat(back["text"]) in flat(r.stdout), back
     record(profile_to_production_s=round(switch_s, 1), teardown_s=round(last["duration_s"], 2),
            teardown_steps=steps, to_production_downtime=back)  # fmt: skip
     assert not any(processes.ref_of(pid) for pid in before), "the old tree is gone"
