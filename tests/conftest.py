@@ -58,6 +58,12 @@ def wait_until(
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
+def flat(text: str) -> str:
+    """`text` with every run of white space one space: what kimi-mode said, whatever width it
+    wrapped its lines to (80 columns when piped, issue 44)."""
+    return " ".join(text.split())
+
+
 def health(url: str) -> int:
     """GET /health: the status code, 0 for no answer."""
     return request(url, timeout_s=1).status

@@ -35,6 +35,7 @@ from ..conftest import (
     HealthWatch,
     SandboxHelper,
     assert_starts_like_vllm_0_16,
+    flat,
     wait_until,
 )
 from ..vllm_0_16 import (
@@ -153,12 +154,6 @@ def as_executed(argv: list[str]) -> list[str]:
     if first.startswith(b"#!"):
         return [*first[2:].decode().split(), *argv]
     return argv
-
-
-def flat(text: str) -> str:
-    """`text` with every run of white space one space: what kimi-mode said, whatever width it
-    wrapped its lines to (80 columns when piped, issue 44)."""
-    return " ".join(text.split())
 
 
 def wait_new_vllm(real: DaemonHelper, old: int) -> None:

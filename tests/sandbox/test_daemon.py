@@ -19,7 +19,7 @@ from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
 from kimi_supervisor.store.state import StateStore
 
-from ..conftest import DaemonHelper, SandboxHelper, health, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, flat, health, wait_until
 from ..promtool import stuck_alert_fires_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,8 +116,8 @@ def test_a_profile_mode_that_crashes_while_loading_rolls_back_to_production_and_
     sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
     r = daemon.kimi_mode("profile")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "rolling back to production" in r.stdout
-    assert "simulated crash while loading at" in r.stdout  # the unit's last lines, shown
+    assert "rolling back to production" in flat(r.stdout), r.stdout
+    assert "simulated crash while loading at" in flat(r.stdout)  # the unit's last lines, shown
     status = daemon.wait_serving("production")
     assert status["desired_mode"] == "production"
     assert "--profiler-config" not in vllm_argv(daemon)
@@ -505,16 +505,16 @@ def test_a_missing_vllm_binary_is_named_in_status_history_and_the_switch_that_fa
     finally:
         os.rename(away, vllm)
     said = f"cannot execute {vllm}: [Errno 2] No such file or directory"
-    assert r.returncode == 1 and said in r.stdout + r.stderr, r.stdout + r.stderr
+    assert r.returncode == 1 and said in flat(r.stdout + r.stderr), r.stdout + r.stderr
     failure = status["last_failure"]
     assert any(said in line for line in failure["said"]), failure
     assert failure["more"] == str(sandbox.config.vllm.log_file)
     text = daemon.kimi_mode("status").stdout
     assert all(len(line) <= 80 for line in text.splitlines()), text  # wrapped, not cut
-    flat = " ".join(text.split())
-    assert f"vLLM said: kimi-supervisor launch-vllm: {said}" in flat, text
-    assert f"all of vLLM's output: {failure['more']}" in flat, text
-    assert f"| kimi-supervisor launch-vllm: {said}" in flat, text  # its last lines, too
+    shown = flat(text)
+    assert f"vLLM said: kimi-supervisor launch-vllm: {said}" in shown, text
+    assert f"all of vLLM's output: {failure['more']}" in shown, text
+    assert f"| kimi-supervisor launch-vllm: {said}" in shown, text  # its last lines, too
     assert said in daemon.transitions()[-1]["message"]
     assert daemon.kimi_mode("production").returncode == 0
     assert daemon.wait_serving("production")["last_failure"] is None

@@ -29,7 +29,7 @@ import pytest
 
 from kimi_supervisor.sandbox.simreader import HANG
 
-from ..conftest import DaemonHelper, SandboxHelper, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, flat, wait_until
 
 TIMEOUT_S = 2  # state.timeout_s and gpus.timeout_s here (10 s shipped)
 
@@ -105,8 +105,8 @@ def test_a_frozen_state_disk_holds_no_command_and_what_was_kept_is_written_once_
             r = daemon.kimi_mode("profile", timeout=60)
             refused_s = time.monotonic() - t0
             assert r.returncode != 0, r.stdout
-            assert "cannot be persisted" in r.stdout + r.stderr, r.stdout + r.stderr
-            assert f"no answer in {TIMEOUT_S} s" in r.stdout + r.stderr, r.stdout + r.stderr
+            assert "cannot be persisted" in flat(r.stdout + r.stderr), r.stdout + r.stderr
+            assert f"no answer in {TIMEOUT_S} s" in flat(r.stdout + r.stderr), r.stdout + r.stderr
             assert refused_s < TIMEOUT_S + 5, refused_s
             wait_until(lambda: warned(daemon, "the state folder does not answer"), 10, "said")
             # vLLM dies meanwhile: the daemon restarts it all the same.

@@ -20,7 +20,14 @@ import pytest
 
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from ..conftest import (
+    KIMI_MODE,
+    DaemonHelper,
+    SandboxHelper,
+    flat,
+    like_a_terminal,
+    wait_until,
+)
 
 pytestmark = pytest.mark.systemd
 
@@ -399,7 +406,8 @@ def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_
     assert r.returncode == 0 and "past loads" not in r.stdout, r.stdout
     r = serving.kimi_mode("production")  # production loaded when the daemon started
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "past loads of this mode and argv took" in r.stdout and "(median of 1)" in r.stdout
+    said = flat(r.stdout)
+    assert "past loads of this mode and argv took" in said and "(median of 1)" in said
     loads = [t for t in serving.transitions() if t["outcome"] == "ready" and "load_s" in t]
     assert {t["target"] for t in loads} == {"production", "profile"}
     assert all(t["load_s"] >= 2.0 and len(t["argv_key"]) == 16 for t in loads[-2:])

@@ -18,7 +18,14 @@ from kimi_supervisor.capture.retention import oldest_first
 from kimi_supervisor.control.client import exchange
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from ..conftest import (
+    KIMI_MODE,
+    DaemonHelper,
+    SandboxHelper,
+    flat,
+    like_a_terminal,
+    wait_until,
+)
 from ..vllm_0_16 import assert_traces_like_vllm_0_16
 
 pytestmark = pytest.mark.systemd
@@ -41,7 +48,7 @@ def test_timed_profile_mode_goes_back_to_production_by_itself(
     # by the time a loaded CI machine read the status.
     r = daemon.kimi_mode("profile", "--for", "12s")
     assert r.returncode == 0, r.stderr
-    assert "back to production at" in r.stdout
+    assert "back to production at" in flat(r.stdout)
     status = daemon.status()
     assert status["mode"] == "profile" and 0 < status["profile_left_s"] <= 12
     assert "profile ends:" in daemon.kimi_mode("status").stdout
@@ -58,7 +65,7 @@ def test_the_expiry_holds_across_a_daemon_restart_and_asking_again_extends_it(
     assert daemon.kimi_mode("profile", "--for", "1h").returncode == 0
     first = state_file(sandbox)["profile_until"]
     r = daemon.kimi_mode("profile", "--for", "2h")
-    assert "already running" in r.stdout and "back to production at" in r.stdout
+    assert "already running" in flat(r.stdout) and "back to production at" in flat(r.stdout)
     second = state_file(sandbox)["profile_until"]
     assert datetime.fromisoformat(second) - datetime.fromisoformat(first) > timedelta(minutes=59)
     pid = daemon.pid()
@@ -91,12 +98,12 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     (folder,) = captures(sandbox)
     names = sorted(f.name for f in folder.iterdir())
     assert_traces_like_vllm_0_16(names, 4)
-    assert f"traces in {folder}:" in r.stdout
+    assert f"traces in {folder}:" in flat(r.stdout)
     for rank in range(4):
         assert f"rank   {rank}" in r.stdout
     assert_summary_of_the_fakes_traces(folder, r.stdout, 4)
-    assert "flushing:" in r.stdout  # progress while the files grew
-    assert "going back to production" in r.stdout
+    assert "flushing:" in flat(r.stdout)  # progress while the files grew
+    assert "going back to production" in flat(r.stdout)
     profiling.wait_serving("production")
     (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
     assert rec["ok"] and rec["folder"] == str(folder)
@@ -183,7 +190,7 @@ def test_a_switch_asked_for_during_a_flush_waits_for_it_and_force_cuts_it_short(
     r = profiling.kimi_mode("production")
     t.join(30)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "waits for capture" in r.stdout
+    assert "waits for capture" in flat(r.stdout)
     assert done["c"].returncode == 0, done["c"].stdout + done["c"].stderr
     capture = next(e for e in profiling.history() if e["kind"] == "capture")
     switch = next(e for e in profiling.transitions() if e["target"] == "production")
@@ -215,10 +222,10 @@ def test_retention_keeps_the_newest_captures_and_logs_what_it_removed(
         r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay")
         assert r.returncode == 0, r.stdout + r.stderr
         made.append(captures(sandbox)[-1])
-        assert f"traces in {made[-1]}" in r.stdout, r.stdout  # the one just taken is kept
+        assert f"traces in {made[-1]}" in flat(r.stdout), r.stdout  # the one just taken is kept
     assert captures(sandbox) == made[-3:]  # the newest three, by when they were made
     assert (ahead / "notes.txt").exists()
-    assert f"removed by retention: {made[2]}" in r.stdout  # the last one took the first taken
+    assert f"removed by retention: {made[2]}" in flat(r.stdout)  # the last one took the first taken
     assert '"capture_removed"' in profiling.log()
 
 
@@ -236,7 +243,7 @@ def test_profiler_endpoint_failures_give_clear_errors(
     sandbox.fake(profiler_fault=fault)
     r = profiling.kimi_mode("capture", "--seconds", "0.2", "--then", "stay")
     assert r.returncode == 1
-    assert says in r.stdout
+    assert says in flat(r.stdout)
     sandbox.fake()
     assert profiling.status()["state"] == "serving"
 
