@@ -309,7 +309,8 @@ def test_a_health_that_answers_late_from_a_busy_api_server_is_never_restarted(
     Once it answers again, the warning goes."""
     busy = Path(sandbox.sb.root) / "api-busy"
     sandbox.fake(api_busy_file=str(busy))
-    daemon.start()
+    with daemon.configured(daemon={"health_interval_s": 2}):  # 30 s in the sandbox's config
+        daemon.start()
     daemon.wait_serving("production")
     pid = daemon.vllm_pid()
     grace = sandbox.config.daemon.health_grace_s
