@@ -127,7 +127,6 @@ class Daemon:
         self.heartbeat = ctx.clock.monotonic()
         self._last_watchdog = 0.0
         self._last_line = ""
-        self._uuids: dict[int, str] = {}
         self._status_lock = threading.Lock()
         self._status: Status | None = None
         self._next_step = 0.0  # the regular pass (monotonic)
@@ -178,14 +177,12 @@ class Daemon:
         ctx.send_events()
 
     def _uuid(self, index: int) -> str:
-        """The GPU's UUID for the metrics' labels, asked once (empty while the driver is not
-        there: asked again on the next publish)."""
-        if index not in self._uuids:
-            try:
-                self._uuids[index] = self.ctx.gpu.uuid(index)
-            except GpuUnavailable:
-                return ""
-        return self._uuids[index]
+        """The GPU's UUID for the metrics' labels (the GPU port asks NVML once and keeps it);
+        empty while the driver is not there: asked again on the next publish."""
+        try:
+            return self.ctx.gpu.uuid(index)
+        except GpuUnavailable:
+            return ""
 
     # ---------------------------------------------------------------- boot
     def boot(self) -> None:

@@ -23,7 +23,14 @@ from kimi_supervisor.cli.kimi_mode import build_parser
 from kimi_supervisor.config import Config
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 
-from ..conftest import KIMI_MODE, DaemonHelper, SandboxHelper, like_a_terminal, wait_until
+from ..conftest import (
+    KIMI_MODE,
+    DaemonHelper,
+    SandboxHelper,
+    flat,
+    like_a_terminal,
+    wait_until,
+)
 
 pytestmark = pytest.mark.systemd
 
@@ -137,7 +144,7 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     r = serving.kimi_mode("wait")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "following t-" in r.stdout and "-> profile (since " in r.stdout
-    ending = " ".join(r.stdout[r.stdout.rindex("done: ") :].split())  # wrapped at 80 columns
+    ending = flat(r.stdout[r.stdout.rindex("done: ") :])  # wrapped at 80 columns
     assert ending.startswith("done: profile is ready") and " unavailable " in ending, r.stdout
     assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
     # Nothing to wait for: at once, with the status's exit; never a switch.

@@ -114,7 +114,7 @@ def test_a_switch_followed_through_a_pipe_prints_each_step_the_kill_and_the_load
     # The load's progress arrived while it loaded, in steps.
     seen = [int(p) for p in re.findall(r"vLLM: loading safetensors shards (\d+)%", out)]
     assert len(seen) >= 3 and seen == sorted(seen) and seen[-1] >= 50, out
-    ending = " ".join(out[out.rindex("done: ") :].split())  # wrapped at 80 columns
+    ending = flat(out[out.rindex("done: ") :])  # wrapped at 80 columns
     assert ending.startswith("done: profile is ready"), out
     assert " unavailable " in ending and "engine init" in ending, out  # its window
     assert all(len(line) <= 80 for line in out.splitlines()), out

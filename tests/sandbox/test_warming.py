@@ -36,7 +36,7 @@ from kimi_supervisor.sandbox.sandbox import UNIT
 from tests import hungfs
 from tests.inotify import Watch
 
-from ..conftest import DaemonHelper, SandboxHelper, as_user, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, as_user, flat, wait_until
 
 pytestmark = [
     pytest.mark.systemd,
@@ -192,7 +192,7 @@ def test_a_switch_whose_model_reads_hang_goes_on_at_warm_timeout_s_and_leaves_it
     seen = watch.stop()
     assert "warming:" not in text and "page cache:" in text, text
     assert all(len(line) <= 80 for line in text.splitlines()), text
-    said = " ".join(text.split())  # the lines as wrapped at 80 columns, joined
+    said = flat(text)  # the lines as wrapped at 80 columns, joined
     assert "stopped at warm.timeout_s (6 s)" in said
     assert f"the reader (PID {reader}) is left in kimi-supervisor-warm-{reader}.scope" in said
     assert "a warming's reader is left" in said  # the warning
