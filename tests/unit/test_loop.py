@@ -514,35 +514,39 @@ def test_a_driver_that_stops_answering_holds_no_pass_and_kills_nothing_until_it_
     no reading: said in status; a switch's teardown cannot call the GPUs free, so it ends STUCK
     before anything is stopped, and the vLLM that serves goes on serving; once the driver
     answers, the retry switches."""
-    host = booted(LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n", health_interval_s=1))
-    served = host.systemd.child
-    host.gpu.answers.clear()
-    host.longest_turn = 0.0
-    host.until(
-        lambda: any("cannot read the GPUs: NVML" in w for w in host.status()["warnings"]),
-        "status to say the GPUs cannot be read",
-    )
-    # A re-exec now would wait in execve for the stuck call, unsupervised: it waits instead.
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert host.daemon.turn(), "the loop goes on"
-    assert any(w.startswith("the re-exec waits") for w in host.status()["warnings"])
-    host.daemon.s.reexec_requested = False  # asked again below, once the driver answers
-    host.ask(Switch(Mode.PROFILE, "op"))
-    host.until(lambda: host.state is State.STUCK, "STUCK")
-    report = host.history("teardown")[-1]
-    assert report["diagnosis"].startswith("the GPUs could not be read: NVML: reading GPU(s)")
-    assert "nvidia-smi" in report["next_action"] and not report["kills"]
-    assert host.systemd.child is served and served.poll() is None, "the vLLM serving goes on"
-    assert host.longest_turn < 1.0, host.longest_turn  # the deadline, not the driver, bounds it
-    said = [w for w in host.status()["warnings"] if w.startswith("cannot read the GPUs")]
-    assert len(said) == 1, said  # one line for one cause, whatever its elapsed time says
-    host.gpu.answers.set()
-    host.serving(Mode.PROFILE)
-    assert not any("cannot read the GPUs" in w for w in host.status()["warnings"])
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn(), "the re-exec goes on once nothing is stuck"
+    host = LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n", health_interval_s=1)
+    try:
+        booted(host)
+        served = host.systemd.child
+        host.gpu.answers.clear()
+        host.longest_turn = 0.0
+        host.until(
+            lambda: any("cannot read the GPUs: NVML" in w for w in host.status()["warnings"]),
+            "status to say the GPUs cannot be read",
+        )
+        # A re-exec now would wait in execve for the stuck call, unsupervised: it waits instead.
+        host.daemon.ask(Reexec())
+        host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+        assert host.daemon.turn(), "the loop goes on"
+        assert any(w.startswith("the re-exec waits") for w in host.status()["warnings"])
+        host.daemon.s.reexec_requested = False  # asked again below, once the driver answers
+        host.ask(Switch(Mode.PROFILE, "op"))
+        host.until(lambda: host.state is State.STUCK, "STUCK")
+        report = host.history("teardown")[-1]
+        assert report["diagnosis"].startswith("the GPUs could not be read: NVML: reading GPU(s)")
+        assert "nvidia-smi" in report["next_action"] and not report["kills"]
+        assert host.systemd.child is served and served.poll() is None, "the vLLM serving goes on"
+        assert host.longest_turn < 1.0, host.longest_turn  # the deadline, not the driver, bounds it
+        said = [w for w in host.status()["warnings"] if w.startswith("cannot read the GPUs")]
+        assert len(said) == 1, said  # one line for one cause, whatever its elapsed time says
+        host.gpu.answers.set()
+        host.serving(Mode.PROFILE)
+        assert not any("cannot read the GPUs" in w for w in host.status()["warnings"])
+        host.daemon.ask(Reexec())
+        host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+        assert not host.daemon.turn(), "the re-exec goes on once nothing is stuck"
+    finally:
+        host.close()
 
 
 def test_a_driver_that_hangs_while_the_baseline_is_resolved_leaves_a_provisional_one(
@@ -552,14 +556,16 @@ def test_a_driver_that_hangs_while_the_baseline_is_resolved_leaves_a_provisional
     escaped as GpuUnavailable, and the operator's transition was never ended."""
     from kimi_supervisor.loop import boot
 
-    host = booted(LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n"))
-    host.gpu.answers.clear()
+    host = LoopHost(tmp_path, extra="[gpus]\ntimeout_s = 0.3\n")
     try:
+        booted(host)
+        host.gpu.answers.clear()
         boot.resolve_baseline(host.daemon.ctx)
         assert host.daemon.s.baseline_provisional
         assert any(w.startswith("no baseline") for w in host.daemon.s.warnings)
     finally:
         host.gpu.answers.set()
+        host.close()
 
 
 def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_record_once(
