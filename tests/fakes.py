@@ -57,5 +57,5 @@ class NoSystemd:
     def jobs(self) -> dict[str, str]:
         return {}
 
-    def move_to_scope(self, name: str, pid: int, description: str) -> None:
+    def move_to_scope(self, name: str, pid: int, description: str, devices: bool = False) -> None:
         raise SystemdError(f"cannot make the scope {name}: no systemd on this host")

@@ -6,10 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from kimi_supervisor.cli.compose import config_path, ports
+from kimi_supervisor.cli.compose import config_path, open_gpu, systemd_port
 from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.configfile import load_config
+
+if TYPE_CHECKING:
+    from kimi_supervisor.ports.bounded import ProcessWorker
+    from kimi_supervisor.ports.systemd import SystemdPort
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -47,7 +53,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     daemon: Daemon | None = None
 
-    systemd, gpu = ports(config)
+    # NVML's calls, the state folder's and the history's reads for clients each run in a
+    # process of their own, in a scope of its own (ports/bounded.py): one stuck in the kernel
+    # holds neither the loop nor this unit's stop.
+    systemd = systemd_port(config)
+    nvml = io_worker(systemd, "nvml", config.gpus.timeout_s, emit, devices=True)
+    disk = io_worker(systemd, "state", config.state.timeout_s, emit)
+    reads = io_worker(systemd, "history", config.state.timeout_s, emit)
+    for w in (nvml, disk, reads):
+        w.start()
+    gpu = open_gpu(config, nvml)
     keep = config.daemon.output_tail_lines
     output: OutputPort = (
         FileOutput(config.vllm.log_file, keep)
@@ -56,7 +71,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     metrics = Metrics() if config.metrics.enabled else None
     notifier = Notifier()
-    daemon = Daemon(config, systemd, gpu, output, notifier, emit, metrics=metrics)
+    daemon = Daemon(
+        config, systemd, gpu, output, notifier, emit, metrics=metrics, disk=disk, reads=reads
+    )
     c = config.control
     server = ControlServer(
         c.socket,
@@ -111,7 +128,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         if metrics is not None:
             metrics.close()
         output.close()
+        gpu.close()
+        disk.close()
+        reads.close()
     return Exit.OK if daemon.s.stopped_clean else Exit.FAILED
+
+
+def io_worker(
+    systemd: SystemdPort,
+    name: str,
+    timeout_s: float,
+    log: Callable[..., None],
+    devices: bool = False,
+) -> ProcessWorker:
+    """A process of its own for one kind of the daemon's blocking I/O, moved into a scope of its
+    own (`kimi-supervisor-io-NAME-PID.scope`) before its first call; where no scope can be
+    made, it stays in the daemon's unit, and the log says so."""
+    from kimi_supervisor.ports.bounded import SCOPE_PREFIX, ProcessWorker
+    from kimi_supervisor.ports.systemd import SystemdError
+
+    def adopt(pid: int) -> str:
+        scope = f"{SCOPE_PREFIX}{name}-{pid}.scope"
+        try:
+            systemd.move_to_scope(scope, pid, f"kimi-supervisor: its {name} I/O", devices)
+        except SystemdError as e:
+            log("io_scope_failed", level="warning", worker=name, pid=pid, error=str(e))
+            return ""
+        return scope
+
+    return ProcessWorker(name, timeout_s, adopt, log)
 
 
 # How long `kimi-supervisor reload` waits for the new image (a teardown in progress finishes

@@ -4,6 +4,7 @@ published snapshot and the history file; anything that changes state becomes a t
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 from collections.abc import Iterator
@@ -87,9 +88,19 @@ class Handlers:
             conn.send(Reply(ok=False, code="busy", message=f"not reading the history now: {why}"))
             return
         try:
-            lines, cut = history.read_lines(
-                self.daemon.config.state.dir, request.n, HISTORY_MAX_BYTES
-            )
+            # On the daemon's history reader (a process of its own): a frozen state folder
+            # holds this client's answer, never a thread of the daemon's in the kernel.
+            try:
+                lines, cut = self.daemon.reads.call(
+                    functools.partial(
+                        history.read_lines,
+                        self.daemon.config.state.dir, request.n, HISTORY_MAX_BYTES,
+                    ),
+                    "reading the history",
+                )  # fmt: skip
+            except TimeoutError as e:
+                conn.send(Reply(ok=False, code="busy", message=f"not reading the history now: {e}"))
+                return
             head, tail = encode(
                 Reply(ok=True, code="history", data={"entries": [], "truncated": cut})
             ).split(b'"entries":[]', 1)

@@ -8,6 +8,7 @@ applies it when the current step returns (loop/lifecycle.py), never in the middl
 
 from __future__ import annotations
 
+import functools
 import os
 
 from kimi_supervisor.capture.job import Capture, CaptureSpec, check_out
@@ -18,7 +19,7 @@ from kimi_supervisor.loop.inbox import CaptureDone, CaptureStart, CaptureStop, S
 from kimi_supervisor.loop.publish import status_line
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import SWITCHING_STATES, Mode, State, utcnow
-from kimi_supervisor.store.state import StateError
+from kimi_supervisor.store.state import StateError, with_fields
 from kimi_supervisor.teardown.strays import port_blockers
 
 
@@ -183,8 +184,8 @@ class Desk:
             return ""
         ctx.s.profile_until = until = e.until
         ctx.persist(
-            lambda st: st.model_copy(
-                update={"profile_until": until, "profile_until_changed_at": utcnow()}
+            functools.partial(
+                with_fields, {"profile_until": until, "profile_until_changed_at": utcnow()}
             )
         )
         if until is None:
@@ -204,8 +205,8 @@ class Desk:
         ctx.incident({"at": utcnow().isoformat(), "what": f"profile mode expired at {until}"})
         ctx.s.profile_until = None
         ctx.persist(
-            lambda st: st.model_copy(
-                update={"profile_until": None, "profile_until_changed_at": utcnow()}
+            functools.partial(
+                with_fields, {"profile_until": None, "profile_until_changed_at": utcnow()}
             )
         )
         ctx.desire(Mode.PRODUCTION, "profile expiry")

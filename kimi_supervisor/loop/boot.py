@@ -6,12 +6,15 @@ baseline is provisional); each returns at once, and the loop retries on its own 
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
 from kimi_supervisor.model import utcnow
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.store import baseline
-from kimi_supervisor.store.state import with_baseline
+from kimi_supervisor.store.state import Baseline, replaced, with_baseline
 
 
 def load_state(ctx: Context) -> None:
@@ -26,7 +29,7 @@ def load_state(ctx: Context) -> None:
         ctx.log("state_file_corrupt", level="error", message=warning)
         ctx.incident({"at": utcnow().isoformat(), "what": warning})
         # Guarded: a full disk keeps the defaults in memory, says so, and writes at each pass.
-        ctx.persist(lambda _aside: st)
+        ctx.persist(functools.partial(replaced, st))
     s.desired = st.desired_mode
     s.profile_until = st.profile_until
     s.interrupted = st.transition
@@ -66,12 +69,12 @@ def resolve_baseline(ctx: Context) -> None:
     fixed = ctx.config.gpus.baseline_mib
     c = ctx.config
     try:
-        # On the state folder's thread (it reads state.json), bounded by its wait and NVML's.
-        s.baselines, fresh = ctx.disk.call(
-            lambda: baseline.resolve(ctx.gpu, s.indices, fixed, c.state.dir),
-            "reading the stored baseline",
-            c.state.timeout_s + c.gpus.timeout_s,
-        )
+        # The stored one read on the state folder's worker, bounded by its wait; NVML's
+        # calls are bounded by theirs.
+        def stored(d: Path) -> Baseline | None:
+            return ctx.disk.call(functools.partial(baseline.load, d), "reading the stored baseline")
+
+        s.baselines, fresh = baseline.resolve(ctx.gpu, s.indices, fixed, c.state.dir, stored)
     except (baseline.BaselineError, GpuUnavailable, OSError) as e:
         s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
         s.baseline_provisional = True
@@ -83,7 +86,7 @@ def resolve_baseline(ctx: Context) -> None:
     if fresh is not None:
         # Guarded like every state write: unsaved, it is used from memory and written again
         # at the next pass (a full disk at boot is not a crash loop).
-        ctx.persist(lambda st: with_baseline(st, fresh))
+        ctx.persist(functools.partial(with_baseline, baseline=fresh))
     if s.baseline_provisional:
         ctx.log("baseline_calibrated", devices=s.baselines)
     s.baseline_provisional = False

@@ -7,8 +7,9 @@ once per pass): it calls nothing back. Owned and used by the loop thread.
 from __future__ import annotations
 
 import collections
+import functools
 import os
-import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from kimi_supervisor.loop.loopstate import LoopState
 from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import Mode, TeardownReport, utcnow
-from kimi_supervisor.ports.bounded import Worker
+from kimi_supervisor.ports.bounded import IoWorker, Worker
 from kimi_supervisor.ports.clock import Clock
 from kimi_supervisor.ports.gpu import GpuPort
 from kimi_supervisor.ports.metrics import Metrics
@@ -31,11 +32,13 @@ from kimi_supervisor.ports.output import OutputPort
 from kimi_supervisor.ports.systemd import SystemdPort
 from kimi_supervisor.store import history
 from kimi_supervisor.store.state import (
-    DAEMON_FIELDS,
+    Kept,
+    Known,
     PersistedState,
     StateError,
     StateStore,
-    changed_outside,
+    replaced,
+    same,
     with_desired,
     with_transition,
 )
@@ -49,12 +52,16 @@ DISK_STUCK = "the state folder does not answer"
 
 @dataclass
 class Pending:
-    """A history record not written yet. `written` is set by the state folder's thread once
-    the append is done, even by a call the loop gave up on: it is never appended twice."""
+    """A history record not written yet. `written` is set once the append is done, even by a
+    call the loop gave up on (its answer comes late, to `_written`): never appended twice."""
 
     kind: str
     record: TeardownReport | dict[str, Any]
     written: bool = False
+
+
+def _written(p: Pending, _result: object) -> None:
+    p.written = True
 
 
 def new_id() -> str:
@@ -75,6 +82,7 @@ class Context:
     bus: EventBus
     observer: Observer
     s: LoopState = field(default_factory=LoopState)
+    disk_worker: IoWorker | None = None  # the daemon's: a process of its own (cli/run.py)
 
     def __post_init__(self) -> None:
         self.unit = self.config.service.unit
@@ -83,10 +91,14 @@ class Context:
         self.unsaved_state = False
         self.pending: collections.deque[Pending] = collections.deque()
         # Every read and write of the state folder (state.json, history.jsonl) runs on this
-        # one thread, waited for at most state.timeout_s (ports/bounded.py): a hung or frozen
-        # file system holds no pass of the loop longer. A call that passes it is left there;
-        # until it returns, the others fail at once, as a full disk's do (kept in memory).
-        self.disk = Worker("state-io", self.config.state.timeout_s)
+        # one worker, waited for at most state.timeout_s (ports/bounded.py): a hung or frozen
+        # file system holds no pass of the loop longer, and, the daemon's being a process in a
+        # scope of its own, no stop either. A call that passes it is left there; until it
+        # returns, the others fail at once, as a full disk's do (kept in memory). Without one
+        # given, a thread that hands each call over as the process would (`copy`).
+        self.disk: IoWorker = self.disk_worker or Worker(
+            "state-io", self.config.state.timeout_s, copy=True
+        )
         # What this pass has to say to the bus's subscribers: sent by the daemon once the
         # pass's status is published, so that whoever reacts to an event reads a status at
         # least as new as the event.
@@ -100,24 +112,20 @@ class Context:
         again at the next pass (`flush`). With `must`, it raises StateError instead, so that the
         caller refuses what it was asked before any effect. A file found corrupt is rewritten
         from what the daemon last knew, and recorded."""
-        kept: list[tuple[list[str], Mode, str]] = []
-        gone: list[bool] = []
-        restore = self._restoring(kept, gone)
         # A write the caller must have on disk first is refused when it times out: it must not
         # land afterwards either (a refused switch coming back at the next start), so it is
         # dropped before its rename if the wait ended by then. Any other keeps its course: it
         # holds what memory holds, and the next pass writes memory over it anyway.
-        refused = threading.Event()
-        proceed = (lambda: not refused.is_set()) if must else None
+        limit = self.disk.timeout_s
+        deadline = time.monotonic() + limit if must else None
+        known = Known(self.saved, self.unsaved_state, self.saved_stamp is not None)
         try:
-            new, warning = self.disk.call(
-                lambda: self.store.update(
-                    lambda found: change(restore(found)), self.saved, proceed
-                ),
+            done = self.disk.call(
+                functools.partial(self.store.update_known, change, known, deadline),
                 f"writing {self.store.path}",
+                limit,
             )
         except (StateError, OSError) as e:
-            refused.set()
             if isinstance(e, TimeoutError):
                 # It may still land when the folder answers: written over from memory then.
                 self.unsaved_state = True
@@ -128,6 +136,7 @@ class Context:
             key = "cannot persist the state"
             self._unsaved("state.json", f"{key}, kept in memory: {e}", key)
             return
+        new, warning, kept, gone = done.state, done.warning, done.kept, done.gone
         self.saved = new
         self.saved_stamp = self.stamp()
         self.unsaved_state = False
@@ -151,7 +160,9 @@ class Context:
     def stamp(self) -> tuple[int, int, int] | None:
         path = self.store.path
         try:
-            st = self.disk.call(lambda: os.stat(path, follow_symlinks=False), f"reading {path}")
+            st = self.disk.call(
+                functools.partial(os.stat, path, follow_symlinks=False), f"reading {path}"
+            )
         except OSError:
             return None
         return (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -177,43 +188,13 @@ class Context:
         if self.unsaved_state or not self.disk_answers():
             return
         if self.stamp() != self.saved_stamp:
-            # A calibrate's baseline taken (see _restoring); a file deleted is written again
+            # A calibrate's baseline taken (StateStore.reconcile); a file deleted is written again
             # from memory and reported (see persist).
-            self.persist(lambda st: st)
+            self.persist(same)
 
-    def _restoring(
-        self, kept: list[tuple[list[str], Mode, str]], gone: list[bool]
-    ) -> Callable[[PersistedState], PersistedState]:
-        """What every write of the state first does with the file found (under its lock).
-
-        state.json changed, and not by this daemon: a new baseline (a calibrate) is taken as
-        written. What only the daemon writes (DAEMON_FIELDS: the desired mode above all) found
-        changed is not taken: the daemon goes on with what it knows, which is what runs; the
-        file found is kept beside as state.json.outside-TIME (`kept`), and state.json written
-        again from memory. Taking it silently would switch at the next restart, with nobody
-        having asked the daemon. Not when the file on disk is known to be behind (a write that
-        failed). A file gone since the daemon wrote it (a read of no file gives the defaults) is
-        the daemon's memory again, and noted in `gone`."""
-        known, behind, written = self.saved, self.unsaved_state, self.saved_stamp is not None
-
-        def restore(found: PersistedState) -> PersistedState:
-            if not self.store.path.exists():
-                if written and not behind:
-                    gone.append(True)
-                    return known
-                return found
-            fields = changed_outside(known, found)
-            if not fields or behind:
-                return found
-            aside = self.store.keep_aside("outside")
-            pruned = self.store.prune_aside("outside", aside)
-            kept.append((fields, found.desired_mode, f"{aside} ({pruned.says('outside')})"))
-            return found.model_copy(update={f: getattr(known, f) for f in DAEMON_FIELDS})
-
-        return restore
-
-    def _report_outside(self, kept: list[tuple[list[str], Mode, str]]) -> None:
-        for fields, mode, aside in kept:
+    def _report_outside(self, kept: list[Kept]) -> None:
+        for k in kept:
+            fields, mode, aside = k.fields, k.mode, k.aside
             what = (
                 f"{self.store.path} was changed outside the daemon ({', '.join(fields)}; "
                 f"desired mode {mode.value} there, {self.saved.desired_mode.value} here): not "
@@ -245,7 +226,7 @@ class Context:
             return
         if self.unsaved_state:
             saved = self.saved
-            self.persist(lambda _on_disk: saved)
+            self.persist(functools.partial(replaced, saved))
         st = self.config.state
         while self.pending:
             p = self.pending[0]
@@ -253,14 +234,16 @@ class Context:
                 self.pending.popleft()
                 continue
 
-            def append(p: Pending = p) -> None:
-                history.append(
-                    st.dir, p.kind, p.record, int(st.history_max_mb * 2**20), st.history_keep
-                )
-                p.written = True
-
+            append = functools.partial(
+                history.append,
+                st.dir, p.kind, p.record, int(st.history_max_mb * 2**20), st.history_keep,
+            )  # fmt: skip
             try:
-                self.disk.call(append, f"appending to {history.history_path(st.dir)}")
+                self.disk.call(
+                    append,
+                    f"appending to {history.history_path(st.dir)}",
+                    on_late=functools.partial(_written, p),
+                )
             except (StateError, OSError) as e:
                 if isinstance(e, TimeoutError):
                     self._disk_stuck()
@@ -279,12 +262,12 @@ class Context:
 
     def persist_transition(self) -> None:
         tr = self.s.transition
-        self.persist(lambda st: with_transition(st, tr))
+        self.persist(functools.partial(with_transition, tr=tr))
 
     def desire(self, mode: Mode, by: str, must: bool = False) -> None:
         """Persist the desired mode: always before anything is torn down for it (`must`: an
         operator's request, refused with StateError if it cannot be persisted)."""
-        self.persist(lambda st: with_desired(st, mode, by), must)
+        self.persist(functools.partial(with_desired, mode=mode, by=by), must)
         if mode is not self.s.desired:
             self.log(
                 "desired_mode_changed", previous=self.s.desired.value, desired=mode.value, by=by
@@ -309,7 +292,7 @@ class Context:
         """The last `last` history records, read on the state folder's thread (OSError,
         TimeoutError included, when it cannot be read in time)."""
         d = self.config.state.dir
-        return self.disk.call(lambda: history.read(d, last), "reading the history")
+        return self.disk.call(functools.partial(history.read, d, last), "reading the history")
 
     def incident(self, record: dict[str, Any]) -> None:
         self.record("incident", record)

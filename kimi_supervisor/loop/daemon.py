@@ -61,6 +61,7 @@ from kimi_supervisor.loop.publish import build, export, status_line
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import Mode, State, utcnow
 from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.bounded import IoWorker, Worker
 from kimi_supervisor.ports.clock import Clock, SystemClock
 from kimi_supervisor.ports.gpu import GpuPort, GpuUnavailable
 from kimi_supervisor.ports.metrics import Metrics
@@ -97,6 +98,8 @@ class Daemon:
         log: Log,
         clock: Clock | None = None,
         metrics: Metrics | None = None,
+        disk: IoWorker | None = None,
+        reads: IoWorker | None = None,
     ) -> None:
         self.config = config
         self.bus = EventBus()
@@ -119,7 +122,10 @@ class Daemon:
             StateStore(config.state.dir),
             self.bus,
             observer,
+            disk_worker=disk,
         )
+        # The history's reads for clients (control/handlers.py), apart from the loop's own.
+        self.reads: IoWorker = reads or Worker("history", config.state.timeout_s, copy=True)
         self.s = ctx.s
         self.desk = Desk(ctx, self.inbox.put)
         self.life = Lifecycle(ctx, self.inbox.put)
@@ -347,10 +353,12 @@ class Daemon:
         return ok
 
     def _stuck_in_kernel(self) -> bool:
-        """A call to NVML or the state folder has had no answer past its deadline. execve waits
-        until every other thread of the process has left the kernel, so a re-exec now would
-        leave the host unsupervised, its control socket gone, until that call returns (seen by
-        an outside review with a frozen file system): the re-exec waits, and status says so."""
+        """A call to NVML or the state folder has had no answer past its deadline. The daemon's
+        calls run in processes of their own, which hold no execve; on a thread (as the tests
+        run them), execve would wait until that thread left the kernel, the host unsupervised
+        and its control socket gone meanwhile (seen by an outside review with a frozen file
+        system). Either way the re-exec waits, and status says so: the new image would start
+        its own process against the same stuck folder or driver, and never reap the old one."""
         workers = [self.ctx.disk, getattr(self.ctx.gpu, "worker", None)]
         stuck = [w.stuck() for w in workers if w is not None and w.stuck() is not None]
         if stuck:

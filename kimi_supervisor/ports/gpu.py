@@ -8,10 +8,14 @@ simulated GPU host of the sandbox. NVML is initialised lazily; its failures beco
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+if TYPE_CHECKING:
+    from kimi_supervisor.ports.bounded import IoWorker
 
 MIB = 1024 * 1024
 
@@ -163,47 +167,62 @@ def _mib(value: int | None) -> int | None:
 class BoundedGpu:
     """A GpuPort whose every call waits at most `timeout_s` (`gpus.timeout_s`): NVML's calls
     take no timeout, and a driver that hangs in one would hold the loop or the teardown for as
-    long as it lasts. Each call runs on one thread of its own (ports/bounded.py); one that
-    passes the deadline is abandoned there, and until it returns every other call fails at
-    once. Either way the caller gets GpuUnavailable: no reading, which decides nothing by
+    long as it lasts. Each call runs on a worker of its own (ports/bounded.py): the daemon's is
+    a process in a scope of its own (`made_by` names how that process makes its GpuPort), so
+    that a call stuck in the driver holds no stop either; elsewhere a thread, calling `inner`.
+    A call that passes the deadline is abandoned, and until it returns every other call fails
+    at once. Either way the caller gets GpuUnavailable: no reading, which decides nothing by
     itself (the teardown cannot call the GPUs clean without one; the observer says so)."""
 
-    def __init__(self, inner: GpuPort, timeout_s: float) -> None:
+    def __init__(
+        self,
+        inner: GpuPort,
+        timeout_s: float,
+        worker: IoWorker | None = None,
+        made_by: tuple[Callable[..., GpuPort], tuple[Any, ...]] | None = None,
+    ) -> None:
         from kimi_supervisor.ports.bounded import Worker
 
         self.inner = inner
-        self.worker = Worker("nvml", timeout_s)
+        self.worker: IoWorker = worker if worker is not None else Worker("nvml", timeout_s)
+        self._made_by = made_by
         # A GPU's device node and UUID do not change while the host runs: asked once (the
         # daemon asks at boot), they need no answer of a driver that hangs later.
         self._paths: dict[int, str] = {}
         self._uuids: dict[int, str] = {}
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+    def _call(self, what: str, method: str, *args: Any) -> Any:
+        from kimi_supervisor.ports.bounded import ProcessGone, on_object
+
+        if self._made_by is not None:
+            fn = functools.partial(on_object, *self._made_by, method, *args)
+        else:
+            fn = functools.partial(getattr(self.inner, method), *args)
         try:
-            return self.worker.call(lambda: fn(*args), what)
-        except TimeoutError as e:
+            return self.worker.call(fn, what)
+        except (TimeoutError, ProcessGone) as e:
             raise GpuUnavailable(f"NVML: {e}") from e
 
     def device_count(self) -> int:
-        return int(self._call("the GPU count", self.inner.device_count))
+        return int(self._call("the GPU count", "device_count"))
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
         shown = ", ".join(map(str, indices))
-        return list(self._call(f"reading GPU(s) {shown}", self.inner.sample, list(indices)))
+        return list(self._call(f"reading GPU(s) {shown}", "sample", list(indices)))
 
     def device_path(self, index: int) -> str:
         if index not in self._paths:
             what = f"GPU {index}'s device file"
-            self._paths[index] = str(self._call(what, self.inner.device_path, index))
+            self._paths[index] = str(self._call(what, "device_path", index))
         return self._paths[index]
 
     def uuid(self, index: int) -> str:
         if index not in self._uuids:
-            self._uuids[index] = str(self._call(f"GPU {index}'s UUID", self.inner.uuid, index))
+            self._uuids[index] = str(self._call(f"GPU {index}'s UUID", "uuid", index))
         return self._uuids[index]
 
     def driver_version(self) -> str:
-        return str(self._call("the driver version", self.inner.driver_version))
+        return str(self._call("the driver version", "driver_version"))
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         # Asked once per device node while judging a holder, on the caller's thread: NVML's
@@ -211,6 +230,8 @@ class BoundedGpu:
         return self.inner.node_key(path, st)
 
     def close(self) -> None:
-        """Shut the library down, unless a call is stuck in it (then it is left as it is)."""
+        """Shut the library down, unless a call is stuck in it (then it is left as it is), and
+        end the worker (a process stuck in the driver is left in its scope)."""
         with contextlib.suppress(GpuUnavailable):
-            self._call("closing NVML", self.inner.close)
+            self._call("closing NVML", "close")
+        self.worker.close()

@@ -53,7 +53,9 @@ class SystemdPort(Protocol):
     def environment(self, unit: str) -> dict[str, str]: ...
     def daemon_reload(self) -> None: ...
     def jobs(self) -> dict[str, str]: ...
-    def move_to_scope(self, name: str, pid: int, description: str) -> None: ...
+    def move_to_scope(
+        self, name: str, pid: int, description: str, devices: bool = False
+    ) -> None: ...
 
 
 def _s(v: Any) -> str:
@@ -238,16 +240,18 @@ class PystemdSystemd:
         rows = self._call("listing jobs", self._manager().Manager.ListJobs)
         return {_s(name): _s(kind) for _id, name, kind, *_rest in rows}
 
-    def move_to_scope(self, name: str, pid: int, description: str) -> None:
+    def move_to_scope(self, name: str, pid: int, description: str, devices: bool = False) -> None:
         """Move `pid` into a new transient scope `name` (as `systemd-run --scope` does): its
         own cgroup, outside the caller's unit, so that the unit's stop never waits for it. The
-        scope is collected once empty; it allows only the standard pseudo devices."""
-        properties = {
+        scope is collected once empty; it allows only the standard pseudo devices, unless
+        `devices` (NVML's process opens the GPUs' nodes)."""
+        properties: dict[bytes, Any] = {
             b"Description": description.encode(),
             b"CollectMode": b"inactive-or-failed",
-            b"DevicePolicy": b"closed",
             b"_custom": (b"PIDs", b"au", [pid]),  # pystemd knows no signature for PIDs
         }
+        if not devices:
+            properties[b"DevicePolicy"] = b"closed"
         self._call(
             f"making the scope {name} for PID {pid}",
             self._manager().Manager.StartTransientUnit,

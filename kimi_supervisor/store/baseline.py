@@ -7,6 +7,7 @@ upgrade changes the footprint, so a baseline from another driver version is cali
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from kimi_supervisor.model import utcnow
@@ -48,16 +49,21 @@ def load(state_dir: Path) -> Baseline | None:
 
 
 def resolve(
-    gpu: GpuPort, indices: list[int], fixed: dict[str, int], state_dir: Path
+    gpu: GpuPort,
+    indices: list[int],
+    fixed: dict[str, int],
+    state_dir: Path,
+    stored_in: Callable[[Path], Baseline | None] = load,
 ) -> tuple[dict[int, int], Baseline | None]:
-    """Baseline MiB per managed GPU: fixed in config first, then persisted (same driver), else
-    calibrated now; with the calibration, for the caller to persist (`save`, or the daemon's
-    guarded write: a full disk must not stop a baseline measured in memory from being used)."""
+    """Baseline MiB per managed GPU: fixed in config first, then persisted (same driver, read
+    by `stored_in`: the daemon's reads on its state folder's worker), else calibrated now;
+    with the calibration, for the caller to persist (`save`, or the daemon's guarded write: a
+    full disk must not stop a baseline measured in memory from being used)."""
     out = {i: fixed[str(i)] for i in indices if str(i) in fixed}
     missing = [i for i in indices if i not in out]
     if not missing:
         return out, None
-    stored = load(state_dir)
+    stored = stored_in(state_dir)
     if (
         stored
         and stored.driver_version == gpu.driver_version()

@@ -14,10 +14,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
 import stat
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -341,6 +343,97 @@ class StateStore:
             new = change(current)
             self.write(new, proceed)
             return new, warning
+
+    def update_known(
+        self,
+        change: Callable[[PersistedState], PersistedState],
+        known: Known,
+        deadline: float | None = None,
+    ) -> Written:
+        """The daemon's write (`update`, reconciled with what it knows first, see `reconcile`),
+        run where its state folder's I/O runs (ports/bounded.py: a process of its own), so it
+        takes data and returns what it did. With `deadline` (time.monotonic(), one clock for
+        every process of the host), the write is dropped before its rename once the caller has
+        stopped waiting for it (an operator's switch refused must not land afterwards)."""
+        kept: list[Kept] = []
+        gone: list[bool] = []
+        proceed = None if deadline is None else functools.partial(_before, deadline)
+        new, warning = self.update(
+            lambda found: change(self.reconcile(known, found, kept, gone)), known.state, proceed
+        )
+        return Written(new, warning, kept, bool(gone))
+
+    def reconcile(
+        self, known: Known, found: PersistedState, kept: list[Kept], gone: list[bool]
+    ) -> PersistedState:
+        """What every write of the daemon first does with the file found (under its lock).
+
+        state.json changed, and not by this daemon: a new baseline (a calibrate) is taken as
+        written. What only the daemon writes (DAEMON_FIELDS: the desired mode above all) found
+        changed is not taken: the daemon goes on with what it knows, which is what runs; the
+        file found is kept beside as state.json.outside-TIME (`kept`), and state.json written
+        again from memory. Taking it silently would switch at the next restart, with nobody
+        having asked the daemon. Not when the file on disk is known to be behind (a write that
+        failed). A file gone since the daemon wrote it (a read of no file gives the defaults) is
+        the daemon's memory again, and noted in `gone`."""
+        if not self.path.exists():
+            if known.written and not known.behind:
+                gone.append(True)
+                return known.state
+            return found
+        fields = changed_outside(known.state, found)
+        if not fields or known.behind:
+            return found
+        aside = self.keep_aside("outside")
+        pruned = self.prune_aside("outside", aside)
+        kept.append(Kept(fields, found.desired_mode, f"{aside} ({pruned.says('outside')})"))
+        return found.model_copy(update={f: getattr(known.state, f) for f in DAEMON_FIELDS})
+
+
+def _before(deadline: float) -> bool:
+    return time.monotonic() < deadline
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the daemon knows of the state, for a write to reconcile the file found with."""
+
+    state: PersistedState  # what the file holds, as the daemon last read or wrote it
+    behind: bool  # the file is known to be behind it (a write failed)
+    written: bool  # the daemon has read or written the file since it started
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A file changed outside the daemon, set aside: the fields that differed, its mode, where."""
+
+    fields: list[str]
+    mode: Mode
+    aside: str
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a write of the daemon did: the state now on disk, a read warning, the files set
+    aside, and whether the file had disappeared."""
+
+    state: PersistedState
+    warning: str | None
+    kept: list[Kept]
+    gone: bool
+
+
+def same(state: PersistedState) -> PersistedState:
+    """A write of the state as it is (reconciled): a change that changes nothing."""
+    return state
+
+
+def replaced(new: PersistedState, _found: PersistedState) -> PersistedState:
+    return new
+
+
+def with_fields(fields: dict[str, Any], state: PersistedState) -> PersistedState:
+    return state.model_copy(update=fields)
 
 
 def with_desired(state: PersistedState, mode: Mode, by: str) -> PersistedState:

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kimi_supervisor.ports import openfiles, processes
+from kimi_supervisor.ports.bounded import NAME as IO_NAME_BYTES
+from kimi_supervisor.ports.bounded import SCOPE_PREFIX as IO_SCOPE
 from kimi_supervisor.ports.openfiles import NodeKey
 from kimi_supervisor.ports.sockets import Address, listening_inodes
 from kimi_supervisor.ports.systemd import SystemdError, SystemdPort
@@ -36,6 +38,7 @@ BUILTIN_PROTECTED_NAMES = frozenset(
         "init",
     }
 )
+IO_NAME = IO_NAME_BYTES.decode()
 COMM_LEN = 15  # TASK_COMM_LEN (16) less the terminating NUL: the kernel cuts `comm` there
 
 # vLLM's own signatures: process titles (full and as `comm` cuts them to 15 characters) and the
@@ -80,12 +83,24 @@ class Protection:
             return f"teardown.protected_names has {name!r}"
         return f"built-in protected name {name!r}"
 
+    def _own_io(self, pid: int) -> bool:
+        """The daemon's I/O process (ports/bounded.py): its child, or root's in a scope of the
+        daemon's making (one an earlier daemon left, stuck in the kernel). NVML's holds the
+        GPUs' device files open, as every NVML client does. Another user can take its name,
+        not root's ownership."""
+        if processes.ppid_of(pid) == self.self_pid:
+            return True
+        scope = processes.cgroup_of(pid).rsplit("/", 1)[-1]
+        return scope.startswith(IO_SCOPE) and processes.uid_of(pid) == 0
+
     def why_protected(self, pid: int) -> str | None:
         if pid in self.never:
             return "the supervisor itself, one of its ancestors, or PID 1"
         if processes.ppid_of(pid) == 2:
             return "a kernel thread"
         comm = processes.comm_of(pid)
+        if comm == IO_NAME and self._own_io(pid):
+            return "one of the supervisor's I/O processes (NVML's calls, the state folder's)"
         if comm in self.comm_cuts:
             return f"{self._named(self.comm_cuts[comm])} (comm {comm!r})"
         argv = processes.cmdline_of(pid)

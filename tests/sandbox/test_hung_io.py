@@ -125,6 +125,68 @@ def test_a_frozen_state_disk_holds_no_command_and_what_was_kept_is_written_once_
     assert bystander.pid and os.path.exists(f"/proc/{bystander.pid}")
 
 
+def io_processes(scope: str) -> list[int]:
+    """Root's I/O processes of a daemon (named kimi-io) in a scope whose name starts `scope`."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            if not name.isdigit() or Path(f"/proc/{name}/comm").read_text().strip() != "kimi-io":
+                continue
+            cgroup = Path(f"/proc/{name}/cgroup").read_text()
+        except OSError:
+            continue
+        if f"/{scope}" in cgroup and os.stat(f"/proc/{name}").st_uid == 0:
+            found.append(int(name))
+    return found
+
+
+def state_of(pid: int) -> str:
+    """The process's state letter (D: in the kernel, uninterruptible), "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def test_a_stop_while_the_state_disk_is_frozen_returns_and_leaves_the_stuck_write_in_its_scope(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """A thread stuck in state D holds its process's exit, so the stop waited for the thaw or
+    for TimeoutStopSec (10 min). The state folder's calls run in a process of their own, in a
+    scope of its own: the stop returns, and that process ends after the thaw."""
+    folder = sandbox.config.state.dir
+    bystander = sandbox.spawn([sys.executable, "-c", "import time; time.sleep(600)"])
+    stuck: list[int] = []
+    with bounded(daemon), on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze:
+        daemon.start()
+        daemon.wait_serving("production")
+        fsfreeze("-f")
+        try:
+            r = daemon.kimi_mode("profile", timeout=60)  # its write waits in the kernel
+            said = flat(r.stdout + r.stderr)
+            assert r.returncode != 0 and "cannot be persisted" in said, said
+
+            def in_the_kernel() -> bool:
+                stuck[:] = [
+                    p for p in io_processes("kimi-supervisor-io-state-") if state_of(p) == "D"
+                ]
+                return bool(stuck)
+
+            wait_until(in_the_kernel, 10, "the state write to wait in the kernel, in its scope")
+            main, t0 = daemon.pid(), time.monotonic()
+            daemon.stop()
+            stop_s = time.monotonic() - t0
+            # Under the sandbox's DefaultTimeoutStopSec (5 s), after which systemd gives up on a
+            # process the kernel keeps, and leaves it.
+            assert stop_s < 5, f"the stop took {stop_s:.1f} s: it waited for the frozen disk"
+            assert not state_of(main), "the daemon's own process ended"
+            assert all(state_of(p) == "D" for p in stuck), "left as it is, not waited for"
+        finally:
+            fsfreeze("-u")
+        wait_until(lambda: not any(state_of(p) for p in stuck), 30, "it to end after the thaw")
+    assert bystander.pid and os.path.exists(f"/proc/{bystander.pid}")
+
+
 def test_a_driver_that_answers_nothing_stops_no_vllm_and_the_switch_waits_for_it(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:

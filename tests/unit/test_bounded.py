@@ -4,12 +4,18 @@ returns, the port answers again."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import os
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from kimi_supervisor.ports.bounded import Worker
+from kimi_supervisor.ports.bounded import ProcessGone, ProcessWorker, Worker
 from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample, GpuUnavailable
 
 
@@ -90,3 +96,135 @@ def test_a_driver_that_does_not_answer_is_gpu_unavailable_in_time_and_read_again
     while gpu.worker.stuck() is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert gpu.device_count() == 2
+
+
+# -- the daemon's workers: a process of its own, whose stuck call holds no exit ------------------
+
+
+def _open_fifo(path: str) -> bytes:
+    """Blocks in the kernel until a writer opens the FIFO (the child's stand-in for a hung read)."""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _exit_now() -> None:
+    os._exit(3)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "hung"
+    os.mkfifo(path)
+    yield path
+    # Whatever the test did, no reader of ours is left blocked on it.
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+
+
+def test_a_process_worker_runs_each_call_in_its_own_process_and_hands_back_errors_as_raised() -> (
+    None
+):
+    w = ProcessWorker("test", 10)
+    try:
+        child = w.call(functools.partial(os.getpid), "its pid")
+        assert child != os.getpid() and child == w.pid
+        assert Path(f"/proc/{child}/comm").read_text().strip() == "kimi-io"
+        with pytest.raises(FileNotFoundError) as e:
+            w.call(functools.partial(os.stat, "/no/such/file"), "a stat")
+        assert e.value.errno == errno.ENOENT
+        assert w.call(functools.partial(sum, [1, 2, 3]), "a sum") == 6 and w.started == 1
+    finally:
+        w.close()
+    assert not _alive(child), "an idle process ends when the worker closes its input"
+
+
+def test_a_call_that_cannot_cross_to_the_process_is_refused_before_anything_is_sent() -> None:
+    for w in (ProcessWorker("test", 5), Worker("test", 5, copy=True)):
+        with pytest.raises(TypeError, match="a write: the call cannot be handed to another pro"):
+            w.call(lambda: 1, "a write")
+        w.close()
+
+
+def test_a_process_stuck_in_the_kernel_fails_calls_at_once_and_its_late_answer_is_heard(
+    fifo: Path,
+) -> None:
+    w, heard = ProcessWorker("test", 0.3), []
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"a read: no answer in 0\.3 s"):
+            w.call(functools.partial(_open_fifo, str(fifo)), "a read", on_late=heard.append)
+        with pytest.raises(TimeoutError, match="next: not tried, since a read has had no answ"):
+            w.call(functools.partial(os.getpid), "next")
+        assert time.monotonic() - t0 < 2.0 and w.abandoned == 1 and w.stuck() is not None
+        with open(fifo, "wb") as f:  # the kernel lets the read go
+            f.write(b"late")
+        wait_for(lambda: w.stuck() is None)
+        assert heard == [b"late"], "the answer of the call given up on reached its on_late"
+        assert w.call(functools.partial(sum, [2, 2]), "after") == 4 and w.started == 1
+    finally:
+        w.close()
+
+
+def test_closing_never_waits_for_a_stuck_process_which_ends_once_the_kernel_lets_it_go(
+    fifo: Path,
+) -> None:
+    w = ProcessWorker("test", 0.2)
+    with pytest.raises(TimeoutError):
+        w.call(functools.partial(_open_fifo, str(fifo)), "a read")
+    stuck = w.pid
+    assert stuck is not None
+    t0 = time.monotonic()
+    w.close()
+    assert time.monotonic() - t0 < 0.5, "close left the stuck process as it is"
+    assert _alive(stuck), "and did not kill it"
+    with open(fifo, "wb"):
+        pass  # the read returns; the process finds its input closed and exits
+    wait_for(lambda: not _alive(stuck))
+
+
+def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -> None:
+    w = ProcessWorker("test", 5)
+    try:
+        first = w.call(functools.partial(os.getpid), "its pid")
+        with pytest.raises(ProcessGone, match=r"an exit: its I/O process ended \(exit 3\)"):
+            w.call(functools.partial(_exit_now), "an exit")
+        second = w.call(functools.partial(os.getpid), "its pid")
+        assert second != first and w.started == 2
+    finally:
+        w.close()
+
+
+def test_the_gpu_port_made_in_the_process_keeps_its_object_there_between_calls() -> None:
+    w = ProcessWorker("test", 5)
+    try:
+        gpu = BoundedGpu(Counter(), 5, w, (Counter, ()))  # type: ignore[arg-type]
+        assert [gpu.device_count() for _ in range(3)] == [1, 2, 3]
+    finally:
+        w.close()
+
+
+class Counter:
+    """A GpuPort's stand-in whose answer counts the calls made on the one object."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def device_count(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "not within the bound"
+        time.sleep(0.01)

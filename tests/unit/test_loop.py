@@ -17,6 +17,7 @@ import pytest
 from kimi_supervisor.loop.inbox import CaptureStart, Reexec, Switch
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.bounded import Worker
 from kimi_supervisor.ports.launcher import launch_record_path
 
 from .loophost import LoopHost
@@ -579,7 +580,8 @@ def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_re
 
     booted(host)
     ctx = host.daemon.ctx
-    ctx.disk.timeout_s = 0.3
+    # A thread that runs the calls as they are (no copy): the hang below is the test's closure.
+    ctx.disk = Worker("state-io", 0.3)
     answers = threading.Event()
     update, append = ctx.store.update, history.append
 
