@@ -117,7 +117,10 @@ def exchange(
             except TimeoutError:
                 continue
             except OSError as e:
-                if unsent is not None and not answered:
+                # The request never went whole: the daemon refused without reading it and
+                # closed. What it answered (read above) is all there is; the reset that follows
+                # the answer is no loss of the connection.
+                if unsent is not None:
                     break
                 raise Unreachable(f"lost the connection to the daemon: {e}") from None
             if not chunk:

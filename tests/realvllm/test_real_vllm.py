@@ -143,6 +143,10 @@ def real() -> Iterator[DaemonHelper]:
         log = helper.config.vllm.log_file
         if log is not None and log.exists():
             shutil.copy(log, Path(tempfile.gettempdir()) / "kimi-realvllm-last-vllm.log")
+        if sb.daemon_log.exists():
+            shutil.copy(
+                sb.daemon_log, Path(tempfile.gettempdir()) / "kimi-realvllm-last-daemon.log"
+            )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -462,18 +466,25 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     try:
         wait_until(lambda: load.answered > 8, 120, "the load to be answered")
         # Two seconds under load: the flush grows faster than the trace (here 1 s took a 4.5 s
-        # flush, under the 5 s stall; 3 s took 33.6 s, and a 380 s test in CI). It must
-        # outlast the stall (asserted below), or this tests nothing.
-        r = real.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=READY_S)
-        assert r.returncode == 0, r.stdout + r.stderr
-        m = re.search(r"flush took ([\d.]+) s", flat(r.stdout))
-        assert m, r.stdout
-        assert float(m.group(1)) > real.config.liveness.stall_s, "the flush outlasts the stall"
+        # flush, under the 5 s stall; 3 s took 33.6 s, and a 380 s test in CI; on a quiet
+        # 2-core machine 2 s once took a 1.0 s flush). It must outlast the stall (asserted
+        # below), or this tests nothing: a flush that did not is taken again, a second longer.
+        # Each capture, long flush or not, must leave the same vLLM serving with no verdict.
+        flushes: list[float] = []
+        for seconds in ("2", "3"):
+            r = real.kimi_mode("capture", "--seconds", seconds, "--then", "stay", timeout=READY_S)
+            assert r.returncode == 0, r.stdout + r.stderr
+            m = re.search(r"flush took ([\d.]+) s", flat(r.stdout))
+            assert m, r.stdout
+            flushes.append(float(m.group(1)))
+            if flushes[-1] > real.config.liveness.stall_s:
+                break
+        assert flushes[-1] > real.config.liveness.stall_s, f"no flush outlasted it: {flushes}"
         served = load.answered
         wait_until(lambda: load.answered > served + 8, 120, "the load to go on after it")
     finally:
         load.stop()
-    record(flush_under_load_s=float(m.group(1)))
+    record(flush_under_load_s=flushes[-1])
     assert len(hangs(real)) == before and real.vllm_pid() == pid, hangs(real)[before:]
     assert real.status()["state"] == "serving"
 
