@@ -4,6 +4,7 @@ reload` (its ExecReload)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -36,11 +37,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     block_signals()  # before any thread starts (see loop/daemon.py, HANDLED)
     config = load_config(config_path(args.config))
-    try:
-        StateStore(config.state.dir).check()  # trust only what the daemon's user owns
-    except StateError as e:
-        print(f"kimi-supervisor run: {e}", file=sys.stderr)
-        return Exit.USAGE
+    reap_leftovers()
     log.configure()
     logger = log.get()
 
@@ -59,9 +56,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     systemd = systemd_port(config)
     nvml = io_worker(systemd, "nvml", config.gpus.timeout_s, emit, devices=True)
     disk = io_worker(systemd, "state", config.state.timeout_s, emit)
-    reads = io_worker(systemd, "history", config.state.timeout_s, emit)
+    # The clients' reads start their process again from a control thread: on a D-Bus
+    # connection of their own (one port is used from one thread), under the worker's lock.
+    reads = io_worker(systemd_port(config), "history", config.state.timeout_s, emit)
     for w in (nvml, disk, reads):
         w.start()
+    try:
+        # Trust only what the daemon's user owns; asked of the state folder's process, so
+        # that a frozen folder fails the start at state.timeout_s, never wedges it.
+        disk.call(
+            functools.partial(StateStore.check, StateStore(config.state.dir)),
+            f"checking {config.state.dir}",
+        )
+    except (StateError, OSError) as e:
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        for w in (nvml, disk, reads):
+            w.close()
+        return Exit.USAGE if isinstance(e, StateError) else Exit.FAILED
     gpu = open_gpu(config, nvml)
     keep = config.daemon.output_tail_lines
     output: OutputPort = (
@@ -99,6 +110,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # The state is read before anything is answered: a status asked for meanwhile waits in
         # the socket's queue, and the metrics are not served yet, rather than show the defaults.
         daemon.boot()
+    except StateError as e:  # the state could not be read in time: no mode to serve
+        print(f"kimi-supervisor run: {e}", file=sys.stderr)
+        server.close()
+        for w in (nvml, disk, reads):
+            w.close()
+        return Exit.FAILED
     except BaseException:
         server.close()
         raise
@@ -122,6 +139,11 @@ def cmd_run(args: argparse.Namespace) -> int:
             if metrics is not None:
                 metrics.close()
             output.close()
+            # Its I/O processes end with their input (a stuck one is left in its scope): the
+            # new image starts its own and reaps what the old one left (reap_leftovers).
+            gpu.close()
+            disk.close()
+            reads.close()
             reexec(notifier)
     finally:
         server.close()
@@ -132,6 +154,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         disk.close()
         reads.close()
     return Exit.OK if daemon.s.stopped_clean else Exit.FAILED
+
+
+def reap_leftovers() -> None:
+    """Reap the children an earlier image of this process left when it re-executed (its I/O
+    processes, ended with their input): before this image starts any, so no child of its own
+    is taken. One still running (stuck in the kernel) is a zombie once it ends: the next
+    re-exec reaps it."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
 
 
 def io_worker(

@@ -14,7 +14,13 @@ from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
 from kimi_supervisor.model import utcnow
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.store import baseline
-from kimi_supervisor.store.state import Baseline, replaced, with_baseline
+from kimi_supervisor.store.state import (
+    Baseline,
+    StateError,
+    StateStore,
+    replaced,
+    with_baseline,
+)
 
 
 def load_state(ctx: Context) -> None:
@@ -22,7 +28,14 @@ def load_state(ctx: Context) -> None:
     corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used.
     Nothing is answered before this (cli/run.py): status never shows a mode not yet read."""
     s = ctx.s
-    st, warning = ctx.store.read_settled()
+    # On the state folder's process: a frozen folder fails the start at state.timeout_s
+    # (StateError: cli/run.py exits, systemd starts it again), never wedges it.
+    try:
+        st, warning = ctx.disk.call(
+            functools.partial(StateStore.read_settled, ctx.store), f"reading {ctx.store.path}"
+        )
+    except OSError as e:  # TimeoutError, its process gone, the folder unreadable
+        raise StateError(f"cannot read the state, so no mode to serve: {e}") from e
     ctx.saved, ctx.saved_stamp = st, ctx.stamp()
     if warning:
         ctx.warn(warning)

@@ -46,6 +46,9 @@ from kimi_supervisor.store.state import (
 Log = Callable[..., None]
 # History records kept in memory while the history cannot be appended to (a full disk).
 MAX_PENDING = 1000
+# What the loop reads of the history at most (its own estimates and checks; the newest records
+# first): a history of large records holds the loop for the time to take in 8 MiB, not 100.
+LOOP_HISTORY_MAX_BYTES = 8 << 20
 # What status says while a call to the state folder is stuck (see Context.disk).
 DISK_STUCK = "the state folder does not answer"
 
@@ -58,6 +61,9 @@ class Pending:
     kind: str
     record: TeardownReport | dict[str, Any]
     written: bool = False
+    # An append of it was tried and its end is not known (no answer in time, its process
+    # gone): the next one first looks whether that one wrote it (history.append's `once`).
+    tried: bool = False
 
 
 def _written(p: Pending, _result: object) -> None:
@@ -237,6 +243,7 @@ class Context:
             append = functools.partial(
                 history.append,
                 st.dir, p.kind, p.record, int(st.history_max_mb * 2**20), st.history_keep,
+                p.tried,
             )  # fmt: skip
             try:
                 self.disk.call(
@@ -247,6 +254,8 @@ class Context:
             except (StateError, OSError) as e:
                 if isinstance(e, TimeoutError):
                     self._disk_stuck()
+                # A StateError is a write undone: this try is known not to have written it.
+                p.tried = p.tried or not isinstance(e, StateError)
                 self._bound_pending()
                 key = "cannot append to the history"
                 self._unsaved("history.jsonl", f"{key}, kept: {e}", key)
@@ -289,10 +298,14 @@ class Context:
             self.bus.publish(msg)
 
     def read_history(self, last: int) -> list[dict[str, Any]]:
-        """The last `last` history records, read on the state folder's thread (OSError,
-        TimeoutError included, when it cannot be read in time)."""
+        """The last `last` history records, at most LOOP_HISTORY_MAX_BYTES of them, read by
+        the state folder's process (OSError, TimeoutError included, when it cannot be read in
+        time). The cap bounds what crosses its pipe, and the loop's time to take it in."""
         d = self.config.state.dir
-        return self.disk.call(functools.partial(history.read, d, last), "reading the history")
+        return self.disk.call(
+            functools.partial(history.read, d, last, LOOP_HISTORY_MAX_BYTES),
+            "reading the history",
+        )
 
     def incident(self, record: dict[str, Any]) -> None:
         self.record("incident", record)

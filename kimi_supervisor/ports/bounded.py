@@ -50,6 +50,8 @@ T = TypeVar("T")
 # largest: capped far below this by their callers).
 HEADER = struct.Struct("!Q")
 MAX_FRAME = 256 << 20
+# How long one look for a stuck call's late answer may read (`stuck`, and each call's start).
+LATE_READ_S = 0.05
 NAME = b"kimi-io"  # an I/O process's name (its comm), as ps and the scope's listing show it
 SCOPE_PREFIX = "kimi-supervisor-io-"  # its scope: SCOPE_PREFIX + worker name + "-" + PID
 
@@ -241,10 +243,11 @@ class ProcessWorker:
         self._adopt, self._log = adopt, log
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
-        self._buf = b""
+        self._buf = bytearray()  # what came of the next answer (appended to, never copied)
         self._rid = 0
         self._stuck: _Sent | None = None
         self.abandoned = 0
+        self._closed = False  # by `close`: no process is started again
         self.started = 0  # processes started, since the daemon's start
         self.scope = ""  # where the current one runs ("": in the daemon's own unit)
 
@@ -274,7 +277,7 @@ class ProcessWorker:
         assert proc.stdin is not None and proc.stdout is not None
         os.set_blocking(proc.stdin.fileno(), False)
         os.set_blocking(proc.stdout.fileno(), False)
-        self._proc, self._buf = proc, b""
+        self._proc, self._buf = proc, bytearray()
         self.started += 1
         self.scope = self._adopt(proc.pid)
         self._log("io_process_started", worker=self.name, pid=proc.pid, scope=self.scope)
@@ -282,7 +285,7 @@ class ProcessWorker:
 
     def _drop(self, kill: bool = False) -> None:
         """Forget the process: its pipes closed (it reads their end and exits once free)."""
-        proc, self._proc, self._buf = self._proc, None, b""
+        proc, self._proc, self._buf = self._proc, None, bytearray()
         if proc is None:
             return
         if kill:
@@ -309,7 +312,8 @@ class ProcessWorker:
         c = self._stuck
         if c is None:
             return
-        got = self._receive(time.monotonic())
+        # A moment's reading at most: a large late answer is taken in over several looks.
+        got = self._receive(time.monotonic() + LATE_READ_S)
         if got is None:
             return
         self._stuck = None
@@ -341,6 +345,8 @@ class ProcessWorker:
             if self._stuck is not None:
                 s = self._stuck
                 raise TimeoutError(_not_tried(what, s.what, s.began))
+            if self._closed:
+                raise ProcessGone(errno.EIO, f"{what}: its I/O process was closed")
             try:
                 proc = self._ensure()
             except OSError as e:
@@ -393,7 +399,8 @@ class ProcessWorker:
 
     def _receive(self, deadline: float) -> tuple[int, bool, Any] | str | None:
         """The next answer, "ended" once the process has closed its output (or said what
-        cannot be read), or None when nothing whole came by `deadline`."""
+        cannot be read), or None when nothing whole came by `deadline`: an answer still
+        coming at the deadline is kept as far as it came, never waited for past it."""
         proc = self._proc
         if proc is None or proc.stdout is None:
             return "ended"
@@ -406,8 +413,8 @@ class ProcessWorker:
                     self._drop(kill=True)
                     return "ended"
                 if len(self._buf) >= HEADER.size + size:
-                    frame = self._buf[HEADER.size : HEADER.size + size]
-                    self._buf = self._buf[HEADER.size + size :]
+                    frame = bytes(self._buf[HEADER.size : HEADER.size + size])
+                    del self._buf[: HEADER.size + size]
                     try:
                         got = pickle.loads(frame)  # our own child's answer, on our own pipe
                     except Exception as e:
@@ -416,7 +423,10 @@ class ProcessWorker:
                         self._drop(kill=True)
                         return "ended"
                     return got  # type: ignore[no-any-return]
-            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+            left = deadline - time.monotonic()
+            if left <= 0 and self._buf:
+                return None  # still coming: the rest is read by a later look
+            ready, _, _ = select.select([fd], [], [], max(left, 0.0))
             if not ready:
                 return None
             try:
@@ -427,12 +437,13 @@ class ProcessWorker:
                 chunk = b""
             if not chunk:
                 return "ended"
-            self._buf += chunk
+            self._buf += chunk  # a bytearray grows in place: linear in the answer's size
 
     def close(self, wait_s: float = 1.0) -> None:
         """End the process's input: an idle one exits, and is waited for at most `wait_s`; a
         stuck one is left in its scope, never waited for (it exits once the kernel lets go)."""
         with self._lock:
+            self._closed = True
             proc = self._proc
             if proc is None:
                 return

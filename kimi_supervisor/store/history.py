@@ -25,11 +25,15 @@ def append(
     record: TeardownReport | dict[str, Any],
     max_bytes: int = 64 << 20,
     keep: int = 5,
+    once: bool = False,
 ) -> None:
     """One record, all or nothing: a torn tail (a crash or a full disk mid-write) is cut off
     first, and a write that fails is undone, so the next record never lands glued to half of
     one. Once the file passes `max_bytes` it is rotated (`keep` older files are kept). Raises
-    StateError (with the reason) when the record could not be written."""
+    StateError (with the reason) when the record could not be written. With `once` (the
+    record's earlier try has no known end: its process died, or its answer never came), a
+    history whose last record is this very line (or, just rotated, whose .1's last is) is left
+    as it is: the earlier try wrote it."""
     body = record.model_dump(mode="json") if isinstance(record, TeardownReport) else record
     # A name that is not UTF-8 (a file another user named) has its odd bytes escaped, never a
     # record lost or a daemon crashed over it.
@@ -38,6 +42,8 @@ def append(
     fd = open_trusted(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = _repair_tail(fd)
+        if once and _written_last(fd, size, line, path):
+            return
         try:
             if os.write(fd, line) != len(line):
                 raise OSError(errno.ENOSPC, "short write")
@@ -64,6 +70,30 @@ def _rotate(path: Path, keep: int) -> None:
     os.rename(path, f"{path}.1")
 
 
+def _ends_with(fd: int, size: int, line: bytes) -> bool:
+    """The file (`size` bytes) ends with the whole line `line`."""
+    if size < len(line):
+        return False
+    if size == len(line):
+        return os.pread(fd, size, 0) == line
+    return os.pread(fd, len(line) + 1, size - len(line) - 1) == b"\n" + line
+
+
+def _written_last(fd: int, size: int, line: bytes, path: Path) -> bool:
+    """`line` is the history's last record: in the file (`fd`, `size` bytes), or, when the
+    file is empty (rotated since), in the newest rotated one."""
+    if size:
+        return _ends_with(fd, size, line)
+    try:
+        rotated = open_trusted(Path(f"{path}.1"), os.O_RDONLY)
+    except (OSError, StateError):
+        return False
+    try:
+        return _ends_with(rotated, os.fstat(rotated).st_size, line)
+    finally:
+        os.close(rotated)
+
+
 def _repair_tail(fd: int) -> int:
     """Cut a last line that has no newline (a torn write); returns the file's size after."""
     size = os.fstat(fd).st_size
@@ -82,10 +112,13 @@ def _repair_tail(fd: int) -> int:
     return pos
 
 
-def read(state_dir: Path, last: int | None = None) -> list[dict[str, Any]]:
-    """The last `last` records (all if None), oldest first, across the rotated files. Reads
-    from the end of each file, so a long history costs only what is asked for."""
-    lines, _cut = read_lines(state_dir, last)
+def read(
+    state_dir: Path, last: int | None = None, max_bytes: int | None = None
+) -> list[dict[str, Any]]:
+    """The last `last` records (all if None), oldest first, across the rotated files, and of
+    them at most `max_bytes` (the newest). Reads from the end of each file, so a long history
+    costs only what is asked for."""
+    lines, _cut = read_lines(state_dir, last, max_bytes)
     return [json.loads(line) for line in lines]
 
 

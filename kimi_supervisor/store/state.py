@@ -37,6 +37,9 @@ STATE_VERSION: Literal[1] = 1
 KEEP_ASIDE = 5
 
 
+_TMP_NAME = re.compile(r"\.state\.json\.(\d+)\.tmp")
+
+
 class StateError(Exception):
     """The state directory cannot be used (permissions, a full disk); the message says which."""
 
@@ -182,8 +185,13 @@ class StateStore:
 
     def _ensure_dir(self) -> None:
         try:
-            self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
-            st = os.lstat(self.dir)
+            # Made only when missing: a mkdir, even of what exists, waits for write access to
+            # its file system, which a frozen one never gives.
+            try:
+                st = os.lstat(self.dir)
+            except FileNotFoundError:
+                self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+                st = os.lstat(self.dir)
         except OSError as e:
             raise StateError(f"cannot create the state directory {self.dir}: {e}") from e
         if not stat.S_ISDIR(st.st_mode):
@@ -302,8 +310,7 @@ class StateStore:
         self._ensure_dir()
         data = state.model_dump_json(indent=2).encode() + b"\n"
         tmp = self.dir / f".state.json.{os.getpid()}.tmp"
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # left by a crash of this PID's predecessor
+        self._sweep_tmp()
         try:
             fd = os.open(
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640
@@ -325,6 +332,23 @@ class StateStore:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise StateError(f"cannot write {self.path}: {e}") from e
+
+    def _sweep_tmp(self) -> None:
+        """Remove what writers that died mid-write left (`.state.json.PID.tmp` of a PID no
+        process has now, or this one's, a predecessor's by the same PID): each write runs in a
+        process of its own, so a leftover's PID never comes back to remove it."""
+        try:
+            names = os.listdir(self.dir)
+        except OSError:
+            return
+        for name in names:
+            m = _TMP_NAME.fullmatch(name)
+            if m is None:
+                continue
+            pid = int(m.group(1))
+            if pid == os.getpid() or not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.dir / name)  # a name: never followed, if it is a link
 
     def update(
         self,

@@ -187,6 +187,46 @@ def test_a_stop_while_the_state_disk_is_frozen_returns_and_leaves_the_stuck_writ
     assert bystander.pid and os.path.exists(f"/proc/{bystander.pid}")
 
 
+def test_a_daemon_started_on_a_frozen_state_disk_gives_up_at_its_deadline_and_serves_once_thawed(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """The state folder inside a frozen file system (below its mount point: a look-up of the
+    mount point itself is answered by the file system above). The start read the state on the
+    daemon's main thread, and a frozen disk held it there for good, with no word why. It is
+    asked of the state folder's process now: the start gives up at state.timeout_s and says
+    why; systemd starts it again (Restart=on-failure); once thawed, it serves."""
+    top = Path(tempfile.mkdtemp(prefix="frozen-", dir=sandbox.sb.root))
+    os.chmod(top, 0o755)
+    folder = top / "state"
+    shutil.copytree(sandbox.config.state.dir, folder, symlinks=True)
+    # No lock file yet (a first start on a frozen /var): making it waits in the kernel, as
+    # every write there does. An open of what exists, a read, a look-up answer at once.
+    (folder / "state.lock").unlink(missing_ok=True)
+    with (
+        daemon.configured(state={"timeout_s": TIMEOUT_S, "dir": folder}),
+        on_a_freezable_disk(top, sandbox.sb.manager.pid) as fsfreeze,
+    ):
+        fsfreeze("-f")
+        try:
+            t0 = time.monotonic()
+            daemon.start(wait=False)
+            why = "cannot read the state, so no mode to serve"
+            try:
+                wait_until(lambda: why in flat(daemon.log()), TIMEOUT_S + 20, "it to say why")
+            except AssertionError as e:
+                raise AssertionError(f"{e}; its log ends: {daemon.log()[-3000:]}") from None
+            said_s = time.monotonic() - t0
+            assert f"no answer in {TIMEOUT_S} s" in flat(daemon.log()), daemon.log()[-2000:]
+            assert said_s < TIMEOUT_S + 15, said_s
+            stuck = [p for p in io_processes("kimi-supervisor-io-state-") if state_of(p) == "D"]
+            assert stuck, "the read it gave up on waits in the kernel, in its scope"
+        finally:
+            fsfreeze("-u")
+        daemon.wait_serving("production", 60)
+        wait_until(lambda: not any(state_of(p) for p in stuck), 30, "the stuck reads to end")
+        daemon.stop()  # before its folder is moved back
+
+
 def test_a_driver_that_answers_nothing_stops_no_vllm_and_the_switch_waits_for_it(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:

@@ -228,3 +228,40 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 10) -> None:
     while not cond():
         assert time.monotonic() < deadline, "not within the bound"
         time.sleep(0.01)
+
+
+def _bytes(n: int) -> bytes:
+    return b"x" * n
+
+
+def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arrives_later() -> None:
+    """An answer that keeps coming (a history of 100 MiB) held the caller past its deadline,
+    read after read; taken in by a byte string grown by copying, it took 30 s. The call ends
+    at its deadline; what came is kept, and the rest is taken in by later looks."""
+    w = ProcessWorker("test", 10)
+    try:
+        w.start()
+        t0 = time.monotonic()
+        heard: list[int] = []
+        with pytest.raises(TimeoutError):
+            w.call(functools.partial(_bytes, 200 << 20), "a big read", 0.05,
+                   on_late=lambda b: heard.append(len(b)))  # fmt: skip
+        assert time.monotonic() - t0 < 1.0, "the deadline held, whatever kept coming"
+        wait_for(lambda: w.stuck() is None, 30)
+        assert heard == [200 << 20], "the whole answer was heard once it all came"
+        assert w.call(functools.partial(sum, [1, 1]), "after") == 2 and w.started == 1
+    finally:
+        w.close()
+
+
+def test_a_closed_worker_starts_no_process_again() -> None:
+    """The daemon closes its workers before it re-executes; a second close or a call after
+    (the exec failed, the `finally` that follows) starts nothing that would outlive it."""
+    w = ProcessWorker("test", 5)
+    w.start()
+    child = w.pid
+    w.close()
+    with pytest.raises(ProcessGone, match="closed"):
+        w.call(functools.partial(os.getpid), "after the close")
+    w.close()
+    assert w.pid is None and w.started == 1 and child is not None

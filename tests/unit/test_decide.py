@@ -500,6 +500,30 @@ def test_a_torn_history_tail_is_cut_before_the_next_record_and_nothing_is_glued(
     assert [json.loads(x)["what"] for x in lines] == ["first", "second"]
 
 
+def test_a_record_tried_again_after_a_try_that_wrote_it_is_in_the_history_once(
+    tmp_path: Path,
+) -> None:
+    """The state folder's process died after its append, before it answered: the daemon
+    cannot tell, keeps the record and tries again with `once`. Written once, even across a
+    rotation that try caused; a record not there yet, or one that only ends like it, is
+    written."""
+    from kimi_supervisor.store import history
+
+    tmp_path.chmod(0o750)
+    history.append(tmp_path, "incident", {"what": "a"})
+    history.append(tmp_path, "incident", {"what": "a"}, once=True)
+    history.append(tmp_path, "incident", {"what": "b"}, once=True)
+    history.append(tmp_path, "incident", {"x": 1, "what": "a"}, once=True)  # ends the same
+    history.append(tmp_path, "incident", {"what": "a"}, once=True)
+    assert [(e.get("x"), e["what"]) for e in history.read(tmp_path)] == [
+        (None, "a"), (None, "b"), (1, "a"), (None, "a")
+    ]  # fmt: skip
+    history.append(tmp_path, "incident", {"what": "c", "pad": "x" * 500}, max_bytes=500)
+    assert (tmp_path / "history.jsonl.1").exists() and not (tmp_path / "history.jsonl").exists()
+    history.append(tmp_path, "incident", {"what": "c", "pad": "x" * 500}, once=True)
+    assert [e["what"] for e in history.read(tmp_path)] == ["a", "b", "a", "a", "c"]
+
+
 def test_history_rotates_at_its_size_keeps_k_files_and_reads_across_them(tmp_path: Path) -> None:
     from kimi_supervisor.store import history
 

@@ -131,3 +131,21 @@ def test_corrupt_state_files_set_aside_are_kept_to_the_newest_five_too(tmp_path:
     assert warning is not None and "5 corrupt files kept, the newest; 2 older removed" in warning
     kept = list(tmp_path.glob("state.json.corrupt-*"))
     assert len(kept) == 5 and any(p.read_text() == '{"version": 1, "desired_mo' for p in kept)
+
+
+def test_a_write_removes_what_a_writer_that_died_mid_write_left_and_nothing_of_a_live_one(
+    tmp_path: Path,
+) -> None:
+    """Each state write runs in a process of its own, whose PID names its temporary file: one
+    killed mid-write left `.state.json.PID.tmp` that no later writer had the PID to remove."""
+    from kimi_supervisor.store.state import PersistedState
+
+    tmp_path.chmod(0o750)
+    dead = tmp_path / ".state.json.4194305.tmp"  # above the kernel's largest PID: no process
+    live = tmp_path / f".state.json.{os.getppid()}.tmp"  # a writer still at work
+    other = tmp_path / ".state.json.x.tmp"  # not a name the writers give
+    for f in (dead, live, other):
+        f.write_text("{")
+    StateStore(tmp_path).write(PersistedState())
+    assert not dead.exists() and live.exists() and other.exists()
+    assert json.loads((tmp_path / "state.json").read_text())["desired_mode"] == "production"
