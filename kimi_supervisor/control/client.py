@@ -128,3 +128,8 @@ def exchange(
             buf += chunk
         if unsent is not None and not answered:
             raise Unreachable(f"the daemon closed the connection: {unsent}")
+        if buf.strip():  # every answer ends with a newline: this one was cut short
+            raise Unreachable(
+                f"the daemon closed the connection in the middle of an answer ({len(buf)} "
+                "bytes of it came); see `journalctl -u kimi-supervisor`"
+            )

@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 SERVER = """
 import json, os, resource, sys, time
 from pathlib import Path
@@ -115,3 +117,34 @@ def test_a_refusal_sent_before_the_daemon_read_the_request_is_still_what_the_cli
         t.join(10)
         server.close()
     assert got == [refusal]
+
+
+def test_an_answer_cut_short_by_the_daemon_is_said_not_taken_for_no_answer(
+    tmp_path: Path,
+) -> None:
+    """A daemon whose send of a long history failed half-way closes with half a line sent:
+    the client yielded nothing and returned, and its caller read "no records" (a CI failure
+    unpacked zero replies). It is an error that says the answer was cut short."""
+    import threading
+
+    from kimi_supervisor.control.client import Unreachable, exchange
+
+    path = tmp_path / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+
+    def cut() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b'{"ok": true, "code": "history", "data": {"entries": [{"kind": "tr')
+        conn.close()
+
+    t = threading.Thread(target=cut)
+    t.start()
+    try:
+        with pytest.raises(Unreachable, match=r"in the middle of an answer \(65 bytes of it"):
+            list(exchange(path, {"cmd": "history", "n": 5}, 10))
+    finally:
+        t.join(10)
+        server.close()
