@@ -24,6 +24,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kimi_supervisor import log
     from kimi_supervisor.control.handlers import Handlers
     from kimi_supervisor.control.server import ControlError, ControlServer
+    from kimi_supervisor.loop.boot import STOPPED, on_the_state_folder
     from kimi_supervisor.loop.daemon import (
         Daemon,
         block_signals,
@@ -61,18 +62,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     reads = io_worker(systemd_port(config), "history", config.state.timeout_s, emit)
     for w in (nvml, disk, reads):
         w.start()
+    notifier = Notifier()
     try:
-        # Trust only what the daemon's user owns; asked of the state folder's process, so
-        # that a frozen folder fails the start at state.timeout_s, never wedges it.
-        disk.call(
+        # Trust only what the daemon's user owns; asked of the state folder's process, and
+        # waited for, said, while the folder does not answer (loop/boot.py).
+        on_the_state_folder(
+            disk,
             functools.partial(StateStore.check, StateStore(config.state.dir)),
             f"checking {config.state.dir}",
+            notifier.status,
+            emit,
         )
-    except (StateError, OSError) as e:
+    except StateError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
         for w in (nvml, disk, reads):
             w.close()
-        return Exit.USAGE if isinstance(e, StateError) else Exit.FAILED
+        return Exit.OK if str(e).startswith(STOPPED) else Exit.USAGE
     gpu = open_gpu(config, nvml)
     keep = config.daemon.output_tail_lines
     output: OutputPort = (
@@ -81,7 +86,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         else JournalOutput(config.service.unit, config.systemd.scope, keep)
     )
     metrics = Metrics() if config.metrics.enabled else None
-    notifier = Notifier()
     daemon = Daemon(
         config, systemd, gpu, output, notifier, emit, metrics=metrics, disk=disk, reads=reads
     )
@@ -110,12 +114,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         # The state is read before anything is answered: a status asked for meanwhile waits in
         # the socket's queue, and the metrics are not served yet, rather than show the defaults.
         daemon.boot()
-    except StateError as e:  # the state could not be read in time: no mode to serve
+    except StateError as e:  # stopped while the state folder did not answer; not trusted
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
         server.close()
         for w in (nvml, disk, reads):
             w.close()
-        return Exit.FAILED
+        return Exit.OK if str(e).startswith(STOPPED) else Exit.FAILED
     except BaseException:
         server.close()
         raise

@@ -7,11 +7,17 @@ baseline is provisional); each returns at once, and the loop retries on its own 
 from __future__ import annotations
 
 import functools
+import signal
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
 from kimi_supervisor.model import utcnow
+from kimi_supervisor.ports.bounded import IoWorker, ProcessGone
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.store import baseline
 from kimi_supervisor.store.state import (
@@ -22,20 +28,70 @@ from kimi_supervisor.store.state import (
     with_baseline,
 )
 
+# How often a start that waits for its state folder looks whether it answered, or a stop came.
+STATE_POLL_S = 0.5
+STOPS = {signal.SIGTERM, signal.SIGINT}
+STOPPED = "stopped while waiting for the state folder"
+
+
+T = TypeVar("T")
+
+
+def on_the_state_folder(
+    disk: IoWorker,
+    call: Callable[[], T],
+    what: str,
+    say: Callable[[str], None],
+    log: Callable[..., None],
+) -> T:
+    """`call` on the state folder's process, at the daemon's start, waited for as long as the
+    folder takes: a frozen or hung folder (an fsfreeze, a hung NFS server, a lock held by a
+    write stuck in the kernel) is waited for here, said in the unit's status and the log,
+    never an exit (systemd's restarts would hit their start limit in about 2 minutes, and the
+    unit stay down after the folder answered). The call given up on at state.timeout_s is
+    left in its scope; its late answer is taken; if its process died, it is asked again.
+    Bounded by the unit's TimeoutStartSec, and by a stop: SIGTERM or SIGINT (blocked until
+    the daemon serves, so seen pending here) ends the wait with StateError. Any other error
+    (an untrusted folder) is StateError at once."""
+    late: list[T] = []
+    began, said = time.monotonic(), False
+    pause = threading.Event()  # never set: its wait is the poll's bounded pause
+    while True:
+        try:
+            return disk.call(call, what, on_late=late.append)
+        except (TimeoutError, ProcessGone) as e:
+            why = str(e)
+        except OSError as e:
+            raise StateError(f"{what}: {e}") from e
+        while True:
+            if STOPS & signal.sigpending():
+                raise StateError(f"{STOPPED} ({why})")
+            waited = time.monotonic() - began
+            if not said:
+                log("state_folder_waiting", level="error", what=what, error=why)
+                said = True
+            say(f"waiting for the state folder for {waited:.0f} s: {why}")
+            if disk.stuck() is None:
+                break
+            pause.wait(STATE_POLL_S)
+        if late:
+            log("state_folder_answered", what=what, waited_s=round(time.monotonic() - began, 1))
+            return late[0]
+        pause.wait(STATE_POLL_S)  # its process died: asked again, not at once
+
 
 def load_state(ctx: Context) -> None:
     """The desired mode, profile expiry and an interrupted transition, from state.json. A
     corrupt file is moved aside (StateStore.read) and recorded loudly; defaults are used.
     Nothing is answered before this (cli/run.py): status never shows a mode not yet read."""
     s = ctx.s
-    # On the state folder's process: a frozen folder fails the start at state.timeout_s
-    # (StateError: cli/run.py exits, systemd starts it again), never wedges it.
-    try:
-        st, warning = ctx.disk.call(
-            functools.partial(StateStore.read_settled, ctx.store), f"reading {ctx.store.path}"
-        )
-    except OSError as e:  # TimeoutError, its process gone, the folder unreadable
-        raise StateError(f"cannot read the state, so no mode to serve: {e}") from e
+    st, warning = on_the_state_folder(
+        ctx.disk,
+        functools.partial(StateStore.read_settled, ctx.store),
+        f"reading {ctx.store.path}",
+        ctx.notifier.status,
+        ctx.log,
+    )
     ctx.saved, ctx.saved_stamp = st, ctx.stamp()
     if warning:
         ctx.warn(warning)

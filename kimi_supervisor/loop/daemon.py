@@ -360,9 +360,10 @@ class Daemon:
         system). Either way the re-exec waits, and status says so: the new image would start
         its own process against the same stuck folder or driver, and never reap the old one."""
         workers = [self.ctx.disk, getattr(self.ctx.gpu, "worker", None)]
-        stuck = [w.stuck() for w in workers if w is not None and w.stuck() is not None]
+        looks = [w.stuck() for w in workers if w is not None]
+        stuck = [look for look in looks if look is not None]
         if stuck:
-            what = stuck[0][0] if stuck[0] else ""
+            what = stuck[0][0]
             self.ctx.warn(f"{REEXEC_WAITS}: {what} is stuck in the kernel, and a re-exec would "
                           "wait for it unsupervised", key=REEXEC_WAITS)  # fmt: skip
             return True

@@ -312,7 +312,13 @@ class ProcessWorker:
         c = self._stuck
         if c is None:
             return
-        # A moment's reading at most: a large late answer is taken in over several looks.
+        # Nothing waiting on its pipe: no answer yet, and the look costs nothing. Else a
+        # moment's reading at most: a large late answer is taken in over several looks.
+        proc = self._proc
+        if proc is not None and proc.stdout is not None:
+            ready, _, _ = select.select([proc.stdout.fileno()], [], [], 0)
+            if not ready:
+                return
         got = self._receive(time.monotonic() + LATE_READ_S)
         if got is None:
             return

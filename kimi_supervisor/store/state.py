@@ -239,8 +239,8 @@ class StateStore:
             raise StateError(f"cannot read {self.path}: {e}") from e
         try:
             return PersistedState.model_validate(json.loads(raw)), None
-        except (ValueError, ValidationError) as e:
-            first = str(e).splitlines()[0][:200]
+        except (ValueError, ValidationError, RecursionError) as e:  # deep nesting: RecursionError
+            first = (str(e).splitlines() or [type(e).__name__])[0][:200]
             return PersistedState(), self._move_aside(f"it is not a valid state ({first})")
 
     def read_settled(self) -> tuple[PersistedState, str | None]:

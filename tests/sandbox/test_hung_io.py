@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
 from kimi_supervisor.sandbox.simreader import HANG
 
 from ..conftest import DaemonHelper, SandboxHelper, flat, wait_until
@@ -187,14 +189,15 @@ def test_a_stop_while_the_state_disk_is_frozen_returns_and_leaves_the_stuck_writ
     assert bystander.pid and os.path.exists(f"/proc/{bystander.pid}")
 
 
-def test_a_daemon_started_on_a_frozen_state_disk_gives_up_at_its_deadline_and_serves_once_thawed(
+def test_a_daemon_started_on_a_frozen_state_disk_waits_for_it_says_so_and_serves_once_thawed(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
     """The state folder inside a frozen file system (below its mount point: a look-up of the
     mount point itself is answered by the file system above). The start read the state on the
-    daemon's main thread, and a frozen disk held it there for good, with no word why. It is
-    asked of the state folder's process now: the start gives up at state.timeout_s and says
-    why; systemd starts it again (Restart=on-failure); once thawed, it serves."""
+    daemon's main thread, and a frozen disk held it there with no word why; exiting instead
+    would have had systemd restart it every few seconds until its start limit, the unit then
+    down for good. The read is asked of the state folder's process and waited for in the
+    same daemon, said in the unit's status and the log; once thawed, that daemon serves."""
     top = Path(tempfile.mkdtemp(prefix="frozen-", dir=sandbox.sb.root))
     os.chmod(top, 0o755)
     folder = top / "state"
@@ -202,29 +205,66 @@ def test_a_daemon_started_on_a_frozen_state_disk_gives_up_at_its_deadline_and_se
     # No lock file yet (a first start on a frozen /var): making it waits in the kernel, as
     # every write there does. An open of what exists, a read, a look-up answer at once.
     (folder / "state.lock").unlink(missing_ok=True)
+
+    def status_text() -> str:
+        r = sandbox.sb.manager.systemctl("show", "-p", "StatusText", "--value", DAEMON_UNIT)
+        return r.stdout.strip()
+
     with (
         daemon.configured(state={"timeout_s": TIMEOUT_S, "dir": folder}),
         on_a_freezable_disk(top, sandbox.sb.manager.pid) as fsfreeze,
     ):
         fsfreeze("-f")
         try:
-            t0 = time.monotonic()
             daemon.start(wait=False)
-            why = "cannot read the state, so no mode to serve"
             try:
-                wait_until(lambda: why in flat(daemon.log()), TIMEOUT_S + 20, "it to say why")
+                wait_until(lambda: "state_folder_waiting" in daemon.log(), TIMEOUT_S + 20, "it")
             except AssertionError as e:
                 raise AssertionError(f"{e}; its log ends: {daemon.log()[-3000:]}") from None
-            said_s = time.monotonic() - t0
             assert f"no answer in {TIMEOUT_S} s" in flat(daemon.log()), daemon.log()[-2000:]
-            assert said_s < TIMEOUT_S + 15, said_s
+            pid = daemon.pid()
+            # Three deadlines on, the same daemon still waits, and says how long.
+            wait_until(
+                lambda: re.search(r"waiting for the state folder for (\d+) s", status_text())
+                and int(re.search(r"for (\d+) s", status_text()).group(1)) >= 3 * TIMEOUT_S,
+                30, "the unit's status to say how long it has waited",
+            )  # fmt: skip
+            assert daemon.pid() == pid and daemon.unit() == "activating", "never restarted"
             stuck = [p for p in io_processes("kimi-supervisor-io-state-") if state_of(p) == "D"]
             assert stuck, "the read it gave up on waits in the kernel, in its scope"
         finally:
             fsfreeze("-u")
         daemon.wait_serving("production", 60)
-        wait_until(lambda: not any(state_of(p) for p in stuck), 30, "the stuck reads to end")
+        assert daemon.pid() == pid and "state_folder_answered" in daemon.log()
+        # The read given up on returned: its process serves the daemon's next calls.
+        wait_until(lambda: all(state_of(p) != "D" for p in stuck), 30, "the stuck read to end")
         daemon.stop()  # before its folder is moved back
+
+
+def test_a_stop_while_the_start_waits_for_a_frozen_state_disk_ends_it_at_once(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """`systemctl stop` while the start waits for its folder: the daemon sees the SIGTERM
+    it has not unblocked yet, and exits within a poll, not at TimeoutStopSec."""
+    top = Path(tempfile.mkdtemp(prefix="frozen-", dir=sandbox.sb.root))
+    os.chmod(top, 0o755)
+    folder = top / "state"
+    shutil.copytree(sandbox.config.state.dir, folder, symlinks=True)
+    (folder / "state.lock").unlink(missing_ok=True)
+    with (
+        daemon.configured(state={"timeout_s": TIMEOUT_S, "dir": folder}),
+        on_a_freezable_disk(top, sandbox.sb.manager.pid) as fsfreeze,
+    ):
+        fsfreeze("-f")
+        try:
+            daemon.start(wait=False)
+            wait_until(lambda: "state_folder_waiting" in daemon.log(), TIMEOUT_S + 20, "it")
+            t0 = time.monotonic()
+            daemon.stop()
+            stop_s = time.monotonic() - t0
+            assert daemon.unit() == "inactive" and stop_s < 5, (daemon.unit(), stop_s)
+        finally:
+            fsfreeze("-u")
 
 
 def test_a_driver_that_answers_nothing_stops_no_vllm_and_the_switch_waits_for_it(

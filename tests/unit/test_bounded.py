@@ -235,7 +235,7 @@ def _bytes(n: int) -> bytes:
 
 
 def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arrives_later() -> None:
-    """An answer that keeps coming (a history of 100 MiB) held the caller past its deadline,
+    """An answer that keeps coming (a history of 114 MiB) held the caller past its deadline,
     read after read; taken in by a byte string grown by copying, it took 30 s. The call ends
     at its deadline; what came is kept, and the rest is taken in by later looks."""
     w = ProcessWorker("test", 10)
@@ -244,11 +244,11 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
         t0 = time.monotonic()
         heard: list[int] = []
         with pytest.raises(TimeoutError):
-            w.call(functools.partial(_bytes, 200 << 20), "a big read", 0.05,
+            w.call(functools.partial(_bytes, 128 << 20), "a big read", 0.05,
                    on_late=lambda b: heard.append(len(b)))  # fmt: skip
         assert time.monotonic() - t0 < 1.0, "the deadline held, whatever kept coming"
-        wait_for(lambda: w.stuck() is None, 30)
-        assert heard == [200 << 20], "the whole answer was heard once it all came"
+        wait_for(lambda: w.stuck() is None, 120)  # 50 ms looks: long on a loaded machine
+        assert heard == [128 << 20], "the whole answer was heard once it all came"
         assert w.call(functools.partial(sum, [1, 1]), "after") == 2 and w.started == 1
     finally:
         w.close()

@@ -149,3 +149,16 @@ def test_a_write_removes_what_a_writer_that_died_mid_write_left_and_nothing_of_a
     StateStore(tmp_path).write(PersistedState())
     assert not dead.exists() and live.exists() and other.exists()
     assert json.loads((tmp_path / "state.json").read_text())["desired_mode"] == "production"
+
+
+def test_a_state_file_nested_too_deep_to_parse_is_set_aside_not_a_crash_at_every_start(
+    tmp_path: Path,
+) -> None:
+    """json.loads of 200,000 open brackets raises RecursionError, which no start caught: each
+    start exited and systemd's restarts ran into their start limit (an outside review)."""
+    tmp_path.chmod(0o750)
+    (tmp_path / "state.json").write_text("[" * 200_000)
+    state, warning = StateStore(tmp_path).read()
+    assert state.desired_mode is Mode.PRODUCTION
+    assert warning is not None and "it is not a valid state" in warning, warning
+    assert [p.name.startswith("state.json.corrupt-") for p in tmp_path.iterdir()].count(True) == 1
