@@ -132,6 +132,13 @@ class GpusConfig(_Strict):
     # the stuck call returns, the GPUs are not asked again. A healthy host answers in well
     # under a millisecond (0.05 ms for two H200s, docs/performance.md).
     timeout_s: PositiveSeconds = 10.0
+    # Before each start of vLLM the managed GPUs' health is read (decide/gpuhealth.py): a row
+    # remapping waiting for a reset or failed, pages retired and waiting, uncorrected ECC
+    # errors since the driver loaded. "warn": said in status, the history and the log, and the
+    # load goes on; "refuse": the start fails with the reason (retried with the failure
+    # backoff, so a reset GPU is taken up again); "off": not read. An Xid in the kernel's log
+    # and NVLink errors are only ever warnings; a signal not read decides nothing.
+    health_check: Literal["warn", "refuse", "off"] = "warn"
 
     @model_validator(mode="after")
     def _sim_needs_dir(self) -> GpusConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence, Sized
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
@@ -262,3 +263,25 @@ def shown(name: str) -> str:
         return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:
         return name.encode("utf-8", "backslashreplace").decode("ascii")
+
+
+@dataclass(frozen=True)
+class GpuHealth:
+    """What the driver and the kernel say of one GPU's health; each field None where this GPU,
+    its driver or the host cannot say (`unread` says why). Read before a mode's load starts
+    (decide/gpuhealth.py judges it) and by `kimi-supervisor doctor`."""
+
+    index: int
+    # Row remapping (A100 and later: the H100/H200's way of repairing memory): rows remapped
+    # and waiting for a GPU reset to take effect, and a remapping that failed (no spare row).
+    remap_pending: bool | None = None
+    remap_failed: bool | None = None
+    # Page retirement (before the A100): pages retired, waiting for a reset.
+    retired_pending: bool | None = None
+    # Uncorrected ECC errors since the driver loaded (volatile), all memory locations.
+    ecc_uncorrected: int | None = None
+    # NVLink errors (CRC, replay, recovery) summed over the GPU's active links; None: no NVLink.
+    nvlink_errors: int | None = None
+    # The Xid codes the kernel's log holds for this GPU since boot (NVRM: Xid (PCI:...): N).
+    xids: tuple[int, ...] | None = None
+    unread: tuple[str, ...] = ()

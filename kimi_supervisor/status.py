@@ -162,6 +162,20 @@ class FailureStatus(BaseModel):
     more: str = ""
 
 
+class GpuHealthStatus(BaseModel):
+    """The managed GPUs' health as last read before a load (decide/gpuhealth.py)."""
+
+    checked_at: str
+    # "healthy", "warnings" (never a refusal by itself), "failing", or "unread" (no reading:
+    # nothing decided on it).
+    verdict: str
+    text: str
+    policy: str  # gpus.health_check when it was read
+    refused: bool = False  # the start was refused for it
+    gpus: list[dict[str, object]] = Field(default_factory=list)
+    unread: list[str] = Field(default_factory=list)
+
+
 class LivenessStatus(BaseModel):
     """What the liveness probe last saw of the serving vLLM (loop/liveness.py)."""
 
@@ -238,6 +252,7 @@ class Status(BaseModel):
     # What the daemon waits for and cannot go on without (the GPU driver, systemd); null if none.
     waiting_for: str | None = None
     liveness: LivenessStatus | None = None
+    gpu_health: GpuHealthStatus | None = None
     last_failure: FailureStatus | None = None
     warnings: list[str] = Field(default_factory=list)
     last_intrusion: IntrusionStatus | None = None

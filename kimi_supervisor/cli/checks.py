@@ -204,8 +204,36 @@ def check_gpus(config: Config) -> list[CheckOut]:
             mib = ", ".join(f"{i}: {stored.devices[i]}" for i in managed)
             out.append(ok("baseline", f"stored, MiB per GPU {mib}"))
     out.append(_persistence(config, gpu, managed))
+    if not missing:
+        out.append(_health(config, gpu, managed))
     gpu.close()
     return out
+
+
+def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
+    """The GPUs' health signals, as the daemon reads them before each load
+    (decide/gpuhealth.py): failing ones fail the check, whatever gpus.health_check says."""
+    from kimi_supervisor.decide.gpuhealth import judge
+    from kimi_supervisor.ports.gpu import GpuUnavailable
+
+    name = "GPU health"
+    try:
+        v = judge(gpu.health(managed))
+    except (GpuUnavailable, OSError) as e:
+        return unknown(name, f"the health signals could not be read: {e}")
+    unread = f" (not read: {'; '.join(v.unread)})" if v.unread else ""
+    policy = config.gpus.health_check
+    if v.failing:
+        refuses = "refuses" if policy == "refuse" else f"warns (gpus.health_check = {policy!r})"
+        return bad(
+            name,
+            f"{v.text()}; the daemon {refuses} before a load{unread}",
+            "reset the GPU (nvidia-smi -r -i N, with nothing running on it) or replace it; "
+            "see dmesg for its Xid lines",
+        )
+    if v.warnings:
+        return ok(name, f"no failing signal, but {v.text()}{unread}")
+    return ok(name, f"no remapping pending or failed, no uncorrected ECC error, no Xid{unread}")
 
 
 def stored_baseline(state_dir: Path) -> Any:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from kimi_supervisor.decide import policy
+from kimi_supervisor.decide import gpuhealth, policy
 from kimi_supervisor.decide.cause import explain
 from kimi_supervisor.decide.liveness import Hang
 from kimi_supervisor.decide.policy import Next, Purpose
@@ -44,7 +44,7 @@ from kimi_supervisor.ports import launcher, pagecache, processes
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.ports.metrics import evidence_label
 from kimi_supervisor.ports.systemd import SystemdError
-from kimi_supervisor.status import FailureStatus, IntrusionStatus, LivenessStatus
+from kimi_supervisor.status import FailureStatus, GpuHealthStatus, IntrusionStatus, LivenessStatus
 from kimi_supervisor.store.state import TransitionRecord
 from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepStarted
 
@@ -269,6 +269,12 @@ class Lifecycle:
         )
         ctx.persist_transition()
         argv = ctx.config.launch_argv(tr.target)
+        refused = self._health_before_load()
+        if refused:
+            # TEARING_DOWN -> STARTING, at once failed: a managed GPU will fail the load
+            self.set_state(State.STARTING)
+            self.start_failed(refused)
+            return
         try:
             if ctx.systemd.status(ctx.unit).active_state == "failed":
                 ctx.systemd.reset_failed(ctx.unit)
@@ -286,6 +292,55 @@ class Lifecycle:
         ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
         # TEARING_DOWN -> STARTING: clean, the unit started
         self.set_state(State.STARTING, f"started {ctx.unit} in {tr.target.value}")
+
+    def _health_before_load(self) -> str | None:
+        """The managed GPUs' health, read before a load that may take 30 minutes
+        (gpus.health_check, decide/gpuhealth.py): the reason to refuse the start, or None.
+        What it found is in status (`gpu_health`), the log, an event, and the warnings while it
+        lasts; a failing GPU loaded on anyway is an incident in the history. No reading is no
+        evidence: the load goes on, and status says the health was not read."""
+        s, ctx = self.s, self.ctx
+        policy = ctx.config.gpus.health_check
+        if policy == "off":
+            s.gpu_health = None
+            return None
+        key = "GPU health:"
+        at = utcnow().isoformat()
+        try:
+            healths = ctx.gpu.health(s.indices)
+        except GpuUnavailable as e:
+            s.gpu_health = GpuHealthStatus(
+                checked_at=at, verdict="unread", text=f"not read: {e}", policy=policy
+            )
+            ctx.log("gpu_health_unread", level="warning", error=str(e))
+            return None
+        v = gpuhealth.judge(healths)
+        verdict = "failing" if v.failing else "warnings" if v.warnings else "healthy"
+        refuse = bool(v.failing) and policy == "refuse"
+        s.gpu_health = GpuHealthStatus(
+            checked_at=at,
+            verdict=verdict,
+            text=v.text(),
+            policy=policy,
+            refused=refuse,
+            gpus=[gpuhealth.signals(h) for h in healths],
+            unread=v.unread,
+        )
+        if v.healthy:
+            ctx.unwarn(key)
+            return None
+        ctx.warn(f"{key} {v.text()}", key=key)
+        ctx.log("gpu_health", level="warning", verdict=verdict, policy=policy,
+                failing=v.failing, warnings=v.warnings)  # fmt: skip
+        ctx.event("gpu_health", s.gpu_health.model_dump(mode="json"))
+        if refuse:
+            return f"the GPUs' health refuses the load (gpus.health_check = refuse): {v.text()}"
+        if v.failing:
+            ctx.incident(
+                {"at": at, "what": f"GPU health: {v.text()}; loaded all the same "
+                 f"(gpus.health_check = {policy})"}
+            )  # fmt: skip
+        return None
 
     def ready(self, obs: Observed) -> None:
         s, ctx = self.s, self.ctx

@@ -21,6 +21,7 @@ from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
 from kimi_supervisor.status import (
     DowntimeStatus,
     FailureStatus,
+    GpuHealthStatus,
     IntrusionStatus,
     LivenessStatus,
     WarmStatus,
@@ -109,6 +110,7 @@ class LoopState:
     last_teardown: TeardownReport | None = None
     last_intrusion: IntrusionStatus | None = None
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
+    gpu_health: GpuHealthStatus | None = None  # read before the last start (gpus.health_check)
     liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving
     capture: Capture | None = None
     warnings: list[str] = field(default_factory=list)

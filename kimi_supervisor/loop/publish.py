@@ -140,6 +140,7 @@ def build(
         warnings=list(s.warnings),
         last_intrusion=s.last_intrusion,
         last_failure=s.last_failure,
+        gpu_health=s.gpu_health,
         waiting_for=s.waiting_for or None,
         liveness=s.liveness if s.state is State.SERVING else None,
         profile_until=s.profile_until.isoformat() if s.profile_until else None,

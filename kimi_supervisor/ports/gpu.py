@@ -8,11 +8,15 @@ simulated GPU host of the sandbox. NVML is initialised lazily; its failures beco
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from kimi_supervisor.model import GpuHealth
 
 if TYPE_CHECKING:
     from kimi_supervisor.ports.bounded import IoWorker
@@ -42,6 +46,7 @@ class DeviceSample:
 class GpuPort(Protocol):
     def device_count(self) -> int: ...
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]: ...
+    def health(self, indices: Sequence[int]) -> list[GpuHealth]: ...
     def device_path(self, index: int) -> str: ...
     def uuid(self, index: int) -> str: ...
     def driver_version(self) -> str: ...
@@ -130,6 +135,72 @@ class NvmlGpu:
             )
         return out
 
+    def health(self, indices: Sequence[int]) -> list[GpuHealth]:
+        """NVML's health signals of each GPU, and the kernel's Xid lines for it. A signal this
+        GPU does not support (NVML's NotSupported: page retirement on an H200, NVLink on a
+        PCIe card) is None and named in `unread`, as is any other error of one signal; a GPU
+        NVML cannot find is GpuUnavailable."""
+        nv = self._lib()
+        xids = kernel_xids()
+        out = []
+        for index in indices:
+            h = self._handle(index)
+            unread: list[str] = []
+
+            def ask(name: str, fn: Any, *args: Any, into: list[str] = unread) -> Any:
+                return _ask(nv, into, name, fn, *args)
+
+            rows = ask("row remapping", nv.nvmlDeviceGetRemappedRows, h)
+            pending = ask("page retirement", nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
+            ecc = ask(
+                "uncorrected ECC", nv.nvmlDeviceGetTotalEccErrors, h,
+                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC,
+            )  # fmt: skip
+            bus = ask("PCI bus", nv.nvmlDeviceGetPciInfo, h)
+            bus_id = _pci_id(bus.busId) if bus is not None else ""
+            mine = xids.get(bus_id) if xids is not None else None
+            if xids is None:
+                unread.append("Xid: the kernel's log cannot be read (/dev/kmsg)")
+            out.append(
+                GpuHealth(
+                    index,
+                    remap_pending=bool(rows[2]) if rows is not None else None,
+                    remap_failed=bool(rows[3]) if rows is not None else None,
+                    retired_pending=bool(pending) if pending is not None else None,
+                    ecc_uncorrected=int(ecc) if ecc is not None else None,
+                    nvlink_errors=self._nvlink_errors(nv, h),
+                    xids=tuple(mine or ()) if xids is not None else None,
+                    unread=tuple(unread),
+                )
+            )
+        return out
+
+    @staticmethod
+    def _nvlink_errors(nv: Any, h: Any) -> int | None:
+        """Errors summed over the active links; None where the GPU has no NVLink."""
+        total, links = 0, 0
+        counters = [
+            getattr(nv, name)
+            for name in (
+                "NVML_NVLINK_ERROR_DL_CRC_FLIT",
+                "NVML_NVLINK_ERROR_DL_CRC_DATA",
+                "NVML_NVLINK_ERROR_DL_REPLAY",
+                "NVML_NVLINK_ERROR_DL_RECOVERY",
+            )
+            if hasattr(nv, name)
+        ]
+        for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
+                    continue
+            except (nv.NVMLError, OSError):
+                continue  # no such link, or no NVLink at all
+            links += 1
+            for c in counters:
+                with contextlib.suppress(nv.NVMLError, OSError):
+                    total += int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
+        return total if links else None
+
     def device_path(self, index: int) -> str:
         h = self._handle(index)
         minor = self._call(f"GPU {index}", self._lib().nvmlDeviceGetMinorNumber, h)
@@ -155,6 +226,62 @@ class NvmlGpu:
             self._nvml.nvmlShutdown()
             self._nvml = None
             self._handles.clear()
+
+
+# The kernel's line for an Xid: "NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off
+# the bus." (NVIDIA's Xid catalog). Read from /dev/kmsg: root's, bounded, never waited on.
+_XID = re.compile(rb"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
+KMSG_MAX_BYTES = 4 << 20
+
+
+def _pci_id(raw: bytes | str) -> str:
+    """A PCI address as the kernel writes it in an Xid line (domain:bus:device, lower case):
+    NVML's busId is "00000000:18:00.0"."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    text = text.lower().split(".")[0]
+    domain, _, rest = text.partition(":")
+    return f"{int(domain, 16):04x}:{rest}" if rest else text
+
+
+def kernel_xids(path: str = "/dev/kmsg") -> dict[str, list[int]] | None:
+    """The Xid codes the kernel's log holds, by the GPU's PCI address (domain:bus:device);
+    None where the log cannot be read. /dev/kmsg is read without waiting (O_NONBLOCK: EAGAIN
+    at its end), record by record, at most KMSG_MAX_BYTES."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    found: dict[str, list[int]] = {}
+    read = 0
+    try:
+        while read < KMSG_MAX_BYTES:
+            try:
+                record = os.read(fd, 8192)
+            except BlockingIOError:
+                break  # the end of the log
+            except OSError as e:
+                if e.errno == errno.EPIPE:  # a record overwritten while read: go on
+                    continue
+                return None if not read else found
+            if not record:
+                break
+            read += len(record)
+            for m in _XID.finditer(record):
+                found.setdefault(_pci_id(m.group(1)), []).append(int(m.group(2)))
+    finally:
+        os.close(fd)
+    return found
+
+
+def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
+    """One health read: its value, or None with why in `unread`."""
+    try:
+        return fn(*args)
+    except nv.NVMLError_NotSupported:
+        unread.append(f"{name}: not supported by this GPU")
+    except (nv.NVMLError, OSError) as e:
+        unread.append(f"{name}: {e}")
+    return None
 
 
 def _mib(value: int | None) -> int | None:
@@ -223,6 +350,10 @@ class BoundedGpu:
 
     def driver_version(self) -> str:
         return str(self._call("the driver version", "driver_version"))
+
+    def health(self, indices: Sequence[int]) -> list[GpuHealth]:
+        shown = ", ".join(map(str, indices))
+        return list(self._call(f"the health of GPU(s) {shown}", "health", list(indices)))
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         # Asked once per device node while judging a holder, on the caller's thread: NVML's

@@ -134,6 +134,21 @@ def set_release_delay(root: Path, seconds: float) -> None:
     _write_json(root / "host.json", host)
 
 
+def set_health(root: Path, index: int, **signals: object) -> None:
+    """GPU `index`'s health signals as the driver would report a failing one
+    (`remap_pending=True`, `xids=[79]`, `ecc_uncorrected=2`); none: healthy again."""
+    path = root / "health.json"
+    try:
+        health = json.loads(path.read_text())
+    except FileNotFoundError:
+        health = {}
+    if signals:
+        health[str(index)] = signals
+    else:
+        health.pop(str(index), None)
+    _write_json(path, health)
+
+
 def _write_json(path: Path, data: object) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))

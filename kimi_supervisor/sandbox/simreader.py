@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimi_supervisor.model import GpuHealth
 from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
 
 # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding)
@@ -32,6 +33,13 @@ F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
 F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 PAGE = 4096
 HANG = "nvml_hang"  # in the sim folder: the driver answers no call while it exists
+# In the sim folder: a GPU's health signals that differ from a healthy H200's, by index
+# ({"3": {"remap_pending": true, "xids": [63]}}; simgpu.set_health writes it).
+HEALTH = "health.json"
+# A healthy H200 as driver 580.159.04 answers (bench/results/h200x1-2026-12-04-gpu-health.txt): rows
+# remapping supported and clean, page retirement not supported (row remapping replaced it),
+# no uncorrected ECC error, no Xid in the kernel's log. NVLink as the lent host has it: none.
+H200_UNREAD = ("page retirement: not supported by this GPU",)
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -212,6 +220,32 @@ class SimGpu:
             )
             for d in devices
         ]
+
+    def health(self, indices: Sequence[int]) -> list[GpuHealth]:
+        """A healthy H200's answer, with what `health.json` changes for a GPU (a test's failing
+        one). A field set to null there is one the GPU cannot say (named in `unread`)."""
+        self._answer()
+        try:
+            changed = json.loads((self.root / HEALTH).read_text())
+        except FileNotFoundError:
+            changed = {}
+        except (OSError, ValueError) as e:
+            raise GpuUnavailable(f"the simulated host's {HEALTH} cannot be read: {e}") from e
+        out = []
+        for index in indices:
+            self._device(index)
+            fields: dict[str, object] = {
+                "remap_pending": False, "remap_failed": False, "retired_pending": None,
+                "ecc_uncorrected": 0, "nvlink_errors": None, "xids": (),
+                "unread": H200_UNREAD,
+            }  # fmt: skip
+            fields.update(changed.get(str(index), {}))
+            if isinstance(fields["xids"], list):
+                fields["xids"] = tuple(fields["xids"])
+            if isinstance(fields["unread"], list):
+                fields["unread"] = tuple(fields["unread"])
+            out.append(GpuHealth(index, **fields))  # type: ignore[arg-type]
+        return out
 
     def device_path(self, index: int) -> str:
         self._answer()

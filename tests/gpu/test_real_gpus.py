@@ -421,3 +421,49 @@ def test_doctor_reads_the_drivers_gpus_and_persistence_mode_as_nvidia_smi_shows_
     assert results["GPU driver"].ok and results["managed GPUs"].ok, results
     persistence = results["nvidia-persistenced"]
     assert persistence.ok is all(enabled[i] for i in host.indices), (persistence, smi)
+    health = results["GPU health"]  # read, whatever it says of this GPU
+    assert health.ok is not None and "could not be read" not in health.message, health
+
+
+def test_the_gpus_health_is_read_as_nvidia_smi_reports_it_through_the_daemons_nvml_process(
+    host: Host,
+) -> None:
+    """What the daemon reads before each load (gpus.health_check), through its NVML process
+    as the daemon composes it, against nvidia-smi's own report of the same counters. The
+    figures go to $KIMI_HEALTH_OUT (the simulated host copies a healthy H200's answer)."""
+    from kimi_supervisor.cli.compose import open_gpu
+    from kimi_supervisor.decide.gpuhealth import judge, signals
+    from kimi_supervisor.ports.bounded import ProcessWorker
+
+    worker = ProcessWorker("nvml", 10)
+    gpu = open_gpu(host.config, worker)
+    try:
+        t0 = time.monotonic()
+        healths = gpu.health(host.indices)
+        took = time.monotonic() - t0
+    finally:
+        gpu.close()
+
+    def smi_q(what: str) -> str:
+        return subprocess.run(
+            ["nvidia-smi", "-q", "-d", what, "-i", ",".join(map(str, host.indices))],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+
+    remapper = smi_q("ROW_REMAPPER")
+    smi = remapper + smi_q("ECC")
+    v = judge(healths)
+    out = os.environ.get("KIMI_HEALTH_OUT")
+    if out:
+        read = {"took_s": round(took, 4), "verdict": v.text(), "unread": v.unread,
+                "gpus": [signals(h) for h in healths]}  # fmt: skip
+        Path(out).write_text(
+            json.dumps(read, indent=1) + "\n\nnvidia-smi -q -d ROW_REMAPPER,ECC:\n" + smi
+        )
+    for h in healths:
+        assert h.remap_pending is not None, "an H200 remaps rows: NVML says whether it waits"
+        assert h.xids is not None, "root reads the kernel's log"
+    pending = [line for line in remapper.splitlines() if line.strip().startswith("Pending")]
+    if pending:  # nvidia-smi's "Pending : No/Yes" per GPU, in index order
+        said = [line.split(":")[1].strip() == "Yes" for line in pending]
+        assert said[: len(healths)] == [h.remap_pending for h in healths], (said, healths)

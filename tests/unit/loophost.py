@@ -35,7 +35,7 @@ from typing import Any
 from kimi_supervisor.config import Config
 from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.loop.daemon import Daemon
-from kimi_supervisor.model import Mode, State
+from kimi_supervisor.model import GpuHealth, Mode, State
 from kimi_supervisor.ports import launcher
 from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample
 from kimi_supervisor.ports.notify import Notifier
@@ -305,10 +305,24 @@ class FakeGpu:
         self.fault: Exception | None = None  # raised by sample (a port's unexpected error)
         self.answers = threading.Event()  # cleared: every call waits, as in a hung driver
         self.answers.set()
+        self.unhealthy: dict[int, dict[str, object]] = {}  # a failing GPU's signals, by index
+        self.health_reads = 0
+        self.health_fault: Exception | None = None  # raised by health (no reading)
 
     def device_count(self) -> int:
         self.answers.wait()
         return self.count
+
+    def health(self, indices: Sequence[int]) -> list[GpuHealth]:
+        """A healthy H200's answer (the simulated host's, sandbox/simreader.py), with
+        `unhealthy`'s signals for a failing GPU."""
+        self.answers.wait()
+        self.health_reads += 1
+        if self.health_fault is not None:
+            raise self.health_fault
+        base: dict[str, object] = {"remap_pending": False, "remap_failed": False,
+                                   "ecc_uncorrected": 0, "xids": ()}  # fmt: skip
+        return [GpuHealth(i, **{**base, **self.unhealthy.get(i, {})}) for i in indices]  # type: ignore[arg-type]
 
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]:
         self.answers.wait()

@@ -18,6 +18,7 @@ from kimi_supervisor.loop.inbox import CaptureStart, Reexec, Switch
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.bounded import Worker
+from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.ports.launcher import launch_record_path
 
 from .loophost import LoopHost
@@ -621,3 +622,60 @@ def test_a_state_folder_that_stops_answering_refuses_switches_and_keeps_every_re
     assert len(set(shown)) == len(shown), "no record written twice"
     assert not any("the state folder does not answer" in w for w in host.status()["warnings"])
     assert json.loads(ctx.store.path.read_text())["desired_mode"] == "production"
+
+
+def test_a_gpu_that_will_fail_the_load_is_refused_before_the_start_and_taken_up_once_reset(
+    tmp_path: Path,
+) -> None:
+    """gpus.health_check = "refuse": a managed GPU whose remapped rows wait for a reset would
+    fail a 30-minute load. The start is refused before systemd is asked, with the reason in
+    status and the history, and retried with the failure backoff: once the GPU is reset, the
+    retry loads, and the warning goes."""
+    host = LoopHost(tmp_path, extra='[gpus]\nhealth_check = "refuse"')
+    try:
+        host.gpu.unhealthy = {1: {"remap_pending": True, "xids": (63,)}}
+        host.until(lambda: host.daemon.s.last_failure is not None, "the refused start")
+        st = host.status()
+        assert host.systemd.starts == [], "vLLM was never started on the failing GPU"
+        reason = st["last_failure"]["reason"]
+        assert "refuses the load (gpus.health_check = refuse)" in reason, reason
+        assert "GPU 1: rows remapped, waiting for a GPU reset to take effect" in reason
+        assert "Xid 63 (a row remapping or page retirement recorded)" in reason
+        health = st["gpu_health"]
+        assert (health["verdict"], health["refused"]) == ("failing", True), health
+        assert [g["remap_pending"] for g in health["gpus"]] == [False, True]
+        assert any(w.startswith("GPU health: GPU 1: rows remapped") for w in st["warnings"])
+        host.until(lambda: bool(transitions(host)), "the refused start's record")
+        assert transitions(host) == [("production", "failed")]
+        host.gpu.unhealthy = {}  # an operator reset the GPU
+        host.serving(Mode.PRODUCTION)
+        st = host.status()
+        assert host.systemd.starts == [Mode.PRODUCTION]
+        assert st["gpu_health"]["verdict"] == "healthy"
+        assert not any(w.startswith("GPU health:") for w in st["warnings"]), st["warnings"]
+    finally:
+        host.close()
+
+
+def test_by_default_a_failing_gpu_is_warned_of_and_loaded_and_no_reading_decides_nothing(
+    host: LoopHost,
+) -> None:
+    """gpus.health_check = "warn" (the default): the load goes on, the history keeps an
+    incident that names the GPU and what it reported. An Xid since boot alone is a warning
+    only. A driver that gives no health reading starts the load too: no reading is no
+    evidence."""
+    host.gpu.unhealthy = {0: {"ecc_uncorrected": 2}, 1: {"xids": (79,)}}
+    booted(host)
+    st = host.status()
+    assert st["gpu_health"]["verdict"] == "failing" and not st["gpu_health"]["refused"]
+    said = [e["what"] for e in host.history("incident") if e["what"].startswith("GPU health")]
+    assert said and "GPU 0: 2 uncorrected ECC error(s) since the driver loaded" in said[0]
+    assert "GPU 1: the kernel logged Xid 79 (the GPU fell off the bus) since boot" in said[0]
+    assert "loaded all the same (gpus.health_check = warn)" in said[0]
+    host.gpu.health_fault = GpuUnavailable("the health of GPU(s) 0, 1: NVML query failed")
+    reads = host.gpu.health_reads
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PROFILE)
+    assert host.gpu.health_reads == reads + 1 and host.systemd.starts[-1] is Mode.PROFILE
+    health = host.status()["gpu_health"]
+    assert health["verdict"] == "unread" and "NVML query failed" in health["text"], health

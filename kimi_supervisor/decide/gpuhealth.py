@@ -1,0 +1,86 @@
+"""A GPU's health before a long load: what the driver says that will fail it, in words.
+
+Read before each start of vLLM (loop/lifecycle.py) and by `kimi-supervisor doctor`. What the
+driver holds now (a row remapping waiting for a reset, one that failed, pages retired and
+waiting, uncorrected ECC errors since the driver loaded) is a GPU a 30-minute load will fail
+on, or fail soon after: `gpus.health_check = "refuse"` refuses the start for it. What the
+kernel's log holds since boot (an Xid) may be the past a reset has since repaired: a warning,
+never a refusal by itself. A signal not read is said, and decides nothing (slow is not hung,
+and no reading is no evidence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kimi_supervisor.model import GpuHealth
+
+# NVIDIA's Xid catalog: the codes that mean the GPU needs a reset or a replacement.
+SERIOUS_XIDS = {
+    48: "a double-bit ECC error",
+    63: "a row remapping or page retirement recorded",
+    64: "a row remapping or page retirement that failed",
+    74: "an NVLink error",
+    79: "the GPU fell off the bus",
+    92: "a high single-bit ECC error rate",
+    94: "a contained ECC error",
+    95: "an uncontained ECC error",
+    119: "a GSP RPC timeout",
+    120: "a GSP error",
+}
+
+
+@dataclass(frozen=True)
+class HealthVerdict:
+    """`failing`: what refuses a start under "refuse"; `warnings`: seen, never a refusal by
+    itself; `unread`: signals the driver did not give (none decides anything)."""
+
+    failing: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    unread: list[str] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not self.failing and not self.warnings
+
+    def text(self) -> str:
+        return "; ".join([*self.failing, *self.warnings]) or "healthy"
+
+
+def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:
+    v = HealthVerdict()
+    for h in healths:
+        gpu = f"GPU {h.index}"
+        if h.remap_failed:
+            v.failing.append(f"{gpu}: a row remapping failed (no spare row: replace the GPU)")
+        if h.remap_pending:
+            v.failing.append(f"{gpu}: rows remapped, waiting for a GPU reset to take effect")
+        if h.retired_pending:
+            v.failing.append(f"{gpu}: pages retired, waiting for a GPU reset to take effect")
+        if h.ecc_uncorrected:
+            v.failing.append(
+                f"{gpu}: {h.ecc_uncorrected} uncorrected ECC error(s) since the driver loaded"
+            )
+        serious = sorted({x for x in h.xids or () if x in SERIOUS_XIDS})
+        if serious:
+            said = ", ".join(f"Xid {x} ({SERIOUS_XIDS[x]})" for x in serious)
+            v.warnings.append(f"{gpu}: the kernel logged {said} since boot")
+        if h.nvlink_errors:
+            v.warnings.append(f"{gpu}: {h.nvlink_errors} NVLink error(s) on its active links")
+        v.unread.extend(f"{gpu}: {u}" for u in h.unread)
+    return v
+
+
+def signals(h: GpuHealth) -> dict[str, object]:
+    """One GPU's signals as status and doctor show them (None: not read)."""
+    return {
+        "index": h.index,
+        "remap_pending": h.remap_pending,
+        "remap_failed": h.remap_failed,
+        "retired_pending": h.retired_pending,
+        "ecc_uncorrected": h.ecc_uncorrected,
+        "nvlink_errors": h.nvlink_errors,
+        "xids": list(h.xids) if h.xids is not None else None,
+        "unread": list(h.unread),
+    }
