@@ -7,15 +7,17 @@ model load (30 minutes on the real host), so it is as bad as a killed bystander 
 Busy is not dead and slow is not hung: a verdict needs two independent signals of no progress,
 one of them from outside vLLM's HTTP server:
 
-- **the engine's processes** (vLLM's unit: the API server, `VLLM::EngineCore`, its workers):
-  one of them stopped (state T or t, SIGSTOP or a tracer; D, stuck in the kernel or the driver)
-  at both ends of the window with its own CPU time still (a profiler's samples stop a busy
-  process for moments), or their CPU time, summed, grew by less
-  than `cpu_idle_fraction` of one core over the last `stall_s` (or since the last proof of
-  progress, if that is nearer; over the canary's wait for the canary). A stopped or
-  deadlocked engine stops using the CPU; a busy one (a long prefill, a capture's flush on the
-  engine's loop, a guided-decoding step) does not. Measured with vLLM 0.16's CPU build, TP 2:
-  docs/performance.md, "What real vLLM shows the liveness rule";
+- **the engine's processes** (`VLLM::EngineCore` and its workers; the whole tree where vLLM
+  names none so: an API server busy taking requests in and answering /health polls uses the
+  CPU while the engine it feeds is deadlocked): one of vLLM's processes stopped (state T or
+  t, SIGSTOP or a tracer; D, stuck in the kernel or the driver) at both ends of the window
+  with its own CPU time still (a profiler's samples stop a busy process for moments), or the
+  engine's CPU time, summed, grew by less than `cpu_idle_fraction` of one core over the last
+  `stall_s` (or since the last proof of progress, if that is nearer; over the canary's wait
+  for the canary). A stopped or deadlocked engine stops using the CPU; a busy one (a long
+  prefill, a capture's flush on the engine's loop, a guided-decoding step) does not.
+  Measured with vLLM 0.16's CPU build, TP 2: docs/performance.md, "What real vLLM shows the
+  liveness rule";
 - and one of:
   - **the work counters**: requests running or waiting (`vllm:num_requests_running`,
     `vllm:num_requests_waiting`) while none of the engine's counters grows

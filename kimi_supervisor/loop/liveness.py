@@ -51,14 +51,23 @@ class Reading:
     cpu: Cpu | None = None
 
 
-def engine_cpu(pid: int) -> Cpu | None:
+# The titles vLLM gives the processes that do the engine's work (vLLM 0.16: the engine core and
+# one worker per tensor-parallel rank); the API servers only take requests in.
+ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+
+
+def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     """vLLM's processes (MainPID and its descendants): their CPU time summed, and those stopped.
-    None when MainPID is gone."""
+    None when MainPID is gone. With `engine_only` (the stall rule's second signal), the sum
+    counts only the engine's processes (ENGINE_TITLES), where there are any: an API server busy
+    taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
+    it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
+    50 ms). A stopped process counts whatever it is."""
     main = processes.cpu_of(pid)
     if main is None:
         return None
     pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
-    seconds, stopped, stopped_cpu, n = 0.0, [], [], 0
+    seconds, engine_s, stopped, stopped_cpu, n, engine_n = 0.0, 0.0, [], [], 0, 0
     for p in pids:
         got = main if p == pid else processes.cpu_of(p)
         if got is None:
@@ -66,10 +75,16 @@ def engine_cpu(pid: int) -> Cpu | None:
         state, cpu_s = got
         n += 1
         seconds += cpu_s
-        if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness.py)
-            name = title(processes.cmdline_of(p), processes.comm_of(p))
+        stuck = state in ("T", "t", "D")  # judged at both ends of a window (decide/liveness)
+        name = title(processes.cmdline_of(p), processes.comm_of(p)) if engine_only or stuck else ""
+        if engine_only and name.startswith(ENGINE_TITLES):
+            engine_n += 1
+            engine_s += cpu_s
+        if stuck:
             stopped.append(f"PID {p} ({name}, state {state})")
             stopped_cpu.append(cpu_s)
+    if engine_n:
+        seconds, n = engine_s, engine_n
     return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped), tuple(stopped_cpu))
 
 
@@ -143,13 +158,13 @@ class Liveness:
             r = request(f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES)
             work = parse(r.body) if r.ok else None
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
-            cpu = engine_cpu(pid)
+            cpu = engine_cpu(pid, engine_only=True)
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
             if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s)
                 probe = dataclasses.replace(probe, cpu=cpu)
-                cpu = engine_cpu(pid)
+                cpu = engine_cpu(pid, engine_only=True)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
         self._put(Reading(pid, work, probe, metrics, cpu))
