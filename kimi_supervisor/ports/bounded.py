@@ -255,6 +255,11 @@ class ProcessWorker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def alive(self) -> bool:
+        """Its process runs (a call would not start one)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def start(self) -> None:
         """Start the process now (the daemon does so at boot), not at the first call."""
         with self._lock:

@@ -363,6 +363,9 @@ class BoundedGpu:
     def close(self) -> None:
         """Shut the library down, unless a call is stuck in it (then it is left as it is), and
         end the worker (a process stuck in the driver is left in its scope)."""
-        with contextlib.suppress(GpuUnavailable):
-            self._call("closing NVML", "close")
+        # A process already gone (the system stopping its scope first) is not started again
+        # only to shut NVML down in it.
+        if getattr(self.worker, "alive", True):
+            with contextlib.suppress(GpuUnavailable):
+                self._call("closing NVML", "close")
         self.worker.close()

@@ -265,3 +265,15 @@ def test_a_closed_worker_starts_no_process_again() -> None:
         w.call(functools.partial(os.getpid), "after the close")
     w.close()
     assert w.pid is None and w.started == 1 and child is not None
+
+
+def test_closing_the_gpu_port_after_its_process_died_starts_none_to_close_it() -> None:
+    """At system shutdown the I/O scopes may stop before the daemon: its NVML process gone, the
+    close started a new one (in a scope the stopping manager refused) only to shut NVML down."""
+    w = ProcessWorker("test", 5)
+    w.start()
+    assert w.pid is not None
+    os.kill(w.pid, 9)  # the process this test started
+    wait_for(lambda: not w.alive)
+    BoundedGpu(HungDriver(), 5, w, made_by=(HungDriver, ())).close()  # type: ignore[arg-type]
+    assert w.started == 1
