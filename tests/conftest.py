@@ -543,3 +543,27 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     out = os.environ.get("KIMI_TIER_REPORT")
     if out:
         Path(out).write_text("".join(f"{line}\n" for line in lines))
+    digest = os.environ.get("KIMI_FAILURE_DIGEST")
+    if digest:
+        Path(digest).write_text(failure_digest(terminalreporter))
+
+
+def failure_digest(terminalreporter: Any, shown: int = 4, tail: int = 30) -> str:
+    """Each failure and error of the run, with the end of its traceback and of what it printed:
+    .ci/run prints it last, where a reader of only the log's tail still sees why (a teardown's
+    error is otherwise one line: "ERROR ... - FileNotFoundError")."""
+    reports = [
+        rep for kind in ("failed", "error") for rep in terminalreporter.stats.get(kind, [])
+    ]
+    out: list[str] = []
+    for i, rep in enumerate(reports):
+        out.append(f"== {rep.nodeid} (at {rep.when}) ==")
+        if i >= shown:
+            continue
+        out += str(rep.longreprtext).splitlines()[-tail:]
+        for title, text in rep.sections:
+            out.append(f"-- {title}, its last lines --")
+            out += text.splitlines()[-tail // 3 :]
+    if len(reports) > shown:
+        out.append(f"(the traceback of the first {shown} of {len(reports)} only: see above)")
+    return "".join(f"{line}\n" for line in out)
