@@ -13,9 +13,11 @@ one of them from outside vLLM's HTTP server:
   t, SIGSTOP or a tracer; D, stuck in the kernel or the driver) at both ends of the window
   with its own CPU time still (a profiler's samples stop a busy process for moments), or the
   engine's CPU time, summed, grew by less than `cpu_idle_fraction` of one core over the last
-  `stall_s` (or since the last proof of progress, if that is nearer; over the canary's wait
-  for the canary). A stopped or deadlocked engine stops using the CPU; a busy one (a long
-  prefill, a capture's flush on the engine's loop, a guided-decoding step) does not.
+  `stall_s` (or since the last proof of progress, if that is nearer). For the canary, over its
+  wait, the whole tree: an API server busy tokenizing a long prompt holds the canary while the
+  engine idles, and the engine's counters do not show that work yet. A stopped or deadlocked
+  engine stops using the CPU; a busy one (a long prefill, a capture's flush on the engine's
+  loop, a guided-decoding step) does not.
   Measured with vLLM 0.16's CPU build, TP 2: docs/performance.md, "What real vLLM shows the
   liveness rule";
 - and one of:
@@ -34,7 +36,7 @@ one of them from outside vLLM's HTTP server:
 | work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
 | canary unanswered, CPU flat or a process stopped | hung |
-| canary unanswered, CPU busy (load /metrics does not show, a GPU wait that spins) | a doubt |
+| canary unanswered, the whole tree busy (an API server tokenizing, a spinning GPU wait) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
@@ -219,10 +221,14 @@ class Judge:
         metrics: str,
         cpu: Cpu | None,
         canary: tuple[bool, float, Cpu | None] | None = None,
+        canary_cpu: Cpu | None = None,
     ) -> Hang | None:
         """One reading: the work counters (None: no reading; `metrics` says why), the engine's
-        CPU, and the canary if one was sent (answered, seconds taken, the CPU when it was sent).
-        Returns the verdict, or None."""
+        CPU, and the canary if one was sent (answered, seconds taken, vLLM's CPU when it was
+        sent); `canary_cpu`: vLLM's CPU when the canary ended (`cpu` if not given). The canary
+        is judged on vLLM's whole tree, the API servers too: a canary waits behind an API
+        server busy tokenizing a long prompt while the engine idles. Returns the verdict, or
+        None."""
         self.metrics = metrics
         if self.progress_at is None:
             self.progress(now, cpu)
@@ -263,7 +269,7 @@ class Judge:
             )
         else:
             assert canary is not None
-            cpu_why = self.cpu_signal(canary[2], cpu)
+            cpu_why = self.cpu_signal(canary[2], canary_cpu or cpu)
             work_why = f"a one-token request got no answer in {canary[1]:.0f} s"
         evidence: dict[str, Any] = {
             "metrics": metrics,

@@ -39,7 +39,11 @@ class Canary:
     took_s: float
     detail: str
     tokens: int = 0  # prompt and completion, as vLLM counted them (its answer's `usage`)
-    cpu: Cpu | None = None  # the engine's processes when it was sent
+    # vLLM's whole tree (the API servers too) when it was sent, and when it was answered or
+    # given up on: a canary waits behind an API server busy tokenizing a long prompt as much as
+    # behind a busy engine, and neither is a hang.
+    cpu: Cpu | None = None
+    cpu_end: Cpu | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,8 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     counts only the engine's processes (ENGINE_TITLES), where there are any: an API server busy
     taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
     it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
-    50 ms). A stopped process counts whatever it is."""
+    50 ms): never for the canary, which an API server holds as much as an engine. A stopped
+    process counts whatever it is."""
     main = processes.cpu_of(pid)
     if main is None:
         return None
@@ -162,8 +167,9 @@ class Liveness:
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
             if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
+                sent = engine_cpu(pid)
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s)
-                probe = dataclasses.replace(probe, cpu=cpu)
+                probe = dataclasses.replace(probe, cpu=sent, cpu_end=engine_cpu(pid))
                 cpu = engine_cpu(pid, engine_only=True)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
@@ -182,5 +188,9 @@ class Liveness:
             self.judge.capturing(now, reading.cpu)
             return None
         sent = reading.canary
-        canary = (sent.answered, sent.took_s, sent.cpu) if sent is not None else None
-        return self.judge.seen(now, reading.work, reading.metrics, reading.cpu, canary)
+        if sent is None:
+            return self.judge.seen(now, reading.work, reading.metrics, reading.cpu)
+        canary = (sent.answered, sent.took_s, sent.cpu)
+        return self.judge.seen(
+            now, reading.work, reading.metrics, reading.cpu, canary, canary_cpu=sent.cpu_end
+        )
