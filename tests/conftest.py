@@ -552,9 +552,7 @@ def failure_digest(terminalreporter: Any, shown: int = 4, tail: int = 30) -> str
     """Each failure and error of the run, with the end of its traceback and of what it printed:
     .ci/run prints it last, where a reader of only the log's tail still sees why (a teardown's
     error is otherwise one line: "ERROR ... - FileNotFoundError")."""
-    reports = [
-        rep for kind in ("failed", "error") for rep in terminalreporter.stats.get(kind, [])
-    ]
+    reports = [rep for kind in ("failed", "error") for rep in terminalreporter.stats.get(kind, [])]
     out: list[str] = []
     for i, rep in enumerate(reports):
         out.append(f"== {rep.nodeid} (at {rep.when}) ==")

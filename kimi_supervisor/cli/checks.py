@@ -219,8 +219,11 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
     name = "GPU health"
     try:
         v = judge(gpu.health(managed))
-    except (GpuUnavailable, OSError) as e:
-        return unknown(name, f"the health signals could not be read: {e}")
+    except Exception as e:  # a check says what it could not read, never dies
+        why = str(e) if isinstance(e, (GpuUnavailable, OSError)) else f"{type(e).__name__}: {e}"
+        return unknown(name, f"the health signals could not be read: {why}")
+    if v.verdict == "unread":
+        return unknown(name, f"none of the health signals could be read: {'; '.join(v.unread)}")
     unread = f" (not read: {'; '.join(v.unread)})" if v.unread else ""
     policy = config.gpus.health_check
     if v.failing:
@@ -233,7 +236,7 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
         )
     if v.warnings:
         return ok(name, f"no failing signal, but {v.text()}{unread}")
-    return ok(name, f"no remapping pending or failed, no uncorrected ECC error, no Xid{unread}")
+    return ok(name, f"no failing signal and no warning among those read{unread}")
 
 
 def stored_baseline(state_dir: Path) -> Any:

@@ -137,6 +137,13 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
         )
     if s.baseline_provisional:
         lines.append("               (baseline provisional: calibrated when the GPUs are idle)")
+    gh = s.gpu_health
+    if gh and gh.verdict != "healthy":  # healthy is said by nothing: the common case
+        refused = ", the load refused" if gh.refused else ""
+        lines.append(
+            f"GPU health:    {gh.verdict} at {_hhmmss(gh.checked_at)} (before the load; "
+            f"gpus.health_check = {gh.policy}{refused}): {gh.text}"
+        )
     td = s.last_teardown
     if td:
         lines.append(

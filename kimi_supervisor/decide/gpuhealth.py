@@ -11,6 +11,7 @@ and no reading is no evidence).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ SERIOUS_XIDS = {
     95: "an uncontained ECC error",
     119: "a GSP RPC timeout",
     120: "a GSP error",
+    154: "a recovery action asked for (a GPU reset or a reboot)",
 }
 
 
@@ -39,17 +41,29 @@ class HealthVerdict:
     failing: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
+    read: int = 0  # the signals read, all GPUs together: none read is no "healthy"
 
     @property
     def healthy(self) -> bool:
-        return not self.failing and not self.warnings
+        return self.read > 0 and not self.failing and not self.warnings
+
+    @property
+    def verdict(self) -> str:
+        """ "failing", "warnings", "healthy", or "unread" (no signal of any GPU was read)."""
+        if self.failing:
+            return "failing"
+        if self.warnings:
+            return "warnings"
+        return "healthy" if self.read else "unread"
 
     def text(self) -> str:
+        if not self.read and not self.failing and not self.warnings:
+            return "not read: " + ("; ".join(self.unread) or "no GPU")
         return "; ".join([*self.failing, *self.warnings]) or "healthy"
 
 
 def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:
-    v = HealthVerdict()
+    v, read = HealthVerdict(), 0
     for h in healths:
         gpu = f"GPU {h.index}"
         if h.remap_failed:
@@ -69,7 +83,12 @@ def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:
         if h.nvlink_errors:
             v.warnings.append(f"{gpu}: {h.nvlink_errors} NVLink error(s) on its active links")
         v.unread.extend(f"{gpu}: {u}" for u in h.unread)
-    return v
+        read += sum(
+            x is not None
+            for x in (h.remap_pending, h.retired_pending, h.ecc_uncorrected, h.nvlink_errors,
+                      h.xids)
+        )  # fmt: skip
+    return dataclasses.replace(v, read=read)
 
 
 def signals(h: GpuHealth) -> dict[str, object]:

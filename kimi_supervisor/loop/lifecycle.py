@@ -308,29 +308,33 @@ class Lifecycle:
         at = utcnow().isoformat()
         try:
             healths = ctx.gpu.health(s.indices)
-        except GpuUnavailable as e:
+        except Exception as e:  # no reading is no evidence, whatever the error
+            # (GpuUnavailable, or a port's own bug: never a start that fails over and over)
+            why = str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
             s.gpu_health = GpuHealthStatus(
-                checked_at=at, verdict="unread", text=f"not read: {e}", policy=policy
+                checked_at=at, verdict="unread", text=f"not read: {why}", policy=policy
             )
-            ctx.log("gpu_health_unread", level="warning", error=str(e))
+            ctx.log("gpu_health_unread", level="warning", error=why)
             return None
         v = gpuhealth.judge(healths)
-        verdict = "failing" if v.failing else "warnings" if v.warnings else "healthy"
         refuse = bool(v.failing) and policy == "refuse"
         s.gpu_health = GpuHealthStatus(
             checked_at=at,
-            verdict=verdict,
+            verdict=v.verdict,
             text=v.text(),
             policy=policy,
             refused=refuse,
             gpus=[gpuhealth.signals(h) for h in healths],
             unread=v.unread,
         )
+        if v.verdict == "unread":  # nothing read: no evidence either way, a warning kept
+            ctx.log("gpu_health_unread", level="warning", error=v.text())
+            return None
         if v.healthy:
             ctx.unwarn(key)
             return None
         ctx.warn(f"{key} {v.text()}", key=key)
-        ctx.log("gpu_health", level="warning", verdict=verdict, policy=policy,
+        ctx.log("gpu_health", level="warning", verdict=v.verdict, policy=policy,
                 failing=v.failing, warnings=v.warnings)  # fmt: skip
         ctx.event("gpu_health", s.gpu_health.model_dump(mode="json"))
         if refuse:

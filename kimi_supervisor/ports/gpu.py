@@ -12,6 +12,9 @@ import errno
 import functools
 import os
 import re
+import select
+import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -138,13 +141,20 @@ class NvmlGpu:
     def health(self, indices: Sequence[int]) -> list[GpuHealth]:
         """NVML's health signals of each GPU, and the kernel's Xid lines for it. A signal this
         GPU does not support (NVML's NotSupported: page retirement on an H200, NVLink on a
-        PCIe card) is None and named in `unread`, as is any other error of one signal; a GPU
-        NVML cannot find is GpuUnavailable."""
+        PCIe card) is None and named in `unread`, as is any other error of one signal. A GPU
+        NVML cannot find has every signal None, and why in `unread`: one lost GPU hides none of
+        the others' health. NVML itself not there is GpuUnavailable."""
         nv = self._lib()
-        xids = kernel_xids()
+        xids, cut = kernel_xids()
+        if xids is None:  # the daemon's unit: ProtectKernelLogs=yes, no CAP_SYSLOG
+            xids, cut = journal_xids()
         out = []
         for index in indices:
-            h = self._handle(index)
+            try:
+                h = self._handle(index)
+            except GpuUnavailable as e:
+                out.append(GpuHealth(index, unread=(f"the GPU: {e}",)))
+                continue
             unread: list[str] = []
 
             def ask(name: str, fn: Any, *args: Any, into: list[str] = unread) -> Any:
@@ -157,10 +167,21 @@ class NvmlGpu:
                 nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC,
             )  # fmt: skip
             bus = ask("PCI bus", nv.nvmlDeviceGetPciInfo, h)
-            bus_id = _pci_id(bus.busId) if bus is not None else ""
-            mine = xids.get(bus_id) if xids is not None else None
+            bus_id = _pci_id(bus.busId) if bus is not None else None
             if xids is None:
-                unread.append("Xid: the kernel's log cannot be read (/dev/kmsg)")
+                unread.append(
+                    "Xid: neither the kernel's log (/dev/kmsg) nor this boot's kernel "
+                    "messages in the journal can be read"
+                )
+            elif bus_id is None:
+                unread.append("Xid: the GPU's PCI address is unknown")
+            elif cut:
+                unread.append(
+                    f"Xid: the kernel's log is longer than {KMSG_MAX_BYTES >> 20} MiB "
+                    "(or the journal's kernel messages took too long): the newest not read"
+                )
+            mine = xids.get(bus_id) if xids is not None and bus_id is not None else None
+            known = xids is not None and bus_id is not None
             out.append(
                 GpuHealth(
                     index,
@@ -169,7 +190,7 @@ class NvmlGpu:
                     retired_pending=bool(pending) if pending is not None else None,
                     ecc_uncorrected=int(ecc) if ecc is not None else None,
                     nvlink_errors=self._nvlink_errors(nv, h),
-                    xids=tuple(mine or ()) if xids is not None else None,
+                    xids=tuple(mine or ()) if known else None,
                     unread=tuple(unread),
                 )
             )
@@ -177,8 +198,9 @@ class NvmlGpu:
 
     @staticmethod
     def _nvlink_errors(nv: Any, h: Any) -> int | None:
-        """Errors summed over the active links; None where the GPU has no NVLink."""
-        total, links = 0, 0
+        """Errors summed over the active links; None where the GPU has no NVLink, or no
+        counter of an active link could be read (not supported is not "no error")."""
+        total, read = 0, 0
         counters = [
             getattr(nv, name)
             for name in (
@@ -195,11 +217,11 @@ class NvmlGpu:
                     continue
             except (nv.NVMLError, OSError):
                 continue  # no such link, or no NVLink at all
-            links += 1
             for c in counters:
                 with contextlib.suppress(nv.NVMLError, OSError):
                     total += int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
-        return total if links else None
+                    read += 1
+        return total if read else None
 
     def device_path(self, index: int) -> str:
         h = self._handle(index)
@@ -231,30 +253,50 @@ class NvmlGpu:
 # The kernel's line for an Xid: "NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off
 # the bus." (NVIDIA's Xid catalog). Read from /dev/kmsg: root's, bounded, never waited on.
 _XID = re.compile(rb"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
-KMSG_MAX_BYTES = 4 << 20
+# The kernel's ring is at most 32 MiB as configured (CONFIG_LOG_BUF_SHIFT <= 25); more is a
+# boot parameter's, and its newest records are then said to be unread. /dev/kmsg is read from
+# its oldest record and cannot be read backwards.
+KMSG_MAX_BYTES = 32 << 20
 
 
-def _pci_id(raw: bytes | str) -> str:
+def _pci_id(raw: bytes | str) -> str | None:
     """A PCI address as the kernel writes it in an Xid line (domain:bus:device, lower case):
-    NVML's busId is "00000000:18:00.0"."""
-    text = raw.decode() if isinstance(raw, bytes) else str(raw)
-    text = text.lower().split(".")[0]
-    domain, _, rest = text.partition(":")
-    return f"{int(domain, 16):04x}:{rest}" if rest else text
+    NVML's busId is "00000000:18:00.0". None for what is no address ("::18:00")."""
+    text = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    parts = text.lower().split(".")[0].split(":")
+    if len(parts) != 3 or not all(parts):
+        return None
+    try:
+        domain, bus, device = (int(p, 16) for p in parts)
+    except ValueError:
+        return None
+    return f"{domain:04x}:{bus:02x}:{device:02x}"
 
 
-def kernel_xids(path: str = "/dev/kmsg") -> dict[str, list[int]] | None:
-    """The Xid codes the kernel's log holds, by the GPU's PCI address (domain:bus:device);
-    None where the log cannot be read. /dev/kmsg is read without waiting (O_NONBLOCK: EAGAIN
-    at its end), record by record, at most KMSG_MAX_BYTES."""
+def _add_xids(found: dict[str, list[int]], text: bytes) -> None:
+    """The Xid lines of `text` into `found`, by the GPU's PCI address; a line whose address is
+    none is skipped."""
+    for m in _XID.finditer(text):
+        bus = _pci_id(m.group(1))
+        if bus is not None:
+            found.setdefault(bus, []).append(int(m.group(2)))
+
+
+def kernel_xids(path: str = "/dev/kmsg") -> tuple[dict[str, list[int]] | None, bool]:
+    """The Xid codes the kernel's log holds, by the GPU's PCI address (domain:bus:device),
+    None where the log cannot be read; and whether the log went on past KMSG_MAX_BYTES (its
+    newest records unread). /dev/kmsg is read without waiting (O_NONBLOCK: EAGAIN at its end),
+    record by record. A line whose address is none is skipped."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None
+        return None, False
     found: dict[str, list[int]] = {}
     read = 0
     try:
-        while read < KMSG_MAX_BYTES:
+        while True:
+            if read >= KMSG_MAX_BYTES:
+                return found, True
             try:
                 record = os.read(fd, 8192)
             except BlockingIOError:
@@ -262,15 +304,69 @@ def kernel_xids(path: str = "/dev/kmsg") -> dict[str, list[int]] | None:
             except OSError as e:
                 if e.errno == errno.EPIPE:  # a record overwritten while read: go on
                     continue
-                return None if not read else found
+                return (None if not read else found), False
             if not record:
                 break
             read += len(record)
-            for m in _XID.finditer(record):
-                found.setdefault(_pci_id(m.group(1)), []).append(int(m.group(2)))
+            _add_xids(found, record)
     finally:
         os.close(fd)
-    return found
+    return found, False
+
+
+# The journal's copy of this boot's kernel messages (`journalctl -k`): what the daemon reads
+# under its own unit, where /dev/kmsg is closed to it (ProtectKernelLogs=yes; reading it also
+# takes CAP_SYSLOG under Debian 12's kernel.dmesg_restrict=1). journalctl's output is bounded
+# as /dev/kmsg's is, and it is given JOURNAL_TIMEOUT_S (the GPU port's own deadline bounds the
+# whole read again).
+JOURNAL_XIDS = ["journalctl", "-k", "-b", "--output=cat", "--no-pager", "--quiet"]
+JOURNAL_TIMEOUT_S = 10.0
+
+
+def journal_xids(
+    argv: Sequence[str] = JOURNAL_XIDS, timeout_s: float = JOURNAL_TIMEOUT_S
+) -> tuple[dict[str, list[int]] | None, bool]:
+    """kernel_xids' answer from the journal: None where journalctl is missing, fails or
+    prints nothing at all (a container's journal holds no kernel messages: no reading, not
+    "no Xid"); cut when its output passed KMSG_MAX_BYTES or it ran out of time."""
+    try:
+        proc = subprocess.Popen(
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL, close_fds=True,
+        )  # fmt: skip
+    except OSError:
+        return None, False
+    assert proc.stdout is not None
+    found: dict[str, list[int]] = {}
+    read, cut, tail = 0, False, b""
+    deadline = time.monotonic() + timeout_s
+    os.set_blocking(proc.stdout.fileno(), False)
+    try:
+        while True:
+            if read >= KMSG_MAX_BYTES or time.monotonic() >= deadline:
+                cut = True
+                break
+            wait = max(0.0, deadline - time.monotonic())
+            if not select.select([proc.stdout], [], [], wait)[0]:
+                continue
+            try:
+                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            read += len(chunk)
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            _add_xids(found, b"\n".join(lines))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # our own child, by its handle; done or cut short
+        proc.stdout.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(1)  # never joined past a moment: a child stuck in the kernel is left
+    _add_xids(found, tail)
+    return (found, cut) if read else (None, False)
 
 
 def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:

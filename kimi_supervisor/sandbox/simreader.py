@@ -233,7 +233,11 @@ class SimGpu:
             raise GpuUnavailable(f"the simulated host's {HEALTH} cannot be read: {e}") from e
         out = []
         for index in indices:
-            self._device(index)
+            try:  # as NvmlGpu.health: a GPU not found hides none of the others' health
+                self._device(index)
+            except GpuUnavailable as e:
+                out.append(GpuHealth(index, unread=(f"the GPU: {e}",)))
+                continue
             fields: dict[str, object] = {
                 "remap_pending": False, "remap_failed": False, "retired_pending": None,
                 "ecc_uncorrected": 0, "nvlink_errors": None, "xids": (),

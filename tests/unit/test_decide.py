@@ -281,6 +281,31 @@ def test_a_stuck_status_lists_suspects_candidates_and_bystanders_apart_and_the_l
     assert any("last intrusion" in line and "PID 7 took GPU 1" in line for line in lines)
 
 
+def test_kimi_mode_status_says_a_gpu_health_that_was_not_read_and_says_nothing_when_healthy() -> (
+    None
+):
+    from kimi_supervisor.cli.render import format_status
+
+    base = {
+        "desired_mode": "production",
+        "state": "serving",
+        "state_since": "2026-11-30T10:00:00+00:00",
+        "status_line": "serving production",
+        "unit": {"name": "vllm-kimi-k25.service"},
+        "daemon": {"pid": 1, "started_at": "2026-11-30T09:00:00+00:00"},
+        "gpus": [],
+    }
+    health = {"checked_at": "2026-11-30T09:59:00+00:00", "policy": "warn"}
+    unread = {**health, "verdict": "unread", "text": "not read: GPU 0: the GPU: GPU is lost"}
+    text = " ".join(format_status({**base, "gpu_health": unread}).split())
+    assert "GPU health: unread at " in text
+    assert "(before the load; gpus.health_check = warn): not read: GPU 0: the GPU: GPU is lost" in (
+        text
+    )
+    healthy = {**health, "verdict": "healthy", "text": "healthy"}
+    assert "GPU health" not in format_status({**base, "gpu_health": healthy})
+
+
 # -- policy: what the daemon chooses, as tables --
 
 _T0 = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import sys
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -122,9 +123,101 @@ def test_the_kernels_xid_lines_are_found_per_gpu_by_its_pci_address(tmp_path: Pa
         b"4,1002,5512399,-;NVRM: Xid (PCI:0000:9A:00): 63, pid='<unknown>', Row Remapper\n"
         b"6,1003,5512400,-;eth0: link up\n"
     )
-    assert kernel_xids(str(log)) == {"0000:18:00": [79], "0000:9a:00": [63]}
+    assert kernel_xids(str(log)) == ({"0000:18:00": [79], "0000:9a:00": [63]}, False)
     assert _pci_id(b"00000000:9A:00.0") == "0000:9a:00" and _pci_id("0000:18:00") == "0000:18:00"
-    assert kernel_xids(str(tmp_path / "none")) is None  # cannot be read: not "no Xid"
+    assert kernel_xids(str(tmp_path / "none")) == (None, False)  # cannot be read: not "no Xid"
+
+
+def test_an_xid_line_whose_address_is_none_is_skipped_and_the_others_still_read(
+    tmp_path: Path,
+) -> None:
+    """An outside review: "PCI::18:00" raised ValueError out of the health read, and the daemon
+    started its teardown again and again (624 cycles in 8 s)."""
+    from kimi_supervisor.ports.gpu import _pci_id, kernel_xids
+
+    log = tmp_path / "kmsg"
+    log.write_bytes(
+        b"3,1,1,-;NVRM: Xid (PCI::18:00): 79, pid=1, GPU has fallen off the bus.\n"
+        b"3,2,2,-;NVRM: Xid (PCI:zz:18:00): 79, pid=1\n"
+        b"3,3,3,-;NVRM: Xid (PCI:0000:18:00): 48, pid=1, DBE\n"
+    )
+    assert kernel_xids(str(log)) == ({"0000:18:00": [48]}, False)
+    assert [_pci_id(x) for x in ("::18:00", "0000:18", "", "0000:18:00:00")] == [None] * 4
+
+
+def test_a_kernel_log_longer_than_the_bound_is_said_to_be_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kimi_supervisor.ports import gpu
+
+    log = tmp_path / "kmsg"
+    log.write_bytes(b"3,1,1,-;NVRM: Xid (PCI:0000:18:00): 79, pid=1\n" + b"x" * 20000)
+    monkeypatch.setattr(gpu, "KMSG_MAX_BYTES", 8192)
+    assert gpu.kernel_xids(str(log)) == ({"0000:18:00": [79]}, True)
+
+
+class Health(StandIn):
+    """Two GPUs with health signals; the second is lost (its handle fails), and NVLink's
+    counters are not supported on the first's active link."""
+
+    NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
+    NVML_VOLATILE_ECC = 0
+    NVML_FEATURE_ENABLED = 1
+    NVML_NVLINK_MAX_LINKS = 2
+    NVML_NVLINK_ERROR_DL_REPLAY = 0
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> object:
+        if i == 1:
+            raise NVMLError("GPU is lost")
+        return ("handle", i)
+
+    def nvmlDeviceGetRemappedRows(self, h: object) -> tuple[int, int, int, int]:
+        return (0, 0, 1, 0)  # a remapping pending
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: object) -> int:
+        raise self.NVMLError_NotSupported()
+
+    def nvmlDeviceGetTotalEccErrors(self, h: object, kind: int, counter: int) -> int:
+        return 0
+
+    def nvmlDeviceGetPciInfo(self, h: object) -> Any:
+        return types.SimpleNamespace(busId=b"00000000:18:00.0")
+
+    def nvmlDeviceGetNvLinkState(self, h: object, link: int) -> int:
+        return 1
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, h: object, link: int, counter: int) -> int:
+        raise self.NVMLError_NotSupported()
+
+
+def test_one_lost_gpu_hides_none_of_the_others_health_and_unsupported_counters_are_unread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kimi_supervisor.decide.gpuhealth import judge
+
+    monkeypatch.setitem(sys.modules, "pynvml", Health())
+    first, lost = NvmlGpu().health([0, 1])
+    assert first.remap_pending is True, "the first GPU's health was read"
+    assert first.nvlink_errors is None, "NVLink counters not supported are not 'no error'"
+    assert lost.remap_pending is None and "GPU is lost" in lost.unread[0]
+    v = judge([first, lost])
+    assert v.verdict == "failing" and "GPU 0: rows remapped" in v.text()
+    assert any(u.startswith("GPU 1: the GPU: ") for u in v.unread)
+
+
+def test_a_health_with_no_signal_read_is_unread_never_healthy() -> None:
+    from kimi_supervisor.decide.gpuhealth import judge
+    from kimi_supervisor.model import GpuHealth
+
+    v = judge([GpuHealth(0, unread=("the GPU: GPU is lost",))])
+    assert (v.verdict, v.healthy) == ("unread", False)
+    assert v.text() == "not read: GPU 0: the GPU: GPU is lost"
 
 
 def test_a_gpu_is_failing_on_what_the_driver_holds_now_and_only_warned_of_for_its_past() -> None:
@@ -145,5 +238,33 @@ def test_a_gpu_is_failing_on_what_the_driver_holds_now_and_only_warned_of_for_it
         "GPU 2: the kernel logged Xid 79 (the GPU fell off the bus) since boot",
         "GPU 2: 4 NVLink error(s) on its active links",
     ]  # Xid 13 (a graphics engine exception: the application's) is not the GPU's health
-    unread = judge([GpuHealth(3, unread=("row remapping: not supported by this GPU",))])
+    unread = judge(
+        [GpuHealth(3, ecc_uncorrected=0, unread=("row remapping: not supported by this GPU",))]
+    )
     assert unread.healthy and unread.unread == ["GPU 3: row remapping: not supported by this GPU"]
+
+
+def test_where_the_kernels_log_is_closed_the_journals_kernel_messages_give_the_xids(
+    tmp_path: Path,
+) -> None:
+    """The daemon's own unit closes /dev/kmsg (ProtectKernelLogs=yes, no CAP_SYSLOG): the Xids
+    come from `journalctl -k -b` then. A journalctl that prints nothing (a container's journal
+    holds no kernel message) or is missing is no reading; one that never ends is cut at its
+    deadline and said to be."""
+    from kimi_supervisor.ports.gpu import journal_xids
+
+    lines = tmp_path / "kernel.txt"
+    lines.write_text(
+        "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04\n"
+        "NVRM: Xid (PCI:0000:18:00): 48, pid=7, DBE (0x1,0x2)\n"
+        "NVRM: Xid (PCI::18:00): 79, pid=7\n"
+        "NVRM: Xid (PCI:0000:9a:00): 154, pid='<unknown>', GPU recovery action changed"
+    )  # the last line without its newline
+    assert journal_xids(["cat", str(lines)]) == ({"0000:18:00": [48], "0000:9a:00": [154]}, False)
+    assert journal_xids(["true"]) == (None, False)
+    assert journal_xids([str(tmp_path / "no-journalctl")]) == (None, False)
+    script = f"cat {lines}; echo; exec sleep 60"
+    t0 = time.monotonic()
+    got = journal_xids(["sh", "-c", script], timeout_s=0.5)
+    assert got == ({"0000:18:00": [48], "0000:9a:00": [154]}, True)
+    assert time.monotonic() - t0 < 3, "a journalctl that never ends held the read"

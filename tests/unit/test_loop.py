@@ -679,3 +679,12 @@ def test_by_default_a_failing_gpu_is_warned_of_and_loaded_and_no_reading_decides
     assert host.gpu.health_reads == reads + 1 and host.systemd.starts[-1] is Mode.PROFILE
     health = host.status()["gpu_health"]
     assert health["verdict"] == "unread" and "NVML query failed" in health["text"], health
+    # A port's own bug (an outside review: a kernel log line that raised ValueError) is no
+    # reading either: one start, never a teardown begun again and again.
+    host.gpu.health_fault = ValueError("invalid literal for int() with base 16: ''")
+    starts = len(host.systemd.starts)
+    host.ask(Switch(Mode.PRODUCTION, "op"))
+    host.serving(Mode.PRODUCTION)
+    assert host.systemd.starts[starts:] == [Mode.PRODUCTION]
+    health = host.status()["gpu_health"]
+    assert health["verdict"] == "unread" and "ValueError: invalid literal" in health["text"]
