@@ -13,6 +13,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -81,8 +83,21 @@ def session_sandbox() -> Iterator[Sandbox]:
     try:
         yield sb
     finally:
-        sb.down()
+        try:
+            sb.down()
+        except Exception:
+            # After the last test of the run: said in full at the end (the failure digest)
+            # and as a warning, never a failed run of tests that all passed. Stop 47's CI
+            # ended on one line, "ERROR <the last test> - FileNotFoundError: [Errno 2] No
+            # such file or directory", which only a session fixture's teardown could give.
+            said = traceback.format_exc()
+            SESSION_TEARDOWN_PROBLEMS.append(f"the session's sandbox coming down:\n{said}")
+            warnings.warn(f"the session's sandbox did not come down cleanly: {said}", stacklevel=1)
         shutil.rmtree(root, ignore_errors=True)
+
+
+# What went wrong in a session fixture's teardown (the failure digest prints it).
+SESSION_TEARDOWN_PROBLEMS: list[str] = []
 
 
 class SandboxHelper:
@@ -564,4 +579,7 @@ def failure_digest(terminalreporter: Any, shown: int = 4, tail: int = 30) -> str
             out += text.splitlines()[-tail // 3 :]
     if len(reports) > shown:
         out.append(f"(the traceback of the first {shown} of {len(reports)} only: see above)")
+    for problem in SESSION_TEARDOWN_PROBLEMS:
+        out.append("== a session fixture's teardown ==")
+        out += problem.splitlines()[-tail:]
     return "".join(f"{line}\n" for line in out)
