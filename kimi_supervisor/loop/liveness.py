@@ -61,9 +61,10 @@ ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
 
 
 def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
-    """vLLM's processes (MainPID and its descendants): their CPU time summed, and those stopped.
-    None when MainPID is gone. With `engine_only` (the stall rule's second signal), the sum
-    counts only the engine's processes (ENGINE_TITLES), where there are any: an API server busy
+    """vLLM's processes (MainPID and its descendants): their CPU time summed (with each one's
+    reaped children's: processes.cpu_of), and those stopped. None when MainPID is gone. With
+    `engine_only` (the stall rule's second signal), the sum counts only the engine's processes
+    (ENGINE_TITLES, and their descendants), where there are any: an API server busy
     taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
     it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
     50 ms): never for the canary, which an API server holds as much as an engine. A stopped
@@ -71,7 +72,10 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     main = processes.cpu_of(pid)
     if main is None:
         return None
+    # Parents before their children (descendants' order): an engine's own children (a JIT
+    # compiler it waits on: FlashInfer's first call compiles for minutes) are the engine's work.
     pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
+    engine: set[int] = set()
     seconds, engine_s, stopped, stopped_cpu, n, engine_n = 0.0, 0.0, [], [], 0, 0
     for p in pids:
         got = main if p == pid else processes.cpu_of(p)
@@ -82,7 +86,8 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         seconds += cpu_s
         stuck = state in ("T", "t", "D")  # judged at both ends of a window (decide/liveness)
         name = title(processes.cmdline_of(p), processes.comm_of(p)) if engine_only or stuck else ""
-        if engine_only and name.startswith(ENGINE_TITLES):
+        if engine_only and (name.startswith(ENGINE_TITLES) or processes.ppid_of(p) in engine):
+            engine.add(p)
             engine_n += 1
             engine_s += cpu_s
         if stuck:

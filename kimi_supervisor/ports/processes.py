@@ -74,12 +74,16 @@ def state_of(pid: int) -> str:
 
 def cpu_of(pid: int) -> tuple[str, float] | None:
     """The process's state (R, S, D, T, t, Z...) and its CPU time so far (user and system,
-    seconds, all its threads), from /proc/PID/stat; None once it is gone."""
+    seconds, all its threads, and its children's that it has waited for), from
+    /proc/PID/stat; None once it is gone. A child that exits and is reaped moves its time into
+    its parent's: summed over a tree, work done by short-lived helpers (a compiler, a shell's
+    commands) stays in the sum instead of leaving it with them."""
     fields = _stat_fields(pid)
     if not fields:
         return None
-    # stat fields 14 and 15 (utime, stime) are indexes 11 and 12 after the state's position 3.
-    return fields[0], (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    # stat fields 14-17 (utime, stime, cutime, cstime) are indexes 11-14 after the state's
+    # position 3.
+    return fields[0], sum(int(f) for f in fields[11:15]) / _CLK_TCK
 
 
 def ppid_of(pid: int) -> int:

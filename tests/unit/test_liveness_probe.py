@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -132,3 +133,66 @@ def test_a_canary_unanswered_while_the_whole_tree_idles_is_a_hang(
     hang, _doubt, _reading = verdict(config, "idle")
     assert hang is not None
     assert hang.reason.startswith("a one-token request got no answer in 1 s; the engine: 2 proc")
+
+
+# Burns `seconds` of its own CPU once the file `go` exists (CPU time, not wall time: the same
+# work however loaded the host), then exits, or stays ("stay") once it wrote the file `done`.
+BURNER = """
+import os, sys, time
+go, seconds, stay = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "stay"
+while not os.path.exists(go):
+    time.sleep(0.01)
+t = time.process_time()
+while time.process_time() - t < seconds:
+    pass
+if stay:  # and says it burned (the tree's cwd)
+    open("done", "w").close()
+    time.sleep(60)
+"""
+
+
+def cpu_counted(tmp_path: Path, script: str, engine_only: bool) -> float:
+    """The CPU seconds engine_cpu counts for the tree `bash -c script` builds (its burners wait
+    for tmp_path/go; the script touches tmp_path/done once they have burned), from before the
+    go to the done. The tree runs in a process group of its own, ended by its group after."""
+    from kimi_supervisor.loop.liveness import engine_cpu
+
+    burner = tmp_path / "burner.py"
+    burner.write_text(BURNER)
+    script = script.replace("BURN", f"{sys.executable} {burner} {tmp_path / 'go'}")
+    tree = subprocess.Popen(["bash", "-c", script], start_new_session=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120  # a loaded host starts interpreters slowly
+        while not processes.descendants(tree.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # the burners' interpreters started and waiting
+        before = engine_cpu(tree.pid, engine_only=engine_only)
+        (tmp_path / "go").touch()
+        while not (tmp_path / "done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        after = engine_cpu(tree.pid, engine_only=engine_only)
+        assert before is not None and after is not None and (tmp_path / "done").exists()
+        return after.seconds - before.seconds
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
+        tree.wait(10)
+
+
+def test_the_stall_rule_counts_what_the_engines_own_children_do_such_as_a_jit_compiler(
+    tmp_path: Path,
+) -> None:
+    """An outside review: FlashInfer compiles its kernels at the first call, in a child of
+    the engine, for up to 10 minutes with no log; counted as the engine's, requests pending and
+    no step for stall_s are a busy engine, not a hang (the engine-only sum read 0.00 s)."""
+    engine = "exec -a VLLM::EngineCore bash -c 'BURN 0.6 stay & wait'"
+    used = cpu_counted(tmp_path, f"{engine} & sleep 60", engine_only=True)
+    assert used >= 0.5, f"the engine's compiler child burned 0.6 s of CPU, {used:.2f} s counted"
+
+
+def test_work_done_in_short_lived_children_stays_in_the_trees_sum(tmp_path: Path) -> None:
+    """An outside review: a tree whose work runs in helpers that exit (a launcher script's
+    commands) read as idle, 20 hangs in 24 tries: an exited child's CPU left the sum. Its
+    parent's reaped-children time keeps it there."""
+    script = "for i in 1 2 3 4 5; do BURN 0.12 exit; done; touch done; sleep 60"
+    used = cpu_counted(tmp_path, script, engine_only=False)
+    assert used >= 0.5, f"helpers that exited burned 0.6 s of CPU, {used:.2f} s counted"
