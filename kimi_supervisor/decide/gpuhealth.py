@@ -11,7 +11,6 @@ and no reading is no evidence).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,34 +35,39 @@ SERIOUS_XIDS = {
 @dataclass(frozen=True)
 class HealthVerdict:
     """`failing`: what refuses a start under "refuse"; `warnings`: seen, never a refusal by
-    itself; `unread`: signals the driver did not give (none decides anything)."""
+    itself; `unread`: signals the driver did not give (none decides anything); `not_read`: the
+    GPUs none of whose failing signals (row remapping, page retirement, uncorrected ECC) could
+    be read: of those nothing is known, so the health is not "healthy"."""
 
     failing: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     unread: list[str] = field(default_factory=list)
-    read: int = 0  # the signals read, all GPUs together: none read is no "healthy"
-
-    @property
-    def healthy(self) -> bool:
-        return self.read > 0 and not self.failing and not self.warnings
+    not_read: list[int] = field(default_factory=list)
+    gpus: int = 0
 
     @property
     def verdict(self) -> str:
-        """ "failing", "warnings", "healthy", or "unread" (no signal of any GPU was read)."""
+        """ "failing", "warnings", "unread" (a GPU, or all, not read), or "healthy"."""
         if self.failing:
             return "failing"
         if self.warnings:
             return "warnings"
-        return "healthy" if self.read else "unread"
+        return "unread" if self.not_read or not self.gpus else "healthy"
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict == "healthy"
 
     def text(self) -> str:
-        if not self.read and not self.failing and not self.warnings:
-            return "not read: " + ("; ".join(self.unread) or "no GPU")
+        if self.verdict == "unread":
+            which = {f"GPU {i}: " for i in self.not_read}
+            said = [u for u in self.unread if any(u.startswith(w) for w in which)]
+            return "not read: " + ("; ".join(said) or "no GPU")
         return "; ".join([*self.failing, *self.warnings]) or "healthy"
 
 
 def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:
-    v, read = HealthVerdict(), 0
+    v = HealthVerdict(gpus=len(healths))
     for h in healths:
         gpu = f"GPU {h.index}"
         if h.remap_failed:
@@ -83,12 +87,9 @@ def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:
         if h.nvlink_errors:
             v.warnings.append(f"{gpu}: {h.nvlink_errors} NVLink error(s) on its active links")
         v.unread.extend(f"{gpu}: {u}" for u in h.unread)
-        read += sum(
-            x is not None
-            for x in (h.remap_pending, h.retired_pending, h.ecc_uncorrected, h.nvlink_errors,
-                      h.xids)
-        )  # fmt: skip
-    return dataclasses.replace(v, read=read)
+        if h.remap_pending is None and h.retired_pending is None and h.ecc_uncorrected is None:
+            v.not_read.append(h.index)
+    return v
 
 
 def signals(h: GpuHealth) -> dict[str, object]:

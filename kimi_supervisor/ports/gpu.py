@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import select
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -139,62 +140,72 @@ class NvmlGpu:
         return out
 
     def health(self, indices: Sequence[int]) -> list[GpuHealth]:
-        """NVML's health signals of each GPU, and the kernel's Xid lines for it. A signal this
+        """NVML's health signals of each GPU, then the kernel's Xid lines for it. A signal this
         GPU does not support (NVML's NotSupported: page retirement on an H200, NVLink on a
         PCIe card) is None and named in `unread`, as is any other error of one signal. A GPU
-        NVML cannot find has every signal None, and why in `unread`: one lost GPU hides none of
-        the others' health. NVML itself not there is GpuUnavailable."""
+        NVML cannot find, or whose reading fails in any other way, has every signal None and
+        why in `unread`: one lost GPU hides none of the others' health. NVML itself not there
+        is GpuUnavailable. NVML is read first: the Xids (the kernel's log, else the journal,
+        given JOURNAL_TIMEOUT_S) never cost the NVML signals the port's deadline."""
         nv = self._lib()
+        read: list[tuple[int, dict[str, Any], list[str], str | None]] = []
+        for index in indices:
+            unread: list[str] = []
+            try:
+                fields, bus_id = self._health_of(nv, index, unread)
+            except Exception as e:  # one GPU's failure is that GPU's, whatever it is
+                why = str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
+                read.append((index, {}, [f"the GPU: {why}"], None))
+                continue
+            read.append((index, fields, unread, bus_id))
         xids, cut = kernel_xids()
         if xids is None:  # the daemon's unit: ProtectKernelLogs=yes, no CAP_SYSLOG
             xids, cut = journal_xids()
         out = []
-        for index in indices:
-            try:
-                h = self._handle(index)
-            except GpuUnavailable as e:
-                out.append(GpuHealth(index, unread=(f"the GPU: {e}",)))
-                continue
-            unread: list[str] = []
-
-            def ask(name: str, fn: Any, *args: Any, into: list[str] = unread) -> Any:
-                return _ask(nv, into, name, fn, *args)
-
-            rows = ask("row remapping", nv.nvmlDeviceGetRemappedRows, h)
-            pending = ask("page retirement", nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
-            ecc = ask(
-                "uncorrected ECC", nv.nvmlDeviceGetTotalEccErrors, h,
-                nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC,
-            )  # fmt: skip
-            bus = ask("PCI bus", nv.nvmlDeviceGetPciInfo, h)
-            bus_id = _pci_id(bus.busId) if bus is not None else None
-            if xids is None:
-                unread.append(
-                    "Xid: neither the kernel's log (/dev/kmsg) nor this boot's kernel "
-                    "messages in the journal can be read"
-                )
-            elif bus_id is None:
-                unread.append("Xid: the GPU's PCI address is unknown")
-            elif cut:
-                unread.append(
-                    f"Xid: the kernel's log is longer than {KMSG_MAX_BYTES >> 20} MiB "
-                    "(or the journal's kernel messages took too long): the newest not read"
-                )
-            mine = xids.get(bus_id) if xids is not None and bus_id is not None else None
-            known = xids is not None and bus_id is not None
-            out.append(
-                GpuHealth(
-                    index,
-                    remap_pending=bool(rows[2]) if rows is not None else None,
-                    remap_failed=bool(rows[3]) if rows is not None else None,
-                    retired_pending=bool(pending) if pending is not None else None,
-                    ecc_uncorrected=int(ecc) if ecc is not None else None,
-                    nvlink_errors=self._nvlink_errors(nv, h),
-                    xids=tuple(mine or ()) if known else None,
-                    unread=tuple(unread),
-                )
-            )
+        for index, fields, unread, bus_id in read:
+            if fields:
+                known = xids is not None and bus_id is not None
+                if xids is None:
+                    unread.append(
+                        "Xid: neither the kernel's log (/dev/kmsg) nor this boot's kernel "
+                        "messages in the journal can be read"
+                    )
+                elif bus_id is None:
+                    unread.append("Xid: the GPU's PCI address is unknown")
+                elif cut:
+                    unread.append(
+                        "Xid: the kernel's log is longer than what is read "
+                        f"({KMSG_MAX_BYTES >> 20} MiB, {JOURNAL_TIMEOUT_S:g} s): some not read"
+                    )
+                mine = xids.get(bus_id) if xids is not None and bus_id is not None else None
+                fields["xids"] = tuple(mine or ()) if known else None
+            out.append(GpuHealth(index, **fields, unread=tuple(unread)))
         return out
+
+    def _health_of(
+        self, nv: Any, index: int, unread: list[str]
+    ) -> tuple[dict[str, Any], str | None]:
+        """One GPU's NVML signals (GpuHealth's fields but the Xids) and its PCI address."""
+        h = self._handle(index)
+
+        def ask(name: str, fn: Any, *args: Any) -> Any:
+            return _ask(nv, unread, name, fn, *args)
+
+        rows = ask("row remapping", nv.nvmlDeviceGetRemappedRows, h)
+        pending = ask("page retirement", nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        ecc = ask(
+            "uncorrected ECC", nv.nvmlDeviceGetTotalEccErrors, h,
+            nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC,
+        )  # fmt: skip
+        bus = ask("PCI bus", nv.nvmlDeviceGetPciInfo, h)
+        fields = {
+            "remap_pending": bool(rows[2]) if rows is not None else None,
+            "remap_failed": bool(rows[3]) if rows is not None else None,
+            "retired_pending": bool(pending) if pending is not None else None,
+            "ecc_uncorrected": int(ecc) if ecc is not None else None,
+            "nvlink_errors": self._nvlink_errors(nv, h),
+        }
+        return fields, _pci_id(bus.busId) if bus is not None else None
 
     @staticmethod
     def _nvlink_errors(nv: Any, h: Any) -> int | None:
@@ -215,10 +226,10 @@ class NvmlGpu:
             try:
                 if nv.nvmlDeviceGetNvLinkState(h, link) != nv.NVML_FEATURE_ENABLED:
                     continue
-            except (nv.NVMLError, OSError):
-                continue  # no such link, or no NVLink at all
+            except Exception:
+                continue  # no such link, or no NVLink at all (or an old pynvml's own error)
             for c in counters:
-                with contextlib.suppress(nv.NVMLError, OSError):
+                with contextlib.suppress(Exception):
                     total += int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
                     read += 1
         return total if read else None
@@ -252,7 +263,9 @@ class NvmlGpu:
 
 # The kernel's line for an Xid: "NVRM: Xid (PCI:0000:18:00): 79, pid=..., GPU has fallen off
 # the bus." (NVIDIA's Xid catalog). Read from /dev/kmsg: root's, bounded, never waited on.
-_XID = re.compile(rb"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
+# On a MIG GPU the address is followed by its instances: "(PCI:0000:18:00 GPU-I:05 GPU-CI:00)"
+# (open-gpu-kernel-modules, kernel_rc.c).
+_XID = re.compile(rb"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)[^)\n]*\): (\d+)")
 # The kernel's ring is at most 32 MiB as configured (CONFIG_LOG_BUF_SHIFT <= 25); more is a
 # boot parameter's, and its newest records are then said to be unread. /dev/kmsg is read from
 # its oldest record and cannot be read backwards.
@@ -274,26 +287,37 @@ def _pci_id(raw: bytes | str) -> str | None:
 
 
 def _add_xids(found: dict[str, list[int]], text: bytes) -> None:
-    """The Xid lines of `text` into `found`, by the GPU's PCI address; a line whose address is
-    none is skipped."""
+    """The Xid codes of `text`'s lines into `found`, by the GPU's PCI address, each code once;
+    a line whose address is none is skipped."""
     for m in _XID.finditer(text):
-        bus = _pci_id(m.group(1))
-        if bus is not None:
-            found.setdefault(bus, []).append(int(m.group(2)))
+        bus, code = _pci_id(m.group(1)), int(m.group(2))
+        if bus is not None and code not in (codes := found.setdefault(bus, [])):
+            codes.append(code)  # each code once: a flood of one code is one entry
 
 
-def kernel_xids(path: str = "/dev/kmsg") -> tuple[dict[str, list[int]] | None, bool]:
+def _kmsg_is_the_kernels(st: os.stat_result) -> bool:
+    """The kernel's log device (character 1:11), not what a container put at its path."""
+    return stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (1, 11)
+
+
+def kernel_xids(
+    path: str = "/dev/kmsg", device: bool = True
+) -> tuple[dict[str, list[int]] | None, bool]:
     """The Xid codes the kernel's log holds, by the GPU's PCI address (domain:bus:device),
     None where the log cannot be read; and whether the log went on past KMSG_MAX_BYTES (its
     newest records unread). /dev/kmsg is read without waiting (O_NONBLOCK: EAGAIN at its end),
-    record by record. A line whose address is none is skipped."""
+    record by record, and only if it is the kernel's log (character device 1:11; `device`
+    False: any file, for tests): a container's /dev/kmsg may be /dev/null, whose nothing is
+    no "no Xid"."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None, False
     found: dict[str, list[int]] = {}
     read = 0
     try:
+        if device and not _kmsg_is_the_kernels(os.fstat(fd)):
+            return None, False
         while True:
             if read >= KMSG_MAX_BYTES:
                 return found, True
@@ -314,59 +338,89 @@ def kernel_xids(path: str = "/dev/kmsg") -> tuple[dict[str, list[int]] | None, b
     return found, False
 
 
-# The journal's copy of this boot's kernel messages (`journalctl -k`): what the daemon reads
-# under its own unit, where /dev/kmsg is closed to it (ProtectKernelLogs=yes; reading it also
-# takes CAP_SYSLOG under Debian 12's kernel.dmesg_restrict=1). journalctl's output is bounded
-# as /dev/kmsg's is, and it is given JOURNAL_TIMEOUT_S (the GPU port's own deadline bounds the
-# whole read again).
-JOURNAL_XIDS = ["journalctl", "-k", "-b", "--output=cat", "--no-pager", "--quiet"]
-JOURNAL_TIMEOUT_S = 10.0
+# The journal's copy of this boot's kernel messages: what the daemon reads under its own unit,
+# where /dev/kmsg is closed to it (ProtectKernelLogs=yes; reading it also takes CAP_SYSLOG under
+# Debian 12's kernel.dmesg_restrict=1). First whether the journal holds any kernel message of
+# this boot (a container's holds none: no reading, not "no Xid"), then the Xid lines alone,
+# newest first. Both together get JOURNAL_TIMEOUT_S, a third of gpus.timeout_s's default: a
+# slow journal costs the Xids, never the NVML signals read before them.
+JOURNAL_ANY = ["journalctl", "-k", "-b", "-n", "1", "--output=cat", "--no-pager", "--quiet"]
+JOURNAL_XIDS = [
+    "journalctl", "-k", "-b", "--grep=NVRM: Xid", "--reverse", "--output=cat", "--no-pager",
+    "--quiet",
+]  # fmt: skip
+JOURNAL_TIMEOUT_S = 3.0
+LINE_MAX_BYTES = 1 << 16  # a journal line longer than this is no Xid line: skipped
 
 
 def journal_xids(
-    argv: Sequence[str] = JOURNAL_XIDS, timeout_s: float = JOURNAL_TIMEOUT_S
+    argv: Sequence[str] = JOURNAL_XIDS,
+    timeout_s: float = JOURNAL_TIMEOUT_S,
+    probe: Sequence[str] | None = JOURNAL_ANY,
 ) -> tuple[dict[str, list[int]] | None, bool]:
-    """kernel_xids' answer from the journal: None where journalctl is missing, fails or
-    prints nothing at all (a container's journal holds no kernel messages: no reading, not
-    "no Xid"); cut when its output passed KMSG_MAX_BYTES or it ran out of time."""
+    """kernel_xids' answer from the journal: None where journalctl is missing or `probe`
+    prints nothing (no kernel message at all); cut when the output passed KMSG_MAX_BYTES or
+    the time ran out."""
+    deadline = time.monotonic() + timeout_s
+    if probe is not None and not _run_bounded(probe, deadline, lambda _line: None)[1]:
+        return None, False
+    found: dict[str, list[int]] = {}
+    started, read, cut = _run_bounded(argv, deadline, lambda line: _add_xids(found, line))
+    if not started or (probe is None and not read):
+        return None, False
+    return found, cut
+
+
+def _run_bounded(
+    argv: Sequence[str], deadline: float, each_line: Callable[[bytes], None]
+) -> tuple[bool, int, bool]:
+    """`argv` run until it ends, KMSG_MAX_BYTES were read, or `deadline`: each whole line
+    (up to LINE_MAX_BYTES) to `each_line`. Returns whether it could start, the bytes read, and
+    whether it was cut short. The child is killed by its handle after, and never waited on
+    past a moment (one stuck in the kernel is left)."""
     try:
         proc = subprocess.Popen(
             list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             stdin=subprocess.DEVNULL, close_fds=True,
         )  # fmt: skip
     except OSError:
-        return None, False
+        return False, 0, False
     assert proc.stdout is not None
-    found: dict[str, list[int]] = {}
-    read, cut, tail = 0, False, b""
-    deadline = time.monotonic() + timeout_s
-    os.set_blocking(proc.stdout.fileno(), False)
+    out = proc.stdout.fileno()
+    os.set_blocking(out, False)
+    read, cut, tail = 0, False, bytearray()
     try:
         while True:
             if read >= KMSG_MAX_BYTES or time.monotonic() >= deadline:
                 cut = True
                 break
-            wait = max(0.0, deadline - time.monotonic())
-            if not select.select([proc.stdout], [], [], wait)[0]:
+            if not select.select([out], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 continue
             try:
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                chunk = os.read(out, 1 << 16)
             except BlockingIOError:
                 continue
             if not chunk:
                 break
             read += len(chunk)
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            _add_xids(found, b"\n".join(lines))
+            *lines, rest = chunk.split(b"\n")
+            if lines:
+                lines[0] = bytes(tail) + lines[0]
+                for line in lines:
+                    if len(line) <= LINE_MAX_BYTES:
+                        each_line(line)
+                tail = bytearray(rest)
+            elif len(tail) <= LINE_MAX_BYTES:
+                tail += rest  # a line still coming (an over-long one is dropped)
+        if not cut and tail and len(tail) <= LINE_MAX_BYTES:
+            each_line(bytes(tail))
     finally:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()  # our own child, by its handle; done or cut short
         proc.stdout.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(1)  # never joined past a moment: a child stuck in the kernel is left
-    _add_xids(found, tail)
-    return (found, cut) if read else (None, False)
+            proc.wait(1)
+    return True, read, cut
 
 
 def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
@@ -377,6 +431,8 @@ def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
         unread.append(f"{name}: not supported by this GPU")
     except (nv.NVMLError, OSError) as e:
         unread.append(f"{name}: {e}")
+    except Exception as e:  # an old pynvml without the call, an odd answer: not read
+        unread.append(f"{name}: {type(e).__name__}: {e}")
     return None
 
 

@@ -123,9 +123,12 @@ def test_the_kernels_xid_lines_are_found_per_gpu_by_its_pci_address(tmp_path: Pa
         b"4,1002,5512399,-;NVRM: Xid (PCI:0000:9A:00): 63, pid='<unknown>', Row Remapper\n"
         b"6,1003,5512400,-;eth0: link up\n"
     )
-    assert kernel_xids(str(log)) == ({"0000:18:00": [79], "0000:9a:00": [63]}, False)
+    assert kernel_xids(str(log), device=False) == ({"0000:18:00": [79], "0000:9a:00": [63]}, False)
     assert _pci_id(b"00000000:9A:00.0") == "0000:9a:00" and _pci_id("0000:18:00") == "0000:18:00"
-    assert kernel_xids(str(tmp_path / "none")) == (None, False)  # cannot be read: not "no Xid"
+    assert kernel_xids(str(tmp_path / "none"), device=False) == (
+        None,
+        False,
+    )  # cannot be read: not "no Xid"
 
 
 def test_an_xid_line_whose_address_is_none_is_skipped_and_the_others_still_read(
@@ -141,7 +144,7 @@ def test_an_xid_line_whose_address_is_none_is_skipped_and_the_others_still_read(
         b"3,2,2,-;NVRM: Xid (PCI:zz:18:00): 79, pid=1\n"
         b"3,3,3,-;NVRM: Xid (PCI:0000:18:00): 48, pid=1, DBE\n"
     )
-    assert kernel_xids(str(log)) == ({"0000:18:00": [48]}, False)
+    assert kernel_xids(str(log), device=False) == ({"0000:18:00": [48]}, False)
     assert [_pci_id(x) for x in ("::18:00", "0000:18", "", "0000:18:00:00")] == [None] * 4
 
 
@@ -153,12 +156,12 @@ def test_a_kernel_log_longer_than_the_bound_is_said_to_be_cut(
     log = tmp_path / "kmsg"
     log.write_bytes(b"3,1,1,-;NVRM: Xid (PCI:0000:18:00): 79, pid=1\n" + b"x" * 20000)
     monkeypatch.setattr(gpu, "KMSG_MAX_BYTES", 8192)
-    assert gpu.kernel_xids(str(log)) == ({"0000:18:00": [79]}, True)
+    assert gpu.kernel_xids(str(log), device=False) == ({"0000:18:00": [79]}, True)
 
 
 class Health(StandIn):
-    """Two GPUs with health signals; the second is lost (its handle fails), and NVLink's
-    counters are not supported on the first's active link."""
+    """Three GPUs with health signals; the second is lost (its handle fails), the third's ECC
+    read raises what pynvml never should, and NVLink's counters are not supported."""
 
     NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 1
     NVML_VOLATILE_ECC = 0
@@ -170,7 +173,7 @@ class Health(StandIn):
         pass
 
     def nvmlDeviceGetCount(self) -> int:
-        return 2
+        return 3
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> object:
         if i == 1:
@@ -184,6 +187,8 @@ class Health(StandIn):
         raise self.NVMLError_NotSupported()
 
     def nvmlDeviceGetTotalEccErrors(self, h: object, kind: int, counter: int) -> int:
+        if h == ("handle", 2):
+            raise RuntimeError("an old pynvml's own error")
         return 0
 
     def nvmlDeviceGetPciInfo(self, h: object) -> Any:
@@ -202,22 +207,34 @@ def test_one_lost_gpu_hides_none_of_the_others_health_and_unsupported_counters_a
     from kimi_supervisor.decide.gpuhealth import judge
 
     monkeypatch.setitem(sys.modules, "pynvml", Health())
-    first, lost = NvmlGpu().health([0, 1])
+    first, lost, odd = NvmlGpu().health([0, 1, 2])
     assert first.remap_pending is True, "the first GPU's health was read"
     assert first.nvlink_errors is None, "NVLink counters not supported are not 'no error'"
     assert lost.remap_pending is None and "GPU is lost" in lost.unread[0]
+    # Any other error of one call is that signal unread, never the whole reading lost.
+    assert odd.remap_pending is True and odd.ecc_uncorrected is None
+    assert "uncorrected ECC: RuntimeError: an old pynvml's own error" in odd.unread
     v = judge([first, lost])
     assert v.verdict == "failing" and "GPU 0: rows remapped" in v.text()
     assert any(u.startswith("GPU 1: the GPU: ") for u in v.unread)
 
 
-def test_a_health_with_no_signal_read_is_unread_never_healthy() -> None:
+def test_a_health_with_a_gpu_not_read_is_unread_never_healthy() -> None:
+    """An outside review: GPU 0 read healthy and GPU 1 lost was "healthy", which cleared the
+    warning a refusal for GPU 1 had left. Of a GPU none of whose failing signals was read
+    nothing is known."""
     from kimi_supervisor.decide.gpuhealth import judge
     from kimi_supervisor.model import GpuHealth
 
-    v = judge([GpuHealth(0, unread=("the GPU: GPU is lost",))])
+    lost = GpuHealth(1, unread=("the GPU: GPU is lost",))
+    v = judge([lost])
     assert (v.verdict, v.healthy) == ("unread", False)
-    assert v.text() == "not read: GPU 0: the GPU: GPU is lost"
+    assert v.text() == "not read: GPU 1: the GPU: GPU is lost"
+    well = GpuHealth(0, remap_pending=False, remap_failed=False, ecc_uncorrected=0, xids=())
+    v = judge([well, lost])
+    assert (v.verdict, v.not_read) == ("unread", [1])
+    assert v.text() == "not read: GPU 1: the GPU: GPU is lost"
+    assert judge([]).verdict == "unread"
 
 
 def test_a_gpu_is_failing_on_what_the_driver_holds_now_and_only_warned_of_for_its_past() -> None:
@@ -248,23 +265,52 @@ def test_where_the_kernels_log_is_closed_the_journals_kernel_messages_give_the_x
     tmp_path: Path,
 ) -> None:
     """The daemon's own unit closes /dev/kmsg (ProtectKernelLogs=yes, no CAP_SYSLOG): the Xids
-    come from `journalctl -k -b` then. A journalctl that prints nothing (a container's journal
-    holds no kernel message) or is missing is no reading; one that never ends is cut at its
-    deadline and said to be."""
+    come from the journal then. A journal with no kernel message at all (a container's) or no
+    journalctl is no reading; a journalctl that never ends is cut at its deadline and said to
+    be; a MIG GPU's lines (its instances after the address) are found; each code once."""
     from kimi_supervisor.ports.gpu import journal_xids
 
     lines = tmp_path / "kernel.txt"
     lines.write_text(
         "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  580.159.04\n"
         "NVRM: Xid (PCI:0000:18:00): 48, pid=7, DBE (0x1,0x2)\n"
+        "NVRM: Xid (PCI:0000:18:00): 48, pid=7, DBE (0x1,0x2)\n"
         "NVRM: Xid (PCI::18:00): 79, pid=7\n"
+        "NVRM: Xid (PCI:0000:3b:00 GPU-I:05 GPU-CI:00): 95, pid=7, Uncontained\n"
         "NVRM: Xid (PCI:0000:9a:00): 154, pid='<unknown>', GPU recovery action changed"
     )  # the last line without its newline
-    assert journal_xids(["cat", str(lines)]) == ({"0000:18:00": [48], "0000:9a:00": [154]}, False)
-    assert journal_xids(["true"]) == (None, False)
-    assert journal_xids([str(tmp_path / "no-journalctl")]) == (None, False)
-    script = f"cat {lines}; echo; exec sleep 60"
+    some = ["echo", "a kernel message"]
+    want = {"0000:18:00": [48], "0000:3b:00": [95], "0000:9a:00": [154]}
+    assert journal_xids(["cat", str(lines)], probe=some) == (want, False)
+    assert journal_xids(["cat", str(lines)], probe=["true"]) == (None, False)  # none at all
+    assert journal_xids(["false"], probe=some) == ({}, False)  # --grep matched nothing
+    assert journal_xids([str(tmp_path / "no-journalctl")], probe=some) == (None, False)
     t0 = time.monotonic()
-    got = journal_xids(["sh", "-c", script], timeout_s=0.5)
-    assert got == ({"0000:18:00": [48], "0000:9a:00": [154]}, True)
+    got = journal_xids(["sh", "-c", f"cat {lines}; echo; exec sleep 60"], 0.5, probe=some)
+    assert got == (want, True)
     assert time.monotonic() - t0 < 3, "a journalctl that never ends held the read"
+
+
+def test_a_journal_that_floods_or_never_ends_a_line_is_bounded_in_bytes_and_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kimi_supervisor.ports import gpu
+
+    monkeypatch.setattr(gpu, "KMSG_MAX_BYTES", 4 << 20)
+    t0 = time.monotonic()
+    line = "NVRM: Xid (PCI:0000:18:00): 31, pid=1, MMU Fault"
+    assert gpu.journal_xids(["yes", line], 10, probe=None) == ({"0000:18:00": [31]}, True)
+    assert gpu.journal_xids(["head", "-c", "8000000", "/dev/zero"], 10, probe=None) == ({}, True)
+    assert time.monotonic() - t0 < 5, "4 MiB took more than a moment"
+
+
+def test_a_kmsg_that_is_not_the_kernels_log_is_no_reading(tmp_path: Path) -> None:
+    """A container's /dev/kmsg may be /dev/null, or a file: its nothing is no "no Xid", and
+    the journal is asked instead."""
+    from kimi_supervisor.ports import gpu
+
+    fake = tmp_path / "kmsg"
+    fake.write_bytes(b"")
+    assert gpu.kernel_xids(str(fake)) == (None, False)
+    assert gpu.kernel_xids("/dev/null") == (None, False)
+    assert gpu.kernel_xids(str(fake), device=False) == ({}, False)  # read as given
