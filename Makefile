@@ -37,10 +37,13 @@ typecheck: setup
 pytest: setup
 	$(BIN)/pytest -q --durations=25
 
-# The fast layer alone: pure logic per wing, the loop in-process, the import layers (532 tests
-# in 34 s on a quiet 2-core machine, measured 2026-12-03; no test over 2 s).
+# The fast layer alone: pure logic per wing, the loop in-process, the import layers, on two
+# workers (pytest-xdist) in a short temporary folder (a socket's path has 108 bytes at most),
+# removed when every test passed and kept for a look otherwise. Measured on a quiet 2-core
+# machine: see docs/development.md, "The test tiers".
 unit: setup
-	$(BIN)/pytest -q tests/unit
+	d="$$(mktemp -d /tmp/kimi-unit.XXXXXX)" && $(BIN)/pytest -q -n 2 --basetemp="$$d" tests/unit \
+	  && rm -rf "$$d"
 
 # The whole suite: lint (with the import layers), types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest

@@ -14,9 +14,10 @@ one of them from outside vLLM's HTTP server:
   t, SIGSTOP or a tracer; D, stuck in the kernel or the driver) at both ends of the window
   with its own CPU time still (a profiler's samples stop a busy process for moments), or the
   engine's CPU time, summed, grew by less than `cpu_idle_fraction` of one core over the last
-  `stall_s` (or since the last proof of progress, if that is nearer). For the canary, over its
-  wait, the whole tree: an API server busy tokenizing a long prompt holds the canary while the
-  engine idles, and the engine's counters do not show that work yet. A stopped or deadlocked
+  `stall_s` (or since the last proof of progress, if that is nearer; over the canary's wait
+  for the canary, and then vLLM's API servers must not have used API_BUSY_FRACTION of a core
+  or more meanwhile: an API server busy tokenizing a long prompt holds the canary while the
+  engine idles, and the engine's counters do not show that work yet). A stopped or deadlocked
   engine stops using the CPU; a busy one (a long prefill, a capture's flush on the engine's
   loop, a guided-decoding step) does not.
   Measured with vLLM 0.16's CPU build, TP 2: docs/performance.md, "What real vLLM shows the
@@ -37,7 +38,7 @@ one of them from outside vLLM's HTTP server:
 | work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
 | canary unanswered, CPU flat or a process stopped | hung |
-| canary unanswered, the whole tree busy (an API server tokenizing, a spinning GPU wait) | a doubt |
+| canary unanswered, the engine busy, or its API servers at half a core (a tokenization) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
@@ -61,6 +62,11 @@ WAITING = "vllm:num_requests_waiting"
 TOKENS = "vllm:generation_tokens"  # a counter's family; its sample is ..._total
 PROMPT = "vllm:prompt_tokens"
 STEPS = "vllm:iteration_tokens_total"  # a histogram: its _count is the engine's steps
+# vLLM's API servers using this share of a core or more while a canary waits are at work that
+# the canary may wait behind (a long prompt's tokenization holds a whole core), the engine idle
+# for want of it: a doubt, not a hang. Forwarding requests and answering /health polls stays
+# far below (the real tier's deadlock under load records the share it saw: api_cpu_s).
+API_BUSY_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -222,14 +228,12 @@ class Judge:
         metrics: str,
         cpu: Cpu | None,
         canary: tuple[bool, float, Cpu | None] | None = None,
-        canary_cpu: Cpu | None = None,
+        others_s: float | None = None,
     ) -> Hang | None:
         """One reading: the work counters (None: no reading; `metrics` says why), the engine's
-        CPU, and the canary if one was sent (answered, seconds taken, vLLM's CPU when it was
-        sent); `canary_cpu`: vLLM's CPU when the canary ended (`cpu` if not given). The canary
-        is judged on vLLM's whole tree, the API servers too: a canary waits behind an API
-        server busy tokenizing a long prompt while the engine idles. Returns the verdict, or
-        None."""
+        CPU, and the canary if one was sent (answered, seconds taken, the engine's CPU when it
+        was sent); `others_s`: the CPU seconds vLLM's other processes (its API servers) used
+        while the canary waited. Returns the verdict, or None."""
         self.metrics = metrics
         if self.progress_at is None:
             self.progress(now, cpu)
@@ -249,6 +253,7 @@ class Judge:
             self.alive_at = now
         assert self.progress_at is not None
         since = self.progress_at
+        busy = ""  # why a signal of no progress is not one
         stalled = work is not None and work.pending > 0 and now - since >= self.stall_s
         unanswered = canary is not None and not canary[0]
         if not (stalled or unanswered):
@@ -270,8 +275,22 @@ class Judge:
             )
         else:
             assert canary is not None
-            cpu_why = self.cpu_signal(canary[2], canary_cpu or cpu)
+            cpu_why = self.cpu_signal(canary[2], cpu)
             work_why = f"a one-token request got no answer in {canary[1]:.0f} s"
+            if (
+                cpu_why
+                and not cpu_why.startswith("stopped")
+                and others_s is not None
+                and others_s >= API_BUSY_FRACTION * canary[1]
+            ):
+                # The API servers at work (a long prompt's tokenization holds a core): the
+                # canary may wait behind them, the engine idle for want of work. A stopped
+                # engine answers nothing whatever they do.
+                busy = (
+                    f"vLLM's API server(s) used {others_s:.1f} s of CPU in {canary[1]:.0f} s "
+                    "(the canary may wait behind them)"
+                )
+                cpu_why = ""
         evidence: dict[str, Any] = {
             "metrics": metrics,
             "since_progress_s": round(now - since, 1),
@@ -289,10 +308,14 @@ class Judge:
             evidence |= {"cpu_s": round(cpu.seconds, 2), "stopped": list(cpu.stopped)}
         if canary is not None:
             evidence |= {"canary_answered": canary[0], "canary_s": round(canary[1], 1)}
+            if others_s is not None:
+                evidence["api_cpu_s"] = round(others_s, 2)
         if not cpu_why:
             # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict.
-            why = "are busy" if cpu is not None else "cannot be read"
-            self.doubt = f"{work_why}, but the engine's processes {why}: not hung"
+            if not busy:
+                why = "are busy" if cpu is not None else "cannot be read"
+                busy = f"the engine's processes {why}"
+            self.doubt = f"{work_why}, but {busy}: not hung"
             if self.doubt_since is None:
                 self.doubt_since = since if stalled else now - canary[1] if canary else now
             return None

@@ -39,11 +39,11 @@ class Canary:
     took_s: float
     detail: str
     tokens: int = 0  # prompt and completion, as vLLM counted them (its answer's `usage`)
-    # vLLM's whole tree (the API servers too) when it was sent, and when it was answered or
-    # given up on: a canary waits behind an API server busy tokenizing a long prompt as much as
-    # behind a busy engine, and neither is a hang.
-    cpu: Cpu | None = None
-    cpu_end: Cpu | None = None
+    cpu: Cpu | None = None  # the engine's processes when it was sent
+    # The CPU seconds vLLM's other processes (its API servers) used while it waited: a canary
+    # waits behind an API server busy tokenizing a long prompt as much as behind a busy engine
+    # (decide/liveness.API_BUSY_FRACTION). None where it could not be read.
+    others_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     (ENGINE_TITLES, and their descendants), where there are any: an API server busy
     taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
     it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
-    50 ms): never for the canary, which an API server holds as much as an engine. A stopped
-    process counts whatever it is."""
+    50 ms). A stopped process counts whatever it is."""
     main = processes.cpu_of(pid)
     if main is None:
         return None
@@ -172,10 +171,14 @@ class Liveness:
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
             if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
-                sent = engine_cpu(pid)
+                tree = engine_cpu(pid)
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s)
-                probe = dataclasses.replace(probe, cpu=sent, cpu_end=engine_cpu(pid))
+                tree_end, sent = engine_cpu(pid), cpu
                 cpu = engine_cpu(pid, engine_only=True)
+                others = None  # what the rest of the tree (the API servers) used meanwhile
+                if sent is not None and cpu is not None and tree is not None and tree_end:
+                    others = (tree_end.seconds - tree.seconds) - (cpu.seconds - sent.seconds)
+                probe = dataclasses.replace(probe, cpu=sent, others_s=others)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
         self._put(Reading(pid, work, probe, metrics, cpu))
@@ -197,5 +200,5 @@ class Liveness:
             return self.judge.seen(now, reading.work, reading.metrics, reading.cpu)
         canary = (sent.answered, sent.took_s, sent.cpu)
         return self.judge.seen(
-            now, reading.work, reading.metrics, reading.cpu, canary, canary_cpu=sent.cpu_end
+            now, reading.work, reading.metrics, reading.cpu, canary, others_s=sent.others_s
         )

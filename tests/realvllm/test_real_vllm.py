@@ -761,4 +761,5 @@ def test_a_real_engine_deadlocked_under_load_is_found_by_its_still_steps_and_idl
     window, seen = real.status()["downtime"]["window_s"], load.outage_from(t0)
     assert window >= seen - c.metrics_interval_s - 1, (window, seen)
     record(deadlock_noticed_s=round(noticed_s, 1), deadlock_window_s=window,
-           deadlock_clients_gap_s=round(seen, 1), deadlock_by=what[:60])  # fmt: skip
+           deadlock_clients_gap_s=round(seen, 1), deadlock_by=what[:60],
+           deadlock_api_cpu_s=incident.get("api_cpu_s"))  # fmt: skip

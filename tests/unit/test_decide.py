@@ -784,6 +784,30 @@ def test_an_unanswered_canary_is_a_hang_only_when_the_engine_shows_no_progress_t
     assert judge.progress_at == 130
 
 
+def test_a_canary_waiting_behind_busy_api_servers_is_a_doubt_unless_the_engine_is_stopped() -> None:
+    """The engine idle for want of work while its API server tokenizes a long prompt (half a
+    core or more over the canary's wait): a doubt. Under that, or with the engine stopped: the
+    engine's flat CPU decides (a deadlocked engine behind an API server that forwards requests
+    and answers /health polls is still found)."""
+    from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    busy = API_BUSY_FRACTION * 60
+    sent = cpu(0, 1.0)
+    assert judge.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy) is None
+    said = "but vLLM's API server(s) used 30.0 s of CPU in 60 s (the canary may wait behind them)"
+    assert judge.doubt.endswith(f"{said}: not hung"), judge.doubt
+    frozen = ("PID 9 (VLLM::EngineCore, state T)",)
+    still = (False, 60.0, cpu(60, 1.0, frozen))
+    hang = judge.seen(120, Work(0, 5), "ok", cpu(120, 1.0, frozen), still, busy)
+    assert hang is not None and "the engine: stopped: PID 9" in hang.reason
+    other = Judge(120, 0.02)
+    assert other.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    hang = other.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy - 1)
+    assert hang is not None and hang.evidence["api_cpu_s"] == busy - 1
+
+
 def test_without_vllm_series_the_judge_never_reads_idle_and_needs_the_canary_and_the_cpu() -> None:
     """--disable-log-stats: no counters. Saturated (the CPU busy), a canary that waits behind the
     load is no hang; frozen (the CPU flat), it is."""

@@ -1,9 +1,9 @@
 """The liveness probe (loop/liveness.py) as it reads a real process tree: an "API server" (this
 test's process, the tree's root, as vLLM's MainPID is) with a `VLLM::EngineCore` child, and a
 small HTTP server in vLLM's place whose /metrics says idle and whose /v1/completions never
-answers in time. The canary is judged on the whole tree's CPU: an API server busy tokenizing a
-long prompt holds the canary while its engine idles, and /metrics does not show that work yet
-(an outside review got a false hang from it when the canary was judged on the engine alone)."""
+answers in time. An API server busy tokenizing a long prompt holds the canary while its engine
+idles, and /metrics does not show that work yet (an outside review got a false hang from it when
+the canary was judged on the engine alone): its own CPU over the canary's wait makes a doubt."""
 
 from __future__ import annotations
 
@@ -121,9 +121,11 @@ def test_a_canary_held_by_a_busy_api_server_while_the_engine_idles_is_a_doubt_no
 ) -> None:
     hang, doubt, reading = verdict(config, "busy")
     assert hang is None, hang
-    assert doubt.startswith("a one-token request got no answer in 1 s"), doubt
-    assert "the engine's processes are busy: not hung" in doubt
-    # The stall rule's reading is still the engine's alone: the idle child.
+    assert doubt.startswith("a one-token request got no answer in 1 s, but vLLM's API"), doubt
+    assert "(the canary may wait behind them): not hung" in doubt
+    assert reading.canary is not None and reading.canary.others_s is not None
+    assert reading.canary.others_s >= 0.5, "the busy API server's CPU over the canary's wait"
+    # The engine's own reading is the idle child's alone.
     assert reading.cpu is not None and reading.cpu.processes == 1
 
 
@@ -132,7 +134,8 @@ def test_a_canary_unanswered_while_the_whole_tree_idles_is_a_hang(
 ) -> None:
     hang, _doubt, _reading = verdict(config, "idle")
     assert hang is not None
-    assert hang.reason.startswith("a one-token request got no answer in 1 s; the engine: 2 proc")
+    assert hang.reason.startswith("a one-token request got no answer in 1 s; the engine: 1 proc")
+    assert hang.evidence["api_cpu_s"] < 0.5, hang.evidence
 
 
 # Burns `seconds` of its own CPU once the file `go` exists (CPU time, not wall time: the same
