@@ -223,7 +223,8 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
         why = str(e) if isinstance(e, (GpuUnavailable, OSError)) else f"{type(e).__name__}: {e}"
         return unknown(name, f"the health signals could not be read: {why}")
     if v.verdict == "unread":
-        return unknown(name, f"none of the health signals could be read: {'; '.join(v.unread)}")
+        return unknown(name, f"the health of GPU(s) {_listed(v.not_read)} could not be read: "
+                       f"{v.text().removeprefix('not read: ')}")  # fmt: skip
     unread = f" (not read: {'; '.join(v.unread)})" if v.unread else ""
     policy = config.gpus.health_check
     if v.failing:
@@ -235,8 +236,14 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
             "see dmesg for its Xid lines",
         )
     if v.warnings:
+        if v.not_read:
+            return unknown(name, f"no failing signal among those read, but {v.text()}")
         return ok(name, f"no failing signal, but {v.text()}{unread}")
     return ok(name, f"no failing signal and no warning among those read{unread}")
+
+
+def _listed(indices: list[int]) -> str:
+    return ", ".join(map(str, indices)) or "-"
 
 
 def stored_baseline(state_dir: Path) -> Any:

@@ -59,11 +59,14 @@ class HealthVerdict:
         return self.verdict == "healthy"
 
     def text(self) -> str:
+        """What was found; the GPUs not read are named whatever else was (a warning about
+        one GPU never stands for the health of another that could not be read)."""
+        which = tuple(f"GPU {i}: " for i in self.not_read)
+        missing = "; ".join(u for u in self.unread if u.startswith(which)) if which else ""
         if self.verdict == "unread":
-            which = {f"GPU {i}: " for i in self.not_read}
-            said = [u for u in self.unread if any(u.startswith(w) for w in which)]
-            return "not read: " + ("; ".join(said) or "no GPU")
-        return "; ".join([*self.failing, *self.warnings]) or "healthy"
+            return "not read: " + (missing or "no GPU")
+        found = "; ".join([*self.failing, *self.warnings]) or "healthy"
+        return f"{found}; not read: {missing}" if missing else found
 
 
 def judge(healths: Sequence[GpuHealth]) -> HealthVerdict:

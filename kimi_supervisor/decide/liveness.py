@@ -16,8 +16,9 @@ one of them from outside vLLM's HTTP server:
   engine's CPU time, summed, grew by less than `cpu_idle_fraction` of one core over the last
   `stall_s` (or since the last proof of progress, if that is nearer; over the canary's wait
   for the canary, and then vLLM's API servers must not have used API_BUSY_FRACTION of a core
-  or more meanwhile: an API server busy tokenizing a long prompt holds the canary while the
-  engine idles, and the engine's counters do not show that work yet). A stopped or deadlocked
+  or more meanwhile, for fewer than API_HELD_CANARIES canaries in a row: an API server busy
+  tokenizing a long prompt holds the canary while the engine idles, and the engine's counters
+  do not show that work yet). A stopped or deadlocked
   engine stops using the CPU; a busy one (a long prefill, a capture's flush on the engine's
   loop, a guided-decoding step) does not.
   Measured with vLLM 0.16's CPU build, TP 2: docs/performance.md, "What real vLLM shows the
@@ -65,8 +66,16 @@ STEPS = "vllm:iteration_tokens_total"  # a histogram: its _count is the engine's
 # vLLM's API servers using this share of a core or more while a canary waits are at work that
 # the canary may wait behind (a long prompt's tokenization holds a whole core), the engine idle
 # for want of it: a doubt, not a hang. Forwarding requests and answering /health polls stays
-# far below (the real tier's deadlock under load records the share it saw: api_cpu_s).
-API_BUSY_FRACTION = 0.5
+# below (the idle real freeze: 0.06 s over a 30 s canary; the real tier's deadlock under load
+# records the share it saw, api_cpu_s).
+API_BUSY_FRACTION = 0.25
+# ...but never for more canaries in a row than this, the engine flat all along: a tokenization
+# ends within one canary's interval and hands its work to the engine, so a busy API server over
+# two canaries (10 minutes apart at the shipped values) in front of an engine that never works
+# is a deadlock whose clients keep the API server busy, and it is a hang. A quarter of a core,
+# not a whole one: an API server may get less than it wants on a loaded host (a CPUQuota, an
+# oversubscribed machine), and the bound limits what a low threshold can hide.
+API_HELD_CANARIES = 2
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,7 @@ class Judge:
     # long as it lasts; the daemon never restarts on it.
     doubt: str = ""
     doubt_since: float | None = None
+    api_held = 0  # canaries in a row held, it seemed, behind busy API servers (API_HELD_CANARIES)
     samples: list[tuple[float, Cpu]] = field(default_factory=list)  # the engine's CPU, in time
 
     def progress(self, now: float, cpu: Cpu | None) -> None:
@@ -251,6 +261,7 @@ class Judge:
         if canary is not None and canary[0]:
             self.progress(now, cpu)  # an answer is progress
             self.alive_at = now
+            self.api_held = 0
         assert self.progress_at is not None
         since = self.progress_at
         busy = ""  # why a signal of no progress is not one
@@ -277,20 +288,29 @@ class Judge:
             assert canary is not None
             cpu_why = self.cpu_signal(canary[2], cpu)
             work_why = f"a one-token request got no answer in {canary[1]:.0f} s"
-            if (
+            held = (
                 cpu_why
                 and not cpu_why.startswith("stopped")
                 and others_s is not None
                 and others_s >= API_BUSY_FRACTION * canary[1]
-            ):
+            )
+            self.api_held = self.api_held + 1 if held else 0
+            if held and self.api_held < API_HELD_CANARIES:
                 # The API servers at work (a long prompt's tokenization holds a core): the
                 # canary may wait behind them, the engine idle for want of work. A stopped
-                # engine answers nothing whatever they do.
+                # process answers nothing whatever they do; and work that never reaches the
+                # engine over API_HELD_CANARIES canaries in a row is no longer a tokenization.
+                assert others_s is not None
                 busy = (
                     f"vLLM's API server(s) used {others_s:.1f} s of CPU in {canary[1]:.0f} s "
                     "(the canary may wait behind them)"
                 )
                 cpu_why = ""
+            elif held:
+                cpu_why += (
+                    f"; and {self.api_held} canaries in a row waited behind busy API server(s) "
+                    "with the engine idle"
+                )
         evidence: dict[str, Any] = {
             "metrics": metrics,
             "since_progress_s": round(now - since, 1),

@@ -176,7 +176,12 @@ class Liveness:
                 tree_end, sent = engine_cpu(pid), cpu
                 cpu = engine_cpu(pid, engine_only=True)
                 others = None  # what the rest of the tree (the API servers) used meanwhile
-                if sent is not None and cpu is not None and tree is not None and tree_end:
+                if (
+                    sent is not None
+                    and cpu is not None
+                    and tree is not None
+                    and tree_end is not None
+                ):
                     others = (tree_end.seconds - tree.seconds) - (cpu.seconds - sent.seconds)
                 probe = dataclasses.replace(probe, cpu=sent, others_s=others)
         except Exception:  # a reading must always come back, or no probe would run again

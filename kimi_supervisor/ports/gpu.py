@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import select
+import signal
 import stat
 import subprocess
 import time
@@ -362,29 +363,34 @@ def journal_xids(
     prints nothing (no kernel message at all); cut when the output passed KMSG_MAX_BYTES or
     the time ran out."""
     deadline = time.monotonic() + timeout_s
-    if probe is not None and not _run_bounded(probe, deadline, lambda _line: None)[1]:
-        return None, False
+    if probe is not None:
+        _, any_read, _, failed = _run_bounded(probe, deadline, lambda _line: None)
+        if not any_read or failed:
+            return None, False
     found: dict[str, list[int]] = {}
-    started, read, cut = _run_bounded(argv, deadline, lambda line: _add_xids(found, line))
-    if not started or (probe is None and not read):
+    started, read, cut, failed = _run_bounded(argv, deadline, lambda line: _add_xids(found, line))
+    # journalctl --grep exits 1 both when nothing matched and on an error (which it says on
+    # standard error): only the silent 1 is "no Xid". Cut short with nothing read is no reading.
+    if not started or failed or (cut and not read) or (probe is None and not read):
         return None, False
     return found, cut
 
 
 def _run_bounded(
     argv: Sequence[str], deadline: float, each_line: Callable[[bytes], None]
-) -> tuple[bool, int, bool]:
+) -> tuple[bool, int, bool, bool]:
     """`argv` run until it ends, KMSG_MAX_BYTES were read, or `deadline`: each whole line
-    (up to LINE_MAX_BYTES) to `each_line`. Returns whether it could start, the bytes read, and
-    whether it was cut short. The child is killed by its handle after, and never waited on
-    past a moment (one stuck in the kernel is left)."""
+    (up to LINE_MAX_BYTES) to `each_line`. Returns whether it could start, the bytes read,
+    whether it was cut short, and whether it failed (said something on standard error, or
+    ended with a status other than 0 or 1). The child is killed by its handle after, and never
+    waited on past a moment (one stuck in the kernel is left)."""
     try:
         proc = subprocess.Popen(
-            list(argv), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL, close_fds=True,
         )  # fmt: skip
     except OSError:
-        return False, 0, False
+        return False, 0, False, True
     assert proc.stdout is not None
     out = proc.stdout.fileno()
     os.set_blocking(out, False)
@@ -420,7 +426,16 @@ def _run_bounded(
         proc.stdout.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(1)
-    return True, read, cut
+        assert proc.stderr is not None
+        os.set_blocking(proc.stderr.fileno(), False)
+        try:  # what it said before it ended, if anything (never waited for)
+            said = os.read(proc.stderr.fileno(), 4096)
+        except (BlockingIOError, OSError):
+            said = b""
+        proc.stderr.close()
+    # Its status, unless it is our kill's (or it is still not reaped: left, as said).
+    failed = bool(said.strip()) or proc.returncode not in (0, 1, -signal.SIGKILL, None)
+    return True, read, cut, failed
 
 
 def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:

@@ -785,26 +785,40 @@ def test_an_unanswered_canary_is_a_hang_only_when_the_engine_shows_no_progress_t
 
 
 def test_a_canary_waiting_behind_busy_api_servers_is_a_doubt_unless_the_engine_is_stopped() -> None:
-    """The engine idle for want of work while its API server tokenizes a long prompt (half a
-    core or more over the canary's wait): a doubt. Under that, or with the engine stopped: the
-    engine's flat CPU decides (a deadlocked engine behind an API server that forwards requests
-    and answers /health polls is still found)."""
-    from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Judge, Work
+    """The engine idle for want of work while its API server tokenizes a long prompt (a quarter
+    of a core or more over the canary's wait): a doubt, for one canary. Two in a row with the
+    engine flat all along are no tokenization: a deadlock whose clients keep the API server
+    busy, a hang. Under the share, or with a process stopped: the engine's flat CPU decides."""
+    from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, API_HELD_CANARIES, Judge, Work
 
+    assert API_HELD_CANARIES == 2
     judge = Judge(120, 0.02)
     assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
     busy = API_BUSY_FRACTION * 60
     sent = cpu(0, 1.0)
     assert judge.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy) is None
-    said = "but vLLM's API server(s) used 30.0 s of CPU in 60 s (the canary may wait behind them)"
+    said = "but vLLM's API server(s) used 15.0 s of CPU in 60 s (the canary may wait behind them)"
     assert judge.doubt.endswith(f"{said}: not hung"), judge.doubt
+    hang = judge.seen(360, Work(0, 5), "ok", cpu(360, 1.0), (False, 60.0, cpu(300, 1.0)), busy)
+    assert hang is not None, "a second canary held behind busy API servers, the engine flat"
+    assert "2 canaries in a row waited behind busy API server(s)" in hang.reason
+    # An answered canary starts the count again.
+    again = Judge(120, 0.02)
+    assert again.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    assert again.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy) is None
+    assert again.seen(70, Work(0, 5), "ok", cpu(70, 1.0), (True, 0.1, cpu(70, 1.0))) is None
+    assert (
+        again.seen(130, Work(0, 5), "ok", cpu(130, 1.0), (False, 60.0, cpu(70, 1.0)), busy) is None
+    )
     frozen = ("PID 9 (VLLM::EngineCore, state T)",)
-    still = (False, 60.0, cpu(60, 1.0, frozen))
-    hang = judge.seen(120, Work(0, 5), "ok", cpu(120, 1.0, frozen), still, busy)
-    assert hang is not None and "the engine: stopped: PID 9" in hang.reason
     other = Judge(120, 0.02)
-    assert other.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
-    hang = other.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy - 1)
+    assert other.seen(0, Work(0, 5), "ok", cpu(0, 1.0, frozen)) is None
+    still = (False, 60.0, cpu(0, 1.0, frozen))
+    hang = other.seen(60, Work(0, 5), "ok", cpu(60, 1.0, frozen), still, busy)
+    assert hang is not None and "the engine: stopped: PID 9" in hang.reason
+    under = Judge(120, 0.02)
+    assert under.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    hang = under.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy - 1)
     assert hang is not None and hang.evidence["api_cpu_s"] == busy - 1
 
 

@@ -97,12 +97,12 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
         readings: list[Reading] = []
         live = Liveness(config, readings.append)
         live.serving(api.pid, 0.0, capturing=False)  # the first reading: no canary yet
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a loaded host's threads
         while not readings and time.monotonic() < deadline:
             time.sleep(0.01)
         assert live.seen(readings.pop(), 0.1) is None
         live.serving(api.pid, config.liveness.canary_interval_s + 1, capturing=False)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # a loaded host's threads
         while not readings and time.monotonic() < deadline:
             time.sleep(0.01)
         reading = readings.pop()
