@@ -277,13 +277,17 @@ def test_a_deadlocked_engine_under_load_is_found_and_its_window_is_what_clients_
 
 
 def test_the_second_hang_within_the_window_is_not_restarted_but_failed_with_its_evidence(
-    sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event
+    sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event, answers: Answers
 ) -> None:
     """Hang restarts are bounded (liveness.max_hang_restarts = 2 in the sandbox): a vLLM that
     hangs again after its restart is torn down and left FAILED for an operator, no restart
     loop (each one costs a 30-minute load on the real host)."""
     daemon.start()
     daemon.wait_serving("production")
+    # Frozen once the load has reached the engine (as the loaded freeze's test does): frozen
+    # before its first step, vLLM reads idle and the canary finds it, with another sign (a
+    # CI run froze it too early and waited 30 s for the stall's sign).
+    wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
     freeze_and_wait(sandbox, daemon, "waiting, and no engine step, prompt or generated")
     engine = engine_of(daemon.vllm_pid())
     os.kill(engine, signal.SIGSTOP)  # the sandbox's own vLLM, started for this test
