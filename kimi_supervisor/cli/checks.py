@@ -214,14 +214,13 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
     """The GPUs' health signals, as the daemon reads them before each load
     (decide/gpuhealth.py): failing ones fail the check, whatever gpus.health_check says."""
     from kimi_supervisor.decide.gpuhealth import judge
-    from kimi_supervisor.ports.gpu import GpuUnavailable
+    from kimi_supervisor.ports.gpu import reading_error
 
     name = "GPU health"
     try:
         v = judge(gpu.health(managed))
     except Exception as e:  # a check says what it could not read, never dies
-        why = str(e) if isinstance(e, (GpuUnavailable, OSError)) else f"{type(e).__name__}: {e}"
-        return unknown(name, f"the health signals could not be read: {why}")
+        return unknown(name, f"the health signals could not be read: {reading_error(e)}")
     if v.verdict == "unread":
         return unknown(name, f"the health of GPU(s) {_listed(v.not_read)} could not be read: "
                        f"{v.text().removeprefix('not read: ')}")  # fmt: skip

@@ -18,9 +18,8 @@ one of them from outside vLLM's HTTP server:
   for the canary, and then vLLM's API servers must not have used API_BUSY_FRACTION of a core
   or more meanwhile, for fewer than API_HELD_CANARIES canaries in a row: an API server busy
   tokenizing a long prompt holds the canary while the engine idles, and the engine's counters
-  do not show that work yet). A stopped or deadlocked
-  engine stops using the CPU; a busy one (a long prefill, a capture's flush on the engine's
-  loop, a guided-decoding step) does not.
+  do not show that work yet). A stopped or deadlocked engine stops using the CPU; a busy one
+  (a long prefill, a capture's flush on the engine's loop, a guided-decoding step) does not.
   Measured with vLLM 0.16's CPU build, TP 2: docs/performance.md, "What real vLLM shows the
   liveness rule";
 - and one of:
@@ -39,7 +38,7 @@ one of them from outside vLLM's HTTP server:
 | work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
 | canary unanswered, CPU flat or a process stopped | hung |
-| canary unanswered, the engine busy, or its API servers at half a core (a tokenization) | a doubt |
+| canary unanswered, the engine busy, or its API servers at a quarter core (once) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |

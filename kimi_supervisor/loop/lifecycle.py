@@ -41,7 +41,7 @@ from kimi_supervisor.loop.window import Window
 from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, Outcome, State, TeardownReport, utcnow
 from kimi_supervisor.ports import launcher, pagecache, processes
-from kimi_supervisor.ports.gpu import GpuUnavailable
+from kimi_supervisor.ports.gpu import GpuUnavailable, reading_error
 from kimi_supervisor.ports.metrics import evidence_label
 from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.status import FailureStatus, GpuHealthStatus, IntrusionStatus, LivenessStatus
@@ -310,7 +310,7 @@ class Lifecycle:
             healths = ctx.gpu.health(s.indices)
         except Exception as e:  # no reading is no evidence, whatever the error
             # (GpuUnavailable, or a port's own bug: never a start that fails over and over)
-            why = str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
+            why = reading_error(e)
             s.gpu_health = GpuHealthStatus(
                 checked_at=at, verdict="unread", text=f"not read: {why}", policy=policy
             )

@@ -155,13 +155,15 @@ class NvmlGpu:
             try:
                 fields, bus_id = self._health_of(nv, index, unread)
             except Exception as e:  # one GPU's failure is that GPU's, whatever it is
-                why = str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
-                read.append((index, {}, [f"the GPU: {why}"], None))
+                read.append((index, {}, [f"the GPU: {reading_error(e)}"], None))
                 continue
             read.append((index, fields, unread, bus_id))
-        xids, cut = kernel_xids()
-        if xids is None:  # the daemon's unit: ProtectKernelLogs=yes, no CAP_SYSLOG
-            xids, cut = journal_xids()
+        xids: dict[str, list[int]] | None = None
+        cut = False
+        if any(fields for _i, fields, _u, _b in read):  # no GPU read: no Xid to match either
+            xids, cut = kernel_xids()
+            if xids is None:  # the daemon's unit: ProtectKernelLogs=yes, no CAP_SYSLOG
+                xids, cut = journal_xids()
         out = []
         for index, fields, unread, bus_id in read:
             if fields:
@@ -436,6 +438,12 @@ def _run_bounded(
     # Its status, unless it is our kill's (or it is still not reaped: left, as said).
     failed = bool(said.strip()) or proc.returncode not in (0, 1, -signal.SIGKILL, None)
     return True, read, cut, failed
+
+
+def reading_error(e: Exception) -> str:
+    """Why a health reading failed, in words: GpuUnavailable says it itself; anything else (a
+    port's own bug, an odd pynvml) is named by its type too."""
+    return str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
 
 
 def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
