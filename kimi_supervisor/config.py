@@ -239,6 +239,10 @@ class StateConfig(_Strict):
     history_max_mb: Annotated[float, Field(gt=0, le=100_000)] = 64.0
     # How many rotated history files are kept (see history_max_mb).
     history_keep: Annotated[int, Field(ge=1, le=100)] = 5
+    # How many incident bundles (state.dir/incidents/incident-TIME-TRIGGER.txt, 1 MiB at most
+    # each, written at a STUCK, a FAILED or a hang restart) are kept: the newest, the older
+    # ones removed as each is written.
+    bundles_keep: Annotated[int, Field(ge=1, le=1000)] = 10
     # How long one write or read of state.json or history.jsonl may hold the daemon's loop.
     # One that takes longer (a hung or frozen file system) is abandoned on its thread: what it
     # wrote is kept in memory and written again once the folder answers, and until then the

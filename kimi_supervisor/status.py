@@ -232,6 +232,22 @@ class IntrusionStatus(BaseModel):
     processes: list[IntruderStatus] = Field(default_factory=list)
 
 
+class BundleStatus(BaseModel):
+    """The newest incident bundle (store/bundle.py): what the daemon kept at a STUCK, a FAILED
+    or a hang restart, in one root-only file under the state directory. `error`: the last one
+    tried could not be written (the daemon went on as it would have anyway)."""
+
+    path: str | None = None  # the newest bundle written; null if none is known
+    at: str | None = None  # when it was written (ISO); null for one found at start
+    trigger: str | None = None  # stuck, failed or hang
+    size: int | None = None  # its bytes
+    cut: list[str] = Field(default_factory=list)  # parts cut to their caps
+    unread: list[str] = Field(default_factory=list)  # what could not be read into it
+    error: str | None = None  # why the last bundle tried was not written
+    error_at: str | None = None
+    folder: str = ""  # where they are kept (state.dir/incidents)
+
+
 class Status(BaseModel):
     desired_mode: Mode
     mode: Mode | None = None
@@ -256,6 +272,7 @@ class Status(BaseModel):
     last_failure: FailureStatus | None = None
     warnings: list[str] = Field(default_factory=list)
     last_intrusion: IntrusionStatus | None = None
+    incident_bundle: BundleStatus | None = None
     profile_until: str | None = None
     profile_left_s: int | None = None
     capture: CaptureStatus | None = None

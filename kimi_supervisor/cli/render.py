@@ -163,6 +163,17 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
     if s.last_intrusion:
         i = s.last_intrusion
         lines.append(f"last intrusion: {_hhmmss(i.at)} {i.what}")
+    b = s.incident_bundle
+    if b and b.path:
+        when = f" at {_hhmmss(b.at)}" if b.at else ""
+        what = f"{b.trigger}{when}, " if b.trigger else ""
+        cut = f", cut: {', '.join(b.cut)}" if b.cut else ""
+        # The path on a row of its own: the default one (77 characters) fits 80 columns whole.
+        lines.append(f"incident:      the newest bundle ({what}{b.size} bytes{cut}; root only):")
+        lines.append(f"  {b.path}")
+    if b and b.error:
+        lines.append(f"incident:      the last bundle was not written ({_hhmmss(b.error_at)}): "
+                     f"{b.error}")  # fmt: skip
     if s.next_attempt_in_s is not None:
         lines.append(
             f"next attempt:  in {s.next_attempt_in_s:.0f} s "
@@ -276,7 +287,7 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
     """Each line wrapped at spaces to `width` columns, its continuation rows indented under the
     line's own indent plus two (or `hang` columns): nothing is cut. What whole() joined stays
     on one row if it fits in one, else breaks at its own spaces; only a word wider than a row
-    is broken."""
+    is broken, and never a path: it gets a row of its own, whole."""
     import textwrap
 
     out: list[str] = []
@@ -288,12 +299,17 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
         indent = " " * (own + 2 if hang is None or own >= hang else hang)
         indent = indent[: width // 2]
         room = width - len(indent)
-        line = " ".join(w if len(w) <= room else w.replace(NBSP, " ") for w in line.split(" "))
+        words = line.split(" ")
+        line = " ".join(w if len(w) <= room else w.replace(NBSP, " ") for w in words)
+        # A path wider than a row goes on a row of its own, whole: a path broken in two cannot
+        # be copied (the row is then wider than `width`; the terminal wraps it, adding nothing).
+        path = any(len(w) > room and "/" in w for w in words)
         out += textwrap.wrap(
             line,
             width,
             subsequent_indent=indent,
             break_on_hyphens=False,
+            break_long_words=not path,
             drop_whitespace=True,
         ) or [line[:width]]
     return [row.replace(NBSP, " ") for row in out]

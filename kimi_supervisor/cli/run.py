@@ -31,6 +31,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         install_signal_handlers,
         reexec,
     )
+    from kimi_supervisor.loop.incident import BUNDLE_TIMEOUT_S
     from kimi_supervisor.ports.metrics import Metrics
     from kimi_supervisor.ports.notify import Notifier
     from kimi_supervisor.ports.output import FileOutput, JournalOutput, OutputPort
@@ -60,7 +61,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # The clients' reads start their process again from a control thread: on a D-Bus
     # connection of their own (one port is used from one thread), under the worker's lock.
     reads = io_worker(systemd_port(config), "history", config.state.timeout_s, emit)
-    for w in (nvml, disk, reads):
+    # The incident bundles' reads (/proc, the journal) and writes, from their own thread.
+    bundles = io_worker(systemd_port(config), "bundle", BUNDLE_TIMEOUT_S, emit)
+    workers = (nvml, disk, reads, bundles)
+    for w in workers:
         w.start()
     notifier = Notifier()
     try:
@@ -75,7 +79,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     except StateError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
-        for w in (nvml, disk, reads):
+        for w in workers:
             w.close()
         return Exit.OK if str(e).startswith(STOPPED) else Exit.USAGE
     gpu = open_gpu(config, nvml)
@@ -87,8 +91,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     metrics = Metrics() if config.metrics.enabled else None
     daemon = Daemon(
-        config, systemd, gpu, output, notifier, emit, metrics=metrics, disk=disk, reads=reads
-    )
+        config, systemd, gpu, output, notifier, emit, metrics=metrics, disk=disk, reads=reads,
+        bundles=bundles,
+    )  # fmt: skip
     c = config.control
     server = ControlServer(
         c.socket,
@@ -117,7 +122,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     except StateError as e:  # stopped while the state folder did not answer; not trusted
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
         server.close()
-        for w in (nvml, disk, reads):
+        for w in workers:
             w.close()
         return Exit.OK if str(e).startswith(STOPPED) else Exit.FAILED
     except BaseException:
@@ -148,6 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             gpu.close()
             disk.close()
             reads.close()
+            bundles.close()
             reexec(notifier)
     finally:
         server.close()
@@ -157,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         gpu.close()
         disk.close()
         reads.close()
+        bundles.close()
     return Exit.OK if daemon.s.stopped_clean else Exit.FAILED
 
 

@@ -38,6 +38,7 @@ from kimi_supervisor.loop.admission import Desk
 from kimi_supervisor.loop.bus import EventBus
 from kimi_supervisor.loop.context import Context, Log
 from kimi_supervisor.loop.inbox import (
+    BundleDone,
     CaptureDone,
     CaptureStart,
     CaptureStop,
@@ -100,6 +101,7 @@ class Daemon:
         metrics: Metrics | None = None,
         disk: IoWorker | None = None,
         reads: IoWorker | None = None,
+        bundles: IoWorker | None = None,
     ) -> None:
         self.config = config
         self.bus = EventBus()
@@ -123,6 +125,7 @@ class Daemon:
             self.bus,
             observer,
             disk_worker=disk,
+            bundle_worker=bundles,
         )
         # The history's reads for clients (control/handlers.py), apart from the loop's own.
         self.reads: IoWorker = reads or Worker("history", config.state.timeout_s, copy=True)
@@ -197,6 +200,7 @@ class Daemon:
         and in the unit's status text. `systemctl start`, an install, a provisioning run that
         enables it before the driver is there, never hang on it."""
         boot.load_state(self.ctx)
+        self.life.incidents.find_newest()
         self.desk.check_expiry()
         self._publish()
         self.ctx.notifier.ready(status_line(self.s, self.ctx.clock.monotonic()))
@@ -350,6 +354,8 @@ class Daemon:
                 self._next_step = 0.0
             case LivenessSeen(reading=reading):
                 self.life.liveness_seen(reading)
+            case BundleDone():
+                self.life.incidents.done(msg)
         return ok
 
     def _stuck_in_kernel(self) -> bool:

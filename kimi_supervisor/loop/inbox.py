@@ -33,6 +33,7 @@ from kimi_supervisor.status import WarmStatus
 if TYPE_CHECKING:
     from kimi_supervisor.capture.job import Capture
     from kimi_supervisor.loop.liveness import Reading
+    from kimi_supervisor.store.bundle import Made
     from kimi_supervisor.teardown.events import TeardownEvent
 
 
@@ -126,6 +127,17 @@ class LivenessSeen:
     reading: Reading
 
 
+@dataclass
+class BundleDone:
+    """The incident bundle's thread (loop/incident.py) has ended: the bundle written (`made`),
+    or why not (`error`); `found`: the newest one found at the daemon's start."""
+
+    trigger: str
+    made: Made | None = None
+    error: str | None = None
+    found: bool = False
+
+
 Message = (
     Switch
     | Stop
@@ -138,6 +150,7 @@ Message = (
     | Warmed
     | MainExited
     | LivenessSeen
+    | BundleDone
 )
 
 

@@ -33,6 +33,7 @@ from kimi_supervisor.decide.reconcile import Action, Do, Observed
 from kimi_supervisor.loop import boot
 from kimi_supervisor.loop.context import Context, new_id
 from kimi_supervisor.loop.inbox import JobDone, JobEvent, LivenessSeen, Message, Warmed
+from kimi_supervisor.loop.incident import Incidents
 from kimi_supervisor.loop.jobs import Jobs, shutdown_budget_s
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.loop.loopstate import Job, Serving
@@ -63,6 +64,7 @@ class Lifecycle:
         self._put = put
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
+        self.incidents = Incidents(ctx, put)  # the bundle at a STUCK, FAILED, hang restart
         self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
         self._verdicts: list[str] = []  # when this daemon gave a hang or unhealthy verdict
 
@@ -551,6 +553,7 @@ class Lifecycle:
         ctx.log("failed", level="error", message=msg)
         # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
         self.set_state(State.FAILED, msg)
+        self.incidents.collect("failed", msg, s.last_teardown)
 
     def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
         """A teardown ended STUCK: the episode begins, or goes on. Its own retries end their
@@ -559,7 +562,8 @@ class Lifecycle:
         s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
         tr = s.transition
         retry = s.stuck_since is not None and tr is not None and tr.kind == "retry"
-        if s.stuck_since is None:
+        first = s.stuck_since is None
+        if first:
             s.stuck_since = utcnow()
         wait = policy.stuck_retry_s(s.stuck_retries, d.stuck_retry_s, d.restart_backoff_max_s)
         s.stuck_retries += 1
@@ -572,6 +576,8 @@ class Lifecycle:
         ctx.log("stuck", level="error", message=msg, retries=s.stuck_retries)
         # TEARING_DOWN | STUCK -> STUCK: the teardown could not make the GPUs clean
         self.set_state(State.STUCK, msg)
+        if first:  # the episode's retries find what its first teardown found
+            self.incidents.collect("stuck", msg, report)
 
     def unstuck(self, how: str) -> None:
         """The STUCK episode is over: one incident, with how long it lasted and its retries."""
@@ -754,6 +760,9 @@ class Lifecycle:
                 self.failure(f"{job.cause}; torn down", detail, outcome="intruded")
             case Next.FAILURE:
                 self.failure(job.cause or job.reason, detail)
+        if purpose is Purpose.DIED and job.cause.startswith("hung:") and s.state is State.BACKOFF:
+            # A hang restart (a STUCK or a FAILED after the hang has its own bundle)
+            self.incidents.collect("hang", f"vLLM {job.cause}", report)
 
     def job_event(self, job_event: JobEvent) -> None:
         s, ctx, e = self.s, self.ctx, job_event.event

@@ -19,6 +19,7 @@ from kimi_supervisor.decide.progress import Progress
 from kimi_supervisor.decide.reconcile import Intent, Memory, Observed
 from kimi_supervisor.model import Mode, State, TeardownReport, utcnow
 from kimi_supervisor.status import (
+    BundleStatus,
     DowntimeStatus,
     FailureStatus,
     GpuHealthStatus,
@@ -109,6 +110,7 @@ class LoopState:
     baseline_provisional: bool = False
     last_teardown: TeardownReport | None = None
     last_intrusion: IntrusionStatus | None = None
+    bundle: BundleStatus | None = None  # the newest incident bundle (loop/incident.py)
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
     gpu_health: GpuHealthStatus | None = None  # read before the last start (gpus.health_check)
     liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving

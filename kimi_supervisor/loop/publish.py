@@ -139,6 +139,7 @@ def build(
         ),
         warnings=list(s.warnings),
         last_intrusion=s.last_intrusion,
+        incident_bundle=s.bundle,
         last_failure=s.last_failure,
         gpu_health=s.gpu_health,
         waiting_for=s.waiting_for or None,

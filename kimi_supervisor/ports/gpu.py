@@ -7,6 +7,7 @@ simulated GPU host of the sandbox. NVML is initialised lazily; its failures beco
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -289,9 +290,14 @@ def _pci_id(raw: bytes | str) -> str | None:
     return f"{domain:04x}:{bus:02x}:{device:02x}"
 
 
-def _add_xids(found: dict[str, list[int]], text: bytes) -> None:
+def _add_xids(
+    found: dict[str, list[int]], text: bytes, on_line: Callable[[bytes], None] | None = None
+) -> None:
     """The Xid codes of `text`'s lines into `found`, by the GPU's PCI address, each code once;
-    a line whose address is none is skipped."""
+    a line whose address is none is skipped. `on_line` is given `text` (a record of the
+    kernel's log, a line of the journal) when it holds an Xid line: the incident bundle's."""
+    if on_line is not None and _XID.search(text):
+        on_line(text)
     for m in _XID.finditer(text):
         bus, code = _pci_id(m.group(1)), int(m.group(2))
         if bus is not None and code not in (codes := found.setdefault(bus, [])):
@@ -304,7 +310,9 @@ def _kmsg_is_the_kernels(st: os.stat_result) -> bool:
 
 
 def kernel_xids(
-    path: str = "/dev/kmsg", device: bool = True
+    path: str = "/dev/kmsg",
+    device: bool = True,
+    on_line: Callable[[bytes], None] | None = None,
 ) -> tuple[dict[str, list[int]] | None, bool]:
     """The Xid codes the kernel's log holds, by the GPU's PCI address (domain:bus:device),
     None where the log cannot be read; and whether the log went on past KMSG_MAX_BYTES (its
@@ -335,7 +343,7 @@ def kernel_xids(
             if not record:
                 break
             read += len(record)
-            _add_xids(found, record)
+            _add_xids(found, record, on_line)
     finally:
         os.close(fd)
     return found, False
@@ -360,6 +368,7 @@ def journal_xids(
     argv: Sequence[str] = JOURNAL_XIDS,
     timeout_s: float = JOURNAL_TIMEOUT_S,
     probe: Sequence[str] | None = JOURNAL_ANY,
+    on_line: Callable[[bytes], None] | None = None,
 ) -> tuple[dict[str, list[int]] | None, bool]:
     """kernel_xids' answer from the journal: None where journalctl is missing or `probe`
     prints nothing (no kernel message at all); cut when the output passed KMSG_MAX_BYTES or
@@ -370,12 +379,43 @@ def journal_xids(
         if not any_read or failed:
             return None, False
     found: dict[str, list[int]] = {}
-    started, read, cut, failed = _run_bounded(argv, deadline, lambda line: _add_xids(found, line))
+    started, read, cut, failed = _run_bounded(
+        argv, deadline, lambda line: _add_xids(found, line, on_line)
+    )
     # journalctl --grep exits 1 both when nothing matched and on an error (which it says on
     # standard error): only the silent 1 is "no Xid". Cut short with nothing read is no reading.
     if not started or failed or (cut and not read) or (probe is None and not read):
         return None, False
     return found, cut
+
+
+def xid_lines(max_lines: int) -> tuple[list[str] | None, bool]:
+    """The kernel's Xid lines themselves (not only their codes, as `health` reads them), the
+    newest `max_lines`, oldest first, from where `health` reads them: the kernel's log, else
+    this boot's kernel messages in the journal (the daemon's unit). None where neither can be
+    read; True when some were not read or not kept (the log longer than its bound, the
+    journal's time out, more lines than `max_lines`)."""
+    # The kernel's log is read oldest first: the deque keeps the newest.
+    kept: collections.deque[bytes] = collections.deque(maxlen=max_lines)
+    found, cut = kernel_xids(on_line=kept.append)
+    if found is None:
+        newest: list[bytes] = []  # the journal newest first: the first ones are kept
+        more = [False]
+
+        def keep(line: bytes) -> None:
+            if len(newest) < max_lines:
+                newest.append(line)
+            else:
+                more[0] = True
+
+        found, cut = journal_xids(on_line=keep)
+        kept = collections.deque(reversed(newest))
+        cut = cut or more[0]
+    elif len(kept) == max_lines:
+        cut = True  # maybe more: the deque keeps only the newest
+    if found is None:
+        return None, False
+    return [line.decode(errors="backslashreplace").rstrip("\n") for line in kept], cut
 
 
 def _run_bounded(

@@ -183,6 +183,24 @@ class Metrics:
             "so), with no proof of progress since; 0 if none",
             registry=r,
         )
+        self.bundles = Counter(
+            f"{ns}_incident_bundles_total",
+            "incident bundles written (at a STUCK, a FAILED or a hang restart): one file each "
+            "under state.dir/incidents, named by `kimi-mode status`",
+            registry=r,
+        )
+        self.bundle_failures = Counter(
+            f"{ns}_incident_bundle_failures_total",
+            "incident bundles that could not be written (a full, read-only or hung state "
+            "folder; its reason in the journal and `kimi-mode status`)",
+            registry=r,
+        )
+        self.last_bundle = Gauge(
+            f"{ns}_incident_bundle_last_timestamp_seconds",
+            "when the newest incident bundle was written (Unix time; 0 if none since the "
+            "daemon started)",
+            registry=r,
+        )
         self.build_info = Gauge(
             f"{ns}_build_info", "1, labelled with the version running", ["version", "python"],
             registry=r,

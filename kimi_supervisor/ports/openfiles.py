@@ -191,6 +191,39 @@ def maps_of(pid: int, wanted: Iterable[str], node_key: NodeKey | None = None) ->
     return found
 
 
+def device_maps_lines(pid: int, max_read: int, max_keep: int) -> tuple[list[str], int, int] | None:
+    """The lines of /proc/PID/maps that map a file named like a device file (`DEVICE_NAME`,
+    the rule `maps_of` reads a line by), as the kernel wrote them, for a person to read: at most
+    `max_keep` bytes of them, and no more than `max_read` bytes of the file read (a CUDA process
+    maps thousands of files; another's may map millions). Returns the lines, the bytes of
+    matching lines not kept, and the bytes of the file not read (0 when read whole); None when
+    the maps cannot be read (gone, another namespace's, hidepid)."""
+    kept: list[str] = []
+    size, dropped, rest, partial = 0, 0, 0, b""
+    try:
+        with open(PROC / str(pid) / "maps", "rb", buffering=0) as f:
+            read = 0
+            while True:
+                chunk = f.read(min(1 << 16, max_read - read)) if read < max_read else b""
+                if not chunk:
+                    if read >= max_read:
+                        rest = len(f.read(1 << 16))  # at least this much more, unread
+                    break
+                read += len(chunk)
+                *lines, partial = (partial + chunk).split(b"\n")
+                for line in lines:
+                    if _DEVICE_LINE.fullmatch(line) is None:
+                        continue
+                    if size + len(line) + 1 > max_keep:
+                        dropped += len(line) + 1
+                        continue
+                    size += len(line) + 1
+                    kept.append(line.decode(errors="backslashreplace"))
+    except OSError:
+        return None
+    return kept, dropped, rest
+
+
 def _resolve_mapped(
     pid: int, dev: bytes, inode: bytes, shown: bytes, ids: _Identities
 ) -> str | None:

@@ -20,7 +20,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -177,6 +177,50 @@ class Pruned:
         return text
 
 
+def older_than_newest(names: list[str], spare: str | Sequence[str], keep: int) -> list[str]:
+    """Of `names` (each with its time in it, so that their order is their age), those past the
+    newest `keep`: what a prune removes. `spare`, the one just made (or the ones this daemon
+    made, oldest first, the last just made), is kept before any other, whatever a stepped clock
+    named it; of several, the newest `keep` made."""
+    made = [spare] if isinstance(spare, str) else list(spare)
+    present = set(names)
+    kept = [n for n in made if n in present][-max(keep, 1) :]
+    others = [n for n in sorted(names, reverse=True) if n not in kept]
+    return others[max(keep - len(kept), 0) :]
+
+
+def prune(
+    dfd: int, shown: str, pattern: re.Pattern[str], spare: str | Sequence[str], keep: int
+) -> Pruned:
+    """In the directory open as `dfd` (`shown` is its path), remove the files named by
+    `pattern` but the newest `keep` (`older_than_newest`). Only what the daemon made is
+    removed: a directory it can trust (the daemon's user's, written by nobody else), each a
+    regular file of the daemon's user, looked at and unlinked from the directory's descriptor,
+    never through a link. Anything else by such a name is left, and counted. Errors are data: a
+    directory that cannot be listed removes nothing."""
+    try:
+        if untrusted(os.fstat(dfd), shown):
+            return Pruned(error=f"{shown} cannot be trusted: nothing removed")
+        names = [n for n in os.listdir(dfd) if pattern.fullmatch(n)]
+        removed, left = 0, 0
+        for name in older_than_newest(names, spare, keep):
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                    left += 1  # not the daemon's: a link, a FIFO, another user's file
+                    continue
+                os.unlink(name, dir_fd=dfd)  # the name itself: a link is never followed
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            except OSError:
+                left += 1
+                continue
+            removed += 1
+        return Pruned(len(names) - removed - left, removed, left)
+    except OSError as e:
+        return Pruned(error=f"cannot list {shown}: {e}")
+
+
 class StateStore:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
@@ -270,27 +314,7 @@ class StateStore:
         except OSError as e:
             return Pruned(error=f"cannot open {self.dir}: {e}")
         try:
-            if untrusted(os.fstat(dfd), str(self.dir)):
-                return Pruned(error=f"{self.dir} cannot be trusted: nothing removed")
-            names = sorted((n for n in os.listdir(dfd) if pattern.fullmatch(n)), reverse=True)
-            older = [n for n in names if n != spare.name][max(keep - 1, 0) :]
-            removed, left = 0, 0
-            for name in older:
-                try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                        left += 1  # not the daemon's: a link, a FIFO, another user's file
-                        continue
-                    os.unlink(name, dir_fd=dfd)  # the name itself: a link is never followed
-                except FileNotFoundError:
-                    continue  # gone meanwhile
-                except OSError:
-                    left += 1
-                    continue
-                removed += 1
-            return Pruned(len(names) - removed - left, removed, left)
-        except OSError as e:
-            return Pruned(error=f"cannot list {self.dir}: {e}")
+            return prune(dfd, str(self.dir), pattern, spare.name, keep)
         finally:
             os.close(dfd)
 

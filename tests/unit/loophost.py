@@ -47,7 +47,7 @@ UNIT = "vllm-kimi-k25.service"
 STEP_S = 0.25  # the most the fake clock moves between two turns while a daemon's thread runs
 # The daemon's threads for blocking I/O (ports/bounded.py): they wait for calls, and a call on
 # them is the loop's or the teardown's own, waited for there.
-IO_THREADS = {"nvml", "state-io"}
+IO_THREADS = {"nvml", "state-io", "bundle-io", "bundle-proc"}
 
 FAKE_VLLM = r"""
 import http.server, os, sys, time

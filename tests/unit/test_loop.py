@@ -444,6 +444,12 @@ def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_start
     assert host.daemon.s.serving is not None and host.daemon.s.serving.pid != first
     assert host.status()["failures_in_window"] == 1
     assert not [w for w in host.status()["warnings"] if "canary" in w]
+    # The hang restart left its incident bundle: the incident's signs, vLLM's last lines.
+    host.until(
+        lambda: (host.status()["incident_bundle"] or {}).get("trigger") == "hang", "its bundle"
+    )
+    kept = Path(host.status()["incident_bundle"]["path"]).read_text()
+    assert "trigger:   hang" in kept and incident["what"][:40] in kept
 
 
 def test_with_no_bus_at_boot_the_daemon_says_it_waits_for_systemd_and_goes_on_when_it_answers(
@@ -499,10 +505,14 @@ def test_a_switch_is_answered_before_a_slow_pass_and_its_status_is_already_publi
     host.systemd.status = slow_status  # type: ignore[method-assign]
     try:
         d.ask(switch)
-        d.turn()
+        # One message a turn: a message a daemon's thread queued before the switch goes first.
+        for _ in range(100):
+            d.turn()
+            if switch.reply.done():
+                break
     finally:
         host.systemd.status = real_status  # type: ignore[method-assign]
-    assert switch.reply.result().code == "accepted"
+    assert switch.reply.result(timeout=10).code == "accepted"
     # The desk reads systemd before it answers (a port's holder); the pass reads it after.
     assert answered_during_pass[-1], answered_during_pass
     assert host.status()["desired_mode"] == "profile"

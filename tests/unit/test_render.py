@@ -362,3 +362,15 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
     assert stood < 2.0, (stood, shown)
     assert len(bars) >= 3, bars  # the bars followed the published readings
     assert len(etas) >= 3, etas  # and so did the ETA
+
+
+def test_a_path_wider_than_the_row_is_kept_whole_on_a_row_of_its_own() -> None:
+    from kimi_supervisor.cli.render import wrap
+
+    path = (
+        "/var/lib/a-much-longer-state-folder/kimi-supervisor/incidents/"
+        "incident-20261204T180123.620132Z-stuck.txt"
+    )
+    rows = wrap([f"incident: the newest bundle is {path} (root only)"], 80)
+    assert f"  {path}" in rows, rows  # copied as it is shown
+    assert all(len(r) <= 80 for r in rows if path not in r)
