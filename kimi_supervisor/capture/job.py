@@ -27,9 +27,10 @@ from kimi_supervisor.capture import retention
 from kimi_supervisor.config import Config
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, shown, utcnow
-from kimi_supervisor.ports import safeopen
+from kimi_supervisor.ports import launcher, safeopen
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
+from kimi_supervisor.vllm_guard import kimi_profile_guard
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,12 @@ def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
         return (
             f"vLLM answered 404 to {endpoint}: its profiler is not configured (is it running with "
             "--profiler-config? `kimi-mode status` shows the mode)"
+        )
+    if r.status == 403:
+        return (
+            f"vLLM's profile guard refused {endpoint} (HTTP 403): the secret of this vLLM's start "
+            "is missing or not this start's (a vLLM started by hand, or its secret's file gone): "
+            "start the mode again with kimi-mode"
         )
     if r.status >= 500:
         return f"vLLM failed {endpoint} with HTTP {r.status}: {r.body.strip()[:300] or r.error}"
@@ -251,7 +258,10 @@ class Capture:
             return
         before = _files(trace_dir)
         url = f"http://{base.host}:{base.port}"
-        r = request(f"{url}/start_profile", "POST", p.start_timeout_s)
+        # The secret of this vLLM's start: its profile guard refuses these routes without it.
+        token = launcher.read_token(base.argv_file)
+        guard = {kimi_profile_guard.HEADER: token} if token else {}
+        r = request(f"{url}/start_profile", "POST", p.start_timeout_s, headers=guard)
         if not r.ok:
             self._end(False, explain(r, "/start_profile", p.start_timeout_s))
             return
@@ -264,7 +274,9 @@ class Capture:
         result: list[HttpResult] = []
         flush_timeout = p.flush_timeout_s or None
         stopper = threading.Thread(
-            target=lambda: result.append(request(f"{url}/stop_profile", "POST", flush_timeout)),
+            target=lambda: result.append(
+                request(f"{url}/stop_profile", "POST", flush_timeout, headers=guard)
+            ),
             daemon=True,
         )
         stopper.start()

@@ -258,7 +258,11 @@ class Lifecycle:
         s, ctx = self.s, self.ctx
         tr = s.transition
         assert tr is not None
-        argv_file = launcher.write_argv_file(ctx.config, tr.target)
+        try:
+            vllm_uid = ctx.systemd.run_as(ctx.unit)  # who may read an armed start's secret
+        except SystemdError:
+            vllm_uid = None  # the secret stays root's: the guard refuses captures (fail closed)
+        argv_file = launcher.write_argv_file(ctx.config, tr.target, vllm_uid)
         ctx.output.begin()
         s.progress = Progress()
         deadline_at = utcnow() + timedelta(seconds=ctx.config.daemon.start_timeout_s)

@@ -49,6 +49,7 @@ def request(
     timeout_s: float | None = 2.0,
     json_body: dict[str, object] | None = None,
     max_bytes: int = 4096,
+    headers: dict[str, str] | None = None,
 ) -> HttpResult:
     """`timeout_s` bounds the whole exchange (the module's docstring); None waits as long as the
     server takes (a profiler flush, whose caller bounds it by waiting on its own thread). At
@@ -56,7 +57,7 @@ def request(
     data = json.dumps(json_body).encode() if json_body is not None else None
     if data is None and method == "POST":
         data = b""
-    headers = {"Connection": "close", "User-Agent": "kimi-supervisor"}
+    headers = {**(headers or {}), "Connection": "close", "User-Agent": "kimi-supervisor"}
     if json_body is not None:
         headers["Content-Type"] = "application/json"
     deadline = None if timeout_s is None else time.monotonic() + timeout_s

@@ -22,12 +22,24 @@ A vLLM whose argv matches no mode of the config in force, but which the launch r
 argv: an edited `vllm.command` and a reload. It is `stale`, not foreign: the daemon adopts it and
 says a restart is needed, and the operator decides when to pay for the new load
 (`kimi-mode production --apply`).
+
+An armed vLLM (its argv names a --profiler-config) serves /start_profile and /stop_profile to
+anyone who reaches its port. The launcher starts it with the profile guard
+(vllm_guard/kimi_profile_guard.py): `--middleware kimi_profile_guard.ProfileGuard` after the
+argv, the guard's folder first on PYTHONPATH, and the secret of this start in KIMI_PROFILE_TOKEN.
+The daemon makes the secret fresh for each armed start and writes it beside the argv file,
+readable by root and vLLM's user only (root:<vLLM's group>, 0440): never into the argv file,
+which all may read. The guard's two arguments are not the mode's: a command line that ends with
+the mode's argv and then them runs that mode (`argv_matches`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pwd
+import secrets
 import stat
 import sys
 from dataclasses import dataclass
@@ -36,6 +48,12 @@ from pathlib import Path
 from kimi_supervisor.config import Config
 from kimi_supervisor.model import Mode, utcnow
 from kimi_supervisor.ports import processes
+from kimi_supervisor.vllm_guard import kimi_profile_guard
+
+# What the launcher adds after an armed mode's argv: vLLM 0.16 loads the guard as middleware.
+GUARD_ARGS = ["--middleware", "kimi_profile_guard.ProfileGuard"]
+GUARD_DIR = Path(kimi_profile_guard.__file__).resolve().parent
+TOKEN_BYTES = 256  # at most this much of the secret's file is read
 
 
 class LaunchError(Exception):
@@ -54,9 +72,74 @@ def cache_env(config: Config) -> dict[str, str]:
     }
 
 
-def write_argv_file(config: Config, mode: Mode) -> Path:
+def arms_profiler(argv: list[str]) -> bool:
+    """Whether vLLM started with `argv` may serve the profiler's routes: any argument naming
+    --profiler-config in a spelling vLLM's parser takes (`=VALUE`, `.field`, underscores)."""
+    for a in argv:
+        name = a.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        if name == "--profiler-config":
+            return True
+    return False
+
+
+def token_path(argv_file: Path) -> Path:
+    return argv_file.with_name("vllm-profile-token")
+
+
+def write_token(argv_file: Path, vllm_uid: int | None) -> None:
+    """A fresh secret for the next start of an armed vLLM, readable by root and by `vllm_uid`'s
+    group (its primary group, the unit's Group=): root:group 0440, created anew (O_EXCL, no link
+    followed) and renamed over the last one. `vllm_uid` None (not known): root's alone, and the
+    guard refuses every capture (fail closed)."""
+    path = token_path(argv_file)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    gid = -1
+    if vllm_uid is not None and vllm_uid != os.geteuid():
+        with contextlib.suppress(KeyError):
+            gid = pwd.getpwuid(vllm_uid).pw_gid
+    with_group = gid >= 0
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o400)
+    try:
+        if with_group:
+            os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o440 if with_group else 0o400)
+        os.write(fd, secrets.token_urlsafe(32).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_token(argv_file: Path) -> str | None:
+    """The secret of this start (None: missing or unreadable); its file no link."""
+    try:
+        fd = os.open(token_path(argv_file), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        value = os.read(fd, TOKEN_BYTES).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return value or None
+
+
+def write_argv_file(config: Config, mode: Mode, vllm_uid: int | None = None) -> Path:
+    """The argv file for the next start in `mode`, and for an armed one a fresh secret (its
+    previous one removed otherwise); `vllm_uid`: the unit's user, who may read the secret."""
     path = config.vllm.argv_file
     path.parent.mkdir(parents=True, exist_ok=True)
+    if arms_profiler(config.launch_argv(mode)):
+        write_token(path, vllm_uid)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(token_path(path))
     payload = {
         "mode": mode.value,
         "argv": config.launch_argv(mode),
@@ -143,10 +226,32 @@ def exec_vllm(path: Path) -> None:
                 # The unit's own Environment= (an operator's drop-in) wins.
                 if isinstance(k, str) and isinstance(v, str):
                     os.environ.setdefault(k, v)
+    if arms_profiler(argv):
+        argv = guarded_argv(argv, path)
     try:
         os.execv(argv[0], argv)
     except OSError as e:
         raise LaunchError(f"cannot execute {argv[0]}: {e}") from None
+
+
+def guarded_argv(argv: list[str], argv_file: Path) -> list[str]:
+    """`argv` with the profile guard, which vLLM imports from the guard's folder, and this
+    start's secret in the environment (never in the argv nor a log line). No secret: vLLM starts
+    all the same and its guard refuses every capture."""
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(GUARD_DIR), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
+    token = read_token(argv_file)
+    if token is None:
+        os.environ.pop(kimi_profile_guard.ENV, None)
+        print(
+            f"kimi-supervisor launch-vllm: no secret in {token_path(argv_file)}: vLLM's profile "
+            "guard will refuse every capture (restart the mode with kimi-mode)",
+            file=sys.stderr,
+        )
+    else:
+        os.environ[kimi_profile_guard.ENV] = token
+    return [*argv, *GUARD_ARGS]
 
 
 def cache_untrusted(d: Path) -> str | None:
@@ -176,7 +281,12 @@ def cache_untrusted(d: Path) -> str | None:
 
 def argv_matches(cmdline: list[str], argv: list[str]) -> bool:
     """True if a process running `cmdline` was exec'd with `argv` (a script's interpreter, and
-    its shebang option, come before it)."""
+    its shebang option, come before it), the launcher's profile guard (GUARD_ARGS) after it or
+    not."""
+    return _ends_with(cmdline, argv) or _ends_with(cmdline, [*argv, *GUARD_ARGS])
+
+
+def _ends_with(cmdline: list[str], argv: list[str]) -> bool:
     return len(cmdline) >= len(argv) and cmdline[len(cmdline) - len(argv) :] == argv
 
 

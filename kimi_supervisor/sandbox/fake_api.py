@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import json
 import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from kimi_supervisor.sandbox.fake_options import FakeOptions, log
 from kimi_supervisor.sandbox.fake_traces import trace, trace_name
@@ -126,6 +129,22 @@ class Server:
         self.event_loop = threading.Lock()
         self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
         self.worker_pids: list[int] = []
+        # As vLLM 0.16's --middleware: each named module is imported (from PYTHONPATH); one that
+        # has the profile guard's `admits` (vllm_guard/kimi_profile_guard.py) answers, before
+        # any route, as that guard does in real vLLM.
+        self.guards: list[tuple[Callable[[str, bytes | None, bytes | None], bool], Any]] = []
+        self.guard_header, self.refusal = "", {}
+        for name in args.middleware or []:
+            module = importlib.import_module(name.rsplit(".", 1)[0])
+            if hasattr(module, "admits"):
+                self.guards.append((module.admits, module.secret_of(os.environ)))
+                self.guard_header = str(module.HEADER)
+                self.refusal = dict(module.REFUSAL)
+
+    def refused(self, path: str, tokens: list[str]) -> bool:
+        """Whether a guard refuses a request for `path` with these header values."""
+        token = tokens[0].encode() if len(tokens) == 1 else None
+        return any(not admits(path, token, secret) for admits, secret in self.guards)
 
     def wait_while_busy(self) -> None:
         """While `api_busy_file` exists: a core spins (the held event loop's work) and the
@@ -239,7 +258,19 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 return {}
             return body if isinstance(body, dict) else {}
 
+        def _guarded(self) -> bool:
+            """True (and answered 403) when the profile guard refuses this request."""
+            if not server.guards:
+                return False
+            path = unquote(urlsplit(self.path).path)
+            if not server.refused(path, self.headers.get_all(server.guard_header) or []):
+                return False
+            self._send(403, server.refusal)
+            return True
+
         def do_GET(self) -> None:
+            if self._guarded():
+                return
             if self.path == "/health":
                 server.wait_while_busy()
                 # Real vLLM 0.16: 200 with an empty body; 503 once its engine is dead. While
@@ -264,6 +295,8 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 self._send(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
+            if self._guarded():
+                return
             if self.path == "/start_profile":
                 self._send(*server.start_profile())
             elif self.path == "/stop_profile":

@@ -216,6 +216,7 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--profiler-config", default=None)
     p.add_argument("--disable-log-stats", action="store_true")
+    p.add_argument("--middleware", action="append", default=[])
     args, _unknown = p.parse_known_args(argv)
     opts = FakeOptions.load()
     server = Server(args, opts)

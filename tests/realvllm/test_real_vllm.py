@@ -23,11 +23,12 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.capture.retention import oldest_first
-from kimi_supervisor.ports import openfiles, processes
+from kimi_supervisor.ports import launcher, openfiles, processes
 from kimi_supervisor.ports.http import request
 from kimi_supervisor.ports.sockets import unix_paths_by_inode
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, Sandbox
 from kimi_supervisor.sandbox.usermanager import unavailable_reason
+from kimi_supervisor.vllm_guard import kimi_profile_guard
 
 from ..conftest import (
     KIMI_MODE,
@@ -312,6 +313,43 @@ def _capture_once(real: DaemonHelper, *args: str) -> tuple[int, str]:
     return code, "".join(out)
 
 
+def assert_a_client_cannot_start_a_capture(real: DaemonHelper) -> None:
+    """Real vLLM 0.16 in profile mode, as the daemon started it (its profile guard loaded by
+    --middleware, the secret in its environment): a client of its port that lacks the secret,
+    whatever the spelling of the route, is answered 403 and no profiler starts; the daemon's
+    capture that follows records (asserted by the caller). The secret is in no argv, log or
+    status."""
+    pid = real.vllm_pid()
+    cmdline = processes.cmdline_of(pid)
+    assert cmdline[-2:] == launcher.GUARD_ARGS, cmdline
+    assert real.status()["mode"] == "profile"  # the guard's arguments are not the mode's
+    base = real.config.vllm.health_url.removesuffix("/health")
+    header = kimi_profile_guard.HEADER
+    log = real.config.vllm.log_file
+    assert log is not None
+    before = len(log.read_bytes())
+    for path, headers in [
+        ("/start_profile", {}),
+        ("/start_profile", {header: "not-the-secret"}),
+        ("//start_profile", {}),
+        ("/start_profile/", {}),
+        ("/stop_profile", {}),
+    ]:
+        r = request(f"{base}{path}", "POST", 30, headers=headers)
+        assert r.status == 403, (path, headers, r)
+        assert "kimi-mode capture" in r.body
+    assert request(f"{base}/start_profile", "GET", 30).status == 403
+    assert request(f"{base}/v1/models", "GET", 30).status == 200  # the rest untouched
+    said = log.read_bytes()[before:].decode(errors="replace")
+    assert "Starting profiler" not in said, said  # vLLM's route never ran
+    token = launcher.read_token(real.config.vllm.argv_file)
+    assert token and len(token) >= 32
+    seen = [" ".join(cmdline), real.config.vllm.argv_file.read_text(),
+            json.dumps(real.status()), log.read_text(errors="replace"),
+            real.sb.daemon_log.read_text(errors="replace")]  # fmt: skip
+    assert not [s for s in seen if token in s]
+
+
 FIRST_CAPTURE: list[Path] = []  # a copy of the first capture, for --compare with the second
 
 
@@ -320,6 +358,7 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
 ) -> None:
     r = real.kimi_mode("profile", timeout=READY_S + 120)
     assert r.returncode == 0, r.stdout + r.stderr
+    assert_a_client_cannot_start_a_capture(real)
     out, folder = capture(real)
     taken = [e for e in real.history() if e["kind"] == "capture"][-1]
     # The capture's record says what the switch into profile mode before it cost.
@@ -365,7 +404,8 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
     decode = summary["ranks"][0]["steps"]["decode"]
     assert f"rank 0 (VLLM::Worker_TP0): {decode} decode" in flat(out), out
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
-    assert processes.cmdline_of(real.vllm_pid()) == as_executed(argv)
+    # The mode's argv byte for byte, then the profile guard's two arguments.
+    assert processes.cmdline_of(real.vllm_pid()) == [*as_executed(argv), *launcher.GUARD_ARGS]
     flush = float(re.search(r"flush took ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
     record(capture_output=out, capture_flush_s=flush, capture_summary_s=summary["took_s"],
            capture_mb=round(sum(p.stat().st_size for p in folder.iterdir()) / 1e6, 1),

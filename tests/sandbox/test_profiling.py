@@ -16,7 +16,10 @@ import pytest
 
 from kimi_supervisor.capture.retention import oldest_first
 from kimi_supervisor.control.client import exchange
+from kimi_supervisor.ports import launcher, processes
+from kimi_supervisor.ports.http import request
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT
+from kimi_supervisor.vllm_guard import kimi_profile_guard
 
 from ..conftest import (
     KIMI_MODE,
@@ -107,6 +110,40 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     profiling.wait_serving("production")
     (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
     assert rec["ok"] and rec["folder"] == str(folder)
+
+
+def test_a_client_of_vllms_port_cannot_start_a_capture_while_the_daemon_can(
+    sandbox: SandboxHelper, profiling: DaemonHelper
+) -> None:
+    """The fake vLLM, started by the launcher as real vLLM is (the profile guard named by
+    --middleware and imported from PYTHONPATH, the secret in its environment), refuses the
+    profiler's routes to a client as the guard does in real vLLM; the daemon's capture
+    records."""
+    sandbox.fake(profile_flush_s=0.2)
+    cmdline = processes.cmdline_of(profiling.vllm_pid())
+    assert cmdline[-2:] == launcher.GUARD_ARGS, cmdline
+    assert profiling.status()["mode"] == "profile"  # the guard's arguments are not the mode's
+    base = f"http://{sandbox.config.vllm.host}:{sandbox.config.vllm.port}"
+    header = kimi_profile_guard.HEADER
+    for path, headers in [
+        ("/start_profile", {}),
+        ("/start_profile", {header: "not-the-secret"}),
+        ("//start_profile", {}),
+        ("/start_profile/", {}),
+        ("/stop_profile", {}),
+    ]:
+        answer = request(f"{base}{path}", "POST", 5, headers=headers)
+        assert answer.status == 403 and "kimi-mode capture" in answer.body, (path, answer)
+    assert request(f"{base}/start_profile", "GET", 5).status == 403
+    assert request(f"{base}/health", "GET", 5).status == 200
+    r = profiling.kimi_mode("capture", "--seconds", "0.5", "--then", "stay")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(captures(sandbox)) == 1
+    token = launcher.read_token(sandbox.config.vllm.argv_file)
+    assert token
+    said = [" ".join(cmdline), sandbox.config.vllm.argv_file.read_text(), r.stdout,
+            json.dumps(profiling.status())]  # fmt: skip
+    assert not [s for s in said if token in s]
 
 
 def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> None:

@@ -13,10 +13,11 @@ import pytest
 
 from kimi_supervisor.configfile import load_config
 from kimi_supervisor.model import Mode
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.ports.http import request
 from kimi_supervisor.ports.launcher import write_argv_file
 from kimi_supervisor.sandbox.sandbox import UNIT
+from kimi_supervisor.vllm_guard import kimi_profile_guard
 
 from ..conftest import (
     HealthWatch,
@@ -36,8 +37,12 @@ from ..vllm_0_16 import (
 pytestmark = pytest.mark.systemd
 
 
-def post(url: str) -> int:
-    req = urllib.request.Request(url, data=b"", method="POST")
+def post(url: str, argv_file: Path | None = None) -> int:
+    """POST `url`; with `argv_file`, as the daemon does: with the secret of this start, which
+    the profile guard asks of the profiler's routes."""
+    token = launcher.read_token(argv_file) if argv_file is not None else None
+    headers = {kimi_profile_guard.HEADER: token} if token else {}
+    req = urllib.request.Request(url, data=b"", method="POST", headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return int(r.status)
@@ -93,7 +98,10 @@ def test_the_fake_vllm_starts_profiles_and_stops_as_real_vllm_0_16_does(
     base = sandbox.config.vllm.health_url.removesuffix("/health")
     traces = sandbox.sb.root / "traces"
     before = {p.name for p in traces.iterdir()} if traces.exists() else set()
-    assert post(base + "/start_profile") == 200 and post(base + "/stop_profile") == 200
+    argv_file = sandbox.config.vllm.argv_file
+    assert post(base + "/start_profile") == 403  # a client, not the daemon
+    assert post(base + "/start_profile", argv_file) == 200
+    assert post(base + "/stop_profile", argv_file) == 200
     # This stop's files (profiler_out_N.txt is rewritten in place, as vLLM does).
     written = [p.name for p in traces.iterdir() if p.name not in before or "profiler_out" in p.name]
     assert_traces_like_vllm_0_16(written, tp)
@@ -106,7 +114,9 @@ def test_the_profiler_config_json_arrives_byte_exact_in_vllms_argv(sandbox: Sand
     main_pid = sandbox.start_vllm("profile")
     argv = processes.cmdline_of(main_pid)
     expected = sandbox.config.launch_argv(Mode.PROFILE)
-    assert argv[-len(expected) + 1 :] == expected[1:]
+    # The mode's argv byte for byte, then the profile guard's two arguments (an armed mode).
+    assert argv[-2:] == launcher.GUARD_ARGS
+    assert argv[:-2][-len(expected) + 1 :] == expected[1:]
     arg = argv[argv.index("--profiler-config") + 1]
     traces = f"{sandbox.sb.root}/traces"
     assert arg == '{"profiler": "torch", "torch_profiler_dir": "' + traces + '"}'
@@ -155,8 +165,8 @@ def test_profiler_endpoints_write_traces_in_profile_mode_and_are_404_in_producti
     wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to stop")
 
     sandbox.start_vllm("profile")
-    assert post(base + "/start_profile") == 200
-    assert post(base + "/stop_profile") == 200
+    assert post(base + "/start_profile", sandbox.config.vllm.argv_file) == 200
+    assert post(base + "/stop_profile", sandbox.config.vllm.argv_file) == 200
     traces = sorted((sandbox.sb.root / "traces").glob("*.pt.trace.json.gz"))
     assert len(traces) >= 4 and all(t.stat().st_size > 0 for t in traces)
     with urllib.request.urlopen(base + "/v1/models", timeout=5) as r:

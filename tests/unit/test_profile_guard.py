@@ -1,0 +1,296 @@
+"""vLLM's profiler routes for the daemon only: the profile guard vLLM loads by --middleware
+(vllm_guard/kimi_profile_guard.py), the secret of each armed start (ports/launcher.py), and the
+launcher's argv, which still names its mode."""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import json
+import os
+import pwd
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kimi_supervisor.capture.job import explain
+from kimi_supervisor.model import Mode
+from kimi_supervisor.ports import launcher
+from kimi_supervisor.ports.http import HttpResult
+from kimi_supervisor.vllm_guard import kimi_profile_guard as guard
+from kimi_supervisor.vllm_guard.kimi_profile_guard import ProfileGuard
+
+from .loophost import config_for
+
+SECRET = "s3cret-of-this-start-0123456789abcdef"
+
+
+def call(
+    path: str,
+    token: str | None = None,
+    secret: str | None = SECRET,
+    method: str = "POST",
+    root_path: str = "",
+    extra: list[tuple[bytes, bytes]] | None = None,
+) -> tuple[int, dict[str, Any] | None]:
+    """What the guard in front of an app that answers 200 to everything says to one request:
+    the status, and the guard's JSON body (None when the app answered)."""
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    env = {guard.ENV: secret} if secret is not None else {}
+    old = os.environ.pop(guard.ENV, None)
+    os.environ.update(env)
+    try:
+        mw = ProfileGuard(app)
+    finally:
+        os.environ.pop(guard.ENV, None)
+        if old is not None:
+            os.environ[guard.ENV] = old
+    headers = [(b"host", b"127.0.0.1")] + (extra or [])
+    if token is not None:
+        headers.append((guard.HEADER.lower().encode(), token.encode()))
+    scope = {"type": "http", "method": method, "path": path, "root_path": root_path,
+             "headers": headers}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(mw(scope, receive, send))
+    status = sent[0]["status"]
+    if reached:
+        return status, None
+    return status, json.loads(sent[1]["body"])
+
+
+def test_the_guard_refuses_start_profile_without_the_header() -> None:
+    status, body = call("/start_profile")
+    assert status == 403 and body is not None
+    assert "kimi-mode capture" in body["error"]["message"]
+
+
+def test_the_guard_refuses_start_and_stop_profile_with_a_wrong_header() -> None:
+    for path in ("/start_profile", "/stop_profile"):
+        assert call(path, token="not-the-secret")[0] == 403
+        assert call(path, token=SECRET + "x")[0] == 403
+        assert call(path, token="")[0] == 403
+
+
+def test_the_guard_lets_the_daemon_through_with_the_right_header() -> None:
+    assert call("/start_profile", token=SECRET) == (200, None)
+    assert call("/stop_profile", token=SECRET) == (200, None)
+
+
+def test_the_guard_leaves_every_other_path_untouched_without_a_header() -> None:
+    for path in ("/health", "/metrics", "/v1/completions", "/v1/models", "/start_profiler",
+                 "/v1/start_profile_x", "/"):  # fmt: skip
+        assert call(path) == (200, None), path
+        assert call(path, secret=None) == (200, None), path
+
+
+def test_without_a_secret_configured_the_guard_refuses_every_profiler_request() -> None:
+    for secret in (None, "", "  "):
+        assert call("/start_profile", token="", secret=secret)[0] == 403
+        assert call("/start_profile", token=" ", secret=secret)[0] == 403
+        assert call("/stop_profile", secret=secret)[0] == 403
+
+
+def test_the_guard_refuses_every_spelling_of_the_route_a_root_path_and_any_method() -> None:
+    for path in ("//start_profile", "/start_profile/", "/start_profile/x", "/api/start_profile",
+                 "/api//stop_profile/", "/a/b/stop_profile"):  # fmt: skip
+        assert call(path)[0] == 403, path
+        assert call(path, root_path="/api")[0] == 403, path
+        assert call(path, token=SECRET, root_path="/api") == (200, None), path
+    for method in ("GET", "HEAD", "PUT", "OPTIONS"):
+        assert call("/start_profile", method=method)[0] == 403, method
+
+
+def test_two_headers_are_refused_even_when_one_holds_the_secret() -> None:
+    twice = [(guard.HEADER.lower().encode(), b"wrong")]
+    assert call("/start_profile", token=SECRET, extra=twice)[0] == 403
+    # A header's name in any case is the same header.
+    assert call("/start_profile", extra=[(b"X-KIMI-PROFILE-TOKEN", SECRET.encode())]) == (
+        200,
+        None,
+    )
+
+
+def test_the_guard_passes_websockets_and_lifespan_through() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    mw = ProfileGuard(app)
+    for kind in ("lifespan", "websocket"):
+        asyncio.run(mw({"type": kind, "path": "/start_profile"}, None, None))  # type: ignore[arg-type]
+    assert seen == ["lifespan", "websocket"]
+
+
+def test_the_guard_imports_nothing_but_the_standard_library(tmp_path: Path) -> None:
+    """vLLM's Python imports it from the guard's folder alone, with no kimi_supervisor."""
+    code = (
+        "import sys, kimi_profile_guard as g; "
+        "assert not [m for m in sys.modules if m.startswith('kimi_supervisor')]; "
+        "print(g.ProfileGuard.__name__)"
+    )
+    first = f"import sys; sys.path.insert(0, {str(launcher.GUARD_DIR)!r}); "
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", first + code],
+        capture_output=True, text=True, cwd=tmp_path, timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ProfileGuard", r.stderr
+    assert sorted(p.name for p in launcher.GUARD_DIR.glob("*.py")) == [
+        "__init__.py",
+        "kimi_profile_guard.py",
+    ]
+
+
+def test_an_armed_mode_gets_a_fresh_secret_readable_by_root_and_vllms_group_only(
+    tmp_path: Path,
+) -> None:
+    config = config_for(tmp_path)
+    nobody = pwd.getpwnam("nobody")
+    launcher.write_argv_file(config, Mode.PROFILE, nobody.pw_uid)
+    path = launcher.token_path(config.vllm.argv_file)
+    st = os.lstat(path)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o440
+    assert (st.st_uid, st.st_gid) == (0, nobody.pw_gid)
+    first = launcher.read_token(config.vllm.argv_file)
+    assert first and len(first) >= 32
+    # Not in the argv file, which all may read.
+    assert first not in config.vllm.argv_file.read_text()
+    launcher.write_argv_file(config, Mode.PROFILE, None)  # vLLM's user unknown: root's alone
+    st = os.lstat(path)
+    assert stat.S_IMODE(st.st_mode) == 0o400 and (st.st_uid, st.st_gid) == (0, 0)
+    second = launcher.read_token(config.vllm.argv_file)
+    assert second and second != first  # fresh at each start
+    launcher.write_argv_file(config, Mode.PRODUCTION, nobody.pw_uid)  # not armed: none left
+    assert not path.exists() and launcher.read_token(config.vllm.argv_file) is None
+    assert grp.getgrgid(0).gr_name == "root"
+
+
+def test_a_link_at_the_secrets_path_is_never_followed_nor_read(tmp_path: Path) -> None:
+    config = config_for(tmp_path)
+    path = launcher.token_path(config.vllm.argv_file)
+    target = tmp_path / "elsewhere"
+    target.write_text("planted")
+    path.symlink_to(target)
+    assert launcher.read_token(config.vllm.argv_file) is None  # a link: no secret
+    launcher.write_argv_file(config, Mode.PROFILE, None)
+    assert target.read_text() == "planted" and not path.is_symlink()
+    # A link at the temporary name is replaced, never written through.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.symlink_to(target)
+    launcher.write_argv_file(config, Mode.PROFILE, None)
+    assert target.read_text() == "planted" and not tmp.exists()
+
+
+def test_a_profiler_config_in_any_spelling_arms_the_profiler() -> None:
+    for args in (["--profiler-config", "{}"], ['--profiler-config={"profiler": "torch"}'],
+                 ["--profiler-config.profiler", "torch"], ["--profiler_config", "{}"]):  # fmt: skip
+        assert launcher.arms_profiler(["vllm", "serve", "m", *args]), args
+    assert not launcher.arms_profiler(["vllm", "serve", "m", "--max-model-len", "256"])
+
+
+def test_the_mode_is_still_read_from_a_command_line_with_the_guards_arguments(
+    tmp_path: Path,
+) -> None:
+    config = config_for(tmp_path, armed=True)
+    for mode in Mode:
+        argv = config.launch_argv(mode)
+        guarded = [*argv, *launcher.GUARD_ARGS]
+        assert launcher.mode_of_argv(config, argv) == mode
+        assert launcher.mode_of_argv(config, guarded) == mode
+        assert launcher.mode_of_argv(config, ["/usr/bin/python3", *guarded]) == mode
+    # Only the guard's two arguments, and only after the argv, are not the mode's.
+    argv = config.launch_argv(Mode.PROFILE)
+    assert launcher.mode_of_argv(config, [*argv, "--middleware", "other.Guard"]) is None
+    assert launcher.mode_of_argv(config, [*argv, *launcher.GUARD_ARGS, "x"]) is None
+    assert launcher.mode_of_argv(config, [*launcher.GUARD_ARGS, *argv]) == Mode.PROFILE
+
+
+def test_the_launcher_execs_an_armed_argv_with_the_guard_its_folder_and_the_secret(
+    tmp_path: Path,
+) -> None:
+    """As the unit's ExecStart runs it: vLLM (here a script that says what it got) imports the
+    guard from PYTHONPATH, finds the secret in its environment and not in its argv."""
+    script = tmp_path / "vllm.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "if '--middleware' in sys.argv: import kimi_profile_guard\n"
+        "print(json.dumps({'argv': sys.argv[1:], 'path': os.environ['PYTHONPATH'],"
+        " 'secret': os.environ.get('KIMI_PROFILE_TOKEN')}))\n"
+    )
+    argv_file = tmp_path / "vllm-argv.json"
+    config = config_for(tmp_path)
+
+    def launch(argv: list[str]) -> dict[str, Any]:
+        argv_file.write_text(json.dumps({"mode": "profile", "argv": argv}))
+        env = {k: v for k, v in os.environ.items() if k != guard.ENV} | {"PYTHONPATH": "/keep"}
+        r = subprocess.run(
+            [sys.executable, "-m", "kimi_supervisor.cli.admin", "launch-vllm", "--argv-file",
+             str(argv_file)], capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        out: dict[str, Any] = json.loads(r.stdout)
+        out["stderr"] = r.stderr
+        return out
+
+    armed = [sys.executable, str(script), "--profiler-config", "{}"]
+    assert config.vllm.argv_file != argv_file
+    launcher.write_token(argv_file, None)
+    token = launcher.read_token(argv_file)
+    got = launch(armed)
+    assert got["argv"] == [*armed[2:], *launcher.GUARD_ARGS]
+    assert got["path"].split(os.pathsep) == [str(launcher.GUARD_DIR), "/keep"]
+    assert got["secret"] == token and token not in got["stderr"]
+    # The secret's file gone: vLLM starts all the same, its guard refusing every capture.
+    launcher.token_path(argv_file).unlink()
+    got = launch(armed)
+    assert got["secret"] is None and "will refuse every capture" in got["stderr"]
+    # Not armed: the argv byte for byte, no guard nor secret.
+    launcher.write_token(argv_file, None)
+    plain = [sys.executable, str(script), "--max-model-len", "256"]
+    got = launch(plain)
+    assert got["argv"] == plain[2:] and got["path"] == "/keep" and got["secret"] is None
+
+
+def test_a_refusal_by_the_guard_is_explained_to_the_operator() -> None:
+    said = explain(HttpResult(403, "{}", "HTTP 403"), "/start_profile", 10)
+    assert "profile guard refused /start_profile" in said and "kimi-mode" in said
+
+
+@pytest.mark.parametrize("with_token", [True, False])
+def test_the_fake_vllm_asks_the_guard_as_real_vllm_does(with_token: bool) -> None:
+    from argparse import Namespace
+
+    from kimi_supervisor.sandbox.fake_api import Server
+    from kimi_supervisor.sandbox.fake_options import FakeOptions
+
+    sys.path.insert(0, str(launcher.GUARD_DIR))
+    os.environ[guard.ENV] = SECRET
+    try:
+        args = Namespace(profiler_config=None, middleware=["kimi_profile_guard.ProfileGuard"])
+        server = Server(args, FakeOptions())
+    finally:
+        os.environ.pop(guard.ENV)
+        sys.path.remove(str(launcher.GUARD_DIR))
+    tokens = [SECRET] if with_token else []
+    assert server.refused("/start_profile", tokens) is not with_token
+    assert server.refused("//stop_profile/", tokens) is not with_token
+    assert server.refused("/start_profile", [SECRET, SECRET])
+    assert not server.refused("/health", [])
+    assert server.guard_header == guard.HEADER
