@@ -16,7 +16,7 @@ from kimi_supervisor.cli import ask
 from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.cli.follow import Follow
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.cli.render import columns, format_capture, wrap
+from kimi_supervisor.cli.render import columns, duration, format_capture, wrap
 from kimi_supervisor.cli.summary_text import format_compare, format_summary
 from kimi_supervisor.cli.switch import cmd_switch
 from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
@@ -154,13 +154,30 @@ def cost_line(windows: list[dict[str, Any]]) -> str:
     return f"this capture cost {total:.1f} s without service ({', '.join(said)})"
 
 
+def plan_line(last: dict[str, Any] | None) -> str:
+    """What a capture by switching will cost in service, said before the first switch
+    (issue 45): two restarts, each a load."""
+    if last is None or not last.get("window_s"):
+        return ("this capture stops serving twice: a switch to profile mode and one back, each "
+                "a restart and a load (none measured on this host yet)")  # fmt: skip
+    w = float(last["window_s"])
+    return (f"this capture stops serving for about {duration(2 * w)}: two restarts, a switch to "
+            f"profile mode and one back (the last switch here took {duration(w)})")  # fmt: skip
+
+
+# A capture in the mode vLLM serves (its profiler armed): said once the daemon began it.
+NO_RESTART = ("no restart: vLLM serves on, slower while it records and while it flushes its "
+              "traces")  # fmt: skip
+
+
 class CaptureFollow(Follow):
     """A capture asked for and followed: the recording (Enter stops one without --seconds),
     the flush, the summary. Ctrl-C stops the recording first, then the following; the end is
     kept in `ended` for what comes after it."""
 
-    def __init__(self, o: Output, sock: Path) -> None:
+    def __init__(self, o: Output, sock: Path, switched: bool = False) -> None:
         super().__init__(o, sock)
+        self.switched = switched
         self.ended: dict[str, Any] | None = None
         self.stop_sent = threading.Event()
 
@@ -181,6 +198,8 @@ class CaptureFollow(Follow):
     def on_event(self, msg: dict[str, Any]) -> None:
         name, data, text = msg["event"], msg["data"], not self.o.json
         if name == "capture_recording" and text:
+            if not self.switched:
+                print("\n".join(wrap([NO_RESTART], columns(sys.stdout) - 1)), flush=True)
             if data.get("seconds"):
                 print(f"recording for {data['seconds']:g} s; drive your load now", flush=True)
             else:
@@ -228,6 +247,9 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     o = Output(args.output)
     windows: list[dict[str, Any]] = []
     if args.switch:
+        if not o.json:
+            print("\n".join(wrap([plan_line(_last_window(sock))], columns(sys.stdout) - 1)),
+                  flush=True)  # fmt: skip
         rc = _switch_to("profile", args, sock)
         if rc != Exit.OK:
             return rc
@@ -235,7 +257,7 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
             windows.append(w)
     out = str(Path(args.out).absolute()) if args.out else None  # shown in the daemon's answers
     req = {"cmd": "capture", "seconds": args.seconds, "then": args.then, "out": out}
-    follow = CaptureFollow(o, sock)
+    follow = CaptureFollow(o, sock, switched=args.switch)
     captured = follow.run(req, fds=() if out_fd is None else (out_fd,))
     ended = follow.ended
     if ended is None:

@@ -98,6 +98,7 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     sandbox.fake(profile_flush_s=1.0)
     r = profiling.kimi_mode("capture", "--seconds", "1")
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "no restart: vLLM serves on" in flat(r.stdout)  # what it costs, said as it begins
     (folder,) = captures(sandbox)
     names = sorted(f.name for f in folder.iterdir())
     assert_traces_like_vllm_0_16(names, 4)
@@ -198,6 +199,9 @@ def test_a_capture_in_production_mode_is_refused_with_the_hint_to_switch_first(
     assert "not serving with its profiler armed" in r.stderr and "kimi-mode profile" in r.stderr
     r = daemon.kimi_mode("capture", "--switch", "--seconds", "1", "--then", "stay")
     assert r.returncode == 0, r.stdout + r.stderr
+    # What it costs, said before the first switch: two restarts.
+    assert flat(r.stdout).startswith("this capture stops serving"), r.stdout
+    assert "no restart" not in r.stdout
     assert daemon.status()["mode"] == "profile"
     assert len(captures(sandbox)) == before + 1
 

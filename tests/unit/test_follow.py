@@ -212,3 +212,14 @@ def test_wait_for_a_mode_returns_in_50_of_50_switches_whatever_order_end_and_sta
             lines = [json.loads(x) for x in out.getvalue().splitlines()]
             assert lines[-1]["type"] == "status" and lines[-1]["mode"] == target, lines
     assert max(took) < 1.0, took
+
+
+def test_a_capture_by_switching_says_before_it_begins_that_it_costs_two_restarts() -> None:
+    from kimi_supervisor.cli.capture import plan_line
+
+    assert plan_line({"window_s": 95.0, "target": "production"}) == (
+        "this capture stops serving for about 3m 10s: two restarts, a switch to profile mode "
+        "and one back (the last switch here took 1m 35s)"
+    )
+    assert "none measured on this host yet" in plan_line(None)
+    assert "none measured on this host yet" in plan_line({"window_s": None})

@@ -359,7 +359,7 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
             last, since = c, at
         if c != "0s":
             stood = max(stood, at - since)
-    assert stood < 2.0, (stood, shown)
+    assert stood < 2.5, (stood, shown)  # the bug stood 8-9 s; -n 2 on 2 cores adds jitter
     assert len(bars) >= 3, bars  # the bars followed the published readings
     assert len(etas) >= 3, etas  # and so did the ETA
 
