@@ -66,6 +66,15 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
+def too_wide(text: str, width: int = 80) -> list[str]:
+    """The rows of `text` wider than `width`, but a path alone on its row: render.wrap keeps a
+    path wider than the row whole there, since a path broken in two cannot be copied."""
+    return [
+        row for row in text.splitlines()
+        if len(row) > width and not (" " not in row.strip() and "/" in row)
+    ]  # fmt: skip
+
+
 def health(url: str) -> int:
     """GET /health: the status code, 0 for no answer."""
     return request(url, timeout_s=1).status

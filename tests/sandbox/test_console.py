@@ -29,6 +29,7 @@ from ..conftest import (
     SandboxHelper,
     flat,
     like_a_terminal,
+    too_wide,
     wait_until,
 )
 
@@ -146,7 +147,7 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     assert "following t-" in r.stdout and "-> profile (since " in r.stdout
     ending = flat(r.stdout[r.stdout.rindex("done: ") :])  # wrapped at 80 columns
     assert ending.startswith("done: profile is ready") and " unavailable " in ending, r.stdout
-    assert all(len(line) <= 80 for line in r.stdout.splitlines()), r.stdout
+    assert not too_wide(r.stdout), r.stdout
     # Nothing to wait for: at once, with the status's exit; never a switch.
     transitions = len(serving.transitions())
     r = serving.kimi_mode("wait", "profile")

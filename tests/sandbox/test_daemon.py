@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.model import Mode
-from kimi_supervisor.ports import processes
+from kimi_supervisor.ports import launcher, processes
 from kimi_supervisor.sandbox.sandbox import DAEMON_UNIT, UNIT
 from kimi_supervisor.store.state import StateStore
 
-from ..conftest import DaemonHelper, SandboxHelper, flat, health, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, flat, health, too_wide, wait_until
 from ..promtool import stuck_alert_fires_at
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +43,8 @@ def test_boot_brings_up_the_persisted_profile_mode_with_the_profiler_arguments_b
     daemon.reset_state(desired="profile")
     daemon.start()
     status = daemon.wait_serving("profile")
-    expected = sandbox.config.launch_argv(Mode.PROFILE)
+    # The mode's argv byte for byte, then the launcher's profile guard (ports/launcher.py)
+    expected = [*sandbox.config.launch_argv(Mode.PROFILE), *launcher.GUARD_ARGS]
     assert vllm_argv(daemon)[-len(expected) :] == expected
     assert status["desired_mode"] == "profile"
     assert status["unit"]["health"] == 200
@@ -510,7 +511,7 @@ def test_a_missing_vllm_binary_is_named_in_status_history_and_the_switch_that_fa
     assert any(said in line for line in failure["said"]), failure
     assert failure["more"] == str(sandbox.config.vllm.log_file)
     text = daemon.kimi_mode("status").stdout
-    assert all(len(line) <= 80 for line in text.splitlines()), text  # wrapped, not cut
+    assert not too_wide(text), text  # wrapped, not cut
     shown = flat(text)
     assert f"vLLM said: kimi-supervisor launch-vllm: {said}" in shown, text
     assert f"all of vLLM's output: {failure['more']}" in shown, text

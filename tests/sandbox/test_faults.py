@@ -69,10 +69,11 @@ def test_a_reload_storm_leaves_the_daemon_up_and_vllm_adopted(
     assert daemon.vllm_pid() == vllm == status["unit"]["main_pid"]
     assert daemon.teardown_count() == teardowns
     # Each image's I/O processes ended with it and were reaped: the daemon's children are
-    # its three live ones, no zombie (an outside review counted three more per reload).
+    # its four live ones (nvml, state, history, bundle), no zombie (an outside review counted
+    # three more per reload).
     children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     states = {c: Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0] for c in children}
-    assert "Z" not in states.values() and len(children) == 3, states
+    assert "Z" not in states.values() and len(children) == 4, states
 
 
 def test_an_infinite_or_huge_duration_is_refused_whole_and_nothing_happens(

@@ -26,6 +26,7 @@ from ..conftest import (
     SandboxHelper,
     flat,
     like_a_terminal,
+    too_wide,
     wait_until,
 )
 
@@ -117,7 +118,7 @@ def test_a_switch_followed_through_a_pipe_prints_each_step_the_kill_and_the_load
     ending = flat(out[out.rindex("done: ") :])  # wrapped at 80 columns
     assert ending.startswith("done: profile is ready"), out
     assert " unavailable " in ending and "engine init" in ending, out  # its window
-    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert not too_wide(out), out
     serving.wait_serving("profile")
 
 

@@ -36,7 +36,7 @@ from kimi_supervisor.sandbox.sandbox import UNIT
 from tests import hungfs
 from tests.inotify import Watch
 
-from ..conftest import DaemonHelper, SandboxHelper, as_user, flat, wait_until
+from ..conftest import DaemonHelper, SandboxHelper, as_user, flat, too_wide, wait_until
 
 pytestmark = [
     pytest.mark.systemd,
@@ -191,7 +191,7 @@ def test_a_switch_whose_model_reads_hang_goes_on_at_warm_timeout_s_and_leaves_it
     status = daemon.wait_serving("profile", 60)
     seen = watch.stop()
     assert "warming:" not in text and "page cache:" in text, text
-    assert all(len(line) <= 80 for line in text.splitlines()), text
+    assert not too_wide(text), text
     said = flat(text)  # the lines as wrapped at 80 columns, joined
     assert "stopped at warm.timeout_s (6 s)" in said
     assert f"the reader (PID {reader}) is left in kimi-supervisor-warm-{reader}.scope" in said
