@@ -73,13 +73,18 @@ def cache_env(config: Config) -> dict[str, str]:
 
 
 def arms_profiler(argv: list[str]) -> bool:
-    """Whether vLLM started with `argv` may serve the profiler's routes: any argument naming
-    --profiler-config in a spelling vLLM's parser takes (`=VALUE`, `.field`, underscores)."""
+    """Whether vLLM started with `argv` may serve the profiler's routes: an argument that vLLM's
+    parser takes for --profiler-config, in any spelling (`=VALUE`, `.field`, underscores, and
+    argparse's abbreviations such as `--profiler`: vLLM 0.16 allows them), or a `--config` file
+    (which may name it). Guarding a vLLM that has no such routes costs one check per request."""
     for a in argv:
         name = a.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-        if name == "--profiler-config":
+        if name == "--config" or (len(name) > 4 and PROFILER_FLAG.startswith(name)):
             return True
     return False
+
+
+PROFILER_FLAG = "--profiler-config"
 
 
 def token_path(argv_file: Path) -> Path:
@@ -115,8 +120,10 @@ def write_token(argv_file: Path, vllm_uid: int | None) -> None:
 
 def read_token(argv_file: Path) -> str | None:
     """The secret of this start (None: missing or unreadable); its file no link."""
-    try:
-        fd = os.open(token_path(argv_file), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:  # O_NONBLOCK: a FIFO planted there is refused below, never waited on
+        fd = os.open(
+            token_path(argv_file), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        )
     except OSError:
         return None
     try:

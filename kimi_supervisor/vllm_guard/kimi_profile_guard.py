@@ -7,9 +7,9 @@ and the secret of this start in its environment (KIMI_PROFILE_TOKEN). The guard 
 any request for those routes that does not carry the secret in X-Kimi-Profile-Token; the
 daemon's capture (capture/job.py) sends it. Without a secret it refuses them all: fail closed.
 
-A route is any path with a segment `start_profile` or `stop_profile`, whatever comes before or
-after it (a --root-path, `//start_profile`, `/start_profile/`, a redirect's target) and whatever
-the method. vLLM serves no other path with those names.
+A route is any path with `start_profile` or `stop_profile` in it, whatever comes before or after
+it (a --root-path, `//start_profile`, `/start_profile/`, a decoded `%0A`) and whatever the
+method. vLLM serves no other path with those names.
 
 Standard library only, and nothing of kimi_supervisor: vLLM's own Python imports it. The fake
 vLLM (sandbox/fake_api.py) imports it the same way and asks `admits`, so both answer alike.
@@ -42,8 +42,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 def guarded(path: str) -> bool:
-    """Whether a request for `path` (as the server decoded it) reaches a profiler route."""
-    return any(segment in GUARDED for segment in path.split("/"))
+    """Whether a request for `path` (as the server decoded it) may reach a profiler route: the
+    name anywhere in it. Not a segment's whole: uvicorn decodes `/start_profile%0A` to a path
+    ending in a newline, which Starlette's route pattern (`^/start_profile$`: Python's `$`
+    matches before a final newline) still takes (found by an outside review)."""
+    return any(name in path for name in GUARDED)
 
 
 def secret_of(environ: Mapping[str, str]) -> bytes | None:

@@ -12,6 +12,7 @@ import pwd
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +95,7 @@ def test_the_guard_lets_the_daemon_through_with_the_right_header() -> None:
 
 
 def test_the_guard_leaves_every_other_path_untouched_without_a_header() -> None:
-    for path in ("/health", "/metrics", "/v1/completions", "/v1/models", "/start_profiler",
-                 "/v1/start_profile_x", "/"):  # fmt: skip
+    for path in ("/health", "/metrics", "/v1/completions", "/v1/models", "/start", "/"):
         assert call(path) == (200, None), path
         assert call(path, secret=None) == (200, None), path
 
@@ -108,8 +108,11 @@ def test_without_a_secret_configured_the_guard_refuses_every_profiler_request() 
 
 
 def test_the_guard_refuses_every_spelling_of_the_route_a_root_path_and_any_method() -> None:
+    # "/start_profile\n": uvicorn's decoding of /start_profile%0A, which Starlette's route
+    # pattern still takes (an outside review started a capture with it past the first guard).
     for path in ("//start_profile", "/start_profile/", "/start_profile/x", "/api/start_profile",
-                 "/api//stop_profile/", "/a/b/stop_profile"):  # fmt: skip
+                 "/api//stop_profile/", "/a/b/stop_profile", "/start_profile\n",
+                 "/stop_profile\n", "/api/start_profile\n", "/start_profile\r\n"):  # fmt: skip
         assert call(path)[0] == 403, path
         assert call(path, root_path="/api")[0] == 403, path
         assert call(path, token=SECRET, root_path="/api") == (200, None), path
@@ -200,7 +203,9 @@ def test_a_link_at_the_secrets_path_is_never_followed_nor_read(tmp_path: Path) -
 
 def test_a_profiler_config_in_any_spelling_arms_the_profiler() -> None:
     for args in (["--profiler-config", "{}"], ['--profiler-config={"profiler": "torch"}'],
-                 ["--profiler-config.profiler", "torch"], ["--profiler_config", "{}"]):  # fmt: skip
+                 ["--profiler-config.profiler", "torch"], ["--profiler_config", "{}"],
+                 # argparse's abbreviations, which vLLM 0.16's parser takes; a --config file
+                 ["--profiler", "{}"], ["--profiler-conf={}"], ["--config", "x.yaml"]):  # fmt: skip
         assert launcher.arms_profiler(["vllm", "serve", "m", *args]), args
     assert not launcher.arms_profiler(["vllm", "serve", "m", "--max-model-len", "256"])
 
@@ -294,3 +299,11 @@ def test_the_fake_vllm_asks_the_guard_as_real_vllm_does(with_token: bool) -> Non
     assert server.refused("/start_profile", [SECRET, SECRET])
     assert not server.refused("/health", [])
     assert server.guard_header == guard.HEADER
+
+
+def test_a_fifo_at_the_secrets_path_is_refused_at_once_never_waited_on(tmp_path: Path) -> None:
+    argv_file = tmp_path / "vllm-argv.json"
+    os.mkfifo(launcher.token_path(argv_file), 0o600)
+    began = time.monotonic()
+    assert launcher.read_token(argv_file) is None  # no writer: a blocking open would hang
+    assert time.monotonic() - began < 5
