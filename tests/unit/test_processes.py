@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from typing import Any
 
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.processes import ProcessRef, SignalResult
@@ -32,6 +33,17 @@ def test_a_process_that_is_gone_counts_as_already_gone() -> None:
     proc.wait()
     assert processes.send_signal(ref, signal.SIGKILL) == SignalResult.GONE
     assert not processes.is_alive(ref)
+
+
+def test_a_process_the_kernel_answers_enoent_for_counts_as_gone(monkeypatch: Any) -> None:
+    """pidfd_open answered ENOENT, not ESRCH, for a process that had just ended on CI's Linux
+    6.18: the sandbox's teardown raised FileNotFoundError (stop 47's failed CI)."""
+
+    def enoent(pid: int) -> int:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(processes.os, "pidfd_open", enoent)
+    assert processes.send_signal(ProcessRef(1, 0), signal.SIGKILL) == SignalResult.GONE
 
 
 def test_a_zombie_is_not_alive_because_it_has_closed_its_files() -> None:
