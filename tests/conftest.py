@@ -75,6 +75,29 @@ def too_wide(text: str, width: int = 80) -> list[str]:
     ]  # fmt: skip
 
 
+def assert_clients_get_403_on_the_profiler_routes(base: str, timeout_s: float) -> None:
+    """What a client of an armed vLLM's port gets from the profile guard, the fake's and real
+    vLLM 0.16's alike: 403 naming `kimi-mode capture` for each spelling of the routes."""
+    from kimi_supervisor.ports.http import request
+    from kimi_supervisor.vllm_guard import kimi_profile_guard
+
+    header = kimi_profile_guard.HEADER
+    for path, headers in [
+        ("/start_profile", {}),
+        ("/start_profile", {header: "not-the-secret"}),
+        ("//start_profile", {}),
+        ("/start_profile/", {}),
+        ("/stop_profile", {}),
+        # uvicorn decodes it to a final newline, which Starlette's route still takes: it
+        # started a capture past the first guard (an outside review)
+        ("/start_profile%0A", {}),
+        ("/stop_profile%0a", {}),
+    ]:
+        r = request(f"{base}{path}", "POST", timeout_s, headers=headers)
+        assert r.status == 403 and "kimi-mode capture" in r.body, (path, headers, r)
+    assert request(f"{base}/start_profile", "GET", timeout_s).status == 403
+
+
 def health(url: str) -> int:
     """GET /health: the status code, 0 for no answer."""
     return request(url, timeout_s=1).status
