@@ -392,9 +392,19 @@ class DaemonHelper:
 
     # -- talking to it --
     def request(self, req: dict[str, object], timeout_s: float = 30) -> list[dict[str, object]]:
-        from kimi_supervisor.control.client import exchange
+        from kimi_supervisor.control.client import Unreachable, exchange
 
-        return [msg for _raw, msg in exchange(self.socket, req, timeout_s=timeout_s)]
+        try:
+            return [msg for _raw, msg in exchange(self.socket, req, timeout_s=timeout_s)]
+        except Unreachable as e:
+            # Say whether the daemon went away (a crash, the watchdog, the OOM killer) and what
+            # it logged last: a lost connection in CI must explain itself.
+            unit = self.sb.manager.systemctl(
+                "show", DAEMON_UNIT, "-p", "ActiveState,SubState,NRestarts,Result,"
+                "ExecMainPID,ExecMainStatus,ExecMainCode", check=False,
+            ).stdout  # fmt: skip
+            tail = "\n".join(self.log().splitlines()[-15:])
+            raise Unreachable(f"{e}\nthe daemon's unit: {unit}\nits log's end:\n{tail}") from e
 
     def status(self) -> dict[str, Any]:
         (reply,) = self.request({"cmd": "status"}, 10)
@@ -403,6 +413,7 @@ class DaemonHelper:
 
     def history(self) -> list[dict[str, Any]]:
         (reply,) = self.request({"cmd": "history", "n": 1000}, 10)
+        assert reply.get("ok"), reply  # a refusal (busy, too many clients) says which
         return reply["data"]["entries"]  # type: ignore[index,return-value]
 
     def teardown_count(self) -> int:

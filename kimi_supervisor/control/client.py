@@ -117,10 +117,11 @@ def exchange(
             except TimeoutError:
                 continue
             except OSError as e:
-                # The request never went whole: the daemon refused without reading it and
-                # closed. What it answered (read above) is all there is; the reset that follows
-                # the answer is no loss of the connection.
-                if unsent is not None:
+                # The daemon refused without reading the request (forbidden, too many clients)
+                # and closed: the kernel then resets the connection after the answer, whether
+                # the send failed or went into the daemon's unread buffer. What it answered
+                # (read above, whole) is all there is: no loss of the connection.
+                if unsent is not None or (answered and not buf and e.errno == errno.ECONNRESET):
                     break
                 raise Unreachable(f"lost the connection to the daemon: {e}") from None
             if not chunk:

@@ -119,6 +119,42 @@ def test_a_refusal_sent_before_the_daemon_read_the_request_is_still_what_the_cli
     assert got == [refusal]
 
 
+def test_a_refusal_of_a_short_request_the_daemon_never_read_is_what_the_client_says(
+    tmp_path: Path,
+) -> None:
+    """A short request goes whole into the daemon's buffer; the daemon refuses without
+    reading it (too many clients, forbidden) and closes. The kernel then resets the connection
+    after the refusal (an unread buffer at close), and the client's next read fails with
+    ECONNRESET: the user is told the refusal, not "lost the connection to the daemon"."""
+    import threading
+
+    from kimi_supervisor.control.client import exchange
+
+    path = tmp_path / "control.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    refusal = {"ok": False, "code": "too_many_clients", "message": "too many clients"}
+    peeked: list[bytes] = []
+
+    def refuse() -> None:
+        conn, _ = server.accept()
+        conn.settimeout(10)
+        peeked.append(conn.recv(65536, socket.MSG_PEEK))  # there, and left unread
+        conn.sendall(json.dumps(refusal).encode() + b"\n")
+        conn.close()
+
+    t = threading.Thread(target=refuse)
+    t.start()
+    try:
+        got = [msg for _raw, msg in exchange(path, {"cmd": "history", "n": 1000}, 10)]
+    finally:
+        t.join(10)
+        server.close()
+    assert peeked and peeked[0].endswith(b"\n"), peeked  # the request went whole
+    assert got == [refusal]
+
+
 def test_an_answer_cut_short_by_the_daemon_is_said_not_taken_for_no_answer(
     tmp_path: Path,
 ) -> None:
