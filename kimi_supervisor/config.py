@@ -360,6 +360,13 @@ class ProfilingConfig(_Strict):
     summarize: bool = True
     # Each rank's summary is stopped at this deadline (see summarize).
     summary_timeout_s: PositiveSeconds = 900.0
+    # A capture in a mode other than profile (production started with the profiler armed) is a
+    # window of at most this many seconds, whatever was asked ("until stopped" included): a
+    # capture left recording would slow production and fill the disk.
+    armed_capture_max_s: Annotated[float, Field(gt=0, le=MAX_PROFILE_S)] = 60.0
+    # After a capture's flush, vLLM's tokens/s is read again this much later: the capture's
+    # record says what serving got back to (capture/stall.py). 0: not measured.
+    stall_after_s: Annotated[float, Field(ge=0, le=600)] = 10.0
 
 
 class WarmConfig(_Strict):
@@ -429,6 +436,16 @@ class Config(_Strict):
         except (ValueError, AttributeError):
             return None
         return Path(d) if d else None
+
+    def profiler_max_iterations(self, mode: Mode) -> int:
+        """vLLM's own bound on a capture in `mode`, in engine steps: max_iterations of the
+        mode's --profiler-config (vLLM 0.16 stops recording after that many steps); 0: none."""
+        value = self.profiler_config(mode)
+        try:
+            n = json.loads(value).get("max_iterations", 0) if value else 0
+        except (ValueError, AttributeError):
+            return 0
+        return n if isinstance(n, int) and n > 0 else 0
 
     def launch_argv(self, mode: Mode) -> list[str]:
         """The exact argv vLLM must be started with in `mode`."""

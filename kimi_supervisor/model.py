@@ -48,12 +48,13 @@ def unit_up(active_state: str) -> bool:
 
 
 class CapturePhase(enum.StrEnum):
-    """Where a profiler capture is: the first four are under way."""
+    """Where a profiler capture is: the first five are under way."""
 
     STARTING = "starting"
     RECORDING = "recording"
     FLUSHING = "flushing"
     SUMMARIZING = "summarizing"
+    MEASURING = "measuring"  # the traces saved; serving's tokens/s read once more (stall_after_s)
     DONE = "done"
     FAILED = "failed"
 
@@ -72,6 +73,9 @@ class CapturePhase(enum.StrEnum):
         """Still before the flush: a stop (or a switch) can end the recording."""
         return self in (CapturePhase.STARTING, CapturePhase.RECORDING)
 
+
+# The windows of a capture's cost to serving (capture/stall.py), in their order.
+STALL_WINDOWS = ("before", "recording", "flush", "after")
 
 # A capture's summary, written beside its traces.
 SUMMARY = "summary.json"

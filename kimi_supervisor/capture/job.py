@@ -5,6 +5,10 @@
     each rank's trace summarized (summary.json beside them) -> retention of older captures
     (capture/retention.py).
 
+vLLM's /metrics is read at each edge (capture/stall.py): the record says what the capture cost
+the clients served meanwhile (tokens/s before, while recording, in the flush and after it, and
+the requests that failed).
+
 It reports through the event bus (events carry `capture`: its id) and hands its end to the loop
 (`on_done`), which then goes back to production unless told to stay. It changes no daemon state.
 """
@@ -24,13 +28,19 @@ from typing import Any
 
 from kimi_supervisor.analysis import ranks
 from kimi_supervisor.capture import retention
+from kimi_supervisor.capture.stall import Sample, Stall, sample_of
 from kimi_supervisor.config import Config
+from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, shown, utcnow
 from kimi_supervisor.ports import launcher, safeopen
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
 from kimi_supervisor.vllm_guard import kimi_profile_guard
+
+# A /metrics read at a capture's edge: vLLM's API server answers it while the engine flushes
+# (another process); past this, the window is said not measured.
+METRICS_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,9 @@ class CaptureSpec:
     gid: int = 0
     # The mode vLLM serves in: profile, or production started with the profiler armed.
     mode: Mode = Mode.PROFILE
+    # The liveness reading that opens the stall's "before" window (time.monotonic()), or why
+    # there is none (capture/stall.pick_before).
+    before: Sample | str | None = None
 
 
 def check_out(fd: int, uid: int) -> str | None:
@@ -189,6 +202,8 @@ class Capture:
         # from then on a switch waits no more (CapturePhase.holds_switch), though the summary
         # may still be written. The record carries it beside finished_at.
         self.released_at: datetime.datetime | None = None
+        # What the capture cost serving (capture/stall.py), once its last reading is in.
+        self.stall: Stall | None = None
 
     def _release(self) -> None:
         if self.released_at is None:
@@ -265,9 +280,11 @@ class Capture:
         if not r.ok:
             self._end(False, explain(r, "/start_profile", p.start_timeout_s))
             return
+        started = self._sample(url)
         self.phase = CapturePhase.RECORDING
         self._event("capture_recording", seconds=self.spec.seconds)
         self.stop.wait(self.spec.seconds)
+        flushing = self._sample(url)
         self.phase = CapturePhase.FLUSHING
         t0 = time.monotonic()
         self._event("capture_flushing")
@@ -293,10 +310,17 @@ class Capture:
                     bytes=self.bytes_written,
                     flushing_s=round(time.monotonic() - t0, 1),
                 )
+        flushed_at = self._sample(url)
         if not result[0].ok:
-            self._end(False, explain(result[0], "/stop_profile", flush_timeout))
+            self.stall = Stall.of(self.spec.before, started, flushing, flushed_at, "no flush")
+            self._end(
+                False,
+                explain(result[0], "/stop_profile", flush_timeout) + "; " + self.stall.line(),
+                stall=self.stall.as_dict(),
+            )
             return
         flushed = time.monotonic() - t0
+        after = _After(self, url, flushed_at)
         new = self._new_files(trace_dir, before)
         spec = self.spec
         into_captures_dir = spec.out is None or spec.out_fd is None
@@ -346,18 +370,31 @@ class Capture:
         for old in removed:
             self.log("capture_removed", folder=old, why="retention")
         total = sum(f["bytes"] for f in files)
+        self._release()
+        self.stall = Stall.of(self.spec.before, started, flushing, flushed_at, after.result())
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
             f"(flush took {flushed:.1f} s)"
-            + "".join(f"; {r['name']} not taken: {r['why']}" for r in refused),
+            + "".join(f"; {r['name']} not taken: {r['why']}" for r in refused)
+            + f"; {self.stall.line()}",
             folder=str(folder),
             files=files,
             removed=removed,
             refused=refused,
             flush_s=round(flushed, 1),
             summary=brief(summary),
+            stall=self.stall.as_dict(),
         )
+
+    def _sample(self, url: str) -> Sample | str:
+        """vLLM's counters now (capture/stall.py), or why they could not be read. Bounded: a
+        /metrics that does not answer costs at most METRICS_TIMEOUT_S."""
+        r = request(f"{url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES)
+        if not r.ok:
+            return f"/metrics: {r.error or f'HTTP {r.status}'}"
+        got = sample_of(r.body, time.monotonic())
+        return got if got is not None else "/metrics has no vllm:generation_tokens_total"
 
     def _summarize(self, fd: int, names: list[str]) -> dict[str, Any]:
         """summary.json for the traces just saved. The traces are the capture: a summary that
@@ -383,6 +420,37 @@ class Capture:
         """Name -> what the listing saw of the files written since `before`: new ones, and those
         rewritten (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
         return {n: s[2] for n, s in _files(trace_dir).items() if before.get(n) != s}
+
+
+class _After:
+    """The stall's "after" reading, `profiling.stall_after_s` after the flush, taken on a thread
+    of its own while the traces are moved and summarized. `result()` waits for it (with a
+    phase that holds no switch), at most the window's rest and one /metrics read."""
+
+    def __init__(self, capture: Capture, url: str, flushed: Sample | str) -> None:
+        self.capture, self.wait_s = capture, capture.config.profiling.stall_after_s
+        self.due = time.monotonic() + self.wait_s
+        self.got: Sample | str = "not read in time"
+        self.thread: threading.Thread | None = None
+        if not self.wait_s:
+            self.got = "profiling.stall_after_s is 0"
+        elif not isinstance(flushed, Sample):
+            self.got = "no reading at the flush's end"
+        else:
+            self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
+            self.thread.start()
+
+    def _read(self, url: str) -> None:
+        threading.Event().wait(max(self.due - time.monotonic(), 0))  # the window, not a poll
+        self.got = self.capture._sample(url)
+
+    def result(self) -> Sample | str:
+        if self.thread is not None and self.thread.is_alive():
+            c = self.capture
+            c.phase = CapturePhase.MEASURING
+            c._event("capture_measuring", seconds=round(max(self.due - time.monotonic(), 0), 1))
+            self.thread.join(max(self.due - time.monotonic(), 0) + METRICS_TIMEOUT_S + 1)
+        return self.got
 
 
 def brief(summary: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -210,6 +210,8 @@ class CaptureFollow(Follow):
             print("stopping the profiler; flushing traces (this can take minutes)", flush=True)
         elif name == "capture_summarizing" and text:
             print(f"summarizing {data['files']} trace file(s)", flush=True)
+        elif name == "capture_measuring" and text:
+            print(f"reading vLLM's tokens/s after the flush ({data['seconds']:g} s)", flush=True)
         elif name == "capture_progress" and text:
             print(
                 f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "
@@ -263,7 +265,8 @@ def _capture(args: argparse.Namespace, sock: Path, out_fd: int | None) -> int:
     if ended is None:
         return captured
     if not o.json:
-        print(("done: " if ended["ok"] else "FAILED: ") + ended["message"])
+        head = ("done: " if ended["ok"] else "FAILED: ") + ended["message"]
+        print("\n".join(wrap([head], columns(sys.stdout) - 1)))
         if ended["ok"]:
             print(format_capture(ended["data"], columns(sys.stdout)))
     if args.then == "production":

@@ -62,6 +62,8 @@ WAITING = "vllm:num_requests_waiting"
 TOKENS = "vllm:generation_tokens"  # a counter's family; its sample is ..._total
 PROMPT = "vllm:prompt_tokens"
 STEPS = "vllm:iteration_tokens_total"  # a histogram: its _count is the engine's steps
+# vLLM's /metrics is some 60-100 KB with its histograms; more than this is not vLLM's.
+MAX_METRICS_BYTES = 4 << 20
 # vLLM's API servers using this share of a core or more while a canary waits are at work that
 # the canary may wait behind (a long prompt's tokenization holds a whole core), the engine idle
 # for want of it: a doubt, not a hang. Forwarding requests and answering /health polls stays

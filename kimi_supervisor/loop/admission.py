@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 
+from kimi_supervisor.capture import stall
 from kimi_supervisor.capture.job import Capture, CaptureSpec, check_out
 from kimi_supervisor.decide import policy
 from kimi_supervisor.decide.reconcile import Intent
@@ -239,7 +241,24 @@ class Desk:
             if (wrong := check_out(r.out_fd, r.uid)) is not None:
                 return Reply(ok=False, code="bad_request", message=f"--out {r.out}: {wrong}")
             out_fd = os.dup(r.out_fd)
-        spec = CaptureSpec(r.seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid, serving)
+        # In an armed production, a window: a capture left recording slows every client and fills
+        # the disk. Profile mode exists to record; there "until stopped" stays the asker's.
+        config = self.ctx.config
+        seconds, bounds = r.seconds, []
+        cap = config.profiling.armed_capture_max_s
+        if serving is not Mode.PROFILE and (seconds is None or seconds > cap):
+            seconds = cap
+            bounds.append(f"at most {cap:g} s in {serving.value} (profiling.armed_capture_max_s)")
+        if steps := config.profiler_max_iterations(serving):
+            bounds.append(f"vLLM stops recording after {steps} engine steps (max_iterations)")
+        # The liveness reading that opens the stall's "before" window, on the capture's clock.
+        now = self.ctx.clock.monotonic()
+        before = stall.pick_before(list(s.tokens_seen), s.serving.pid if s.serving else 0, now)
+        if isinstance(before, stall.Sample):
+            before = stall.Sample(time.monotonic() - (now - before.at), before.tokens)
+        spec = CaptureSpec(
+            seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid, serving, before
+        )  # fmt: skip
         put = self._put
         c = s.capture = Capture(
             self.ctx.config,
@@ -254,7 +273,8 @@ class Desk:
             ok=True,
             code="accepted",
             message=f"capture {c.id} starting"
-            + (f" for {spec.seconds:g} s" if spec.seconds else " until stopped"),
+            + (f" for {spec.seconds:g} s" if spec.seconds else " until stopped")
+            + (f" ({'; '.join(bounds)})" if bounds else ""),
             data={"capture": c.describe().model_dump(mode="json")},
         )
 
@@ -270,6 +290,7 @@ class Desk:
             "ok": c.ok,
             "message": c.message,
             "folder": str(c.folder) if c.folder else None,
+            "stall": c.stall.as_dict() if c.stall else None,
         }
         d = s.last_downtime
         if d is not None and d.target is Mode.PROFILE:
@@ -278,6 +299,8 @@ class Desk:
         self.ctx.record("capture", record)
         if self.ctx.metrics:
             self.ctx.metrics.captures.labels("ok" if c.ok else "failed").inc()
+            if c.stall is not None:
+                self.ctx.metrics.set_capture_stall(c.stall.as_dict())
         if s.capture is c:
             s.capture = None
         if c.spec.then == "production" and s.desired is Mode.PROFILE:

@@ -647,6 +647,8 @@ class Lifecycle:
                         "canary_tokens": c.tokens}
             )  # fmt: skip
         s.liveness = seen
+        if w is not None:
+            s.tokens_seen.append((now, reading.pid, w.tokens))
         if c is not None and c.answered and not c.ok:
             ctx.warn(f"the liveness canary was refused ({c.detail}): only /metrics can tell")
         elif c is not None and c.ok:

@@ -21,13 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work, parse
+from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES, Cpu, Hang, Judge, Work, parse
 from kimi_supervisor.model import title
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.http import request
 
-# vLLM's /metrics is some 100 KB with its histograms; more than this is not vLLM's.
-MAX_METRICS_BYTES = 4 << 20
 # vLLM's tree is an API server, an engine core and a worker per GPU: more is not read.
 MAX_PROCESSES = 256
 

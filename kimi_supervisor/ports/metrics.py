@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import math
 import os
 import platform
 import re
@@ -39,7 +40,7 @@ from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from kimi_supervisor.model import Evidence, Mode, Step
+from kimi_supervisor.model import STALL_WINDOWS, Evidence, Mode, Step
 from kimi_supervisor.version import package_version
 
 MIB = 1 << 20
@@ -259,6 +260,30 @@ class Metrics:
             "outcome",
             CAPTURE_OUTCOMES,
         )
+        # What the last capture cost serving (capture/stall.py): NaN where not measured.
+        self.capture_tokens = Gauge(
+            f"{ns}_capture_serving_tokens_per_second",
+            "vLLM's generated tokens per second around the last capture, by window: before it, "
+            "while recording, in the flush, after it (NaN: not measured; see the capture's record)",
+            ["window"],
+            registry=r,
+        )
+        self.capture_window = Gauge(
+            f"{ns}_capture_window_seconds",
+            "how long each window of the last capture lasted (the flush: how long vLLM wrote its "
+            "traces; NaN: not measured)",
+            ["window"],
+            registry=r,
+        )
+        for w in STALL_WINDOWS:
+            self.capture_tokens.labels(w).set(math.nan)
+            self.capture_window.labels(w).set(math.nan)
+        self.capture_failed = Counter(
+            f"{ns}_capture_failed_requests_total",
+            "requests vLLM failed (HTTP 5xx, or ended with an error) during captures, from the "
+            "profiler's start to the capture's last reading",
+            registry=r,
+        )
         self.liveness = Gauge(
             f"{ns}_liveness",
             "1 for the liveness verdict on the serving vLLM now: progress, doubt (one sign says "
@@ -312,6 +337,15 @@ class Metrics:
     def set_state(self, state: str, all_states: list[str]) -> None:
         for s in all_states:
             self.state.labels(s).set(1 if s == state else 0)
+
+    def set_capture_stall(self, stall: dict[str, Any]) -> None:
+        """The last capture's cost to serving, as its record says it (capture/stall.py)."""
+        for w in STALL_WINDOWS:
+            rate, seconds = stall[w]["tokens_per_s"], stall[w]["seconds"]
+            self.capture_tokens.labels(w).set(math.nan if rate is None else rate)
+            self.capture_window.labels(w).set(math.nan if seconds is None else seconds)
+        if stall["failed"]:
+            self.capture_failed.inc(stall["failed"])
 
     def set_liveness(self, verdict: str) -> None:
         for v in LIVENESS_VERDICTS:

@@ -87,7 +87,8 @@ class EngineLink:
             self.engine.stdout.readline()
 
     def metrics(self, model: str) -> str:
-        # What vLLM 0.16 serves with --disable-log-stats: its process's own series only.
+        # What vLLM 0.16 serves with --disable-log-stats: its process's own series (and its API
+        # server's answers: Server.api_metrics), none of the engine's.
         process = "# HELP python_info Python platform information\n# TYPE python_info gauge\n"
         process += 'python_info{implementation="CPython",major="3",minor="12"} 1.0\n'
         if not self.stats:
@@ -128,6 +129,12 @@ class Server:
         self.lock = threading.Lock()
         self.event_loop = threading.Lock()
         self.instance = str(time.time_ns())  # vLLM's instance id, in its rank traces' names
+        # Answers by (route, method, status class), as vLLM 0.16's API server counts them
+        # (prometheus_fastapi_instrumentator, status codes grouped: "2xx"), and the completions
+        # it ended, by finished_reason (one of the engine's stats: gone with --disable-log-stats,
+        # where the answers stay). The real names and labels: tests/fixtures/vllm-0.16-metrics.txt.
+        self.answers: dict[tuple[str, str, str], int] = {}
+        self.finished = {"stop": 0, "length": 0, "abort": 0, "error": 0}
         self.worker_pids: list[int] = []
         # As vLLM 0.16's --middleware: each named module is imported (from PYTHONPATH); one that
         # has the profile guard's `admits` (vllm_guard/kimi_profile_guard.py) answers, before
@@ -166,6 +173,8 @@ class Server:
         assert self.link is not None
         if not self.link.generate(prompt, n):
             return 500, {"error": {"message": "EngineCore encountered an issue."}}
+        with self.lock:
+            self.finished["length"] += 1
         usage = {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
         return 200, {
             "id": f"cmpl-{time.time_ns()}",
@@ -184,6 +193,44 @@ class Server:
         if fault == "500":
             return 500, {"detail": "CUDA error: an illegal memory access was encountered"}
         return None
+
+    def answered(self, path: str, method: str, code: int) -> None:
+        """One more answer counted, as the instrumentator does (it leaves these routes out)."""
+        if path in ("/metrics", "/health", "/load", "/ping", "/version", "/server_info"):
+            return
+        key = (path, method, f"{code // 100}xx")
+        with self.lock:
+            self.answers[key] = self.answers.get(key, 0) + 1
+
+    def api_metrics(self, stats: bool) -> str:
+        """The finished requests (with the engine's stats) and the API server's answers, in
+        vLLM 0.16's names and order."""
+        with self.lock:
+            answers, finished = dict(self.answers), dict(self.finished)
+        model = self.args.model
+        out = (
+            (
+                "# HELP vllm:request_success_total Count of successfully processed requests.\n"
+                "# TYPE vllm:request_success_total counter\n"
+            )
+            if stats
+            else ""
+        )
+        for reason, n in finished.items() if stats else ():
+            out += (
+                f'vllm:request_success_total{{engine="0",finished_reason="{reason}",'
+                f'model_name="{model}"}} {float(n)}\n'
+            )
+        out += (
+            "# HELP http_requests_total Total number of requests by method, status and handler.\n"
+            "# TYPE http_requests_total counter\n"
+        )
+        for (handler, method, status), n in answers.items():
+            out += (
+                f'http_requests_total{{handler="{handler}",method="{method}",status="{status}"}} '
+                f"{float(n)}\n"
+            )
+        return out
 
     def start_profile(self) -> tuple[int, dict[str, Any]]:
         if (fault := self._fault()) is not None:
@@ -237,6 +284,10 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+        def send_response(self, code: int, message: str | None = None) -> None:
+            server.answered(urlsplit(self.path).path, self.command, code)
+            super().send_response(code, message)
+
         def _send_empty(self, code: int) -> None:
             self.send_response(code)
             self.send_header("Content-Length", "0")
@@ -277,7 +328,9 @@ def _handler(server: Server) -> type[BaseHTTPRequestHandler]:
                 # loading nothing listens (the connection is refused): see serve_main.
                 self._send_empty(200 if server.ready.is_set() else 503)
             elif self.path == "/metrics" and server.link is not None:
-                data = server.link.metrics(server.args.model).encode()
+                data = (
+                    server.link.metrics(server.args.model) + server.api_metrics(server.link.stats)
+                ).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
                 self.send_header("Content-Length", str(len(data)))

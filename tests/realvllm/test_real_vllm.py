@@ -508,7 +508,8 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     """Real vLLM 0.16 stops its profiler and exports the traces on the engine core's loop: no
     step ends and /metrics stands still with the requests running (12.4 s of 12.8 s measured,
     bench/liveness_real.py), longer than the tier's stall (5 s). No verdict while a capture is
-    under way; the capture is saved; the same vLLM serves on."""
+    under way; the capture is saved; the same vLLM serves on, and the capture's record says
+    what it cost the clients (issue 45: a capture with no restart, and its measured stall)."""
     if real.status()["mode"] != "profile":  # run alone; in order, the captures above left it
         r = real.kimi_mode("profile", timeout=READY_S + 120)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -535,9 +536,21 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
         wait_until(lambda: load.answered > served + 8, 120, "the load to go on after it")
     finally:
         load.stop()
-    record(flush_under_load_s=flushes[-1])
     assert len(hangs(real)) == before and real.vllm_pid() == pid, hangs(real)[before:]
     assert real.status()["state"] == "serving"
+    # A capture with no restart (the same vLLM before and after), and what it cost the clients,
+    # from real vLLM's own counters: tokens before and while recording, next to none while the
+    # engine exported the traces, tokens again after; no request failed.
+    taken = [e for e in real.history() if e["kind"] == "capture"][-1]
+    st = taken["stall"]
+    assert st["before"]["tokens_per_s"] is not None, st  # a liveness reading opened it
+    assert st["recording"]["tokens_per_s"] > 0 and st["after"]["tokens_per_s"] > 0, st
+    assert st["flush"]["seconds"] == pytest.approx(flushes[-1], abs=1.0), (st, flushes)
+    assert st["flush"]["tokens_per_s"] < st["recording"]["tokens_per_s"] / 2, st
+    assert st["failed"] == 0, st
+    assert "tokens/s in the" in flat(r.stdout) and "s flush" in flat(r.stdout), r.stdout
+    record(flush_under_load_s=flushes[-1], capture_stall=st,
+           capture_stall_line=flat(r.stdout).split("serving: ", 1)[-1][:300])  # fmt: skip
 
 
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(

@@ -165,12 +165,18 @@ def test_a_loaded_vllm_whose_engine_froze_is_found_by_its_metrics_and_served_aga
     assert float(incident["running"]) >= 1  # type: ignore[arg-type]
 
 
+def _sample(text: str, series: str) -> str:
+    """The value of one series in a /metrics answer."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(series + " ")]
+    return line.split()[-1]
+
+
 def hangs(daemon: DaemonHelper) -> list[dict[str, object]]:
     return [e for e in daemon.history() if "vLLM hung" in str(e.get("what", ""))]
 
 
 def test_a_capture_whose_flush_blocks_the_engine_under_load_past_the_stall_is_saved_not_hung(
-    sandbox: SandboxHelper, profiling: DaemonHelper, load: threading.Event
+    sandbox: SandboxHelper, profiling: DaemonHelper, load: threading.Event, answers: Answers
 ) -> None:
     """Real vLLM 0.16 stops the profiler and exports its traces on the engine core's loop: no
     step, no token, the requests waiting, for as long as the flush takes (150 s on the seed's
@@ -178,10 +184,29 @@ def test_a_capture_whose_flush_blocks_the_engine_under_load_past_the_stall_is_sa
     way, and the capture is saved."""
     sandbox.fake(profile_flush_s=12.0)
     pid = profiling.vllm_pid()
-    r = profiling.kimi_mode("capture", "--seconds", "1", "--then", "stay", timeout=120)
+    wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+    time.sleep(6)  # a liveness reading old enough to open the "before" window (stall.py)
+    r = profiling.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
     assert rec["ok"], rec
+    # What the clients got meanwhile, from vLLM's own counters: served before and while
+    # recording, next to nothing while the engine wrote its traces, served again after; and
+    # the same vLLM all along (a capture in profile mode takes no restart).
+    st = rec["stall"]
+    assert st["before"]["tokens_per_s"] > 0 and st["recording"]["tokens_per_s"] > 0, st
+    assert st["flush"]["seconds"] >= 12, st
+    assert st["flush"]["tokens_per_s"] < st["recording"]["tokens_per_s"] / 4, st
+    assert st["after"]["seconds"] >= 3 and st["after"]["tokens_per_s"] > 0, st
+    assert st["failed"] == 0 and st["aborted"] == 0, st
+    assert "tokens/s in the 1" in r.stdout and "s flush" in r.stdout, r.stdout
+    assert "no request failed" in r.stdout, r.stdout
+    m = sandbox.config.metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as f:
+        text = f.read().decode()
+    flush_s = float(_sample(text, 'kimi_supervisor_capture_window_seconds{window="flush"}'))
+    assert flush_s == pytest.approx(st["flush"]["seconds"], abs=0.01), text
+    assert "kimi_supervisor_capture_failed_requests_total 0.0" in text
     # The stall counts again from the capture's end: a few stall times of normal load after it.
     time.sleep(3 * 5)
     assert not hangs(profiling) and profiling.vllm_pid() == pid

@@ -159,6 +159,7 @@ enabled = false
 [profiling]
 captures_dir = "{root}/captures"
 start_timeout_s = 2
+stall_after_s = 0.2
 {extra}
 """
     )

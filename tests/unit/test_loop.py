@@ -180,6 +180,33 @@ def test_a_capture_in_production_is_refused_unless_production_is_armed(tmp_path:
         armed.close()
 
 
+def test_a_capture_in_an_armed_production_is_a_bounded_window_whatever_was_asked(
+    tmp_path: Path,
+) -> None:
+    """Until stopped, in production, would slow every client for as long as nobody remembers
+    it: the daemon ends it at profiling.armed_capture_max_s by itself, and says so up front.
+    The record carries what it cost serving (capture/stall.py)."""
+    armed = LoopHost(tmp_path / "armed", armed=True, extra="armed_capture_max_s = 0.5")
+    try:
+        booted(armed)
+        started = armed.ask(CaptureStart(by="op", seconds=None, then="production"))
+        assert started.ok, started.message
+        assert "for 0.5 s (at most 0.5 s in production (profiling.armed_capture_max_s))" in (
+            started.message
+        )
+        capture = armed.daemon.s.capture
+        assert capture is not None and capture.spec.seconds == 0.5
+        armed.until(lambda: not capture.active, "the capture to end by itself")
+        assert capture.ok and not capture.stop.is_set(), capture.message
+        (rec,) = armed.history("capture")
+        stall = rec["stall"]
+        assert stall["recording"]["seconds"] >= 0.5, stall  # the fake's /metrics: 7 tokens, still
+        assert stall["recording"]["tokens_per_s"] == 0 and stall["failed"] == 0, stall
+        assert "serving: " in rec["message"]
+    finally:
+        armed.close()
+
+
 def test_a_capture_holds_a_switch_until_it_has_flushed(host: LoopHost) -> None:
     booted(host)
     host.ask(Switch(Mode.PROFILE, "op"))

@@ -1,0 +1,226 @@
+"""What a capture cost the clients that vLLM served meanwhile, from vLLM's own counters.
+
+vLLM's /metrics is read at each edge of a capture: before it (the liveness probe's reading,
+taken at least `MIN_BEFORE_S` earlier), when the profiler starts, when the flush begins, when
+it ends, and `profiling.stall_after_s` later. Between two readings of one vLLM, its generated
+token counter gives tokens/s; its error counters give the requests that failed. The windows:
+
+    before     the last liveness reading -> /start_profile answered
+    recording  /start_profile answered -> /stop_profile sent
+    flush      /stop_profile sent -> answered (vLLM 0.16 exports the trace on its engine's loop:
+               no step, no token, while it writes)
+    after      /stop_profile answered -> stall_after_s later
+
+A window whose edges are missing (no reading, /metrics not answering, no vllm:* series) or
+whose counters went back (another vLLM answers: a restart in between) is not measured, and the
+record says why: never a rate made up from half a window.
+
+The counters, as vLLM 0.16 writes them (seen on the real-vLLM tier; a copy of a whole answer is
+tests/fixtures/vllm-0.16-metrics.txt):
+
+    vllm:generation_tokens_total{engine,model_name}             tokens generated
+    vllm:request_success_total{engine,finished_reason,...}      finished_reason error: failed;
+                                                                abort: its client gave up
+    http_requests_total{handler,method,status}                  status "5xx": failed
+                                                                (prometheus_fastapi_instrumentator,
+                                                                status codes grouped)
+
+The profiler's own routes are not the clients': their answers are the capture's, not counted.
+Pure: the readings come in as text and monotonic times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kimi_supervisor.model import STALL_WINDOWS
+
+# The liveness reading that opens the "before" window is at least this old: a reading taken a
+# moment before the capture says nothing of a rate.
+MIN_BEFORE_S = 5.0
+# Routes whose answers belong to the capture itself.
+PROFILER_ROUTES = ("/start_profile", "/stop_profile")
+WINDOWS = STALL_WINDOWS
+
+
+@dataclass(frozen=True)
+class Sample:
+    """vLLM's counters at one moment (`at`: monotonic seconds), summed over engines and
+    models."""
+
+    at: float
+    tokens: float
+    failed: float = 0.0  # 5xx answers to clients, and requests vLLM ended with an error
+    aborted: float = 0.0  # requests whose clients went away
+
+
+def sample_of(text: str, at: float) -> Sample | None:
+    """The counters in a /metrics answer; None without vLLM's generated-token counter (its
+    stats off, a renamed metric, not vLLM)."""
+    tokens: float | None = None
+    failed = aborted = 0.0
+    try:
+        for family in text_string_to_metric_families(text):
+            name = family.name
+            if family.type == "unknown":
+                name = name.removesuffix("_total")
+            for s in family.samples:
+                if not s.name.endswith("_total"):
+                    continue  # a counter's _created
+                if name == "vllm:generation_tokens":
+                    tokens = (tokens or 0.0) + s.value
+                elif name == "vllm:request_success":
+                    reason = s.labels.get("finished_reason")
+                    if reason == "error":
+                        failed += s.value
+                    elif reason == "abort":
+                        aborted += s.value
+                elif name == "http_requests" and _client_failure(s.labels):
+                    failed += s.value
+    except ValueError:
+        return None
+    return None if tokens is None else Sample(at, tokens, failed, aborted)
+
+
+@dataclass(frozen=True)
+class Window:
+    name: str
+    seconds: float | None
+    tokens_per_s: float | None
+    why_not: str = ""  # why no rate: the window was not measured
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "seconds": None if self.seconds is None else round(self.seconds, 2),
+            "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 2),
+        }
+        if self.why_not:
+            out["not_measured"] = self.why_not
+        return out
+
+
+def window(name: str, a: Sample | str | None, b: Sample | str | None) -> Window:
+    """The rate between two readings. A str in place of a reading says why it is missing."""
+    if not isinstance(a, Sample):
+        return Window(name, None, None, a or "not reached")
+    if not isinstance(b, Sample):
+        return Window(name, None, None, b or "not reached")
+    seconds = b.at - a.at
+    if b.tokens < a.tokens or b.failed < a.failed or b.aborted < a.aborted:
+        return Window(name, seconds, None, "vLLM's counters went back: another vLLM answered")
+    if seconds <= 0:
+        return Window(name, seconds, None, "no time between its readings")
+    return Window(name, seconds, (b.tokens - a.tokens) / seconds)
+
+
+@dataclass(frozen=True)
+class Stall:
+    windows: tuple[Window, ...]
+    failed: int | None  # requests that failed from the start of the capture to its last reading
+    aborted: int | None
+
+    @classmethod
+    def of(
+        cls,
+        before: Sample | str | None,
+        start: Sample | str | None,
+        flushing: Sample | str | None,
+        flushed: Sample | str | None,
+        after: Sample | str | None,
+    ) -> Stall:
+        edges = (before, start, flushing, flushed, after)
+        windows = tuple(window(n, edges[i], edges[i + 1]) for i, n in enumerate(WINDOWS))
+        # Failures from the capture's start to its last reading that still counts on from it.
+        last = next(
+            (e for e in (after, flushed, flushing) if isinstance(e, Sample) and _same(start, e)),
+            None,
+        )
+        if isinstance(start, Sample) and last is not None:
+            failed: int | None = round(last.failed - start.failed)
+            aborted: int | None = round(last.aborted - start.aborted)
+        else:
+            failed = aborted = None
+        return cls(windows, failed, aborted)
+
+    def get(self, name: str) -> Window:
+        return next(w for w in self.windows if w.name == name)
+
+    @property
+    def slowdown(self) -> float | None:
+        """1 - recording/before: the share of tokens/s the recording cost (None: unmeasured,
+        or nothing was served before)."""
+        b, r = self.get("before").tokens_per_s, self.get("recording").tokens_per_s
+        if b is None or r is None or b <= 0:
+            return None
+        return 1 - r / b
+
+    def as_dict(self) -> dict[str, Any]:
+        slowdown = self.slowdown
+        return {
+            **{w.name: w.as_dict() for w in self.windows},
+            "slowdown": None if slowdown is None else round(slowdown, 4),
+            "failed": self.failed,
+            "aborted": self.aborted,
+        }
+
+    def line(self) -> str:
+        """One sentence for the capture's message: "serving: 412 tokens/s before, 380 while
+        recording (8 % slower), 0 in the 12.3 s flush, 405 after; no request failed"."""
+        parts = []
+        for w in self.windows:
+            label = {
+                "before": "before",
+                "recording": "while recording",
+                "flush": f"in the {w.seconds:.1f} s flush" if w.seconds is not None else "flush",
+                "after": "after",
+            }[w.name]
+            if w.tokens_per_s is None:
+                parts.append(f"{label} not measured ({w.why_not})")
+                continue
+            text = f"{w.tokens_per_s:.0f} tokens/s {label}"
+            if w.name == "recording" and self.slowdown is not None:
+                text += f" ({_change(self.slowdown)})"
+            parts.append(text)
+        if self.failed is None:
+            told = "failed requests not counted (no reading spans the capture)"
+        elif self.failed == 0 and not self.aborted:
+            told = "no request failed"
+        else:
+            told = f"{self.failed} request(s) failed, {self.aborted} given up by their clients"
+        return "serving: " + ", ".join(parts) + "; " + told
+
+
+def _client_failure(labels: dict[str, str]) -> bool:
+    """An HTTP 5xx answer to a client (the profiler's routes are the capture's own)."""
+    return labels.get("status", "").startswith("5") and labels.get("handler") not in PROFILER_ROUTES
+
+
+def _same(start: Sample | str | None, later: Sample) -> bool:
+    """`later` counts on from `start` (no restart in between)."""
+    if not isinstance(start, Sample):
+        return False
+    return later.tokens >= start.tokens and later.failed >= start.failed
+
+
+def _change(slowdown: float) -> str:
+    pct = abs(slowdown) * 100
+    if pct < 0.5:
+        return "no slower"
+    return f"{pct:.0f} % {'slower' if slowdown > 0 else 'faster'}"
+
+
+def pick_before(readings: list[tuple[float, int, float]], pid: int, now: float) -> Sample | str:
+    """The liveness reading that opens the "before" window: of (monotonic, MainPID, tokens)
+    readings, the newest of this vLLM's taken at least MIN_BEFORE_S before `now`; else why
+    there is none."""
+    mine = [(at, tokens) for at, p, tokens in readings if p == pid]
+    if not mine:
+        return "no liveness reading of this vLLM yet"
+    old = [(at, tokens) for at, tokens in mine if now - at >= MIN_BEFORE_S]
+    if not old:
+        return f"its only reading is under {MIN_BEFORE_S:g} s old"
+    at, tokens = max(old)
+    return Sample(at, tokens)
