@@ -280,11 +280,13 @@ class Capture:
         if not r.ok:
             self._end(False, explain(r, "/start_profile", p.start_timeout_s))
             return
-        started = self._sample(url)
+        # Each edge's /metrics read runs on a thread of its own: a slow or silent /metrics never
+        # lengthens the recording, delays /stop_profile, or the capture's end past one bound.
+        started = _Reading(self, url)
         self.phase = CapturePhase.RECORDING
         self._event("capture_recording", seconds=self.spec.seconds)
         self.stop.wait(self.spec.seconds)
-        flushing = self._sample(url)
+        flushing = _Reading(self, url)
         self.phase = CapturePhase.FLUSHING
         t0 = time.monotonic()
         self._event("capture_flushing")
@@ -310,17 +312,19 @@ class Capture:
                     bytes=self.bytes_written,
                     flushing_s=round(time.monotonic() - t0, 1),
                 )
-        flushed_at = self._sample(url)
+        flushed = time.monotonic() - t0
+        flushed_at = _Reading(self, url)
         if not result[0].ok:
-            self.stall = Stall.of(self.spec.before, started, flushing, flushed_at, "no flush")
+            # Whatever readings are in by now: a failed flush is told at once.
+            a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
+            self.stall = Stall.of(self.spec.before, a, b, c, "no flush")
             self._end(
                 False,
                 explain(result[0], "/stop_profile", flush_timeout) + "; " + self.stall.line(),
                 stall=self.stall.as_dict(),
             )
             return
-        flushed = time.monotonic() - t0
-        after = _After(self, url, flushed_at)
+        after = _Reading(self, url, delay_s=p.stall_after_s) if p.stall_after_s else None
         new = self._new_files(trace_dir, before)
         spec = self.spec
         into_captures_dir = spec.out is None or spec.out_fd is None
@@ -371,7 +375,9 @@ class Capture:
             self.log("capture_removed", folder=old, why="retention")
         total = sum(f["bytes"] for f in files)
         self._release()
-        self.stall = Stall.of(self.spec.before, started, flushing, flushed_at, after.result())
+        a, b, c = (r.get() for r in (started, flushing, flushed_at))
+        end = self._after(after) if after else "profiling.stall_after_s is 0"
+        self.stall = Stall.of(self.spec.before, a, b, c, end)
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
@@ -387,14 +393,13 @@ class Capture:
             stall=self.stall.as_dict(),
         )
 
-    def _sample(self, url: str) -> Sample | str:
-        """vLLM's counters now (capture/stall.py), or why they could not be read. Bounded: a
-        /metrics that does not answer costs at most METRICS_TIMEOUT_S."""
-        r = request(f"{url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES)
-        if not r.ok:
-            return f"/metrics: {r.error or f'HTTP {r.status}'}"
-        got = sample_of(r.body, time.monotonic())
-        return got if got is not None else "/metrics has no vllm:generation_tokens_total"
+    def _after(self, after: _Reading) -> Sample | str:
+        """The "after" reading, waited for in a phase that holds no switch (said, with how long
+        at most)."""
+        if after.pending():
+            self.phase = CapturePhase.MEASURING
+            self._event("capture_measuring", seconds=round(after.left_s(), 1))
+        return after.get()
 
     def _summarize(self, fd: int, names: list[str]) -> dict[str, Any]:
         """summary.json for the traces just saved. The traces are the capture: a summary that
@@ -422,34 +427,38 @@ class Capture:
         return {n: s[2] for n, s in _files(trace_dir).items() if before.get(n) != s}
 
 
-class _After:
-    """The stall's "after" reading, `profiling.stall_after_s` after the flush, taken on a thread
-    of its own while the traces are moved and summarized. `result()` waits for it (with a
-    phase that holds no switch), at most the window's rest and one /metrics read."""
+class _Reading:
+    """One /metrics read at a capture's edge (capture/stall.py), on a thread of its own, after
+    `delay_s` (the "after" window): the capture goes on meanwhile. `get()` waits for it at most
+    until its deadline (the delay, then METRICS_TIMEOUT_S and a second), or `max_wait_s`."""
 
-    def __init__(self, capture: Capture, url: str, flushed: Sample | str) -> None:
-        self.capture, self.wait_s = capture, capture.config.profiling.stall_after_s
-        self.due = time.monotonic() + self.wait_s
-        self.got: Sample | str = "not read in time"
-        self.thread: threading.Thread | None = None
-        if not self.wait_s:
-            self.got = "profiling.stall_after_s is 0"
-        elif not isinstance(flushed, Sample):
-            self.got = "no reading at the flush's end"
-        else:
-            self.thread = threading.Thread(target=self._read, args=(url,), daemon=True)
-            self.thread.start()
+    def __init__(self, capture: Capture, url: str, delay_s: float = 0.0) -> None:
+        self.url, self.delay_s = url, delay_s
+        self.due = time.monotonic() + delay_s + METRICS_TIMEOUT_S + 1
+        self.got: Sample | str = f"/metrics: no answer within {METRICS_TIMEOUT_S:g} s"
+        self.thread = threading.Thread(target=self._read, daemon=True, name=f"{capture.id}-read")
+        self.thread.start()
 
-    def _read(self, url: str) -> None:
-        threading.Event().wait(max(self.due - time.monotonic(), 0))  # the window, not a poll
-        self.got = self.capture._sample(url)
+    def _read(self) -> None:
+        if self.delay_s:
+            threading.Event().wait(self.delay_s)  # the window's length, not a poll
+        r = request(f"{self.url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES)
+        if not r.ok:
+            self.got = f"/metrics: {r.error or f'HTTP {r.status}'}"
+            return
+        self.got = sample_of(r.body, time.monotonic())
 
-    def result(self) -> Sample | str:
-        if self.thread is not None and self.thread.is_alive():
-            c = self.capture
-            c.phase = CapturePhase.MEASURING
-            c._event("capture_measuring", seconds=round(max(self.due - time.monotonic(), 0), 1))
-            self.thread.join(max(self.due - time.monotonic(), 0) + METRICS_TIMEOUT_S + 1)
+    def pending(self) -> bool:
+        return self.thread.is_alive()
+
+    def left_s(self) -> float:
+        return max(self.due - time.monotonic(), 0.0)
+
+    def get(self, max_wait_s: float | None = None) -> Sample | str:
+        wait = self.left_s() if max_wait_s is None else min(max_wait_s, self.left_s())
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            return f"/metrics: no answer in time ({METRICS_TIMEOUT_S:g} s)"
         return self.got
 
 

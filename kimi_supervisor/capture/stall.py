@@ -31,6 +31,7 @@ Pure: the readings come in as text and monotonic times.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,21 +56,32 @@ class Sample:
     tokens: float
     failed: float = 0.0  # 5xx answers to clients, and requests vLLM ended with an error
     aborted: float = 0.0  # requests whose clients went away
+    # When the answering API server started (its process_start_time_seconds, Unix time): two
+    # readings with different ones are two vLLMs, whatever their counters say. None: unknown.
+    started: float | None = None
 
 
-def sample_of(text: str, at: float) -> Sample | None:
-    """The counters in a /metrics answer; None without vLLM's generated-token counter (its
-    stats off, a renamed metric, not vLLM)."""
+def sample_of(text: str, at: float) -> Sample | str:
+    """The counters in a /metrics answer, or why there is no reading: no generated-token
+    counter (vLLM's stats off, a renamed metric, not vLLM), or a counter that is no count (not
+    finite, negative: nothing a rate or a number of requests can be made of)."""
     tokens: float | None = None
     failed = aborted = 0.0
+    started: float | None = None
     try:
         for family in text_string_to_metric_families(text):
             name = family.name
             if family.type == "unknown":
                 name = name.removesuffix("_total")
             for s in family.samples:
+                if s.name == "process_start_time_seconds":
+                    started = s.value if math.isfinite(s.value) else None
+                    continue
                 if not s.name.endswith("_total"):
                     continue  # a counter's _created
+                counted = name in ("vllm:generation_tokens", "vllm:request_success")
+                if (counted or name == "http_requests") and not _count(s.value):
+                    return f"/metrics: {s.name} is {s.value!r}, not a count"
                 if name == "vllm:generation_tokens":
                     tokens = (tokens or 0.0) + s.value
                 elif name == "vllm:request_success":
@@ -80,9 +92,19 @@ def sample_of(text: str, at: float) -> Sample | None:
                         aborted += s.value
                 elif name == "http_requests" and _client_failure(s.labels):
                     failed += s.value
-    except ValueError:
-        return None
-    return None if tokens is None else Sample(at, tokens, failed, aborted)
+    except ValueError as e:
+        return f"/metrics is not Prometheus text ({str(e)[:80]})"
+    if tokens is None:
+        return "/metrics has no vllm:generation_tokens_total"
+    return Sample(at, tokens, failed, aborted, started)
+
+
+# A counter past this is no count of tokens or requests (float64 counts exactly to 2**53).
+MAX_COUNT = float(2**53)
+
+
+def _count(value: float) -> bool:
+    return math.isfinite(value) and 0 <= value <= MAX_COUNT
 
 
 @dataclass(frozen=True)
@@ -109,8 +131,8 @@ def window(name: str, a: Sample | str | None, b: Sample | str | None) -> Window:
     if not isinstance(b, Sample):
         return Window(name, None, None, b or "not reached")
     seconds = b.at - a.at
-    if b.tokens < a.tokens or b.failed < a.failed or b.aborted < a.aborted:
-        return Window(name, seconds, None, "vLLM's counters went back: another vLLM answered")
+    if (why := _other_vllm(a, b)) is not None:
+        return Window(name, seconds, None, why)
     if seconds <= 0:
         return Window(name, seconds, None, "no time between its readings")
     return Window(name, seconds, (b.tokens - a.tokens) / seconds)
@@ -133,9 +155,13 @@ class Stall:
     ) -> Stall:
         edges = (before, start, flushing, flushed, after)
         windows = tuple(window(n, edges[i], edges[i + 1]) for i, n in enumerate(WINDOWS))
-        # Failures from the capture's start to its last reading that still counts on from it.
+        # Failures from the capture's start to its last reading of the same vLLM.
         last = next(
-            (e for e in (after, flushed, flushing) if isinstance(e, Sample) and _same(start, e)),
+            (
+                e
+                for e in (after, flushed, flushing)
+                if isinstance(e, Sample) and isinstance(start, Sample) and not _other_vllm(start, e)
+            ),
             None,
         )
         if isinstance(start, Sample) and last is not None:
@@ -198,11 +224,14 @@ def _client_failure(labels: dict[str, str]) -> bool:
     return labels.get("status", "").startswith("5") and labels.get("handler") not in PROFILER_ROUTES
 
 
-def _same(start: Sample | str | None, later: Sample) -> bool:
-    """`later` counts on from `start` (no restart in between)."""
-    if not isinstance(start, Sample):
-        return False
-    return later.tokens >= start.tokens and later.failed >= start.failed
+def _other_vllm(a: Sample, b: Sample) -> str | None:
+    """Why `b` is not a later reading of the vLLM that gave `a`, or None: its API server
+    started at another time, or a counter went back (counters start again at 0)."""
+    if a.started is not None and b.started is not None and a.started != b.started:
+        return "another vLLM answered (its API server started at another time)"
+    if b.tokens < a.tokens or b.failed < a.failed or b.aborted < a.aborted:
+        return "vLLM's counters went back: another vLLM answered"
+    return None
 
 
 def _change(slowdown: float) -> str:

@@ -192,7 +192,7 @@ class CaptureFollow(Follow):
 
     def on_reply(self, msg: dict[str, Any]) -> Exit | None:
         if not self.o.json:
-            print(msg["message"], flush=True)
+            print("\n".join(wrap([msg["message"]], columns(sys.stdout) - 1)), flush=True)
         return None
 
     def on_event(self, msg: dict[str, Any]) -> None:
@@ -211,7 +211,8 @@ class CaptureFollow(Follow):
         elif name == "capture_summarizing" and text:
             print(f"summarizing {data['files']} trace file(s)", flush=True)
         elif name == "capture_measuring" and text:
-            print(f"reading vLLM's tokens/s after the flush ({data['seconds']:g} s)", flush=True)
+            print(f"reading vLLM's tokens/s after the flush (at most {data['seconds']:g} s)",
+                  flush=True)  # fmt: skip
         elif name == "capture_progress" and text:
             print(
                 f"  flushing: {data['files']} file(s), {data['bytes'] / 1e6:.1f} MB "

@@ -251,11 +251,10 @@ class Desk:
             bounds.append(f"at most {cap:g} s in {serving.value} (profiling.armed_capture_max_s)")
         if steps := config.profiler_max_iterations(serving):
             bounds.append(f"vLLM stops recording after {steps} engine steps (max_iterations)")
-        # The liveness reading that opens the stall's "before" window, on the capture's clock.
-        now = self.ctx.clock.monotonic()
-        before = stall.pick_before(list(s.tokens_seen), s.serving.pid if s.serving else 0, now)
-        if isinstance(before, stall.Sample):
-            before = stall.Sample(time.monotonic() - (now - before.at), before.tokens)
+        # The liveness reading that opens the stall's "before" window (both on time.monotonic:
+        # the readings carry when /metrics answered).
+        pid = s.serving.pid if s.serving else 0
+        before = stall.pick_before(list(s.tokens_seen), pid, time.monotonic())
         spec = CaptureSpec(
             seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid, serving, before
         )  # fmt: skip

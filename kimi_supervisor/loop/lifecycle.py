@@ -647,8 +647,10 @@ class Lifecycle:
                         "canary_tokens": c.tokens}
             )  # fmt: skip
         s.liveness = seen
-        if w is not None:
-            s.tokens_seen.append((now, reading.pid, w.tokens))
+        # The readings that may open a capture's "before" window: never one taken while a
+        # capture is under way (its recording or flush is not "before" the next one's).
+        if w is not None and reading.metrics_at and not (s.capture and s.capture.active):
+            s.tokens_seen.append((reading.metrics_at, reading.pid, w.tokens))
         if c is not None and c.answered and not c.ok:
             ctx.warn(f"the liveness canary was refused ({c.detail}): only /metrics can tell")
         elif c is not None and c.ok:

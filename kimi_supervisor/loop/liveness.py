@@ -51,6 +51,8 @@ class Reading:
     canary: Canary | None
     metrics: str = "ok"  # "ok", "absent" (answered, no vllm:* series), "unreachable"
     cpu: Cpu | None = None
+    # When /metrics answered (time.monotonic()), before any canary: the time of `work`.
+    metrics_at: float = 0.0
 
 
 # The titles vLLM gives the processes that do the engine's work (vLLM 0.16: the engine core and
@@ -160,9 +162,10 @@ class Liveness:
 
     def _probe(self, pid: int, url: str, want_canary: bool) -> None:
         c = self.config.liveness
-        work, metrics, cpu, probe = None, "unreachable", None, None
+        work, metrics, cpu, probe, metrics_at = None, "unreachable", None, None, 0.0
         try:
             r = request(f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES)
+            metrics_at = time.monotonic()
             work = parse(r.body) if r.ok else None
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
             cpu = engine_cpu(pid, engine_only=True)
@@ -184,7 +187,7 @@ class Liveness:
                 probe = dataclasses.replace(probe, cpu=sent, others_s=others)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
-        self._put(Reading(pid, work, probe, metrics, cpu))
+        self._put(Reading(pid, work, probe, metrics, cpu, metrics_at))
 
     def seen(self, reading: Reading, now: float, capturing: bool = False) -> Hang | None:
         """The reading applied: the verdict if vLLM is hung, else None. While a capture is

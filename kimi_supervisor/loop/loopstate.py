@@ -115,8 +115,9 @@ class LoopState:
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
     gpu_health: GpuHealthStatus | None = None  # read before the last start (gpus.health_check)
     liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving
-    # The liveness probe's last token counts: (monotonic, MainPID, generated tokens), the
-    # reading that opens a capture's "before" window (capture/stall.py).
+    # The liveness probe's last token counts outside captures: (time.monotonic() when /metrics
+    # answered, MainPID, generated tokens), the reading that opens a capture's "before" window
+    # (capture/stall.py).
     tokens_seen: deque[tuple[float, int, float]] = field(default_factory=lambda: deque(maxlen=8))
     capture: Capture | None = None
     warnings: list[str] = field(default_factory=list)

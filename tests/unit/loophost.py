@@ -61,6 +61,7 @@ if GATE:
     while os.path.exists(GATE):
         time.sleep(0.005)
 HUNG = os.environ.get("FAKE_HUNG_FILE", "/nonexistent")  # while it exists, no completion ends
+SILENT = HUNG + "-metrics"  # while it exists, /metrics does not answer
 METRICS = ("vllm:num_requests_running{{engine=\"0\"}} {running}\n"
            "vllm:generation_tokens_total{{engine=\"0\"}} 7\n")
 class H(http.server.BaseHTTPRequestHandler):
@@ -68,6 +69,8 @@ class H(http.server.BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("Content-Length", str(len(body)))
         self.end_headers(); self.wfile.write(body)
     def do_GET(self):
+        while self.path == "/metrics" and os.path.exists(SILENT):
+            time.sleep(0.05)
         if self.path == "/metrics":
             self._send(METRICS.format(running=int(os.path.exists(HUNG))).encode())
         elif self.path == "/v1/models":

@@ -198,12 +198,41 @@ def test_a_capture_in_an_armed_production_is_a_bounded_window_whatever_was_asked
         assert capture is not None and capture.spec.seconds == 0.5
         armed.until(lambda: not capture.active, "the capture to end by itself")
         assert capture.ok and not capture.stop.is_set(), capture.message
+        armed.until(lambda: bool(armed.history("capture")), "the capture's record")
         (rec,) = armed.history("capture")
         stall = rec["stall"]
         assert stall["recording"]["seconds"] >= 0.5, stall  # the fake's /metrics: 7 tokens, still
         assert stall["recording"]["tokens_per_s"] == 0 and stall["failed"] == 0, stall
         assert "serving: " in rec["message"]
     finally:
+        armed.close()
+
+
+def test_a_silent_metrics_never_lengthens_a_recording_nor_delays_its_stop(tmp_path: Path) -> None:
+    """The stall's /metrics reads run beside the capture (an outside review: each sat between a
+    decision and /stop_profile, and a silent /metrics recorded 22 s for a 2 s window and counted
+    its 10 s in "flush took"). Here /metrics answers nothing: the recording lasts what was
+    asked, the flush is what it is, and the record says which windows went unmeasured."""
+    armed = LoopHost(tmp_path / "armed", armed=True)
+    silent = Path(f"{armed.systemd.hung_file}-metrics")
+    try:
+        booted(armed)
+        silent.touch()
+        t0 = time.monotonic()
+        assert armed.ask(CaptureStart(by="op", seconds=0.5, then="production")).ok
+        capture = armed.daemon.s.capture
+        assert capture is not None
+        armed.until(lambda: capture.phase not in ("starting", "recording"), "the flush")
+        recorded_s = time.monotonic() - t0
+        armed.until(lambda: not capture.active, "the capture to end", real_s=30)
+        assert recorded_s < 3, recorded_s
+        assert capture.ok and "flush took 0." in capture.message, capture.message
+        armed.until(lambda: bool(armed.history("capture")), "the capture's record")
+        stall = armed.history("capture")[-1]["stall"]
+        assert "timed out" in stall["recording"]["not_measured"], stall
+        assert stall["failed"] is None, stall
+    finally:
+        silent.unlink(missing_ok=True)
         armed.close()
 
 

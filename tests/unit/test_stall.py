@@ -15,7 +15,7 @@ REAL = (Path(__file__).parents[1] / "fixtures" / "vllm-0.16-metrics.txt").read_t
 
 def test_a_real_vllm_answer_gives_its_generated_tokens_and_no_failures() -> None:
     got = sample_of(REAL, 7.0)
-    assert got == Sample(7.0, 50.0, 0.0, 0.0)
+    assert got == Sample(7.0, 50.0, 0.0, 0.0, started=1.79641735503e09)
 
 
 def test_client_errors_and_abandoned_requests_count_but_the_profilers_own_routes_do_not() -> None:
@@ -38,15 +38,45 @@ def test_client_errors_and_abandoned_requests_count_but_the_profilers_own_routes
     )
     text = text.replace("# HELP http_requests_total", extra + "# HELP http_requests_total", 1)
     got = sample_of(text, 0.0)
-    assert got is not None and (got.failed, got.aborted) == (5.0, 1.0)
+    assert isinstance(got, Sample) and (got.failed, got.aborted) == (5.0, 1.0)
 
 
 @pytest.mark.parametrize(
-    "text",
-    ["", "# HELP python_info x\n# TYPE python_info gauge\npython_info 1.0\n", "not { metrics"],
+    ("text", "why"),
+    [
+        ("", "no vllm:generation_tokens_total"),
+        ("# HELP python_info x\n# TYPE python_info gauge\npython_info 1.0\n", "no vllm:gen"),
+        ("not { metrics", "not Prometheus text"),
+    ],
 )
-def test_an_answer_without_vllms_token_counter_is_no_reading(text: str) -> None:
-    assert sample_of(text, 0.0) is None
+def test_an_answer_without_vllms_token_counter_is_no_reading_and_says_why(
+    text: str, why: str
+) -> None:
+    got = sample_of(text, 0.0)
+    assert isinstance(got, str) and why in got
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-3.0", "1e300"])
+@pytest.mark.parametrize(
+    "series",
+    [
+        'vllm:generation_tokens_total{engine="0",model_name="m"}',
+        'http_requests_total{handler="/v1/completions",method="POST",status="5xx"}',
+        'vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"}',
+    ],
+)
+def test_a_counter_that_is_no_count_is_no_reading_never_a_number_told(
+    series: str, value: str
+) -> None:
+    """An outside review: +Inf in a failure counter failed a capture whose traces were saved
+    (OverflowError), and NaN gave "nan tokens/s" and a history line that is not JSON."""
+    name = series.split("{")[0]
+    family = name.removesuffix("_total")
+    text = f"# TYPE {family} counter\n{series} {value}\n"
+    if not name.startswith("vllm:generation"):
+        text += "# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total 5.0\n"
+    got = sample_of(text, 0.0)
+    assert isinstance(got, str) and "not a count" in got, got
 
 
 def test_each_window_is_a_rate_and_the_line_says_what_the_clients_lost() -> None:
@@ -72,6 +102,25 @@ def test_failures_count_from_the_profilers_start_to_the_last_reading_of_the_same
     )  # fmt: skip
     assert (stall.failed, stall.aborted) == (4, 2)
     assert stall.line().endswith("; 4 request(s) failed, 2 given up by their clients")
+
+
+def test_a_vllm_restarted_between_two_readings_is_told_by_its_start_time_not_its_counters() -> None:
+    """The new vLLM's counter already past the old one's: only its start time tells."""
+    old, new = 1.0e9, 1.0e9 + 700
+    stall = Stall.of(
+        Sample(0, 0, started=old), Sample(10, 100, started=old), Sample(40, 140, started=old),
+        Sample(52, 150, started=old), Sample(652, 5000, started=new),
+    )  # fmt: skip
+    after = stall.as_dict()["after"]
+    assert after["tokens_per_s"] is None and "started at another time" in after["not_measured"]
+    assert stall.failed == 0  # counted to the flush's end, the last reading of that vLLM
+
+
+def test_abandoned_requests_going_back_is_another_vllm_never_a_negative_count() -> None:
+    stall = Stall.of(Sample(0, 0), Sample(10, 100, 0, 5), Sample(20, 200, 0, 5),
+                     Sample(30, 300, 0, 1), "x")  # fmt: skip
+    assert stall.as_dict()["flush"]["tokens_per_s"] is None
+    assert stall.aborted == 0 and "-" not in stall.line()
 
 
 def test_a_window_whose_counters_went_back_is_not_measured_never_a_negative_rate() -> None:
