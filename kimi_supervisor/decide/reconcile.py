@@ -53,6 +53,11 @@ class Observed:
     # running_mode was started with an earlier config's argv (edited since, and reloaded): it is
     # adopted as that mode, never torn down for it; a restart waits for an operator's --apply.
     argv_stale: bool = False
+    # Why vLLM's own clients can order it about (launcher.open_routes), "" if they cannot; and
+    # whether its profiler is armed with no guard (a start by this daemon adds the guard:
+    # `--apply` restarts it).
+    open_routes: str = ""
+    unguarded: bool = False
     # /health gave no answer that says anything (none in daemon.health_timeout_s, a reset, the
     # daemon's own error): a second sign is needed (decide/liveness.health_failure).
     health_slow: bool = False

@@ -66,7 +66,9 @@ class Desk:
             ),
             desired=s.desired,
             capture_active=s.capture is not None and s.capture.phase.holds_switch,
-            stale=obs is not None and obs.argv_stale,
+            # An armed vLLM with no profile guard: the daemon's own start of the mode adds it,
+            # so `--apply` restarts it as it does one with an earlier config's argv.
+            stale=obs is not None and (obs.argv_stale or obs.unguarded),
         )
         verdict = policy.admit(r.mode, r.force, view, apply=r.apply)
         info = {"transition": tr.model_dump(mode="json")} if tr is not None and switching else {}
@@ -100,7 +102,9 @@ class Desk:
                 )
             case policy.Admit.ALREADY:
                 pid = s.serving.pid if s.serving else 0
-                if view.stale:
+                if view.stale and obs is not None and obs.unguarded and not obs.argv_stale:
+                    said = "; its profiler routes are open (no profile guard): --apply restarts it"
+                elif view.stale:
                     said = (
                         "; it runs an earlier config's argv: --apply restarts it with the config's"
                     )

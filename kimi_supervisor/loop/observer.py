@@ -37,6 +37,8 @@ from kimi_supervisor.teardown.listing import FirstListed
 # until the GPUs are next seen idle and calibrated. An idle H200 with persistence mode reads
 # 615 MiB; the status shows the baseline as provisional meanwhile.
 PROVISIONAL_BASELINE_MIB = 1024
+# The warning while the serving vLLM takes orders from its own clients (launcher.open_routes).
+OPEN_ROUTES = "vLLM's clients can order it about"
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,13 @@ class Observer:
         up = st.up
         steady = serving_pid != 0 and st.main_pid == serving_pid
         running = self._running_mode(st.main_pid) if up else None
+        if running is not None and running.open_routes:
+            self.warn(f"{OPEN_ROUTES} (PID {st.main_pid}): {running.open_routes}"
+                      + (f"; `kimi-mode {running.mode.value} --apply` starts it again with the "
+                         "guard" if running.unguarded else "; remove it from vLLM's unit"),
+                      OPEN_ROUTES)  # fmt: skip
+        else:
+            self.unwarn(OPEN_ROUTES)
         health, slow = self._probe_health(st.main_pid, steady) if up else (-1, False)
         fresh = self.gpus_at is not None and (
             self.clock.monotonic() - self.gpus_at < self.config.daemon.health_interval_s
@@ -147,6 +156,8 @@ class Observer:
             main_pid=st.main_pid,
             running_mode=running.mode if running else None,
             argv_stale=running is not None and running.stale,
+            open_routes=running.open_routes if running else "",
+            unguarded=running is not None and running.unguarded,
             health=health,
             health_slow=slow,
             gpus_clean=clean,

@@ -85,6 +85,42 @@ def arms_profiler(argv: list[str]) -> bool:
 
 
 PROFILER_FLAG = "--profiler-config"
+# vLLM 0.16's development routes (/collective_rpc reaches the workers' profiler, /sleep,
+# /reset_prefix_cache, ...): on with this in its environment, and no guard covers them.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+
+
+def _dev_mode(value: str) -> bool:
+    """As vLLM 0.16 reads it (vllm/envs.py: `bool(int(os.getenv(...)))`)."""
+    try:
+        return int(value) != 0
+    except ValueError:
+        return False  # vLLM itself would not start
+
+
+def unguarded(cmdline: list[str]) -> bool:
+    """A vLLM started with `cmdline` serves its profiler's routes with no profile guard."""
+    guarded = any(cmdline[i : i + len(GUARD_ARGS)] == GUARD_ARGS for i in range(len(cmdline)))
+    return arms_profiler(cmdline) and not guarded
+
+
+def open_routes(cmdline: list[str], environ: dict[str, str]) -> str:
+    """Why a running vLLM's own clients can order it about ("" when they cannot, as far as its
+    command line and environment tell): its profiler armed with no profile guard (a vLLM started
+    by hand, or by a version before the guard), or its development routes on. A process that
+    rewrote its command line (setproctitle) tells nothing here."""
+    if unguarded(cmdline):
+        return (
+            "its profiler is armed with no profile guard: any client of its port can start a "
+            "capture (a vLLM not started by this kimi-supervisor)"
+        )
+    if _dev_mode(environ.get(DEV_MODE_ENV, "0")):
+        return (
+            f"it runs with {DEV_MODE_ENV}={environ[DEV_MODE_ENV]}: its development routes "
+            "(/collective_rpc, /sleep, ...) are open to any client of its port, and no guard "
+            "covers them"
+        )
+    return ""
 
 
 def token_path(argv_file: Path) -> Path:
@@ -164,6 +200,10 @@ class Running:
 
     mode: Mode
     stale: bool = False
+    # Why its own clients can order it about (open_routes), and whether a start by this daemon
+    # would close that (its profiler armed with no guard: the daemon's start adds the guard).
+    open_routes: str = ""
+    unguarded: bool = False
 
 
 def read_argv_file(path: Path) -> list[str]:
@@ -313,7 +353,8 @@ def running_mode(config: Config, main_pid: int) -> Running | None:
     cmdline = processes.cmdline_of(main_pid)
     mode = mode_of_argv(config, cmdline)
     if mode is not None:
-        return Running(mode)
+        routes = open_routes(cmdline, processes.environ_of(main_pid))
+        return Running(mode, open_routes=routes, unguarded=unguarded(cmdline))
     if cmdline[-3:] == ["launch-vllm", "--argv-file", str(config.vllm.argv_file)]:
         # The unit's ExecStart before its exec (its first tenth of a second): it runs what the
         # argv file says, which the daemon wrote before starting the unit.

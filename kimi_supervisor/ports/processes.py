@@ -123,6 +123,26 @@ def cmdline_of(pid: int) -> list[str]:
     return out
 
 
+# /proc/PID/environ is what the process was exec'd with, at most ARG_MAX (2 MiB here by
+# default); more is not read.
+MAX_ENVIRON_BYTES = 2 << 20
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """The environment `pid` was exec'd with (root reads anyone's); {} where it cannot be read."""
+    try:
+        with open(PROC / str(pid) / "environ", "rb") as f:
+            raw = f.read(MAX_ENVIRON_BYTES)
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        name, eq, value = item.partition(b"=")
+        if eq and name:
+            out[name.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
 def cgroup_of(pid: int) -> str:
     """The process's cgroup path: the unified (v2) one, else the name=systemd (v1) one."""
     try:

@@ -307,3 +307,37 @@ def test_a_fifo_at_the_secrets_path_is_refused_at_once_never_waited_on(tmp_path:
     began = time.monotonic()
     assert launcher.read_token(argv_file) is None  # no writer: a blocking open would hang
     assert time.monotonic() - began < 5
+
+
+def test_an_armed_vllm_running_without_the_guard_is_told_and_apply_would_restart_it(
+    tmp_path: Path,
+) -> None:
+    """A vLLM the daemon adopts but did not start with the guard (by hand, or by a version
+    before it) serves the profiler's routes to anyone: the observation says so, and marks it
+    one that `--apply` restarts (the daemon's start adds the guard). Its development routes
+    (VLLM_SERVER_DEV_MODE, as vLLM 0.16 reads it: an int) are said too; no guard covers them."""
+    armed, plain = config_for(tmp_path / "a", armed=True), config_for(tmp_path / "p")
+    cases = [
+        (armed, armed.launch_argv(Mode.PRODUCTION), {}, "no profile guard", True),
+        (armed, [*armed.launch_argv(Mode.PRODUCTION), *launcher.GUARD_ARGS], {}, "", False),
+        (plain, plain.launch_argv(Mode.PRODUCTION), {"VLLM_SERVER_DEV_MODE": "1"},
+         "VLLM_SERVER_DEV_MODE=1: its development routes", False),
+        (plain, plain.launch_argv(Mode.PRODUCTION), {"VLLM_SERVER_DEV_MODE": "0"}, "", False),
+    ]  # fmt: skip
+    for config, argv, env, says, unguarded in cases:
+        # The fake vLLM itself, as someone started it by hand (it listens on the config's port).
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 10
+            while not launcher.running_mode(config, proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)  # the exec: until then the cmdline is this test's
+            running = launcher.running_mode(config, proc.pid)
+        finally:
+            proc.kill()
+            proc.wait()
+        assert running is not None and running.mode is Mode.PRODUCTION, argv
+        assert (says in running.open_routes) and (bool(says) == bool(running.open_routes)), (
+            running.open_routes
+        )
+        assert running.unguarded is unguarded
