@@ -54,7 +54,8 @@ class Judges:
         for name, values in VALUES.items():
             config = Config.model_validate({
                 "vllm": {"command": ["vllm", "serve", "m"], "port": PORT},
-                "modes": {"production": {"args": []}, "profile": {"args": []}},
+                # Told apart by their argv (check-config refuses two equal ones); unused here.
+                "modes": {"production": {"args": []}, "profile": {"args": ["--profile"]}},
                 "liveness": values,
             })  # fmt: skip
             self.inbox[name] = q = queue.Queue[Reading]()
