@@ -34,6 +34,12 @@ ROWS = [
     ),
     ("hang_served_again_s", "the same freeze → serving again (teardown and a new load)"),
     ("flush_under_load_s", "a capture's flush under load, longer than the 5 s stall: no verdict"),
+    (
+        "capture_stall_tps",
+        "that capture, no restart: vLLM's tokens/s before / recording / flush / "
+        "after (its record's `stall`)",
+    ),
+    ("capture_stall_failed", "that capture: requests failed meanwhile"),
     ("worker_hang_noticed_s", "VLLM::Worker_TP1 frozen under load → its incident (stall 5 s)"),
     ("worker_hang_window_s", "that hang: the unavailable window the daemon reports"),
     ("worker_hang_clients_gap_s", "that hang: the longest gap between answers its clients saw"),

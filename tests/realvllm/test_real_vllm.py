@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.capture.retention import oldest_first
+from kimi_supervisor.model import STALL_WINDOWS
 from kimi_supervisor.ports import launcher, openfiles, processes
 from kimi_supervisor.ports.http import request
 from kimi_supervisor.ports.sockets import unix_paths_by_inode
@@ -101,7 +102,8 @@ def real() -> Iterator[DaemonHelper]:
         # leaves in the real /dev/shm (which no sandbox can redirect: shm_open names it).
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
                      "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
-        "profiling": {"keep_captures": 1},
+        # The stall's "after" reading 3 s after a flush (shipped: 10 s), scaled like liveness.
+        "profiling": {"keep_captures": 1, "stall_after_s": 3},
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
@@ -271,9 +273,9 @@ def capture(real: DaemonHelper, *args: str) -> tuple[str, Path]:
     starts again, and vLLM's error is kept in the results (`stop_profile_500`)."""
     for attempt in (1, 2):
         code, text = _capture_once(real, *args)
-        if code == 0 or attempt == 2 or "/stop_profile with HTTP 500" not in text:
+        if code == 0 or attempt == 2 or "/stop_profile with HTTP 500" not in flat(text):
             break
-        assert "FAILED: vLLM failed /stop_profile with HTTP 500" in text, text
+        assert "FAILED: vLLM failed /stop_profile with HTTP 500" in flat(text), text
         log = real.config.vllm.log_file
         errors = [x for x in (log.read_text(errors="replace") if log else "").splitlines()
                   if "Error" in x or "error" in x or "Traceback" in x][-20:]  # fmt: skip
@@ -283,7 +285,7 @@ def capture(real: DaemonHelper, *args: str) -> tuple[str, Path]:
             time.sleep(1)  # a test's poll: vLLM's engine may be dead and being replaced
         real.wait_serving("profile", READY_S)
     assert code == 0, text
-    m = re.search(r"MB in (\S+) \(flush took ([\d.]+) s\)", text)
+    m = re.search(r"MB in (\S+) \(flush took ([\d.]+) s\)", flat(text))
     assert m, text
     return text, Path(m.group(1))
 
@@ -395,7 +397,7 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
     argv = json.loads(real.config.vllm.argv_file.read_text())["argv"]
     # The mode's argv byte for byte, then the profile guard's two arguments.
     assert processes.cmdline_of(real.vllm_pid()) == [*as_executed(argv), *launcher.GUARD_ARGS]
-    flush = float(re.search(r"flush took ([\d.]+) s", out).group(1))  # type: ignore[union-attr]
+    flush = float(re.search(r"flush took ([\d.]+) s", flat(out)).group(1))  # type: ignore[union-attr]
     record(capture_output=out, capture_flush_s=flush, capture_summary_s=summary["took_s"],
            capture_mb=round(sum(p.stat().st_size for p in folder.iterdir()) / 1e6, 1),
            capture_decode_steps=summary["ranks"][0]["steps"]["decode"])  # fmt: skip
@@ -549,8 +551,9 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     assert st["flush"]["tokens_per_s"] < st["recording"]["tokens_per_s"] / 2, st
     assert st["failed"] == 0, st
     assert "tokens/s in the" in flat(r.stdout) and "s flush" in flat(r.stdout), r.stdout
-    record(flush_under_load_s=flushes[-1], capture_stall=st,
-           capture_stall_line=flat(r.stdout).split("serving: ", 1)[-1][:300])  # fmt: skip
+    rates = " / ".join(str(st[w]["tokens_per_s"]) for w in STALL_WINDOWS)
+    record(flush_under_load_s=flushes[-1], capture_stall=st, capture_stall_tps=rates,
+           capture_stall_failed=st["failed"])  # fmt: skip
 
 
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(

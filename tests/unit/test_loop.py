@@ -208,11 +208,16 @@ def test_a_capture_in_an_armed_production_is_a_bounded_window_whatever_was_asked
         armed.close()
 
 
-def test_a_silent_metrics_never_lengthens_a_recording_nor_delays_its_stop(tmp_path: Path) -> None:
+def test_a_silent_metrics_never_lengthens_a_recording_nor_delays_its_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The stall's /metrics reads run beside the capture (an outside review: each sat between a
     decision and /stop_profile, and a silent /metrics recorded 22 s for a 2 s window and counted
     its 10 s in "flush took"). Here /metrics answers nothing: the recording lasts what was
     asked, the flush is what it is, and the record says which windows went unmeasured."""
+    from kimi_supervisor.capture import job
+
+    monkeypatch.setattr(job, "METRICS_TIMEOUT_S", 2.0)  # each read's bound (10 s shipped)
     armed = LoopHost(tmp_path / "armed", armed=True)
     silent = Path(f"{armed.systemd.hung_file}-metrics")
     try:
