@@ -205,7 +205,8 @@ class Observer:
 
     def _running_mode(self, main_pid: int) -> launcher.Running | None:
         """The mode MainPID was started in; read once per MainPID (its argv does not change)."""
-        if self._mode_of_pid[0] != main_pid or self._mode_of_pid[1] is None:
+        cached = self._mode_of_pid[1]
+        if self._mode_of_pid[0] != main_pid or cached is None or cached.provisional:
             self._mode_of_pid = (main_pid, launcher.running_mode(self.config, main_pid))
         return self._mode_of_pid[1]
 

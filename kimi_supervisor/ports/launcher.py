@@ -78,7 +78,7 @@ def arms_profiler(argv: list[str]) -> bool:
     argparse's abbreviations such as `--profiler`: vLLM 0.16 allows them), or a `--config` file
     (which may name it). Guarding a vLLM that has no such routes costs one check per request."""
     for a in argv:
-        name = a.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        name = _flag(a)
         if name == "--config" or (len(name) > 4 and PROFILER_FLAG.startswith(name)):
             return True
     return False
@@ -109,18 +109,26 @@ def open_routes(cmdline: list[str], environ: dict[str, str]) -> str:
     command line and environment tell): its profiler armed with no profile guard (a vLLM started
     by hand, or by a version before the guard), or its development routes on. A process that
     rewrote its command line (setproctitle) tells nothing here."""
+    said = []
     if unguarded(cmdline):
-        return (
-            "its profiler is armed with no profile guard: any client of its port can start a "
-            "capture (a vLLM not started by this kimi-supervisor)"
+        config_only = not arms_profiler([a for a in cmdline if _flag(a) != "--config"])
+        said.append(
+            "its profiler may be armed (its --config file can name one) with no profile guard"
+            if config_only
+            else "its profiler is armed with no profile guard: any client of its port can start "
+            "a capture (a vLLM not started by this kimi-supervisor)"
         )
-    if _dev_mode(environ.get(DEV_MODE_ENV, "0")):
-        return (
-            f"it runs with {DEV_MODE_ENV}={environ[DEV_MODE_ENV]}: its development routes "
-            "(/collective_rpc, /sleep, ...) are open to any client of its port, and no guard "
-            "covers them"
+    if _dev_mode(value := environ.get(DEV_MODE_ENV, "0")):
+        shown = value.strip()[:12] + ("..." if len(value.strip()) > 12 else "")
+        said.append(
+            f"it runs with {DEV_MODE_ENV}={shown}: its development routes (/collective_rpc, "
+            "/sleep, ...) are open to any client of its port, and no guard covers them"
         )
-    return ""
+    return "; and ".join(said)
+
+
+def _flag(arg: str) -> str:
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
 
 
 def token_path(argv_file: Path) -> Path:
@@ -200,6 +208,9 @@ class Running:
 
     mode: Mode
     stale: bool = False
+    # Judged from the launcher before its exec: what runs after it is still to be read (its
+    # environment above all); not to be kept for this MainPID.
+    provisional: bool = False
     # Why its own clients can order it about (open_routes), and whether a start by this daemon
     # would close that (its profiler armed with no guard: the daemon's start adds the guard).
     open_routes: str = ""
@@ -362,7 +373,7 @@ def running_mode(config: Config, main_pid: int) -> Running | None:
             mode = mode_of_argv(config, read_argv_file(config.vllm.argv_file))
         except LaunchError:
             return None
-        return Running(mode) if mode is not None else None
+        return Running(mode, provisional=True) if mode is not None else None
     try:
         rec = json.loads(launch_record_path(config.vllm.argv_file).read_text(encoding="utf-8"))
         ref = processes.ref_of(main_pid)

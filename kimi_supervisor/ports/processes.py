@@ -123,9 +123,9 @@ def cmdline_of(pid: int) -> list[str]:
     return out
 
 
-# /proc/PID/environ is what the process was exec'd with, at most ARG_MAX (2 MiB here by
-# default); more is not read.
-MAX_ENVIRON_BYTES = 2 << 20
+# /proc/PID/environ is what the process was exec'd with: with argv, at most ARG_MAX, a quarter of
+# the stack's limit (2 MiB under the usual 8 MiB); more than this is not read.
+MAX_ENVIRON_BYTES = 16 << 20
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -135,11 +135,11 @@ def environ_of(pid: int) -> dict[str, str]:
             raw = f.read(MAX_ENVIRON_BYTES)
     except OSError:
         return {}
-    out = {}
+    out: dict[str, str] = {}
     for item in raw.split(b"\0"):
         name, eq, value = item.partition(b"=")
-        if eq and name:
-            out[name.decode(errors="replace")] = value.decode(errors="replace")
+        if eq and name:  # the first of a name twice is what getenv (and Python) see
+            out.setdefault(name.decode(errors="replace"), value.decode(errors="replace"))
     return out
 
 

@@ -341,3 +341,59 @@ def test_an_armed_vllm_running_without_the_guard_is_told_and_apply_would_restart
             running.open_routes
         )
         assert running.unguarded is unguarded
+
+
+def test_what_vllm_runs_after_the_launchers_exec_is_read_again_and_its_environment_as_getenv(
+    tmp_path: Path,
+) -> None:
+    """An outside review: the launcher's moment before its exec (`launch-vllm --argv-file`) was
+    judged from the argv file and kept for that MainPID, so a dev-mode vLLM the daemon started
+    itself was never said. That judgement is provisional now. And a name set twice in the
+    environment is read as getenv and Python read it: the first."""
+    config = config_for(tmp_path)
+    launching = [sys.executable, "-c", "import time; time.sleep(30)", "launch-vllm",
+                 "--argv-file", str(config.vllm.argv_file)]  # fmt: skip
+    config.vllm.argv_file.parent.mkdir(parents=True, exist_ok=True)
+    config.vllm.argv_file.write_text(
+        json.dumps({"mode": "production", "argv": config.launch_argv(Mode.PRODUCTION)})
+    )
+    proc = subprocess.Popen(launching, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while launcher.running_mode(config, proc.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        running = launcher.running_mode(config, proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert running is not None and running.mode is Mode.PRODUCTION and running.provisional
+    assert "VLLM_SERVER_DEV_MODE=1" in launcher.open_routes([], {"VLLM_SERVER_DEV_MODE": "1"})
+    # --config alone may arm it: said as a may, not as a fact.
+    said = launcher.open_routes(["vllm", "serve", "m", "--config", "c.yaml"], {})
+    assert said.startswith("its profiler may be armed (its --config file can name one)"), said
+
+
+def test_a_name_twice_in_a_processes_environment_reads_as_its_first() -> None:
+    """execve may pass a name twice; getenv and Python keep the first (an outside review: the
+    daemon kept the last, and read VLLM_SERVER_DEV_MODE=1 then =0 as off)."""
+    from kimi_supervisor.ports import processes
+
+    exec_twice = (
+        "import ctypes; libc = ctypes.CDLL(None); "
+        "argv = (ctypes.c_char_p * 3)(b'/bin/sleep', b'30', None); "
+        "envp = (ctypes.c_char_p * 3)(b'VLLM_SERVER_DEV_MODE=1', b'VLLM_SERVER_DEV_MODE=0', None); "
+        "libc.execve(b'/bin/sleep', argv, envp)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", exec_twice])
+    try:
+        deadline = time.monotonic() + 10
+        while processes.cmdline_of(proc.pid)[:1] != ["/bin/sleep"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        raw = (Path("/proc") / str(proc.pid) / "environ").read_bytes()
+        got = processes.environ_of(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert raw.count(b"VLLM_SERVER_DEV_MODE=") == 2, raw  # both are there
+    assert got["VLLM_SERVER_DEV_MODE"] == "1"
+    assert "VLLM_SERVER_DEV_MODE=1" in launcher.open_routes([], got)
