@@ -12,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def poll(cond: Callable[[], object], timeout_s: float = 30.0, every_s: float = 0.005) -> None:
@@ -42,9 +43,15 @@ def machine() -> str:
     )
 
 
-def main(section: str, run: Callable[..., str], runs: int, **options: tuple[type, object]) -> None:
+def main(
+    section: str | Callable[[dict[str, Any]], str],
+    run: Callable[..., str],
+    runs: int,
+    **options: tuple[type, object],
+) -> None:
     """A benchmark's command line: --runs, its own options (name -> (type, default)) and
-    --write DOC, which replaces the benchmark's section of DOC with the table it printed."""
+    --write DOC, which replaces the benchmark's section of DOC with the table it printed (the
+    section may depend on the options: a callable of them)."""
     import argparse
 
     p = argparse.ArgumentParser()
@@ -54,10 +61,11 @@ def main(section: str, run: Callable[..., str], runs: int, **options: tuple[type
     p.add_argument("--write", type=Path, default=None)
     args = vars(p.parse_args())
     doc = args.pop("write")
+    name = section(args) if callable(section) else section
     body = run(**args)
     print(body)
     if doc:
-        write_section(doc, section, body)
+        write_section(doc, name, body)
 
 
 def write_section(doc: Path, name: str, body: str) -> None:

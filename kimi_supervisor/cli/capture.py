@@ -72,13 +72,16 @@ def cmd_summarize(args: argparse.Namespace) -> int:
 
 
 def _summary_of(folder: Path) -> dict[str, Any]:
-    """A capture folder's summary: its summary.json when it is of this version, else made again
-    here (and written when the folder lets us). Raises OSError."""
+    """A capture folder's summary: its summary.json when it is of this version and holds what
+    the comparison reads (finite numbers where numbers go), else made again from the traces
+    here (and written when the folder lets us): summary.json is a cache, the traces are the
+    capture. Raises OSError."""
+    from kimi_supervisor.analysis.compare import malformed
     from kimi_supervisor.analysis.ranks import SUMMARY_VERSION, read_summary, summarize_folder
     from kimi_supervisor.ports.safeopen import try_open
 
     found = read_summary(folder, try_open)
-    if found is not None and found.get("version") == SUMMARY_VERSION:
+    if found is not None and found.get("version") == SUMMARY_VERSION and not malformed(found):
         return found
     return summarize_folder(folder, try_open)[0]
 

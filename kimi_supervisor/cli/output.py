@@ -65,9 +65,9 @@ class SummaryOut(_Out):
 
 class CompareRow(BaseModel):
     what: str  # a figure ("step p50", "all_reduce wait", ...) or a kernel's name
-    a: float  # ms per step, mean over the ranks
-    b: float
-    delta: float  # b - a
+    a: float | None  # ms per step, mean over the ranks; None where that capture lacks it
+    b: float | None
+    delta: float | None  # b - a
 
 
 class CompareOut(_Out):

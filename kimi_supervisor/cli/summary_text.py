@@ -147,9 +147,16 @@ def reading(c: dict[str, Any]) -> str:
 def format_compare(c: dict[str, Any], a: str, b: str) -> str:
     """Two captures side by side (analysis/compare.py)."""
     lines = [f"A: {a}", f"B: {b}", f"{c['kind']} steps, ms per step (mean over ranks):"]
-    lines.append(f"  {'':<30} {'A':>9} {'B':>9} {'B - A':>9}")
+    width = max([30, *(len(row["what"]) for row in c["rows"])])
+    lines.append(f"  {'':<{width}} {'A':>9} {'B':>9} {'B - A':>9}")
+
+    def cell(v: float | None, sign: str = "") -> str:
+        return f"{v:{sign}9.3f}" if v is not None else f"{'-':>9}"
+
     for row in c["rows"]:
-        lines.append(f"  {row['what']:<30} {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}")
+        lines.append(
+            f"  {row['what']:<{width}} {cell(row['a'])} {cell(row['b'])} {cell(row['delta'], '+')}"
+        )
     lines.append("top kernels:")
     for row in c["top"]:
         lines.append(

@@ -61,12 +61,16 @@ def unavailable() -> str | None:
     return None
 
 
+def venv_path() -> Path:
+    """Where `venv()` builds this CPU's vLLM (built or not)."""
+    return CACHE / f"vllm-{hashlib.sha256(VLLM.encode()).hexdigest()[:10]}"
+
+
 def venv() -> Path:
     """The virtualenv with real vLLM, installed once (about 8 GB). Built in place (its scripts
     name their interpreter by path); `.installed` is written last, so a half-built one is
     started again."""
-    key = hashlib.sha256(VLLM.encode()).hexdigest()[:10]
-    done = CACHE / f"vllm-{key}"
+    done = venv_path()
     if (done / ".installed").exists():
         return done
     CACHE.mkdir(parents=True, exist_ok=True)
