@@ -46,6 +46,17 @@ ROWS = [
     ("deadlock_noticed_s", "the engine core deadlocked under load (no step, asleep) → incident"),
     ("deadlock_window_s", "that deadlock: the unavailable window the daemon reports"),
     ("deadlock_clients_gap_s", "that deadlock: the longest gap between answers its clients saw"),
+    (
+        "idle_deadlock_noticed_s",
+        "the engine core deadlocked while idle, then sent requests (its gauges idle: the canary) "
+        "→ incident",
+    ),
+    (
+        "idle_deadlock_api_cpu_s",
+        "that deadlock: the API server's CPU seconds over the canary's wait",
+    ),
+    ("idle_deadlock_window_s", "that deadlock: the unavailable window the daemon reports"),
+    ("idle_deadlock_clients_gap_s", "that deadlock: what its clients went without"),
 ]
 
 

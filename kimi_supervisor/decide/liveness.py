@@ -208,8 +208,12 @@ class Judge:
     progress_at: float | None = None  # since when no stall (progress, or nothing pending)
     cpu_at_progress: Cpu | None = None  # the engine's CPU then
     # The last proof of progress (a counter that moved, a canary answered): where a hang's
-    # window starts. "Nothing pending" is none: a frozen engine's gauges are frozen too.
+    # window starts. "Nothing pending" is none: a frozen engine's gauges are frozen too. A
+    # counter seen moved moved after the reading before: that reading's time, so the window is
+    # never shorter than what clients went without (by the reading's time it was up to one
+    # metrics interval short: 10.6 s against 11.2-11.6 s, issue 41's review).
     alive_at: float | None = None
+    read_at: float | None = None  # the last reading's time
     counters: tuple[float | None, float | None, float] | None = None
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
     # One signal says no progress and the other does not (not hung): why, and since when. It
@@ -252,12 +256,13 @@ class Judge:
         if cpu is not None:
             self.samples.append((now, cpu))
             self.samples = [(t, c) for t, c in self.samples if t >= now - 2 * self.stall_s]
+        before, self.read_at = self.read_at, now
         if work is not None:
             moved = self.counters is not None and work.counters() != self.counters
             if moved or work.pending <= 0 or self.counters is None:
                 self.progress(now, cpu)
             if moved:
-                self.alive_at = now
+                self.alive_at = before if before is not None else now
             self.counters = work.counters()
         if canary is not None and canary[0]:
             self.progress(now, cpu)  # an answer is progress

@@ -58,6 +58,9 @@ class Reading:
 # The titles vLLM gives the processes that do the engine's work (vLLM 0.16: the engine core and
 # one worker per tensor-parallel rank); the API servers only take requests in.
 ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
+# The processes that serve: a stopped one stops the serving (MainPID counts as well, whatever
+# its title). vLLM 0.16's titles (vllm/entrypoints/cli/serve.py, v1/engine/coordinator.py).
+SERVING_TITLES = (*ENGINE_TITLES, "VLLM::APIServer", "VLLM::DPCoordinator")
 
 
 def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
@@ -67,7 +70,13 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     (ENGINE_TITLES, and their descendants), where there are any: an API server busy
     taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
     it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
-    50 ms). A stopped process counts whatever it is."""
+    50 ms).
+
+    A stopped process (state T, t or D) counts only on the serving path: MainPID, the
+    processes titled SERVING_TITLES and the engine's descendants. Any other of the tree (the
+    multiprocessing resource tracker, a helper stuck on a hung mount, one a debugger holds)
+    stops no request: a stopped resource tracker beside a busy engine was called a hang, 3 of 3
+    (issue 41's review). Its CPU still counts in the whole tree's sum."""
     main = processes.cpu_of(pid)
     if main is None:
         return None
@@ -84,12 +93,14 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         n += 1
         seconds += cpu_s
         stuck = state in ("T", "t", "D")  # judged at both ends of a window (decide/liveness)
-        name = title(processes.cmdline_of(p), processes.comm_of(p)) if engine_only or stuck else ""
-        if engine_only and (name.startswith(ENGINE_TITLES) or processes.ppid_of(p) in engine):
+        name = title(processes.cmdline_of(p), processes.comm_of(p)) if p != pid else ""
+        if name.startswith(ENGINE_TITLES) or processes.ppid_of(p) in engine:
             engine.add(p)
-            engine_n += 1
-            engine_s += cpu_s
-        if stuck:
+            if engine_only:
+                engine_n += 1
+                engine_s += cpu_s
+        if stuck and (p == pid or p in engine or name.startswith(SERVING_TITLES)):
+            name = name or title(processes.cmdline_of(p), processes.comm_of(p))
             stopped.append(f"PID {p} ({name}, state {state})")
             stopped_cpu.append(cpu_s)
     if engine_n:

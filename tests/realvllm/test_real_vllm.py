@@ -94,8 +94,8 @@ def real() -> Iterator[DaemonHelper]:
                              "--block-size", "16"]},
         "modes": {"production": {"args": ["--max-model-len", "256"]},
                   "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
-        # The tier kills, freezes or deadlocks its vLLM four times within the failure window
-        # (the SIGKILL of the API server, the frozen engine, the frozen worker, the deadlock):
+        # The tier kills, freezes or deadlocks its vLLM five times within the failure window
+        # (the SIGKILL of the API server, the frozen engine, the frozen worker, two deadlocks):
         # each is a failure, and the third would be FAILED with the shipped max_failures (3).
         "daemon": {"start_timeout_s": READY_S, "max_failures": 10},
         # Real vLLM's leftovers: its ZMQ sockets in its TMPDIR, and what a SIGKILLed tree
@@ -107,7 +107,7 @@ def real() -> Iterator[DaemonHelper]:
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
-        # Three hangs are planted (the frozen engine, the frozen worker, the deadlock): the
+        # Four hangs are planted (the frozen engine, the frozen worker, two deadlocks): the
         # sandbox's limit (2) would leave the second FAILED, not restarted.
         "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
                      "canary_timeout_s": 30, "max_hang_restarts": 5},
@@ -775,15 +775,15 @@ def test_a_real_engine_deadlocked_under_load_is_found_by_its_still_steps_and_idl
     try:
         wait_until(lambda: load.answered > 8, 120, "the load to be answered")
         t0 = time.monotonic()
-        stuck.touch()
+        stuck.write_text(str(api))  # this vLLM's engine only, until the next one serves
         try:
             assert request(real.config.vllm.health_url).status == 200
             wait_until(lambda: len(hangs(real)) > before, 90, "the hang to be recorded")
             noticed_s = time.monotonic() - t0
+            wait_new_vllm(real, api)
+            real.wait_serving("production", READY_S)
         finally:
-            stuck.unlink()
-        wait_new_vllm(real, api)
-        real.wait_serving("production", READY_S)
+            stuck.unlink(missing_ok=True)
         n = load.answered
         wait_until(lambda: load.answered > n + 8, 120, "the clients to be answered again")
     finally:
@@ -808,3 +808,55 @@ def test_a_real_engine_deadlocked_under_load_is_found_by_its_still_steps_and_idl
     record(deadlock_noticed_s=round(noticed_s, 1), deadlock_window_s=window,
            deadlock_clients_gap_s=round(seen, 1), deadlock_by=what[:60],
            deadlock_api_cpu_s=incident.get("api_cpu_s"))  # fmt: skip
+
+
+def test_a_real_engine_deadlocked_while_idle_then_sent_requests_is_found_by_its_canary(
+    real: DaemonHelper,
+) -> None:
+    """The canary's path of a deadlock under client load: the engine core deadlocks while
+    idle, then clients send requests and poll /health every 50 ms. It begins no step, so vLLM
+    0.16's gauges stay at the idle of its last step (they move only when a step ends): the
+    stall rule has no pending work to judge, /health answers 200, and only the canary, queued
+    behind the clients' requests, can tell. Its verdict needs the engine's CPU flat as well; the
+    clients keep the API server at work, which under API_BUSY_FRACTION of a core does not hold
+    it back, and over it holds it back one canary (decide/liveness.py)."""
+    real.wait_serving("production", READY_S)
+    api = real.vllm_pid()
+    stuck = Path(real.sb.root) / "deadlock"  # the fixture's KIMI_DEADLOCK_FILE
+    before = len(hangs(real))
+    c = real.config.liveness
+    # Idle, as /metrics reads it (the tests before leave no load).
+    real.wait_status(lambda s: (s["liveness"] or {}).get("running") == 0, 60, "an idle reading")
+    stuck.write_text(str(api))  # this vLLM's engine only, until the next one serves
+    t0 = time.monotonic()
+    load = Load(real)
+    try:
+        try:
+            one = c.canary_interval_s + 2 * c.metrics_interval_s + c.canary_timeout_s + 1
+            wait_until(lambda: len(hangs(real)) > before, 2 * one + 30, "the hang to be recorded")
+            noticed_s = time.monotonic() - t0
+            assert load.answered == 0, "the deadlocked engine answered a client"
+            wait_new_vllm(real, api)
+            real.wait_serving("production", READY_S)
+        finally:
+            stuck.unlink(missing_ok=True)
+        wait_until(lambda: load.answered > 4, 120, "the clients to be answered again")
+    finally:
+        load.stop()
+    incident = hangs(real)[-1]
+    what = str(incident["what"])
+    assert incident["main_pid"] == api and not incident["stopped"], incident
+    assert incident["running"] + incident["waiting"] == 0, incident  # its gauges read idle
+    assert "a one-token request got no answer in" in what and "of CPU in" in what, what
+    # One canary, or two where the API server's work held the first back (its share said).
+    assert noticed_s <= 2 * one, (noticed_s, what)
+    if noticed_s > one:
+        assert (incident.get("api_cpu_s") or 0) > 0, incident
+    # The window opens at the last proof of progress, an answered canary or a counter that
+    # moved before the deadlock: at most a canary's interval before the clients came.
+    window, seen = real.status()["downtime"]["window_s"], load.outage_from(t0)
+    most = seen + c.canary_interval_s + 2 * c.metrics_interval_s + 1
+    assert seen - c.metrics_interval_s - 1 <= window <= most, (window, seen)
+    record(idle_deadlock_noticed_s=round(noticed_s, 1), idle_deadlock_window_s=window,
+           idle_deadlock_clients_gap_s=round(seen, 1), idle_deadlock_by=what[:60],
+           idle_deadlock_api_cpu_s=incident.get("api_cpu_s"))  # fmt: skip

@@ -707,7 +707,9 @@ def test_requests_pending_with_no_step_and_an_idle_cpu_for_the_stall_time_is_a_h
     readings = [(0, 100, 10.0), (30, 150, 40.0), (60, 150, 40.1), (149, 150, 40.2)]
     assert all(judge.seen(t, Work(2, k), "ok", cpu(t, c)) is None for t, k, c in readings)
     hang = judge.seen(150, Work(2, 150), "ok", cpu(150, 40.3))
-    assert hang is not None and hang.since == 30  # tokens came at 30 s: the last progress
+    # Tokens came between the readings at 0 and 30 s: the window opens at 0, never after the
+    # last progress (by the reading that saw them, it was up to one interval short).
+    assert hang is not None and hang.since == 0
     assert hang.reason.startswith("2 running and 0 waiting, and no engine step")
     assert "used 0.30 s of CPU in 120 s" in hang.reason
     assert hang.evidence["since_progress_s"] == 120 and hang.evidence["tokens"] == 150

@@ -199,3 +199,52 @@ def test_work_done_in_short_lived_children_stays_in_the_trees_sum(tmp_path: Path
     script = "for i in 1 2 3 4 5; do BURN 0.12 exit; done; touch done; sleep 60"
     used = cpu_counted(tmp_path, script, engine_only=False)
     assert used >= 0.5, f"helpers that exited burned 0.6 s of CPU, {used:.2f} s counted"
+
+
+def test_a_stopped_process_counts_only_on_the_serving_path_not_a_bystander_of_the_tree(
+    tmp_path: Path,
+) -> None:
+    """An outside review (issue 41): the multiprocessing resource tracker, a child of vLLM's
+    API server, SIGSTOPped while the engine ran a long prefill: "vLLM hung ... stopped: PID N
+    (resource_tracker, state T)", 3 of 3, a working vLLM torn down. A stopped worker of the
+    engine still counts, and so does MainPID."""
+    from kimi_supervisor.loop.liveness import engine_cpu
+
+    script = (
+        "exec -a VLLM::EngineCore bash -c 'exec -a VLLM::Worker_TP1 sleep 60 & wait' & "
+        "exec -a resource_tracker sleep 60 & wait"
+    )
+    tree = subprocess.Popen(["bash", "-c", script], start_new_session=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+
+        def titled(prefix: str) -> int | None:
+            for p in processes.descendants(tree.pid):
+                if processes.cmdline_of(p)[:1] and processes.cmdline_of(p)[0].startswith(prefix):
+                    return p
+            return None
+
+        while (titled("VLLM::Worker") is None or titled("resource_tracker") is None) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
+        worker, tracker = titled("VLLM::Worker"), titled("resource_tracker")
+        assert worker and tracker
+        os.kill(tracker, signal.SIGSTOP)  # ours: this test's tree
+        while processes.cpu_of(tracker) and processes.cpu_of(tracker)[0] != "T":  # type: ignore[index]
+            time.sleep(0.01)
+        cpu = engine_cpu(tree.pid)
+        assert cpu is not None and cpu.stopped == (), cpu.stopped
+        os.kill(worker, signal.SIGSTOP)
+        while processes.cpu_of(worker) and processes.cpu_of(worker)[0] != "T":  # type: ignore[index]
+            time.sleep(0.01)
+        cpu = engine_cpu(tree.pid)
+        assert cpu is not None and [s.split(" (")[0] for s in cpu.stopped] == [f"PID {worker}"]
+        os.kill(tree.pid, signal.SIGSTOP)
+        while processes.cpu_of(tree.pid) and processes.cpu_of(tree.pid)[0] != "T":  # type: ignore[index]
+            time.sleep(0.01)
+        cpu = engine_cpu(tree.pid)
+        assert cpu is not None and len(cpu.stopped) == 2, cpu.stopped
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
+        tree.wait(10)

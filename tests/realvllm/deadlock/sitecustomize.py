@@ -1,5 +1,9 @@
 """A real deadlock for real vLLM 0.16, for the real-vLLM tier (on vLLM's PYTHONPATH): while the
-file named by KIMI_DEADLOCK_FILE exists, the engine core begins no step. It waits asleep (state
+file named by KIMI_DEADLOCK_FILE exists, the engine core begins no step; where the file names a
+PID, only the engine core whose parent (the API server, the unit's MainPID) it is. So a test
+keeps the old vLLM deadlocked until the new one serves: released at the verdict, the old
+engine answered its queued clients before its teardown, and the clients' outage read short
+(issue 41's review). It waits asleep (state
 S, no CPU) with requests running, as an engine stuck on a lock or in a collective that sleeps
 does; its API server goes on answering /health with 200. Every process of vLLM reads this file
 at start; only the engine core's module is patched, as it is imported, before the engine's
@@ -24,11 +28,20 @@ def _patch(module: Any) -> None:
         original = getattr(cls, name)
 
         def held(self: Any, *args: Any, _original: Any = original, **kw: Any) -> Any:
-            while os.path.exists(FILE):
+            while _deadlocked():
                 time.sleep(0.05)
             return _original(self, *args, **kw)
 
         setattr(cls, name, held)
+
+
+def _deadlocked() -> bool:
+    try:
+        with open(FILE, encoding="ascii") as f:
+            named = f.read(32).strip()
+    except (OSError, ValueError):
+        return False
+    return not named or named == str(os.getppid())
 
 
 class _Finder(importlib.abc.MetaPathFinder):
