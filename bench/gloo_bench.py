@@ -159,7 +159,7 @@ def run(runs: int, torch_python: str, ranks: str, delays: str, steps: int, backe
         "spread p50's growth against the same rank count's capture with no delay, ms per call, as "
         "the verdict states it (the median over three collectives or more, the smaller move of "
         "two), against the truth's taken the same way, and every reading the verdict gives, in its "
-        "order (a control's must be nothing).\n\n"
+        "order (a control's says nothing unless its own spread moved, as its truth shows).\n\n"
         "| ranks | delay, ms | worst error, µs | worst error, % | within the bar | named | "
         "clock correction | verdicts | transient calls trimmed | compare: spread growth, ms |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"

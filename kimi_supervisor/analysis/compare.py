@@ -117,8 +117,13 @@ def malformed(summary: dict[str, Any]) -> str | None:
             _figures(summary, kind)
             _series(summary, kind)
             _tops(summary)
-            for r in summary["ranks"]:
-                str(r["device"])
+            _typical(summary, kind)
+            # Each device and rank hashable, as compare() makes sets of them.
+            {r["device"] for r in summary["ranks"]}
+            errors = summary.get("errors") or []
+            if not isinstance(errors, list):
+                return "its errors are not a list"
+            {e.get("rank") for e in errors if isinstance(e, dict)}
     except CompareError as e:
         return str(e)
     except (KeyError, TypeError, AttributeError, IndexError) as e:
@@ -208,7 +213,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         notes.append(f"not the same load: A's typical {kind} step is {ka}, B's {kb}")
     if {r["device"] for r in a["ranks"]} != {r["device"] for r in b["ranks"]}:
         notes.append("A and B ran on different devices (GPU kernels against CPU operators)")
-    said = verdict(fa, fb, kind, _series(a, kind), _series(b, kind))
+    # The per-step rows sum every collective of a step: only where both have the same ones
+    # do they measure what the verdict compares (else the fixed floors and the means).
+    same = ca == cb
+    said = verdict(fa, fb, kind, _series(a, kind) if same else None,
+                   _series(b, kind) if same else None)  # fmt: skip
     if len(a["ranks"]) != len(b["ranks"]):
         said = (
             f"not like for like, A has {len(a['ranks'])} ranks and B {len(b['ranks'])} (the "

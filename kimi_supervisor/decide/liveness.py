@@ -213,7 +213,7 @@ class Judge:
     # never shorter than what clients went without (by the reading's time it was up to one
     # metrics interval short: 10.6 s against 11.2-11.6 s, issue 41's review).
     alive_at: float | None = None
-    read_at: float | None = None  # the last reading's time
+    read_at: float | None = None  # the last reading's time that had the counters
     counters: tuple[float | None, float | None, float] | None = None
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
     # One signal says no progress and the other does not (not hung): why, and since when. It
@@ -256,8 +256,10 @@ class Judge:
         if cpu is not None:
             self.samples.append((now, cpu))
             self.samples = [(t, c) for t, c in self.samples if t >= now - 2 * self.stall_s]
-        before, self.read_at = self.read_at, now
         if work is not None:
+            # The reading before with counters (one without them says nothing of when they
+            # moved: taken from it, the window was one interval short, an outside review).
+            before, self.read_at = self.read_at, now
             moved = self.counters is not None and work.counters() != self.counters
             if moved or work.pending <= 0 or self.counters is None:
                 self.progress(now, cpu)

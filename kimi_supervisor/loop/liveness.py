@@ -57,26 +57,47 @@ class Reading:
 
 # The titles vLLM gives the processes that do the engine's work (vLLM 0.16: the engine core and
 # one worker per tensor-parallel rank); the API servers only take requests in.
-ENGINE_TITLES = ("VLLM::EngineCore", "VLLM::Worker")
-# The processes that serve: a stopped one stops the serving (MainPID counts as well, whatever
-# its title). vLLM 0.16's titles (vllm/entrypoints/cli/serve.py, v1/engine/coordinator.py).
-SERVING_TITLES = (*ENGINE_TITLES, "VLLM::APIServer", "VLLM::DPCoordinator")
+# vLLM's processes by role, as it titles them (`set_process_title`: "PREFIX::Role[_suffix]",
+# PREFIX from VLLM_PROCESS_NAME_PREFIX, "VLLM" by default; vLLM 0.16's vllm/utils/
+# system_utils.py). setproctitle sets the comm as well, which the kernel cuts to 15 characters
+# ("VLLM::EngineCor") and which /proc gives without the process's mmap lock, unlike its
+# cmdline: a role is read from the comm alone.
+ENGINE_ROLES = ("EngineCore", "Worker")
+# The processes that serve: a stopped one stops the serving (MainPID counts as well).
+SERVING_ROLES = (*ENGINE_ROLES, "APIServer", "DPCoordinator")
+COMM_CHARS = 15  # TASK_COMM_LEN less its NUL
+
+
+def role_of(comm: str, roles: tuple[str, ...]) -> bool:
+    """True if `comm` (a process's, maybe cut to COMM_CHARS) is one of vLLM's `roles`, whatever
+    its prefix."""
+    _, sep, role = comm.partition("::")
+    if not sep or not role:
+        return False
+    cut = len(comm) >= COMM_CHARS  # the role may be cut short: "EngineCor"
+    return any(role.startswith(r) or (cut and r.startswith(role)) for r in roles)
 
 
 def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     """vLLM's processes (MainPID and its descendants): their CPU time summed (with each one's
     reaped children's: processes.cpu_of), and those stopped. None when MainPID is gone. With
     `engine_only` (the stall rule's second signal), the sum counts only the engine's processes
-    (ENGINE_TITLES, and their descendants), where there are any: an API server busy
-    taking requests in, tokenizing them, answering /health polls, uses the CPU while the engine
-    it feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
+    (ENGINE_ROLES, and their descendants), where there are any: an API server busy taking
+    requests in, tokenizing them, answering /health polls, uses the CPU while the engine it
+    feeds is deadlocked (the real tier's deadlock went unseen under a /health poll every
     50 ms).
 
     A stopped process (state T, t or D) counts only on the serving path: MainPID, the
-    processes titled SERVING_TITLES and the engine's descendants. Any other of the tree (the
+    processes of SERVING_ROLES and the engine's descendants. Any other of the tree (the
     multiprocessing resource tracker, a helper stuck on a hung mount, one a debugger holds)
     stops no request: a stopped resource tracker beside a busy engine was called a hang, 3 of 3
-    (issue 41's review). Its CPU still counts in the whole tree's sum."""
+    (issue 41's review). Its CPU still counts in the whole tree's sum. Where no process of the
+    tree has an engine's role (vLLM without setproctitle, or a prefix too long for the comm to
+    keep the role), every stopped process counts, as the tree cannot be told apart.
+
+    Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
+    held for as long as a fault on a hung mount lasts) only of a stopped one on the serving
+    path, to name it."""
     main = processes.cpu_of(pid)
     if main is None:
         return None
@@ -84,7 +105,8 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     # compiler it waits on: FlashInfer's first call compiles for minutes) are the engine's work.
     pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
     engine: set[int] = set()
-    seconds, engine_s, stopped, stopped_cpu, n, engine_n = 0.0, 0.0, [], [], 0, 0
+    seconds, engine_s, n, engine_n = 0.0, 0.0, 0, 0
+    stuck: list[tuple[int, str, float, bool]] = []  # pid, state, CPU, on the serving path
     for p in pids:
         got = main if p == pid else processes.cpu_of(p)
         if got is None:
@@ -92,20 +114,28 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         state, cpu_s = got
         n += 1
         seconds += cpu_s
-        stuck = state in ("T", "t", "D")  # judged at both ends of a window (decide/liveness)
-        name = title(processes.cmdline_of(p), processes.comm_of(p)) if p != pid else ""
-        if name.startswith(ENGINE_TITLES) or processes.ppid_of(p) in engine:
+        comm = processes.comm_of(p) if p != pid else ""
+        if role_of(comm, ENGINE_ROLES) or processes.ppid_of(p) in engine:
             engine.add(p)
-            if engine_only:
-                engine_n += 1
-                engine_s += cpu_s
-        if stuck and (p == pid or p in engine or name.startswith(SERVING_TITLES)):
-            name = name or title(processes.cmdline_of(p), processes.comm_of(p))
-            stopped.append(f"PID {p} ({name}, state {state})")
-            stopped_cpu.append(cpu_s)
-    if engine_n:
+            engine_n += 1
+            engine_s += cpu_s
+        if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness)
+            serving = p == pid or p in engine or role_of(comm, SERVING_ROLES)
+            stuck.append((p, state, cpu_s, serving))
+    stopped = [
+        (f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))}, state {state})", cpu)
+        for p, state, cpu, serving in stuck
+        if serving or not engine
+    ]
+    if engine_only and engine_n:
         seconds, n = engine_s, engine_n
-    return Cpu(time.monotonic(), round(seconds, 3), n, tuple(stopped), tuple(stopped_cpu))
+    return Cpu(
+        time.monotonic(),
+        round(seconds, 3),
+        n,
+        tuple(what for what, _ in stopped),
+        tuple(cpu for _, cpu in stopped),
+    )
 
 
 def canary(url: str, prompt: str, timeout_s: float) -> Canary:

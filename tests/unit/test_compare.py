@@ -282,3 +282,37 @@ def test_a_small_skew_in_a_noisy_host_is_said_by_its_spread_with_the_wait_agreei
     said = verdict(fa, fb, "decode", {"wait": wait_a, "transfer": flat, "compute": flat},
                    {"wait": wait_b, "transfer": flat, "compute": flat})  # fmt: skip
     assert "the skew went up by +0.120 ms per call" in said, said
+
+
+def test_captures_of_different_collectives_judge_the_wait_by_the_shared_ones_means() -> None:
+    """The per-step rows sum every collective of a step; where one side has a collective the
+    other lacks, their medians measure what is not compared (an outside review: "all-reduce
+    wait (the median step's) +1.00" for an unchanged all-reduce beside B's new all-gather)."""
+    a, _ = capture("gloo-2ranks-0ms")
+    b, _ = capture("gloo-2ranks-5ms")
+    a = json.loads(json.dumps(a))
+    del a["across_ranks"]["kinds"]["decode"]["collectives"]["all_gather"]
+    said = compare(a, b)["verdict"]
+    assert "(the median step's)" not in said and "the skew went up by +" in said, said
+
+
+@pytest.mark.parametrize(
+    ("where", "bad"),
+    [("device", ["cpu"]), ("errors", 5), ("errors", [{"rank": [1]}]), ("typical", ["x"])],
+)
+def test_a_summary_with_unhashable_or_misshapen_fields_is_refused_not_a_traceback(
+    where: str, bad: object
+) -> None:
+    from kimi_supervisor.analysis.compare import malformed
+
+    s, _ = capture("gloo-2ranks-5ms")
+    s = json.loads(json.dumps(s))
+    if where == "device":
+        s["ranks"][0]["device"] = bad
+    elif where == "typical":
+        s["ranks"][0]["step_times"]["decode"]["typical"] = bad
+    else:
+        s["errors"] = bad
+    assert malformed(s), where
+    with pytest.raises(CompareError, match="summary cannot be read"):
+        compare(s, s)

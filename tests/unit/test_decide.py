@@ -975,3 +975,15 @@ def test_a_history_record_naming_a_file_in_odd_bytes_is_written_escaped_not_lost
     history.append(tmp_path, "incident", {"at": "2026-12-03T00:00:00+00:00", "what": name})
     (got,) = history.read(tmp_path, 10)
     assert got["what"] == "tokenizer-\\xe9.json"
+
+
+def test_a_reading_without_counters_between_two_does_not_shorten_a_hangs_window() -> None:
+    """An outside review (issue 41): counters read at 100, none at 115 (/metrics unreachable),
+    moved by 130; the progress may be at 101. The window opens at 100, not 115."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(100, Work(2, 100), "ok", cpu(100, 10.0)) is None
+    assert judge.seen(115, None, "unreachable", cpu(115, 11.0)) is None
+    assert judge.seen(130, Work(2, 150), "ok", cpu(130, 12.0)) is None
+    assert judge.alive_at == 100

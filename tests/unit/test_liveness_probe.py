@@ -10,9 +10,12 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -29,9 +32,10 @@ from .loophost import config_for
 
 # The tree's root: busy (a tokenization that takes a core) or idle; its child is titled as
 # vLLM 0.16 titles its engine core, and sleeps (an idle engine: /metrics says nothing runs).
+# argv[2]: `sleep` under the engine's title (see `titled`).
 API_SERVER = """
 import subprocess, sys, time
-child = subprocess.Popen(["bash", "-c", "exec -a VLLM::EngineCore sleep 60"])
+child = subprocess.Popen([sys.argv[2], "60"])
 print(child.pid, flush=True)
 end = time.monotonic() + 60
 while time.monotonic() < end:
@@ -84,11 +88,25 @@ def config(tmp_path: Path) -> Iterator[Config]:
         server.server_close()
 
 
+def titled(folder: Path, title: str, program: str) -> str:
+    """`program` under a name that makes its comm `title` (cut to 15 characters), as vLLM's
+    setproctitle does: a link named so (`exec -a` gives argv[0] only; the kernel takes the comm
+    from the path executed). Quoted for a shell."""
+    link = folder / title
+    if not link.is_symlink():
+        found = shutil.which(program)
+        assert found, program
+        link.symlink_to(found)
+    return shlex.quote(str(link))
+
+
 def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]:
     """One canary against the tree whose root is `api_server` ("busy" or "idle"): the verdict,
     the doubt, and the reading."""
+    folder = Path(tempfile.mkdtemp(prefix="kimi-titled-"))
+    engine = shlex.split(titled(folder, "VLLM::EngineCore", "sleep"))[0]
     api = subprocess.Popen(
-        [sys.executable, "-c", API_SERVER, api_server], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", API_SERVER, api_server, engine], stdout=subprocess.PIPE, text=True
     )
     planted = [processes.ref_of(api.pid)]
     try:
@@ -114,6 +132,7 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
             if ref is not None:
                 processes.send_signal(ref, signal.SIGKILL)
         api.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_canary_held_by_a_busy_api_server_while_the_engine_idles_is_a_doubt_not_a_hang(
@@ -187,7 +206,7 @@ def test_the_stall_rule_counts_what_the_engines_own_children_do_such_as_a_jit_co
     """An outside review: FlashInfer compiles its kernels at the first call, in a child of
     the engine, for up to 10 minutes with no log; counted as the engine's, requests pending and
     no step for stall_s are a busy engine, not a hang (the engine-only sum read 0.00 s)."""
-    engine = "exec -a VLLM::EngineCore bash -c 'BURN 0.6 stay & wait'"
+    engine = f"{titled(tmp_path, 'VLLM::EngineCore', 'bash')} -c 'BURN 0.6 stay & wait'"
     used = cpu_counted(tmp_path, f"{engine} & sleep 60", engine_only=True)
     assert used >= 0.5, f"the engine's compiler child burned 0.6 s of CPU, {used:.2f} s counted"
 
@@ -210,41 +229,74 @@ def test_a_stopped_process_counts_only_on_the_serving_path_not_a_bystander_of_th
     engine still counts, and so does MainPID."""
     from kimi_supervisor.loop.liveness import engine_cpu
 
-    script = (
-        "exec -a VLLM::EngineCore bash -c 'exec -a VLLM::Worker_TP1 sleep 60 & wait' & "
-        "exec -a resource_tracker sleep 60 & wait"
-    )
+    engine = titled(tmp_path, "VLLM::EngineCore", "bash")
+    worker = titled(tmp_path, "VLLM::Worker_TP1", "sleep")
+    tracker = titled(tmp_path, "resource_tracker", "sleep")
+    script = f"{engine} -c '{worker} 60 & wait' & {tracker} 60 & wait"
     tree = subprocess.Popen(["bash", "-c", script], start_new_session=True, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 60
 
-        def titled(prefix: str) -> int | None:
-            for p in processes.descendants(tree.pid):
-                if processes.cmdline_of(p)[:1] and processes.cmdline_of(p)[0].startswith(prefix):
-                    return p
-            return None
+        def of(comm: str) -> int | None:
+            return next((p for p in processes.descendants(tree.pid)
+                         if processes.comm_of(p) == comm), None)  # fmt: skip
 
-        while (titled("VLLM::Worker") is None or titled("resource_tracker") is None) and (
+        while (of("VLLM::Worker_TP") is None or of("resource_tracke") is None) and (
             time.monotonic() < deadline
         ):
             time.sleep(0.01)
-        worker, tracker = titled("VLLM::Worker"), titled("resource_tracker")
-        assert worker and tracker
-        os.kill(tracker, signal.SIGSTOP)  # ours: this test's tree
-        while processes.cpu_of(tracker) and processes.cpu_of(tracker)[0] != "T":  # type: ignore[index]
+        worker_pid, tracker_pid = of("VLLM::Worker_TP"), of("resource_tracke")
+        assert worker_pid and tracker_pid
+        os.kill(tracker_pid, signal.SIGSTOP)  # ours: this test's tree
+        while processes.cpu_of(tracker_pid) and processes.cpu_of(tracker_pid)[0] != "T":  # type: ignore[index]
             time.sleep(0.01)
         cpu = engine_cpu(tree.pid)
         assert cpu is not None and cpu.stopped == (), cpu.stopped
-        os.kill(worker, signal.SIGSTOP)
-        while processes.cpu_of(worker) and processes.cpu_of(worker)[0] != "T":  # type: ignore[index]
+        os.kill(worker_pid, signal.SIGSTOP)
+        while processes.cpu_of(worker_pid) and processes.cpu_of(worker_pid)[0] != "T":  # type: ignore[index]
             time.sleep(0.01)
         cpu = engine_cpu(tree.pid)
-        assert cpu is not None and [s.split(" (")[0] for s in cpu.stopped] == [f"PID {worker}"]
+        assert cpu is not None and [s.split(" (")[0] for s in cpu.stopped] == [f"PID {worker_pid}"]
         os.kill(tree.pid, signal.SIGSTOP)
         while processes.cpu_of(tree.pid) and processes.cpu_of(tree.pid)[0] != "T":  # type: ignore[index]
             time.sleep(0.01)
         cpu = engine_cpu(tree.pid)
         assert cpu is not None and len(cpu.stopped) == 2, cpu.stopped
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
+        tree.wait(10)
+
+
+def test_vllms_roles_are_told_by_comm_whatever_the_prefix_or_the_kernels_cut() -> None:
+    """An outside review (issue 41): a cmdline read takes the process's mmap lock, and an
+    exiting engine has none left, where its comm ("VLLM::EngineCor", cut to 15) remains; vLLM
+    0.16 takes the prefix from VLLM_PROCESS_NAME_PREFIX."""
+    from kimi_supervisor.loop.liveness import ENGINE_ROLES, SERVING_ROLES, role_of
+
+    assert role_of("VLLM::EngineCor", ENGINE_ROLES) and role_of("VLLM::Worker_TP", ENGINE_ROLES)
+    assert role_of("myvllm::EngineC", ENGINE_ROLES)  # another prefix, the role cut short
+    assert role_of("VLLM::DPCoordin", SERVING_ROLES) and role_of("VLLM::APIServer", SERVING_ROLES)
+    assert not role_of("VLLM::APIServer", ENGINE_ROLES)
+    for other in ("python3", "resource_tracke", "pt_main_thread", "VLLM::", "a::b"):
+        assert not role_of(other, SERVING_ROLES), other
+
+
+def test_a_tree_with_no_engine_role_counts_every_stopped_process(tmp_path: Path) -> None:
+    """vLLM without setproctitle, or a prefix too long to leave the role in the comm: the tree
+    cannot be told apart, and a stopped process of it counts, as before the serving path."""
+    from kimi_supervisor.loop.liveness import engine_cpu
+
+    tree = subprocess.Popen(["bash", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not processes.descendants(tree.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (child,) = processes.descendants(tree.pid)
+        os.kill(child, signal.SIGSTOP)  # ours: this test's tree
+        while processes.cpu_of(child) and processes.cpu_of(child)[0] != "T":  # type: ignore[index]
+            time.sleep(0.01)
+        cpu = engine_cpu(tree.pid)
+        assert cpu is not None and [s.split(" (")[0] for s in cpu.stopped] == [f"PID {child}"]
     finally:
         os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
         tree.wait(10)
