@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -258,13 +259,12 @@ def test_a_captures_summary_wraps_at_80_columns() -> None:
 # published status moves on (the GPUs filling, the ETA shrinking), then ends it; the real
 # kimi-mode follows it in the terminal.
 TICKING = """
-import json, os, socket, sys, tempfile, threading, time
+import json, os, socket, sys, threading, time
 from datetime import UTC, datetime
 sys.path.insert(0, {root!r})
 from kimi_supervisor.cli import kimi_mode
 LOAD_S = {load_s}
-d = tempfile.mkdtemp(prefix="kimi-tick-")
-path = os.path.join(d, "s")
+path = os.path.join({sock_dir!r}, "s")
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
 server.listen(16)
@@ -322,7 +322,10 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
     load_s = 4.5
     script = tmp_path / "tick.py"
     root = str(Path(__file__).resolve().parents[2])
-    script.write_text(TICKING.format(root=root, load_s=load_s))
+    # The socket's folder: short (AF_UNIX paths end at 108 bytes; tmp_path is named after this
+    # test), and removed after (each run used to leave one in /tmp).
+    sock_dir = tempfile.mkdtemp(prefix="kimi-tick-")
+    script.write_text(TICKING.format(root=root, load_s=load_s, sock_dir=sock_dir))
     server = f"kimi-tick-{os.getpid()}"
     tmux = ["tmux", "-L", server, "-f", "/dev/null"]
     env = {**os.environ, "TERM": "xterm-256color"}
@@ -348,6 +351,7 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
                     etas.add(line.strip())
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     shown = [c for _, c in clocks]
     # The clock said each second of the silent load, and never stood for much more than one
     # (a tick, the 0.2 s look, a loaded machine's jitter: CI saw the first "0s" for 1.84 s
