@@ -209,9 +209,9 @@ class Judge:
     cpu_at_progress: Cpu | None = None  # the engine's CPU then
     # The last proof of progress (a counter that moved, a canary answered): where a hang's
     # window starts. "Nothing pending" is none: a frozen engine's gauges are frozen too. A
-    # counter seen moved moved after the reading before: that reading's time, so the window is
-    # never shorter than what clients went without (by the reading's time it was up to one
-    # metrics interval short: 10.6 s against 11.2-11.6 s, issue 41's review).
+    # counter that a reading sees moved moved after the reading before, so that one's time is
+    # taken: the window is never shorter than what clients went without (taken at the reading
+    # that saw it, the window was up to one metrics interval short, issue 41's review).
     alive_at: float | None = None
     read_at: float | None = None  # the last reading's time that had the counters
     counters: tuple[float | None, float | None, float] | None = None

@@ -55,13 +55,13 @@ class Reading:
     metrics_at: float = 0.0
 
 
-# The titles vLLM gives the processes that do the engine's work (vLLM 0.16: the engine core and
-# one worker per tensor-parallel rank); the API servers only take requests in.
 # vLLM's processes by role, as it titles them (`set_process_title`: "PREFIX::Role[_suffix]",
 # PREFIX from VLLM_PROCESS_NAME_PREFIX, "VLLM" by default; vLLM 0.16's vllm/utils/
 # system_utils.py). setproctitle sets the comm as well, which the kernel cuts to 15 characters
 # ("VLLM::EngineCor") and which /proc gives without the process's mmap lock, unlike its
 # cmdline: a role is read from the comm alone.
+# The engine's work: the engine core and one worker per tensor-parallel rank (the API servers
+# only take requests in).
 ENGINE_ROLES = ("EngineCore", "Worker")
 # The processes that serve: a stopped one stops the serving (MainPID counts as well).
 SERVING_ROLES = (*ENGINE_ROLES, "APIServer", "DPCoordinator")
@@ -115,7 +115,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         n += 1
         seconds += cpu_s
         comm = processes.comm_of(p) if p != pid else ""
-        if role_of(comm, ENGINE_ROLES) or processes.ppid_of(p) in engine:
+        if role_of(comm, ENGINE_ROLES) or (engine and processes.ppid_of(p) in engine):
             engine.add(p)
             engine_n += 1
             engine_s += cpu_s
