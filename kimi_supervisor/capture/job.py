@@ -15,6 +15,7 @@ It reports through the event bus (events carry `capture`: its id) and hands its 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import os
@@ -29,6 +30,7 @@ from typing import Any
 from kimi_supervisor.analysis import ranks
 from kimi_supervisor.capture import retention
 from kimi_supervisor.capture.stall import Sample, Stall, sample_of
+from kimi_supervisor.capture.tracedir import Listed, Missing, TraceDir, Untrusted
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES
 from kimi_supervisor.messages import End, Event
@@ -61,6 +63,8 @@ class CaptureSpec:
     # The liveness reading that opens the stall's "before" window (time.monotonic()), or why
     # there is none (capture/stall.pick_before).
     before: Sample | str | None = None
+    # The unit's `User=` (None: not known): only its files in the trace folder are vLLM's.
+    vllm_uid: int | None = None
 
 
 def check_out(fd: int, uid: int) -> str | None:
@@ -77,23 +81,32 @@ def check_out(fd: int, uid: int) -> str | None:
 
 
 def _move_into(
-    trace_fd: int, name: str, listed: safeopen.Identity, dir_fd: int, uid: int, gid: int
+    traces: TraceDir, name: str, listed: safeopen.Identity, dir_fd: int, uid: int, gid: int
 ) -> str:
-    """`name` in vLLM's trace folder (`trace_fd`) becomes `name` in the capture's folder
-    `dir_fd`, owned by uid:gid: renamed when on the same file system, else copied (read through
-    ports/safeopen, created exclusively, never through a link) and removed. vLLM's user can
-    swap the name after the listing: only the file listed is moved, chowned or read. Returns
-    "" when moved, else why not (said in the capture's record)."""
+    """`name` in vLLM's trace folder (`traces`, open by descriptor) becomes `name` in the
+    capture's folder `dir_fd`, owned by uid:gid: renamed when on the same file system, else
+    copied (read through ports/safeopen, created exclusively, never through a link) and removed.
+    vLLM's user can swap the name after the listing: only the file listed, and only a file of
+    vLLM's (capture/tracedir.py), is moved, chowned or read. Returns "" when moved, else why not
+    (said in the capture's record)."""
     try:
-        os.rename(name, name, src_dir_fd=trace_fd, dst_dir_fd=dir_fd)
+        st = os.stat(name, dir_fd=traces.fd, follow_symlinks=False)
+    except OSError as e:
+        return f"gone since it was listed ({e.strerror}); nothing taken"
+    if (st.st_dev, st.st_ino) != (listed.dev, listed.ino):
+        return "replaced since it was listed; left where it was, not read"
+    if why := traces.not_vllms(st):
+        return f"{why}; left where it was, not read"
+    try:
+        os.rename(name, name, src_dir_fd=traces.fd, dst_dir_fd=dir_fd)
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
         try:
-            src = safeopen.open_file(trace_fd, name, listed)
+            src = safeopen.open_file(traces.fd, name, listed)
         except safeopen.Refused as refused:
             return str(refused)
-        if why := _not_vllms(os.fstat(src), trace_fd):
+        if why := traces.not_vllms(os.fstat(src)):
             os.close(src)
             return f"{why}; left where it was, not read"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -107,10 +120,11 @@ def _move_into(
                 os.close(out)
         finally:
             os.close(src)
-        os.unlink(name, dir_fd=trace_fd)
+        os.unlink(name, dir_fd=traces.fd)
     else:
         # The capture's folder is root's until the capture ends: what is there now stays. Only
-        # the file listed is handed over; anything else is left unowned, never opened.
+        # the file listed is handed over; anything swapped in meanwhile is left unowned, never
+        # opened.
         try:
             got = safeopen.identify(dir_fd, name)
         except safeopen.Refused as refused:
@@ -118,22 +132,9 @@ def _move_into(
         if (got.dev, got.ino) != (listed.dev, listed.ino):
             return "replaced since it was listed; left in the folder, not handed over"
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if why := _not_vllms(st, trace_fd):
+        if why := traces.not_vllms(st):
             return f"{why}; left in the folder, not handed over"
     os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
-    return ""
-
-
-def _not_vllms(st: os.stat_result, trace_fd: int) -> str:
-    """Why a trace is not a file vLLM wrote ("" if it is): vLLM's user can hard-link anyone's
-    file it may write into its folder (protected_hardlinks allows that), and a root that
-    chowned it to the asker would give it away (an outside review). A trace has one name, and
-    the trace folder's owner (vLLM's user) owns it."""
-    if st.st_nlink != 1:
-        return f"a file with {st.st_nlink} names (a hard link to a file elsewhere)"
-    owner = os.fstat(trace_fd).st_uid
-    if st.st_uid != owner:
-        return f"owned by uid {st.st_uid}, not by vLLM's user (uid {owner})"
     return ""
 
 
@@ -155,24 +156,6 @@ def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
         limit = f" within {timeout_s:g} s" if timeout_s else ""
         return f"no answer from vLLM to {endpoint}{limit} ({r.error})"
     return f"vLLM answered HTTP {r.status} to {endpoint}: {r.body.strip()[:300]}"
-
-
-def _files(d: Path) -> dict[str, tuple[int, int, safeopen.Identity]]:
-    """Name -> (size, modification time, identity) of the regular files in `d`, as lstat sees
-    them: a link is never one, whatever it points to."""
-    out = {}
-    try:
-        with os.scandir(d) as entries:
-            for e in entries:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    out[e.name] = (st.st_size, st.st_mtime_ns, safeopen.Identity.of(st))
-    except FileNotFoundError:
-        pass
-    return out
 
 
 class Capture:
@@ -262,7 +245,6 @@ class Capture:
                 os.close(self.spec.out_fd)
 
     def _capture(self) -> None:
-        p, base = self.config.profiling, self.config.vllm
         trace_dir = self.config.vllm_trace_dir(self.spec.mode)
         if trace_dir is None:
             self._end(
@@ -271,7 +253,26 @@ class Capture:
                 "torch_profiler_dir: set profiling.vllm_trace_dir to where vLLM writes its traces",
             )
             return
-        before = _files(trace_dir)
+        # Entered once, by descriptor (capture/tracedir.py). vLLM makes the folder at its first
+        # flush: one that is not there yet is entered, as judged, after the flush.
+        traces: TraceDir | None = None
+        with contextlib.ExitStack() as opened:
+            try:
+                traces = opened.enter_context(TraceDir.open(trace_dir, self.spec.vllm_uid))
+            except Missing:
+                pass
+            except Untrusted as e:
+                self._end(False, f"not capturing: {e}. Nothing was asked of vLLM")
+                return
+            self._record(trace_dir, traces, opened)
+
+    def _record(
+        self, trace_dir: Path, traces: TraceDir | None, opened: contextlib.ExitStack
+    ) -> None:
+        """The capture from /start_profile on, `traces` open (None: the folder is not there
+        yet; it is then opened after the flush and closed with `opened`)."""
+        p, base = self.config.profiling, self.config.vllm
+        before = traces.files() if traces is not None else {}
         url = f"http://{base.host}:{base.port}"
         # The secret of this vLLM's start: its profile guard refuses these routes without it.
         token = launcher.read_token(base.argv_file)
@@ -302,7 +303,7 @@ class Capture:
         last = -1
         while stopper.is_alive():
             stopper.join(1.0)
-            new = self._new_files(trace_dir, before)
+            new = self._new_files(traces, before)
             self.bytes_written = sum(f.size for f in new.values())
             if self.bytes_written != last:
                 last = self.bytes_written
@@ -325,7 +326,25 @@ class Capture:
             )
             return
         after = _Reading(self, url, delay_s=p.stall_after_s) if p.stall_after_s else None
-        new = self._new_files(trace_dir, before)
+        # The folder vLLM wrote into must be the one judged: named again by its path now.
+        try:
+            if traces is None:
+                traces = opened.enter_context(TraceDir.open(trace_dir, self.spec.vllm_uid))
+            elif why := traces.replaced():
+                raise Untrusted(why)
+        except Untrusted as e:
+            a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
+            self.stall = Stall.of(self.spec.before, a, b, c, "nothing taken")
+            self._end(
+                False,
+                f"{e}: nothing was taken from it, and vLLM's traces are wherever the path led. "
+                f"vLLM's user (uid {self.spec.vllm_uid}) can rename what it owns: choose a "
+                "torch_profiler_dir whose parent only root can change (the shipped "
+                f"/var/lib/kimi-supervisor/traces); {self.stall.line()}",
+                stall=self.stall.as_dict(),
+            )
+            return
+        new = self._new_files(traces, before)
         spec = self.spec
         into_captures_dir = spec.out is None or spec.out_fd is None
         if not into_captures_dir:
@@ -347,13 +366,8 @@ class Capture:
         moved: list[str] = []
         summary: dict[str, Any] | None = None
         try:
-            trace_fd = os.open(trace_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            os.close(fd)
-            raise
-        try:
             for name in sorted(new):
-                why = _move_into(trace_fd, name, new[name], fd, spec.uid, spec.gid)
+                why = _move_into(traces, name, new[name], fd, spec.uid, spec.gid)
                 if why:
                     refused.append({"name": shown(name), "why": why})
                     self.log("capture_file_refused", capture=self.id, name=shown(name), why=why)
@@ -365,7 +379,6 @@ class Capture:
             if p.summarize and ranks.rank_traces(moved):
                 summary = self._summarize(fd, moved)
         finally:
-            os.close(trace_fd)
             os.close(fd)
         self.folder = folder
         removed = retention.retention(
@@ -420,11 +433,13 @@ class Capture:
 
     @staticmethod
     def _new_files(
-        trace_dir: Path, before: dict[str, tuple[int, int, safeopen.Identity]]
+        traces: TraceDir | None, before: dict[str, Listed]
     ) -> dict[str, safeopen.Identity]:
         """Name -> what the listing saw of the files written since `before`: new ones, and those
         rewritten (vLLM rewrites profiler_out_N.txt, maybe to the same size, on every stop)."""
-        return {n: s[2] for n, s in _files(trace_dir).items() if before.get(n) != s}
+        if traces is None:
+            return {}
+        return {n: s[2] for n, s in traces.files().items() if before.get(n) != s}
 
 
 class _Reading:

@@ -8,7 +8,9 @@ a folder is made. Folders it does not list (made before it existed) count as old
 listed one, in the order of their names.
 
 What retention may remove, whatever else is in captures_dir: only a directory (never a link)
-named as the daemon names captures (ID), and never the capture just taken.
+named as the daemon names captures (ID), and never the capture just taken. A capture's size is
+the blocks it takes on disk, not its files' apparent sizes: its asker owns it, and vLLM's user
+wrote its traces; either could make a sparse file of a terabyte that takes nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ ORDER = ".order"
 ID = re.compile(r"\d{8}T\d{6}\.\d{3}Z")
 # ORDER holds one 21-byte line per folder kept (keep_captures <= 10,000): read no more than this.
 MAX_ORDER_BYTES = 1 << 20
+# A capture holds a few files per rank: the size of one is counted over at most this many names.
+MAX_WALK = 100_000
 
 
 def record(captures_dir: Path, name: str) -> None:
@@ -90,12 +94,25 @@ def _rewrite(captures_dir: Path, names: list[str]) -> None:
 
 
 def _size(d: Path) -> int:
-    total = 0
-    for p in d.rglob("*"):
-        with contextlib.suppress(OSError):
-            st = p.lstat()
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
+    """The bytes `d` takes on disk: blocks allocated, never the apparent size (a sparse file of
+    1 TB takes none, and must not push every other capture out). Walked by descriptor, no link
+    followed; at most MAX_WALK names are looked at (a capture holds a few per rank; its asker
+    owns it and may fill it with names), what lies beyond is not counted."""
+    total, seen = 0, 0
+    try:
+        walk = os.fwalk(d, follow_symlinks=False)
+        for _top, _dirs, files, dir_fd in walk:
+            for name in files:
+                seen += 1
+                if seen > MAX_WALK:
+                    walk.close()
+                    return total
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                    if stat.S_ISREG(st.st_mode):
+                        total += st.st_blocks * 512
+    except OSError:
+        pass
     return total
 
 

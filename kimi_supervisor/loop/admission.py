@@ -21,6 +21,7 @@ from kimi_supervisor.loop.inbox import CaptureDone, CaptureStart, CaptureStop, S
 from kimi_supervisor.loop.publish import status_line
 from kimi_supervisor.messages import Reply
 from kimi_supervisor.model import SWITCHING_STATES, Mode, State, utcnow
+from kimi_supervisor.ports.systemd import SystemdError
 from kimi_supervisor.store.state import StateError, with_fields
 from kimi_supervisor.teardown.strays import port_blockers
 
@@ -259,8 +260,13 @@ class Desk:
         # the readings carry when /metrics answered).
         pid = s.serving.pid if s.serving else 0
         before = stall.pick_before(list(s.tokens_seen), pid, time.monotonic())
+        try:
+            vllm_uid = self.ctx.systemd.run_as(self.ctx.unit)  # whose files are vLLM's traces
+        except SystemdError:
+            vllm_uid = None  # the capture then refuses to judge the trace folder (fails closed)
         spec = CaptureSpec(
-            seconds, r.then, r.out, r.by, out_fd, r.uid, r.gid, serving, before
+            seconds=seconds, then=r.then, out=r.out, by=r.by, out_fd=out_fd, uid=r.uid,
+            gid=r.gid, mode=serving, before=before, vllm_uid=vllm_uid,
         )  # fmt: skip
         put = self._put
         c = s.capture = Capture(

@@ -189,11 +189,12 @@ def test_retention_keeps_the_newest_captures_and_stays_under_the_size_cap(tmp_pa
     for i in range(5):
         d = tmp_path / f"20261130T10000{i}.000Z"
         d.mkdir()
-        (d / "rank0.pt.trace.json.gz").write_bytes(b"x" * 1000 * (i + 1))
+        (d / "rank0.pt.trace.json.gz").write_bytes(b"x" * 4096 * (i + 1))  # whole blocks
     removed = retention(tmp_path, keep=3, max_total_gb=0, newest="20261130T100004.000Z")
     assert [Path(r).name[:15] for r in removed] == ["20261130T100000", "20261130T100001"]
-    removed = retention(tmp_path, keep=3, max_total_gb=9e-6, newest="20261130T100004.000Z")
-    assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]  # 9 kB: the newest two fit
+    cap_gb = 9 * 4096 / 1e9  # 9 blocks: the newest two fit
+    removed = retention(tmp_path, keep=3, max_total_gb=cap_gb, newest="20261130T100004.000Z")
+    assert [Path(r).name[:15] for r in removed] == ["20261130T100002"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir())[0][:15] == "20261130T100003"
 
 
@@ -987,3 +988,18 @@ def test_a_reading_without_counters_between_two_does_not_shorten_a_hangs_window(
     assert judge.seen(115, None, "unreachable", cpu(115, 11.0)) is None
     assert judge.seen(130, Work(2, 150), "ok", cpu(130, 12.0)) is None
     assert judge.alive_at == 100
+
+
+def test_a_sparse_terabyte_in_one_capture_removes_no_other_capture(tmp_path: Path) -> None:
+    """Retention counts the blocks a capture takes, not its files' apparent sizes: the asker
+    owns their capture and vLLM's user wrote its traces, and either can make a sparse file."""
+    made = ["20261201T100000.000Z", "20261201T110000.000Z", "20261201T120000.000Z"]
+    for name in made:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "rank0.pt.trace.json").write_bytes(b"x" * 4096)
+        record(tmp_path, name)
+    with open(tmp_path / made[1] / "rank1.pt.trace.json", "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB apparent, no block on disk
+    assert os.stat(tmp_path / made[1] / "rank1.pt.trace.json").st_blocks == 0
+    assert retention(tmp_path, keep=10, max_total_gb=1.0, newest=made[2]) == []
+    assert [p.name for p in oldest_first(tmp_path)] == made
