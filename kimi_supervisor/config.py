@@ -8,8 +8,11 @@ description in kimi-supervisor.toml(5) (cli/configdoc.py).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
+import socket
+import threading
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -57,6 +60,44 @@ class SystemdConfig(_Strict):
     bus_address: str = ""
 
 
+RESOLVE_TIMEOUT_S = 5.0
+
+
+def one_address(host: str) -> str:
+    """`host` as the one literal address it names; ValueError says why not and what to write.
+    A name is looked up (/etc/hosts first, as everywhere), bounded: a resolver that does not
+    answer never holds the daemon's start."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    got: list[set[str] | BaseException] = []
+
+    def look_up() -> None:
+        try:
+            infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            got.append({str(info[4][0]) for info in infos})
+        except (OSError, UnicodeError) as e:
+            got.append(e)
+
+    t = threading.Thread(target=look_up, daemon=True, name="resolve-vllm-host")
+    t.start()
+    t.join(RESOLVE_TIMEOUT_S)  # abandoned, never joined longer, if the resolver hangs
+    if not got:
+        raise ValueError(f"{host!r} gave no answer in {RESOLVE_TIMEOUT_S:g} s: give an address")
+    found = got[0]
+    if isinstance(found, BaseException):
+        raise ValueError(f"{host!r} does not resolve ({found}): give an address, e.g. 127.0.0.1")
+    if len(found) != 1:
+        listed = sorted(found, key=lambda a: (":" in a, a))
+        raise ValueError(
+            f"{host!r} resolves to {len(found)} addresses ({', '.join(listed)}): vLLM listens on "
+            "one, and any local user could listen on another and receive the daemon's probes "
+            f"and the profile guard's secret. Set vllm.host to one address, e.g. {listed[0]!r}"
+        )
+    return found.pop()
+
+
 class ModeConfig(_Strict):
     # Passed to vLLM after vllm.command, byte for byte: no shell, no quoting rules applied.
     args: list[str]
@@ -65,7 +106,11 @@ class ModeConfig(_Strict):
 class VllmConfig(_Strict):
     # argv of vLLM before the mode's arguments, e.g. ["/opt/vllm/bin/vllm", "serve", "MODEL", ...]
     command: list[str] = Field(min_length=1)
-    # Where vLLM listens (passed as --host and --port); /health is probed there.
+    # Where vLLM listens (passed as --host and --port); /health is probed there. One address:
+    # a name is resolved here, once, to the one address it names, and vLLM and every probe get
+    # that literal. A name that resolves to several (`localhost`: ::1 and 127.0.0.1) is refused:
+    # vLLM binds one of them, and any local user could listen on another and receive the
+    # daemon's probes and the profile guard's secret.
     host: str = "127.0.0.1"
     # vLLM's port (see host).
     port: int = Field(default=8000, ge=1, le=65535)
@@ -86,6 +131,11 @@ class VllmConfig(_Strict):
         if isinstance(d, str) and d and not d.startswith("/"):
             raise ValueError(f"{d!r} is relative: give an absolute path")
         return None if d == "" else d
+
+    @field_validator("host")
+    @classmethod
+    def _one_address(cls, v: str) -> str:
+        return one_address(v)
 
     @field_validator("command")
     @classmethod

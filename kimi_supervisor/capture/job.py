@@ -139,6 +139,8 @@ def _move_into(
 
 
 def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:
+    if r.intruder:
+        return f"{endpoint} was not asked: {r.error} (the profile guard's secret stays root's)"
     if r.status == 404:
         return (
             f"vLLM answered 404 to {endpoint}: its profiler is not configured (is it running with "
@@ -277,17 +279,19 @@ class Capture:
         # The secret of this vLLM's start: its profile guard refuses these routes without it.
         token = launcher.read_token(base.argv_file)
         guard = {kimi_profile_guard.HEADER: token} if token else {}
-        r = request(f"{url}/start_profile", "POST", p.start_timeout_s, headers=guard)
+        # vLLM's user's socket only: another's listener on vLLM's address gets no secret.
+        peer = self.spec.vllm_uid
+        r = request(f"{url}/start_profile", "POST", p.start_timeout_s, headers=guard, peer_uid=peer)
         if not r.ok:
             self._end(False, explain(r, "/start_profile", p.start_timeout_s))
             return
         # Each edge's /metrics read runs on a thread of its own: a slow or silent /metrics never
         # lengthens the recording, delays /stop_profile, or the capture's end past one bound.
-        started = _Reading(self, url)
+        started = _Reading(self, url, peer)
         self.phase = CapturePhase.RECORDING
         self._event("capture_recording", seconds=self.spec.seconds)
         self.stop.wait(self.spec.seconds)
-        flushing = _Reading(self, url)
+        flushing = _Reading(self, url, peer)
         self.phase = CapturePhase.FLUSHING
         t0 = time.monotonic()
         self._event("capture_flushing")
@@ -295,7 +299,7 @@ class Capture:
         flush_timeout = p.flush_timeout_s or None
         stopper = threading.Thread(
             target=lambda: result.append(
-                request(f"{url}/stop_profile", "POST", flush_timeout, headers=guard)
+                request(f"{url}/stop_profile", "POST", flush_timeout, headers=guard, peer_uid=peer)
             ),
             daemon=True,
         )
@@ -314,7 +318,7 @@ class Capture:
                     flushing_s=round(time.monotonic() - t0, 1),
                 )
         flushed = time.monotonic() - t0
-        flushed_at = _Reading(self, url)
+        flushed_at = _Reading(self, url, peer)
         if not result[0].ok:
             # Whatever readings are in by now: a failed flush is told at once.
             a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
@@ -325,7 +329,7 @@ class Capture:
                 stall=self.stall.as_dict(),
             )
             return
-        after = _Reading(self, url, delay_s=p.stall_after_s) if p.stall_after_s else None
+        after = _Reading(self, url, peer, delay_s=p.stall_after_s) if p.stall_after_s else None
         # The folder vLLM wrote into must be the one judged: named again by its path now.
         try:
             if traces is None:
@@ -447,8 +451,10 @@ class _Reading:
     `delay_s` (the "after" window): the capture goes on meanwhile. `get()` waits for it at most
     until its deadline (the delay, then METRICS_TIMEOUT_S and a second), or `max_wait_s`."""
 
-    def __init__(self, capture: Capture, url: str, delay_s: float = 0.0) -> None:
-        self.url, self.delay_s = url, delay_s
+    def __init__(
+        self, capture: Capture, url: str, peer_uid: int | None, *, delay_s: float = 0.0
+    ) -> None:
+        self.url, self.peer_uid, self.delay_s = url, peer_uid, delay_s
         self.due = time.monotonic() + delay_s + METRICS_TIMEOUT_S + 1
         self.got: Sample | str = f"/metrics: no answer within {METRICS_TIMEOUT_S:g} s"
         self.thread = threading.Thread(target=self._read, daemon=True, name=f"{capture.id}-read")
@@ -457,7 +463,10 @@ class _Reading:
     def _read(self) -> None:
         if self.delay_s:
             threading.Event().wait(self.delay_s)  # the window's length, not a poll
-        r = request(f"{self.url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES)
+        r = request(
+            f"{self.url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES,
+            peer_uid=self.peer_uid,
+        )  # fmt: skip
         if not r.ok:
             self.got = f"/metrics: {r.error or f'HTTP {r.status}'}"
             return

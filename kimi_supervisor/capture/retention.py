@@ -100,13 +100,11 @@ def _size(d: Path) -> int:
     owns it and may fill it with names), what lies beyond is not counted."""
     total, seen = 0, 0
     try:
-        walk = os.fwalk(d, follow_symlinks=False)
-        for _top, _dirs, files, dir_fd in walk:
+        for _top, _dirs, files, dir_fd in os.fwalk(d, follow_symlinks=False):
             for name in files:
                 seen += 1
                 if seen > MAX_WALK:
-                    walk.close()
-                    return total
+                    return total  # the walk's descriptors close with its generator
                 with contextlib.suppress(OSError):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                     if stat.S_ISREG(st.st_mode):

@@ -77,6 +77,7 @@ class Jobs:
         )
 
         url, clock = ctx.config.vllm.health_url, ctx.clock
+        peer_uid = ctx.observer.vllm_uid  # read here: the job's thread only uses it
         # Where vLLM's unit will look for the model (its user's hub cache), read here, on the
         # loop's thread, which owns the bus.
         env, home = warming.vllm_env(ctx.systemd, ctx.unit) if warm_argv else ({}, None)
@@ -112,7 +113,7 @@ class Jobs:
                     end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")
                 put(Warmed(end, done=True))
             ok_at = None
-            if probe and http_request(url, timeout_s=PROBE_S).status == 200:
+            if probe and http_request(url, timeout_s=PROBE_S, peer_uid=peer_uid).status == 200:
                 ok_at = clock.monotonic()
             began = clock.monotonic()
             try:

@@ -613,6 +613,7 @@ class Lifecycle:
         s = self.s
         if s.state is State.SERVING and s.serving and obs.main_pid == s.serving.pid:
             capturing = s.capture is not None and s.capture.phase.holds_switch
+            self.liveness.peer_uid = self.ctx.observer.vllm_uid
             self.liveness.serving(s.serving.pid, self.ctx.clock.monotonic(), capturing)
 
     def liveness_seen(self, reading: Reading) -> None:

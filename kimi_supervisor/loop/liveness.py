@@ -138,10 +138,17 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     )
 
 
-def canary(url: str, prompt: str, timeout_s: float) -> Canary:
-    """One token of the served model (its name from /v1/models)."""
+class NotVllm(Exception):
+    """Another user's socket answered on vLLM's address."""
+
+
+def canary(url: str, prompt: str, timeout_s: float, *, peer_uid: int | None = None) -> Canary:
+    """One token of the served model (its name from /v1/models), asked of vLLM's user's socket
+    only (`peer_uid`, ports/http.request)."""
     t0 = time.monotonic()
-    models = request(f"{url}/v1/models", "GET", timeout_s, max_bytes=1 << 16)
+    models = request(f"{url}/v1/models", "GET", timeout_s, max_bytes=1 << 16, peer_uid=peer_uid)
+    if models.intruder:  # an intruder's place taken: neither an answer nor a silence of vLLM's
+        raise NotVllm(models.error)
     if not models.ok:
         took = time.monotonic() - t0
         return Canary(not models.timed_out, False, took, f"/v1/models: {models.error}")
@@ -150,7 +157,9 @@ def canary(url: str, prompt: str, timeout_s: float) -> Canary:
     except (ValueError, KeyError, IndexError, TypeError):
         return Canary(True, False, time.monotonic() - t0, "/v1/models named no model")
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    r = request(f"{url}/v1/completions", "POST", timeout_s, json_body=body)
+    r = request(f"{url}/v1/completions", "POST", timeout_s, json_body=body, peer_uid=peer_uid)
+    if r.intruder:
+        raise NotVllm(r.error)
     took = time.monotonic() - t0
     if r.ok:
         try:
@@ -172,6 +181,9 @@ class Liveness:
         self._next_probe = 0.0
         self._next_canary = 0.0
         self.judge = self._judge()
+        # The unit's User= (the loop sets it from the observer): only that uid's socket is
+        # vLLM's; another's answer is no reading at all (ports/http.request's peer_uid).
+        self.peer_uid: int | None = None
 
     def _judge(self) -> Judge:
         c = self.config.liveness
@@ -198,14 +210,22 @@ class Liveness:
         v = self.config.vllm
         url = f"http://{v.host}:{v.port}"
         threading.Thread(
-            target=self._probe, args=(pid, url, want_canary), name="liveness", daemon=True
+            target=self._probe,
+            args=(pid, url, want_canary, self.peer_uid),
+            name="liveness",
+            daemon=True,
         ).start()
 
-    def _probe(self, pid: int, url: str, want_canary: bool) -> None:
+    def _probe(self, pid: int, url: str, want_canary: bool, peer_uid: int | None) -> None:
         c = self.config.liveness
         work, metrics, cpu, probe, metrics_at = None, "unreachable", None, None, 0.0
         try:
-            r = request(f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES)
+            r = request(
+                f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES,
+                peer_uid=peer_uid,
+            )  # fmt: skip
+            if r.intruder:  # nobody's reading: the stall neither grows nor resets, no canary
+                raise NotVllm(r.error)
             metrics_at = time.monotonic()
             work = parse(r.body) if r.ok else None
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
@@ -214,7 +234,7 @@ class Liveness:
             # one-token request waits behind the others, and its slowness says nothing.
             if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
                 tree = engine_cpu(pid)
-                probe = canary(url, c.canary_prompt, c.canary_timeout_s)
+                probe = canary(url, c.canary_prompt, c.canary_timeout_s, peer_uid=peer_uid)
                 tree_end, sent = engine_cpu(pid), cpu
                 cpu = engine_cpu(pid, engine_only=True)
                 others = None  # what the rest of the tree (the API servers) used meanwhile

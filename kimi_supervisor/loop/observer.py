@@ -40,6 +40,9 @@ PROVISIONAL_BASELINE_MIB = 1024
 # The warning while the serving vLLM takes orders from its own clients (launcher.open_routes).
 OPEN_ROUTES = "vLLM's clients can order it about"
 
+# The warning while another user's socket answers on vLLM's address (status names it).
+INTRUSION = "an intruder answers on vLLM's address"
+
 
 @dataclass(frozen=True)
 class Intruder:
@@ -105,6 +108,10 @@ class Observer:
         self.error = ""  # why the unit could not be read at the last observation
         self._told: list[dict[str, Any]] = []  # the readings readings_changed last gave
         self.last_ok: float | None = None  # the last /health 200 probed (monotonic)
+        # The unit's User=, read once per MainPID: only a socket of that uid answering on
+        # vLLM's address is vLLM (ports/http.request's peer_uid). None: not known, not checked.
+        self.vllm_uid: int | None = None
+        self._uid_of_pid = -1
 
     def observe(
         self,
@@ -134,6 +141,12 @@ class Observer:
         self.unwarn(f"cannot read {self.unit}")
         up = st.up
         steady = serving_pid != 0 and st.main_pid == serving_pid
+        if up and st.main_pid != self._uid_of_pid:
+            self._uid_of_pid = st.main_pid
+            try:
+                self.vllm_uid = self.systemd.run_as(self.unit)
+            except SystemdError:
+                self.vllm_uid = None
         running = self._running_mode(st.main_pid) if up else None
         if running is not None and running.open_routes:
             self.warn(f"{OPEN_ROUTES} (PID {st.main_pid}): {running.open_routes}"
@@ -193,10 +206,18 @@ class Observer:
         # grace shorter than the interval).
         if steady and last == 200 and now - at < d.health_interval_s:
             return last, slow
-        r = http_request(self.config.vllm.health_url, timeout_s=d.health_timeout_s)
-        # No answer that says anything (none in time, a reset, the daemon's own error such as
-        # no descriptor left) needs a second sign before it restarts anything; a refused
-        # connection (nothing listens) and an HTTP status are vLLM's own statements.
+        r = http_request(
+            self.config.vllm.health_url, timeout_s=d.health_timeout_s, peer_uid=self.vllm_uid
+        )
+        # Another user's listener on vLLM's address is an intrusion, said as such; what it
+        # answers is never vLLM's (a 503 of its own tore a healthy vLLM down).
+        if r.intruder:
+            self.warn(f"{INTRUSION}: {r.error}", INTRUSION)
+        else:
+            self.unwarn(INTRUSION)
+        # No answer that says anything (none in time, a reset, an intruder's, the daemon's own
+        # error such as no descriptor left) needs a second sign before it restarts anything; a
+        # refused connection (nothing listens) and an HTTP status are vLLM's own statements.
         slow = r.status == 0 and "refused" not in r.error.lower()
         self._health = (r.status, slow, now)
         if r.status == 200:

@@ -7,7 +7,8 @@ line and headers, and the body read. Each wait on the socket is cut to what is l
 server that trickles a byte a second (or a vLLM whose API server wedged mid-answer) holds the
 caller no longer than `timeout_s`: the loop calls /health on its own thread. A per-wait timeout,
 as urllib's, never ends while bytes keep coming. The host's name is resolved before the deadline
-counts (vLLM's URLs are numeric addresses or `localhost`, from /etc/hosts).
+counts (vLLM's URL is the one literal address config.py resolved `vllm.host` to: a name that
+resolves to several could reach another user's listener on one of them).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kimi_supervisor.ports import sockets
+
 if TYPE_CHECKING:
     from _typeshed import ReadableBuffer, WriteableBuffer
 
 # At most this much of an error's body is kept (vLLM's JSON error, a proxy's page).
 ERROR_BODY_BYTES = 4096
+INTRUDER = "not vLLM"
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,11 @@ class HttpResult:
     @property
     def ok(self) -> bool:
         return 200 <= self.status < 300
+
+    @property
+    def intruder(self) -> bool:
+        """The peer was not vLLM's unit's user's: nothing was sent, nothing believed."""
+        return self.status == 0 and self.error.startswith(INTRUDER)
 
     @property
     def timed_out(self) -> bool:
@@ -50,10 +59,16 @@ def request(
     json_body: dict[str, object] | None = None,
     max_bytes: int = 4096,
     headers: dict[str, str] | None = None,
+    *,
+    peer_uid: int | None = None,
 ) -> HttpResult:
     """`timeout_s` bounds the whole exchange (the module's docstring); None waits as long as the
     server takes (a profiler flush, whose caller bounds it by waiting on its own thread). At
-    most `max_bytes` of the answer are read. A timeout's `error` says "timed out"."""
+    most `max_bytes` of the answer are read. A timeout's `error` says "timed out".
+
+    `peer_uid`: the uid that must own the socket answering (vLLM's unit's `User=`). Another
+    uid's listener gets nothing, not even the request line: the result is status 0 and its
+    `intruder` says whose it was (an answer of someone else's is never vLLM's)."""
     data = json.dumps(json_body).encode() if json_body is not None else None
     if data is None and method == "POST":
         data = b""
@@ -67,6 +82,18 @@ def request(
         if u.scheme != "http" or not u.hostname:
             return HttpResult(0, "", f"not an http:// URL: {url}")
         conn = _Connection(u.hostname, u.port or 80, deadline)
+        if peer_uid is not None:
+            conn.connect()
+            assert conn.sock is not None
+            owner = sockets.peer_uid(conn.sock)
+            if owner != peer_uid:
+                who = "cannot be told" if owner is None else f"is uid {owner}'s"
+                return HttpResult(
+                    0,
+                    "",
+                    f"{INTRUDER}: the socket answering {u.hostname}:{u.port} {who}, not vLLM's "
+                    f"user's (uid {peer_uid}); nothing was sent to it",
+                )
         conn.request(method, (u.path or "/") + (f"?{u.query}" if u.query else ""), data, headers)
         r = conn.getresponse()
         if 200 <= r.status < 300:

@@ -130,3 +130,77 @@ def unix_paths_by_inode(proc_net_unix: Path = Path("/proc/net/unix")) -> dict[in
     except FileNotFoundError:
         pass
     return out
+
+
+# inet_diag_req_v2 for one socket: family, protocol, ext, pad, states, then inet_diag_sockid:
+# sport, dport (big-endian), src, dst (16 bytes each), if, cookie (2 x u32)
+_ONE = struct.Struct("=BBBxI")
+_NOCOOKIE = b"\xff" * 8
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid that owns the other end of `sock`, a TCP connection to a local address: the
+    socket a listener accepted (or will accept) for it, which is its listener's owner's. None
+    where it cannot be told (a remote peer, netlink and /proc/net refused): never a guess."""
+    try:
+        ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+    except OSError:
+        return None
+    mine, peer = ipaddress.ip_address(ours[0]), ipaddress.ip_address(theirs[0])
+    # The other end's socket: its source is our destination, its destination our source.
+    candidates: list[tuple[int, Address, Address]] = [(sock.family, peer, mine)]
+    if isinstance(peer, ipaddress.IPv4Address) and isinstance(mine, ipaddress.IPv4Address):
+        # A dual-stack listener ([::]) accepts IPv4 as an IPv6 socket with mapped addresses.
+        mapped = (ipaddress.IPv6Address(f"::ffff:{peer}"), ipaddress.IPv6Address(f"::ffff:{mine}"))
+        candidates.append((socket.AF_INET6, *mapped))
+    for family, src, dst in candidates:
+        try:
+            uid = _one_uid(family, src, theirs[1], dst, ours[1])
+        except (OSError, struct.error, ValueError):
+            return _proc_uid(peer, theirs[1], mine, ours[1])
+        if uid is not None:
+            return uid
+    return None
+
+
+def _one_uid(family: int, src: Address, sport: int, dst: Address, dport: int) -> int | None:
+    sockid = (
+        struct.pack("!HH", sport, dport)
+        + src.packed.ljust(16, b"\0")
+        + dst.packed.ljust(16, b"\0")
+        + struct.pack("=I", 0)
+        + _NOCOOKIE
+    )
+    req = _ONE.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
+    hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as s:
+        s.settimeout(2.0)
+        s.sendall(hdr + req)
+        data = s.recv(65536)
+    _length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(data, 0)
+    if kind == _NLMSG_ERROR:
+        err = -struct.unpack_from("=i", data, _NLMSGHDR.size)[0]
+        if err == 2:  # ENOENT: no such socket in this family
+            return None
+        raise OSError(err, os.strerror(err))
+    return int(_MSG.unpack_from(data, _NLMSGHDR.size)[13])
+
+
+def _proc_uid(src: Address, sport: int, dst: Address, dport: int) -> int | None:
+    """/proc/net/tcp{,6}'s word for the socket from src:sport to dst:dport (the fallback)."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            local, remote = cols[1].rpartition(":"), cols[2].rpartition(":")
+            if (
+                int(local[2], 16) == sport
+                and int(remote[2], 16) == dport
+                and _proc_address(local[0]) == src
+                and _proc_address(remote[0]) == dst
+            ):
+                return int(cols[7])
+    return None
