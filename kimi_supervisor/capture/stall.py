@@ -13,7 +13,9 @@ token counter gives tokens/s; its error counters give the requests that failed. 
 
 A window whose edges are missing (no reading, /metrics not answering, no vllm:* series) or
 whose counters went back (another vLLM answers: a restart in between) is not measured, and the
-record says why: never a rate made up from half a window.
+record says why: never a rate made up from half a window. A counter is believed only within what
+a host can do (MAX_TOKENS_PER_S, MAX_REQUESTS_PER_S): a jump past it is not measured either, and
+neither is any window after a reset or a jump (whose counters would they be?).
 
 The counters, as vLLM 0.16 writes them (seen on the real-vLLM tier; a copy of a whole answer is
 tests/fixtures/vllm-0.16-metrics.txt):
@@ -101,6 +103,12 @@ def sample_of(text: str, at: float) -> Sample | str:
 
 # A counter past this is no count of tokens or requests (float64 counts exactly to 2**53).
 MAX_COUNT = float(2**53)
+# The most tokens per second any host generates, with a wide margin: an 8-GPU H200 host makes
+# some 10^4 to 5 * 10^4 generated tokens/s at its largest batches; 20 times the top of that.
+# A counter that rose faster was not counting this vLLM's tokens (a fake, a bug, a wrap).
+MAX_TOKENS_PER_S = 1_000_000.0
+# Likewise for requests failed or given up: a host finishes some 10^3 requests/s at most.
+MAX_REQUESTS_PER_S = 100_000.0
 
 
 def _count(value: float) -> bool:
@@ -135,7 +143,27 @@ def window(name: str, a: Sample | str | None, b: Sample | str | None) -> Window:
         return Window(name, seconds, None, why)
     if seconds <= 0:
         return Window(name, seconds, None, "no time between its readings")
+    if (why := _beyond_a_host(a, b)) is not None:
+        return Window(name, seconds, None, why)
     return Window(name, seconds, (b.tokens - a.tokens) / seconds)
+
+
+def _beyond_a_host(a: Sample, b: Sample) -> str | None:
+    """Why the counters between `a` and `b` rose faster than any host counts, or None."""
+    seconds = max(b.at - a.at, 1e-3)
+    rate = (b.tokens - a.tokens) / seconds
+    if rate > MAX_TOKENS_PER_S:
+        return (
+            f"the token counter rose by {b.tokens - a.tokens:.3g} in {seconds:.1f} s "
+            f"({rate:.3g} tokens/s), past what any host makes ({MAX_TOKENS_PER_S:.0g}/s)"
+        )
+    requests = (b.failed - a.failed) + (b.aborted - a.aborted)
+    if requests / seconds > MAX_REQUESTS_PER_S:
+        return (
+            f"the failed-request counters rose by {requests:.3g} in {seconds:.1f} s, past what "
+            f"any host serves ({MAX_REQUESTS_PER_S:.0g}/s)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -154,22 +182,31 @@ class Stall:
         after: Sample | str | None,
     ) -> Stall:
         edges = (before, start, flushing, flushed, after)
-        windows = tuple(window(n, edges[i], edges[i + 1]) for i, n in enumerate(WINDOWS))
-        # Failures from the capture's start to its last reading of the same vLLM.
-        last = next(
-            (
-                e
-                for e in (after, flushed, flushing)
-                if isinstance(e, Sample) and isinstance(start, Sample) and not _other_vllm(start, e)
-            ),
-            None,
-        )
-        if isinstance(start, Sample) and last is not None:
-            failed: int | None = round(last.failed - start.failed)
-            aborted: int | None = round(last.aborted - start.aborted)
-        else:
-            failed = aborted = None
-        return cls(windows, failed, aborted)
+        windows: list[Window] = []
+        broken = ""  # the window whose counters went back or jumped: none after it is believed
+        for i, n in enumerate(WINDOWS):
+            w = window(n, edges[i], edges[i + 1])
+            if broken and w.tokens_per_s is not None:
+                w = Window(n, w.seconds, None, f"after the counters broke in the {broken} window")
+            elif not broken and _broke(edges[i], edges[i + 1]):
+                broken = n
+            windows.append(w)
+        # Failures from the capture's start to its last reading, every reading between of the
+        # same vLLM and within what a host does.
+        failed: int | None = None
+        aborted: int | None = None
+        if isinstance(start, Sample):
+            last: Sample | None = None
+            for e in (flushing, flushed, after):
+                if not isinstance(e, Sample):
+                    continue
+                if _broke(last or start, e):
+                    break
+                last = e
+            if last is not None:
+                failed = round(last.failed - start.failed)
+                aborted = round(last.aborted - start.aborted)
+        return cls(tuple(windows), failed, aborted)
 
     def get(self, name: str) -> Window:
         return next(w for w in self.windows if w.name == name)
@@ -222,6 +259,13 @@ class Stall:
 def _client_failure(labels: dict[str, str]) -> bool:
     """An HTTP 5xx answer to a client (the profiler's routes are the capture's own)."""
     return labels.get("status", "").startswith("5") and labels.get("handler") not in PROFILER_ROUTES
+
+
+def _broke(a: Sample | str | None, b: Sample | str | None) -> bool:
+    """Whether two readings are of one vLLM whose counters then went back or jumped."""
+    if not isinstance(a, Sample) or not isinstance(b, Sample):
+        return False
+    return _other_vllm(a, b) is not None or _beyond_a_host(a, b) is not None
 
 
 def _other_vllm(a: Sample, b: Sample) -> str | None:

@@ -485,6 +485,8 @@ class Lifecycle:
         what was `seen`), an event, and the teardown (`why`) that comes before serving again."""
         s, ctx = self.s, self.ctx
         mode = s.serving.mode.value if s.serving else None
+        # vLLM's output read up to now: what it last said is this vLLM's, not its load's.
+        ctx.output.read_new()
         ctx.log(event, level="error", reason=reason, mode=mode, **seen)
         ctx.incident({"at": at or utcnow().isoformat(), "what": what, **seen})
         ctx.event(event, {"reason": reason, **seen})
@@ -553,6 +555,7 @@ class Lifecycle:
         """Not retried: an operator's switch is waited for."""
         s, ctx = self.s, self.ctx
         msg = f"{reason}: not retrying. Fix the cause, then `kimi-mode {s.desired.value}`"
+        self._failure_is(reason)
         self.end_transition(False, "failed", msg, detail)
         ctx.log("failed", level="error", message=msg)
         # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
@@ -576,12 +579,26 @@ class Lifecycle:
             f"teardown STUCK: {report.diagnosis}. Next: {report.next_action}. "
             f"Retrying in {wait:g} s; vLLM is not started on occupied GPUs"
         )
+        self._failure_is(f"teardown STUCK: {report.diagnosis}")
         self.end_transition(False, "stuck", msg, detail or {}, recorded=not retry)
         ctx.log("stuck", level="error", message=msg, retries=s.stuck_retries)
         # TEARING_DOWN | STUCK -> STUCK: the teardown could not make the GPUs clean
         self.set_state(State.STUCK, msg)
         if first:  # the episode's retries find what its first teardown found
             self.incidents.collect("stuck", msg, report)
+
+    def _failure_is(self, reason: str) -> None:
+        """`last_failure` for a way into FAILED or STUCK: the cause, and what vLLM said of it
+        when the failure was a start of its (the failed vLLM's lines, or none)."""
+        s, ctx = self.s, self.ctx
+        start = s.last_failure
+        s.last_failure = FailureStatus(
+            at=utcnow().isoformat(),
+            mode=s.transition.target if s.transition else s.desired,
+            reason=reason,
+            said=start.said if start else [],
+            more=start.more if start else ctx.output.where,
+        )
 
     def unstuck(self, how: str) -> None:
         """The STUCK episode is over: one incident, with how long it lasted and its retries."""

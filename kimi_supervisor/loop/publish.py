@@ -37,7 +37,9 @@ def status_line(s: LoopState, now: float) -> str:
     if s.state is State.SERVING and s.serving:
         return f"{s.serving.mode.value}: serving (vLLM PID {s.serving.pid})"
     if s.state is State.STUCK and s.stuck_since is not None:
-        head = f"STUCK since {s.stuck_since:%H:%M:%S} UTC"
+        cause = s.last_failure.reason if s.last_failure else "teardown STUCK"
+        cause = cause.removeprefix("teardown STUCK: ")
+        head = f"STUCK since {s.stuck_since:%H:%M:%S} UTC ({cause})"
         if s.job is not None:
             return f"{head}: retrying the teardown (retry {s.stuck_retries})"
         wait = max((s.next_attempt_at or now) - now, 0)
@@ -57,7 +59,8 @@ def status_line(s: LoopState, now: float) -> str:
         wait = max(s.next_attempt_at - now, 0)
         return f"{s.state.value.upper()}: retrying {s.desired.value} in {wait:.0f} s"
     if s.state is State.FAILED:
-        return f"FAILED: {s.desired.value} gave up; `kimi-mode {s.desired.value}` retries"
+        cause = f": {s.last_failure.reason}" if s.last_failure else ""
+        return f"FAILED: {s.desired.value} gave up{cause}; `kimi-mode {s.desired.value}` retries"
     if s.waiting_for:
         return f"{s.state.value}: {s.waiting_for}"
     if s.state is State.STOPPING and s.job is not None:
@@ -157,7 +160,9 @@ def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
     """The window under way (so far, the part under way, the rest by past switches'
     parts), else the last one."""
     w, tr = s.watch, s.transition
-    if w is None or tr is None:
+    # Between attempts (a backoff, FAILED, STUCK) the outage goes on: nothing serves.
+    between = s.state in (State.BACKOFF, State.FAILED, State.STUCK) and s.serving is None
+    if w is None or (tr is None and not between):
         return s.last_downtime
     record = w.record()
     since = w.at.get("last_ok")
@@ -169,9 +174,12 @@ def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
         text += f"; now: {downtime.WORDS[part]}"
     if left is not None:
         text += f"; back in about {left:.0f} s by past switches"
+    if tr is None:
+        text += f"; nothing serves ({s.state.value}"
+        text += ": `kimi-mode " + s.desired.value + "` retries)" if s.state is State.FAILED else ")"
     return DowntimeStatus(
-        transition=tr.id,
-        target=tr.target,
+        transition=tr.id if tr else "",
+        target=tr.target if tr else s.desired,
         under_way=True,
         window_s=so_far,
         part=part,

@@ -96,10 +96,17 @@ def free_port() -> int:
 
 
 def config_for(
-    root: Path, model: Path | None = None, extra: str = "", armed: bool = False, **daemon: float
+    root: Path,
+    model: Path | None = None,
+    extra: str = "",
+    armed: bool = False,
+    *,
+    liveness: str = "",
+    **daemon: float,
 ) -> Config:
     """`model`: a folder vLLM's argv names (`serve MODEL`), which a switch warms; `extra`: more
-    TOML sections; `armed`: production starts vLLM with the profiler armed."""
+    TOML sections; `armed`: production starts vLLM with the profiler armed; `liveness`: more
+    lines of its section."""
     for d in ("state", "shm", "tmp", "run", "captures", "traces"):
         (root / d).mkdir(parents=True, exist_ok=True)
     settings = {
@@ -157,6 +164,7 @@ metrics_interval_s = 1
 stall_s = 3
 canary_interval_s = 5
 canary_timeout_s = 1
+{liveness}
 [metrics]
 enabled = false
 [profiling]
@@ -372,10 +380,12 @@ class LoopHost:
         model: Path | None = None,
         extra: str = "",
         armed: bool = False,
+        *,
+        liveness: str = "",
         **daemon: float,
     ) -> None:
         self.root = root
-        self.config = config_for(root, model, extra, armed, **daemon)
+        self.config = config_for(root, model, extra, armed, liveness=liveness, **daemon)
         self.clock = SleepWatch()
         self.systemd = FakeSystemd(self.config, root / "vllm.log", self.clock)
         self.gpu = FakeGpu()

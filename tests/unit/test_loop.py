@@ -759,3 +759,35 @@ def test_by_default_a_failing_gpu_is_warned_of_and_loaded_and_no_reading_decides
     assert host.systemd.starts[starts:] == [Mode.PRODUCTION]
     health = host.status()["gpu_health"]
     assert health["verdict"] == "unread" and "ValueError: invalid literal" in health["text"]
+
+
+def test_failed_by_the_hang_bound_and_stuck_each_say_why_and_the_outage_as_under_way(
+    tmp_path: Path,
+) -> None:
+    """After the hang bound sent the daemon to FAILED, status said only "production gave up",
+    its last_failure was null and the downtime shown was the previous, closed window."""
+    host = LoopHost(tmp_path, liveness="max_hang_restarts = 1")  # the first hang is the last
+    try:
+        booted(host)
+        host.systemd.hung_file.touch()
+        try:
+            host.until(lambda: host.state is State.FAILED, "FAILED by the hang bound")
+        finally:
+            host.systemd.hung_file.unlink()
+        st = host.status()
+        assert st["last_failure"] is not None, st
+        assert st["last_failure"]["reason"].startswith("hung: "), st["last_failure"]
+        assert "max_hang_restarts" in st["last_failure"]["reason"]
+        assert st["status_line"].startswith("FAILED: production gave up: hung: ")
+        assert st["downtime"]["under_way"] is True and st["downtime"]["window_s"] is not None
+        assert "nothing serves (failed" in st["downtime"]["text"]
+        # An operator's switch onto a GPU that something holds: STUCK, said with its cause.
+        host.gpu.extra[1] = 20_000
+        host.ask(Switch(Mode.PRODUCTION, "op"))
+        host.until(lambda: host.state is State.STUCK, "STUCK")
+        st = host.status()
+        assert st["last_failure"]["reason"].startswith("teardown STUCK: "), st["last_failure"]
+        assert st["status_line"].startswith("STUCK since") and "(" in st["status_line"]
+        assert st["downtime"]["under_way"] is True
+    finally:
+        host.close()

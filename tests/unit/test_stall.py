@@ -160,3 +160,38 @@ def test_the_before_window_opens_at_this_vllms_newest_reading_old_enough_to_give
     assert pick_before(readings, 7, 100.0) == Sample(90.0, 20.0)  # 97 is under 5 s old
     assert pick_before(readings, 8, 100.0) == f"its only reading is under {MIN_BEFORE_S:g} s old"
     assert pick_before(readings, 9, 100.0) == "no liveness reading of this vLLM yet"
+
+
+@pytest.mark.parametrize(
+    ("edges", "measured", "failed"),
+    [
+        pytest.param(
+            [(0, 10), (10, 2**53)], [False, False, False, False], None,
+            id="a counter that jumps by 2**53 is not measured, nor any window after it",
+        ),
+        pytest.param(
+            [(0, 100), (10, 1100), (20, 50), (30, 150)], [True, False, False, False], None,
+            id="after a counter went back no later window is believed",
+        ),
+        pytest.param(
+            [(0, 100), (10, 1100), (20, 2100), (30, 3100), (40, 4100)],
+            [True, True, True, True], 0,
+            id="counters that rise as a host can are measured in every window",
+        ),
+        pytest.param(
+            [(0, 100), (10, 100 + 9_000_000), (20, 9_001_100)], [True, True, False, False], 0,
+            id="900000 tokens a second is still a host's and is measured",
+        ),
+    ],
+)
+def test_a_counter_is_believed_only_within_what_a_host_can_do(
+    edges: list[tuple[float, float]], measured: list[bool], failed: int | None
+) -> None:
+    readings: list[Sample | str | None] = [Sample(at, tokens) for at, tokens in edges]
+    readings += ["not reached"] * (5 - len(readings))
+    stall = Stall.of(*readings)
+    assert [w.tokens_per_s is not None for w in stall.windows] == measured
+    assert stall.failed == failed
+    for w in stall.windows:
+        assert w.tokens_per_s is None or w.tokens_per_s <= 1_000_000
+        assert (w.tokens_per_s is None) == bool(w.why_not)
