@@ -49,7 +49,7 @@ def test_a_file_of_vllms_own_user_made_since_its_start_is_vllms() -> None:
 
 
 def test_root_programs_psm_and_sem_files_are_never_vllms_when_vllm_runs_as_its_own_user() -> None:
-    """Issue 42: with vLLM as root, every root program's unopened `psm_*` and `sem.mp-*` made
+    """Before, with vLLM as root, every root program's unopened `psm_*` and `sem.mp-*` made
     since vLLM's start were removed."""
     owner = Owner(frozenset({VLLM}), START)
     for name in ("psm_3f2a9c", "sem.mp-abc", "vllm-cache", "nccl-x"):
