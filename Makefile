@@ -48,7 +48,8 @@ unit: setup
 # The whole suite: lint (with the import layers), types, tests (real systemd user manager, real processes, simulated GPUs).
 test: lint typecheck pytest
 
-# Every benchmark, each writing its section of docs/performance.md (about 12 minutes).
+# Every sandbox benchmark, each recording its run in bench/results/ and refilling its section of
+# docs/performance.md (bench/perf_tables.py; about 12 minutes).
 bench: setup
 	$(BIN)/python -m bench.teardown_bench --runs 5 --gpus 8 --write docs/performance.md
 	$(BIN)/python -m bench.practice_bench --runs 3 --write docs/performance.md

@@ -1,4 +1,4 @@
-"""An A/B of rounds taken in turn, judged against its own noise (issue 45).
+"""An A/B of rounds taken in turn, judged against its own noise.
 
 Each arm's rounds alternate with the other's, so a drift of the host hits both. The figure is the
 median of the paired ratios (B's round over the A round beside it); the noise is a 95 % bootstrap

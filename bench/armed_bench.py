@@ -1,4 +1,4 @@
-"""What an armed profiler costs real vLLM 0.16 serving, round against round (issue 45).
+"""What an armed profiler costs real vLLM 0.16 serving, round against round.
 
 The real-vLLM tier's CPU build at tensor parallel 2 and its tiny model. Three vLLM servers run
 side by side for the whole bench, each in its own session:

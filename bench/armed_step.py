@@ -1,4 +1,4 @@
-"""What an armed, idle profiler costs a decode step on a GPU, as vLLM 0.16 runs it (issue 45).
+"""What an armed, idle profiler costs a decode step on a GPU, as vLLM 0.16 runs it.
 
 vLLM 0.16's GPU worker, when `--profiler-config` names the torch profiler, builds a
 `torch.profiler.profile(CPU, CUDA)` at start and never starts it until /start_profile

@@ -69,14 +69,28 @@ def main(
 
 
 def write_section(doc: Path, name: str, body: str) -> None:
+    """Record this run's section NAME in bench/results/ (bench/perf_tables.py) and fill DOC's
+    sections from the newest records; a section DOC has no markers for is added at its end."""
+    from bench import perf_tables
+
+    perf_tables.record(name, body, command=command_line())
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     text = doc.read_text() if doc.exists() else ""
-    section = f"{begin}\n{body}{end}"
-    if begin in text and end in text:
-        text = text[: text.index(begin)] + section + text[text.index(end) + len(end) :]
-    else:
-        text += f"\n{section}\n"
-    doc.write_text(text)
+    if begin not in text or end not in text:
+        doc.write_text(f"{text}\n## {name}\n\n{begin}\n{end}\n")
+    perf_tables.write(doc)
+
+
+def command_line() -> str:
+    """How this benchmark was run, as one would type it again in the checkout."""
+    import shlex
+    import sys
+
+    import __main__
+
+    spec = getattr(__main__, "__spec__", None)
+    program = f"-m {spec.name}" if spec is not None else shlex.quote(sys.argv[0])
+    return f".venv/bin/python {program} {shlex.join(sys.argv[1:])}".rstrip()
 
 
 def grow_idle(idle: list[subprocess.Popen[bytes]], n: int) -> None:

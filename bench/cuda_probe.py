@@ -1,5 +1,5 @@
 """What the real driver does, measured on a GPU host: the facts the simulated GPU host copies and
-the defaults that come from real hardware (issue 13).
+the defaults that come from real hardware.
 
     python3 -m bench.cuda_probe --out $OUT/cuda-probe.json        # on the GPU host
 

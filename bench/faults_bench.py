@@ -1,4 +1,4 @@
-"""Issue 15's and 26's figures: root's status latency while a group member floods the control
+"""Faults and hostile input: root's status latency while a group member floods the control
 socket with slow clients, and with history reads; the daemon's memory meanwhile; reading the
 newest 20 lines of a 100 MB history; reading 300 MB of vLLM output with no newline; the
 summarizer on a gzip bomb.

@@ -1,4 +1,4 @@
-"""Issue 27's and 41's figures: how long a frozen engine (VLLM::EngineCore SIGSTOPped, /health
+"""Liveness: how long a frozen engine (VLLM::EngineCore SIGSTOPped, /health
 still 200) takes to become an incident, idle (the canary) and under load (vLLM's /metrics), and a
 deadlocked one (no step, no CPU), against the bound the configuration promises; how many false
 verdicts a busy vLLM gets (a capture's flush blocking the engine under load, a prefill longer than
@@ -364,7 +364,7 @@ def run(runs: int) -> str:
         f"most {per_hour:.1f} s of CPU an hour. A canary is {tokens} token(s) as the fake "
         f"counts them; {3600 / shipped.canary_interval_s:g} canaries an hour when idle (real "
         "vLLM's count is in the real-vLLM table).\n\n"
-        "False verdicts (issue 41): each a hang called on a vLLM that works, which would cost a "
+        "False verdicts: each a hang called on a vLLM that works, which would cost a "
         "model load.\n\n"
         "| a busy vLLM | runs | hang or unhealthy verdicts |\n|---|---|---|\n"
         f"| a capture whose flush blocks the engine under load for 12 s ({12 / c.stall_s:g}x the "

@@ -1,4 +1,4 @@
-"""Issue 41's soak in the sandbox: the whole daemon (its loop, probe, judge and restarts) watching
+"""The liveness soak in the sandbox: the whole daemon (its loop, probe, judge and restarts) watching
 the fake vLLM saturated for `--minutes` (default 10) with vLLM's stats off, twice side by side:
 one sandbox with the shipped liveness values (metrics every 15 s, stall 120 s, canary every 300 s
 with 60 s to answer), one with the sandbox's scaled ones (1, 5, 5, 5 s). The real-vLLM soak

@@ -1,4 +1,4 @@
-"""Renders issue 13's real-GPU figures into docs/performance.md: what the driver does (from
+"""Renders the ownership real-GPU figures into docs/performance.md: what the driver does (from
 bench/cuda_probe.py) and the ownership cases' teardown against the floor (from
 tests/gpu/test_real_ownership.py).
 
@@ -22,8 +22,8 @@ from bench.common import write_section
 
 CASE_1 = "case 1: forked helper holds a dead process's 40 GiB"
 CASE_3 = "case 3: respawning parent, watched"
-CONTAINER = "issue 25: a container's forked helper holds a dead process's 40 GiB"
-RECYCLED = "issue 25: an NVML monitor on the dead creator's recycled PID"
+CONTAINER = "a container's forked helper holds a dead process's 40 GiB"
+RECYCLED = "an NVML monitor on the dead creator's recycled PID"
 
 
 def _ms(values: list[float]) -> str:
@@ -120,8 +120,8 @@ def cases_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     )
 
 
-def issue_25_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
-    """Issue 25's cases, for the runs that have them (empty if none)."""
+def container_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
+    """The container and recycled-PID cases, for the runs that have them (empty if none)."""
     rows = []
     for source, data in runs:
         c, r = data.get(CONTAINER), data.get(RECYCLED)
@@ -145,7 +145,7 @@ def issue_25_table(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     if not rows:
         return ""
     return (
-        "Issue 25. *Container*: case 1 inside a container (a private mount namespace whose "
+        "*Container*: case 1 inside a container (a private mount namespace whose "
         "/dev is a tmpfs with the nodes made again by `mknod`, as a container runtime does: "
         "`kimi_supervisor/sandbox/owndev.py`); the teardown must find the helper by the "
         "nodes' device numbers, kill it alone, and leave an NVML monitor in another such "
@@ -166,7 +166,7 @@ def main() -> None:
     body = probe_table(args.probe, json.loads(args.probe.read_text()))
     runs = [(r, json.loads(r.read_text())) for r in args.results]
     body += "\n" + cases_table(runs)
-    if extra := issue_25_table(runs):
+    if extra := container_table(runs):
         body += "\n" + extra
     print(body)
     if args.write:

@@ -64,6 +64,8 @@ def render(runs: list[tuple[Path, dict[str, Any]]]) -> str:
     head = "| figure | " + " | ".join(f"`{p.name}` ({d['vllm']})" for p, d in runs) + " |"
     lines = [head, "|---|" + "---|" * len(runs)]
     for key, label in ROWS:
+        if not any(key in d for _, d in runs):
+            continue  # a figure none of these runs measured
         lines.append(f"| {label} | " + " | ".join(str(d.get(key, "—")) for _, d in runs) + " |")
     with_steps = [d for _, d in runs if d.get("teardown_steps")]
     steps = with_steps[-1]["teardown_steps"] if with_steps else {}

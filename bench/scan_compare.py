@@ -4,11 +4,11 @@ the two versions timed in turn.
 
     .venv/bin/python -m bench.scan_compare [--base REF] [--runs N] [--write docs/performance.md]
 
-The base checkout is a `git worktree` of REF (default: the commit before issue 25's work) under
-a temporary directory, removed at the end. Each measurement is a fresh interpreter of that
-checkout calling its own `device_users` as its teardown does (with the GPU port's `node_key`
-where the version has one), so neither version warms the other's caches. The idle processes
-are `sleep` children of this benchmark, reaped at the end (also on failure).
+The base checkout is a `git worktree` of REF (default: the commit before the container-aware
+scan) under a temporary directory, removed at the end. Each measurement is a fresh interpreter
+of that checkout calling its own `device_users` as its teardown does (with the GPU port's
+`node_key` where the version has one), so neither version warms the other's caches. The idle
+processes are `sleep` children of this benchmark, reaped at the end (also on failure).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox import simgpu
 from kimi_supervisor.sandbox.sandbox import Sandbox
 
-BASE = "c9df740"  # main before issue 25 (session 9)
+BASE = "c9df740"  # main before the container-aware scan
 IDLE = 10_000
 CHECKOUT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +95,7 @@ def run(runs: int, base: str = BASE) -> str:
         "vLLM's tree serving on 8 simulated GPUs; the scan is `device_users` over every GPU's "
         "files, as rung 2 reads it.\n\n"
         "| checkout | full descriptor scan |\n|---|---|\n"
-        f"| {base} (before issue 25) | {fmt_ms(times['base'])} |\n"
+        f"| {base} (before the container-aware scan) | {fmt_ms(times['base'])} |\n"
         f"| this one | {fmt_ms(times['head'])} |\n\n"
         f"This one / before: **{ratio:.2f}×** (target ≤ 1.2×: {verdict}).\n"
     )

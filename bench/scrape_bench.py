@@ -1,4 +1,4 @@
-"""Issue 42's figures for /metrics: root's scrapes while another user holds connections to the
+"""The figures for /metrics: root's scrapes while another user holds connections to the
 daemon's metrics server, idle and trickling, and while they reopen each one the server closes;
 against the server /metrics had before (wsgiref, one request at a time, no timeout).
 

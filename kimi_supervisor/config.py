@@ -180,7 +180,8 @@ class GpusConfig(_Strict):
     # takes longer is abandoned on its thread and counts as no reading: status says so, the
     # teardown cannot call the GPUs clean (STUCK, retried), and nothing is killed on it. Until
     # the stuck call returns, the GPUs are not asked again. A healthy host answers in well
-    # under a millisecond (0.05 ms for two H200s, docs/performance.md).
+    # under a millisecond (0.05 ms for two H200s:
+    # bench/results/h200x2-2026-11-30-nvml-sample.txt).
     timeout_s: PositiveSeconds = 10.0
     # Before each start of vLLM the managed GPUs' health is read (decide/gpuhealth.py): a row
     # remapping waiting for a reset or failed, pages retired and waiting, uncorrected ECC

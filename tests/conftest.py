@@ -62,7 +62,7 @@ def wait_until(
 
 def flat(text: str) -> str:
     """`text` with every run of white space one space: what kimi-mode said, whatever width it
-    wrapped its lines to (80 columns when piped, issue 44)."""
+    wrapped its lines to (80 columns when piped)."""
     return " ".join(text.split())
 
 
@@ -119,7 +119,7 @@ def session_sandbox() -> Iterator[Sandbox]:
             sb.down()
         except Exception:
             # After the last test of the run: said in full at the end (the failure digest)
-            # and as a warning, never a failed run of tests that all passed. Stop 47's CI
+            # and as a warning, never a failed run of tests that all passed. One CI run
             # ended on one line, "ERROR <the last test> - FileNotFoundError: [Errno 2] No
             # such file or directory", which only a session fixture's teardown could give.
             said = traceback.format_exc()

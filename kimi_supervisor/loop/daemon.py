@@ -496,7 +496,7 @@ class Daemon:
 #
 # A pass reads ports (NVML, /proc, systemd, the disk); a port failing in a way it was not written
 # for must not end the loop, or systemd restarts the daemon into the same error, gives up, and
-# vLLM runs unsupervised (issue 26: "GPU is lost" from NVML, five restarts in 15 s, then failed).
+# vLLM runs unsupervised ("GPU is lost" from NVML once gave five restarts in 15 s, then failed).
 # The error is logged, counted, shown in status, and the pass is tried again after a doubling
 # delay; the next pass that goes through clears it.
 

@@ -7,7 +7,7 @@ offset it had when following began. Either way the last lines are kept for failu
 vLLM's output is an outsider's to the daemon (root), so memory is bounded whatever it holds: a
 line longer than MAX_LINE bytes is cut into pieces of that size, a file is read MAX_READ bytes at
 a time, and a file that runs further ahead than that is skipped to its last MAX_READ bytes (one
-line says how much was skipped). Issue 26: 300 MB with no newline took the daemon from 49 to
+line says how much was skipped). Unbounded, 300 MB with no newline took the daemon from 49 to
 774 MB.
 """
 

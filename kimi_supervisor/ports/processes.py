@@ -299,7 +299,7 @@ class PidHandle:
             fd = os.pidfd_open(ref.pid)
         except (ProcessLookupError, FileNotFoundError):
             # ESRCH; ENOENT on this CI's Linux 6.18 for a process that just ended (seen in a
-            # sandbox's teardown, where it failed stop 47's CI): gone either way.
+            # sandbox's teardown, where it failed a CI run): gone either way.
             return SignalResult.GONE
         # The pidfd now pins whatever process has this PID; if it started at another time it
         # is not the one we meant.

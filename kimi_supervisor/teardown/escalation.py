@@ -55,7 +55,7 @@ from kimi_supervisor.teardown.scan import Protection, device_users, listeners, u
 from kimi_supervisor.teardown.strays import stray_targets
 
 # How many times KILL_GPU_HOLDERS may run again for holders that appear during WAIT_RELEASE:
-# a respawner outside every unit is killed with its child in the second round (issue 13).
+# a respawner outside every unit is killed with its child in the second round.
 LATE_ROUNDS = 3
 
 
@@ -159,7 +159,7 @@ class Teardown:
     def _step_stop_unit(self) -> str:
         if self._unit_inactive():
             return "unit already inactive"
-        # A frozen tree (SIGSTOPped, as a hung engine was in issue 27) acts on no SIGTERM; with
+        # A frozen tree (SIGSTOPped, as a hung engine can be) acts on no SIGTERM; with
         # KillMode=mixed systemd continues only the main process. Every process of the unit is
         # continued first, as psutil's terminate does, so that the API server's orderly stop of
         # its engine goes through instead of waiting out TimeoutStopSec.

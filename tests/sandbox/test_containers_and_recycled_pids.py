@@ -1,4 +1,4 @@
-"""Ownership, round 3 (issue 25), in the sandbox: holders behind a /dev of their own, PIDs that
+"""Ownership in the sandbox: holders behind a /dev of their own, PIDs that
 NVML lists after their process died and that the kernel gives to someone else, and listeners on
 vLLM's port that use only another team's GPU.
 

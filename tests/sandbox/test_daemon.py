@@ -274,7 +274,7 @@ def test_a_vllm_that_keeps_failing_is_retried_with_backoff_then_failed_until_ask
 def test_at_boot_the_daemon_waits_for_the_gpu_driver_without_holding_systemctl_and_says_so(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    """Issue 27: READY=1 came only once the driver answered, so `systemctl start` (and an
+    """Before, READY=1 came only once the driver answered, so `systemctl start` (and an
     install that enables the unit before the driver is there) hung for TimeoutStartSec, while
     status exited 0; a stop meanwhile crashed three teardowns."""
     host = sandbox.sb.gpu_dir / "host.json"
@@ -467,7 +467,7 @@ def _state_metric(sandbox: SandboxHelper) -> dict[str, float]:
 def test_stuck_stays_stuck_through_its_retries_in_status_metrics_exit_codes_and_the_alert(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    """Issue 27: each retry of a STUCK teardown showed `tearing_down`, so the STUCK alert never
+    """Before, each retry of a STUCK teardown showed `tearing_down`, so the STUCK alert never
     fired, status exited 0 half the time, and the retries filled the history."""
     daemon.start()
     daemon.wait_serving("production")
@@ -502,7 +502,7 @@ def test_stuck_stays_stuck_through_its_retries_in_status_metrics_exit_codes_and_
 def test_a_missing_vllm_binary_is_named_in_status_history_and_the_switch_that_failed(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    """Issue 27: status and history said only "the unit stopped during start (… exit status
+    """Before, status and history said only "the unit stopped during start (… exit status
     1)"; the cause was in the journal, and nothing pointed there."""
     vllm = sandbox.config.vllm.command[0]
     away = Path(f"{vllm}.away")

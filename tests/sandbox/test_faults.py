@@ -462,7 +462,7 @@ def test_a_client_passing_a_descriptor_with_every_byte_leaves_the_daemon_holding
 def test_a_full_disk_at_boot_serves_from_memory_says_so_and_writes_once_there_is_room(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    """Issue 26: a state.json to move aside and rewrite, and a baseline to calibrate, on a full
+    """Before, a state.json to move aside and rewrite, and a baseline to calibrate, on a full
     disk at boot were a crash loop (9 restarts in 25 s)."""
     state_dir = sandbox.config.state.dir
     ns = ["nsenter", "-t", str(sandbox.sb.manager.pid), "-m"]  # the daemon's unit starts there
@@ -494,7 +494,7 @@ def test_a_full_disk_at_boot_serves_from_memory_says_so_and_writes_once_there_is
 def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_root(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    """Issue 26: 60 concurrent `history n=10000` against a 60 MB history took the daemon from
+    """Before, 60 concurrent `history n=10000` against a 60 MB history took the daemon from
     53 to 1,757 MB, and root's status up to 8.4 s."""
     record = json.dumps({"kind": "incident", "at": "2026-12-01T00:00:00+00:00", "what": "x" * 6000})
     with open(sandbox.config.state.dir / "history.jsonl", "w") as f:

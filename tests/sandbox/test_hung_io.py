@@ -1,4 +1,4 @@
-"""I/O that hangs in the kernel holds no command of the daemon, and kills nothing (issue 42).
+"""I/O that hangs in the kernel holds no command of the daemon, and kills nothing.
 
 - The state folder on a real file system frozen by the kernel (`fsfreeze` of an ext4 on a loop
   device): every write waits in state D until it is thawed, as on a hung disk. The daemon

@@ -1,4 +1,4 @@
-"""The incident bundle as systemd runs the daemon (issue 44, item 7): a STUCK in the sandbox
+"""The incident bundle as systemd runs the daemon: a STUCK in the sandbox
 leaves one root-only file that names the holder and its device-file maps, and status names it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Who really holds a managed GPU (issue 13), in the sandbox: the simulated driver owns memory by
+"""Who really holds a managed GPU, in the sandbox: the simulated driver owns memory by
 open file as the real one does, and the teardown kills on rung 1 or 2 evidence only. Every test
 plants bystanders beside the culprit, and `teardown` fails if any of them was killed.
 
@@ -288,7 +288,7 @@ def test_only_protected_holders_end_stuck_with_one_spared_record_each_and_no_bus
     assert set(suspects) == {fm.pid, dcgm.pid}
     assert "not signalled" in suspects[fm.pid].why
     assert "by hand" in run.report.next_action
-    # In an operator's words (issue 29): the step does not say "no holder" for two it spared;
+    # In an operator's words: the step does not say "no holder" for two it spared;
     # a built-in name is called built-in, and no advice points at a config that does not hold
     # it; why it was spared is said once, not again as the check.
     holders = [s for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS][-1]

@@ -414,8 +414,8 @@ needs_root_to_chown = pytest.mark.skipif(
 def test_the_leftovers_step_never_removes_another_users_files_or_a_directory_in_use(
     sandbox: SandboxHelper,
 ) -> None:
-    """Issue 26: planted as uid 65534 under vLLM's own names, all were deleted before. Issue 42:
-    a root program's too, when vLLM ran as root."""
+    """Planted as uid 65534 under vLLM's own names, all were deleted once; a root program's
+    too, when vLLM ran as root."""
     shm, tmp = sandbox.config.teardown.shm_dir, sandbox.config.teardown.tmp_dir
     assert tmp is not None
     theirs = [shm / "psm_team2cache", shm / "sem.mp-team2", tmp / "vllm_dist_team2"]

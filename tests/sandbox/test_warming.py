@@ -1,4 +1,4 @@
-"""A switch's warming as an operator, and an attacker on the same host, would meet it (issue 42).
+"""A switch's warming as an operator, and an attacker on the same host, would meet it.
 
 - The next mode's model on a mount whose reads never return: a FUSE file system of the tests'
   own (tests/hungfs.py), mounted over the sandbox's hub cache in the daemon's own mount

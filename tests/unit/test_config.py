@@ -39,7 +39,7 @@ def test_the_shipped_host_config_is_valid_and_has_eight_gpus_with_the_profiler_j
     assert config.vllm.command[config.vllm.command.index("--tensor-parallel-size") + 1] == "8"
     profile = config.launch_argv(Mode.PROFILE)
     pc = profile[profile.index("--profiler-config") + 1]
-    # gzip and the CUDA time table off: the flush of a capture stalls serving less (issue 45)
+    # gzip and the CUDA time table off: the flush of a capture stalls serving less
     assert json.loads(pc) == {
         "profiler": "torch", "torch_profiler_dir": "/var/lib/kimi-supervisor/traces",
         "torch_profiler_use_gzip": False, "torch_profiler_dump_cuda_time_total": False,
@@ -287,7 +287,7 @@ def test_an_empty_tmp_dir_turns_the_tmpdir_leftovers_off() -> None:
 def test_a_leftovers_directory_must_be_an_absolute_scratch_directory(
     key: str, value: str, said: str
 ) -> None:
-    """The daemon removes entries there as root (issue 26: `shm_dir = "/"` was accepted)."""
+    """The daemon removes entries there as root (`shm_dir = "/"` was once accepted)."""
     (line,) = [e for e in errors_of(MINIMAL + f'[teardown]\n{key} = "{value}"\n') if key in e]
     assert said in line
 
@@ -301,7 +301,7 @@ def test_the_usual_scratch_directories_are_accepted_as_leftovers_directories() -
 def test_a_fifo_or_a_device_given_as_the_config_is_refused_at_once_not_waited_on(
     tmp_path: Path,
 ) -> None:
-    """Issue 26: check-config hung on a FIFO and on /dev/zero."""
+    """Before, check-config hung on a FIFO and on /dev/zero."""
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
     for path in (fifo, Path("/dev/zero")):

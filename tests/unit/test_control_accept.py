@@ -1,5 +1,5 @@
 """The control socket's accept loop when the daemon is out of descriptors: it waits, doubling,
-instead of spinning a core (issue 26: 99 % of a CPU), and serves again once descriptors free."""
+instead of spinning a core (99 % of a CPU, before), and serves again once descriptors free."""
 
 from __future__ import annotations
 

@@ -718,7 +718,7 @@ def test_requests_pending_with_no_step_and_an_idle_cpu_for_the_stall_time_is_a_h
 
 def test_a_long_step_that_keeps_the_cpu_busy_is_never_a_hang_however_long() -> None:
     """A 4096-token prefill, a guided-decoding step or a capture's flush on the engine's loop:
-    no counter moves, the engine's processes work (real vLLM 0.16: issue 41)."""
+    no counter moves, the engine's processes work (real vLLM 0.16)."""
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
@@ -979,7 +979,7 @@ def test_a_history_record_naming_a_file_in_odd_bytes_is_written_escaped_not_lost
 
 
 def test_a_reading_without_counters_between_two_does_not_shorten_a_hangs_window() -> None:
-    """An outside review (issue 41): counters read at 100, none at 115 (/metrics unreachable),
+    """An outside review: counters read at 100, none at 115 (/metrics unreachable),
     moved by 130; the progress may be at 101. The window opens at 100, not 115."""
     from kimi_supervisor.decide.liveness import Judge, Work
 

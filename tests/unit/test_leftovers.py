@@ -42,94 +42,97 @@ def lstat(
 
 
 # -- the rule, row by row ------------------------------------------------------------------------
-def test_a_file_of_vllms_own_user_made_since_its_start_is_vllms() -> None:
-    owner = Owner(frozenset({VLLM}), START)
-    assert owner.why_not(Path("/dev/shm/psm_3f2a9c"), lstat(VLLM)) is None
-    assert owner.why_not(Path("/dev/shm/sem.mp-x1"), lstat(VLLM)) is None
+SHM, TMP, CACHE = Path("/dev/shm"), Path("/tmp"), Path("/dev/shm/vllm-cache")
+SOCKET = "0d49a536-9d4c-4f01-ad55-3291091f7f92"  # a ZMQ socket's name: a UUID
+OLD = START - 60
+AS_ITS_USER = Owner(frozenset({VLLM}), START, pids=frozenset({4321}))
+FROM_ITS_UNIT = Owner.of([], activated_at=START, unit_uid=VLLM)  # no vLLM process running
+UNKNOWN_USER = Owner.of([], activated_at=START, unit_uid=None)
+AS_ROOT = Owner(  # vLLM run as root: its tree held inode 100 and 11, bound SOCKET
+    frozenset({0}),
+    START,
+    pids=frozenset({4321}),
+    held=frozenset({(1, 41, 100), (1, 41, 11)}),
+    bound=frozenset({f"/tmp/{SOCKET}"}),
+)
+BOTH = Owner(frozenset({0, VLLM}), START, pids=frozenset({1234}))  # root until its next start
+ITS_DIR, DIR_AS_ROOT = lstat(VLLM, kind=stat.S_IFDIR), lstat(0, kind=stat.S_IFDIR)
+NOT_VLLMS = f"owned by uid 0, not vLLM's user ({VLLM})"
+
+# owner, the entry, its lstat, what is inside it (a directory), and why it is kept (None: it is
+# vLLM's, removed once unused). A reason is matched as a part of what the rule says.
+RULE = [
+    pytest.param(AS_ITS_USER, SHM / "psm_3f2a9c", lstat(VLLM), None, None,
+                 id="a file of vLLM's own user made since its start is vLLM's"),
+    pytest.param(AS_ITS_USER, SHM / "sem.mp-x1", lstat(VLLM), None, None,
+                 id="a semaphore of vLLM's own user made since its start is vLLM's"),
+    *[pytest.param(AS_ITS_USER, SHM / name, lstat(0), None, NOT_VLLMS,
+                   id=f"a root program's {name} is never vLLM's when vLLM runs as its own user")
+      for name in ("psm_3f2a9c", "sem.mp-abc", "vllm-cache", "nccl-x")],
+    pytest.param(AS_ITS_USER, SHM / "psm_t2", lstat(OTHER), None, "uid 65534",
+                 id="another user's file is never vLLM's"),
+    pytest.param(FROM_ITS_UNIT, SHM / "psm_1", lstat(VLLM), None, None,
+                 id="with no vLLM running its unit's user still owns its leftovers"),
+    pytest.param(FROM_ITS_UNIT, SHM / "psm_2", lstat(0), None, "owned by uid 0",
+                 id="with no vLLM running a root file is not vLLM's"),
+    pytest.param(UNKNOWN_USER, SHM / "psm_1", lstat(VLLM), None, "vLLM's user is unknown",
+                 id="a vLLM user that cannot be named makes nothing vLLM's and says so"),
+    pytest.param(AS_ITS_USER, SHM / "psm_1", lstat(VLLM, ctime=OLD), None,
+                 "older than vLLM's start", id="a file older than vLLM's start is kept"),
+    pytest.param(AS_ITS_USER, SHM / "4321-tp:0-0-cpushm_0", lstat(VLLM, ctime=OLD), None, None,
+                 id="an older file whose name begins with a pid of vLLM's tree is vLLM's"),
+    pytest.param(AS_ROOT, SHM / "psm_held", lstat(0, ino=100), None, None,
+                 id="vLLM as root loses a file its tree held"),
+    pytest.param(AS_ROOT, SHM / "psm_other", lstat(0, ino=101), None, ROOTS_RULE,
+                 id="vLLM as root keeps every root file its tree did not hold"),
+    pytest.param(AS_ROOT, SHM / "psm_x", lstat(0, ino=100, dev=42), None, ROOTS_RULE,
+                 id="vLLM as root keeps the same inode number on another file system"),
+    pytest.param(AS_ROOT, SHM / "4321-tp:0-0-cpushm_0", lstat(0, ino=102), None, None,
+                 id="vLLM as root loses a file whose name begins with one of its pids"),
+    pytest.param(AS_ROOT, TMP / SOCKET, lstat(0, kind=stat.S_IFSOCK, ino=103), None, None,
+                 id="vLLM as root loses a socket its tree bound"),
+    pytest.param(AS_ROOT, TMP / "34903d81-8cd4-4f43-9f89-6453bccef842",
+                 lstat(0, kind=stat.S_IFSOCK, ino=104), None, ROOTS_RULE,
+                 id="vLLM as root keeps a socket its tree did not bind"),
+    pytest.param(AS_ROOT, SHM / "psm_held", lstat(0, START - 1, ino=100), None, "older",
+                 id="vLLM as root keeps what its tree held from before its start"),
+    pytest.param(BOTH, SHM / "psm_a1234b", lstat(0), None, ROOTS_RULE,
+                 id="digits inside a name never name a pid of vLLM's tree"),
+    pytest.param(BOTH, SHM / "sem.mp-1234", lstat(VLLM, ctime=OLD), None, "older",
+                 id="digits after a semaphore's prefix never name a pid of vLLM's tree"),
+    pytest.param(BOTH, SHM / "1234-tp:0-0-cpushm_0", lstat(0), None, None,
+                 id="only a name that begins with a pid of vLLM's tree names it"),
+    pytest.param(AS_ITS_USER, CACHE, ITS_DIR, [(CACHE / "kv.bin", lstat(VLLM, ino=9))], None,
+                 id="a directory of vLLM's user with everything inside it vLLM's is vLLM's"),
+    pytest.param(AS_ITS_USER, CACHE, ITS_DIR,
+                 [(CACHE / "kv.bin", lstat(VLLM, ino=9)), (CACHE / "root.bin", lstat(0, ino=10))],
+                 f"{CACHE / 'root.bin'} inside it is owned by uid 0",
+                 id="a directory of vLLM's user with a root file inside it is kept"),
+    pytest.param(AS_ROOT, CACHE, DIR_AS_ROOT, [(CACHE / "kv.bin", lstat(0, ino=11))], None,
+                 id="vLLM as root loses a directory its tree held something in"),
+    pytest.param(AS_ROOT, CACHE, DIR_AS_ROOT, [(CACHE / "kv.bin", lstat(0, ino=12))], ROOTS_RULE,
+                 id="vLLM as root keeps a directory of which its tree held nothing"),
+]  # fmt: skip
 
 
-def test_root_programs_psm_and_sem_files_are_never_vllms_when_vllm_runs_as_its_own_user() -> None:
-    """Issue 42: with vLLM as root, every root program's unopened `psm_*` and `sem.mp-*` made
-    since vLLM's start were removed."""
-    owner = Owner(frozenset({VLLM}), START)
-    for name in ("psm_3f2a9c", "sem.mp-abc", "vllm-cache", "nccl-x"):
-        why = owner.why_not(Path("/dev/shm") / name, lstat(0))
-        assert why == f"owned by uid 0, not vLLM's user ({VLLM})", name
-    assert "uid 65534" in str(owner.why_not(Path("/dev/shm/psm_t2"), lstat(OTHER)))
+@pytest.mark.parametrize(("owner", "path", "st", "inside", "kept_because"), RULE)
+def test_the_leftovers_rule_removes_only_what_is_provably_vllms(
+    owner: Owner,
+    path: Path,
+    st: os.stat_result,
+    inside: list[tuple[Path, os.stat_result]] | None,
+    kept_because: str | None,
+) -> None:
+    why = owner.why_not(path, st, inside)
+    if kept_because is None:
+        assert why is None, f"{path} kept: {why}"
+    else:
+        assert why is not None and kept_because in why, f"{path}: {why}"
 
 
-def test_vllms_user_from_its_unit_owns_its_leftovers_even_with_no_vllm_running() -> None:
-    """No process at the teardown's start (vLLM died before it): the unit's `User=` says whose
-    files are vLLM's. Before, the teardown's own user (root) was taken."""
-    owner = Owner.of([], activated_at=START, unit_uid=VLLM)
-    assert owner.uids == {VLLM}
-    assert owner.why_not(Path("/dev/shm/psm_1"), lstat(VLLM)) is None
-    assert owner.why_not(Path("/dev/shm/psm_2"), lstat(0)) is not None
-
-
-def test_a_vllm_user_that_cannot_be_named_makes_nothing_vllms_and_says_so() -> None:
-    owner = Owner.of([], activated_at=START, unit_uid=None)
-    assert owner.uids == frozenset()
-    why = owner.why_not(Path("/dev/shm/psm_1"), lstat(VLLM))
-    assert why is not None and "vLLM's user is unknown" in why
-
-
-def test_a_file_older_than_vllms_start_is_kept_unless_it_begins_with_a_pid_of_its_tree() -> None:
-    owner = Owner(frozenset({VLLM}), START, pids=frozenset({4321}))
-    old = lstat(VLLM, ctime=START - 60)
-    assert "older than vLLM's start" in str(owner.why_not(Path("/dev/shm/psm_1"), old))
-    assert owner.why_not(Path("/dev/shm/4321-tp:0-0-cpushm_0"), old) is None
-
-
-def test_when_vllm_runs_as_root_only_what_its_tree_held_or_names_its_pid_is_vllms() -> None:
-    """vLLM run as root anyway: root's files are every root program's, so owner and time prove
-    nothing. What vLLM's processes had open or mapped when the teardown began (by device and
-    inode) or bound (a socket), or what begins with one of their PIDs, is vLLM's; no other."""
-    held = lstat(0, ino=100)
-    owner = Owner(
-        frozenset({0}),
-        START,
-        pids=frozenset({4321}),
-        held=frozenset({(1, held.st_dev, held.st_ino)}),
-        bound=frozenset({"/tmp/0d49a536-9d4c-4f01-ad55-3291091f7f92"}),
-    )
-    assert owner.why_not(Path("/dev/shm/psm_held"), held) is None
-    assert owner.why_not(Path("/dev/shm/psm_other"), lstat(0, ino=101)) == ROOTS_RULE
-    # The same inode number on another file system is another file.
-    assert owner.why_not(Path("/dev/shm/psm_x"), lstat(0, ino=100, dev=42)) == ROOTS_RULE
-    assert owner.why_not(Path("/dev/shm/4321-tp:0-0-cpushm_0"), lstat(0, ino=102)) is None
-    sock = stat.S_IFSOCK
-    bound = Path("/tmp/0d49a536-9d4c-4f01-ad55-3291091f7f92")
-    assert owner.why_not(bound, lstat(0, kind=sock, ino=103)) is None
-    other = Path("/tmp/34903d81-8cd4-4f43-9f89-6453bccef842")
-    assert owner.why_not(other, lstat(0, kind=sock, ino=104)) == ROOTS_RULE
-    # Time still holds: what the tree held is vLLM's only if made since its start.
-    assert "older" in str(owner.why_not(Path("/dev/shm/psm_held"), lstat(0, START - 1, ino=100)))
-
-
-def test_digits_inside_a_name_never_name_a_pid_of_vllms_tree() -> None:
-    """`psm_*` names are random hex: `psm_a1234b` says nothing about PID 1234."""
-    owner = Owner(frozenset({0, VLLM}), START, pids=frozenset({1234}))
-    assert owner.why_not(Path("/dev/shm/psm_a1234b"), lstat(0)) == ROOTS_RULE
-    old = lstat(VLLM, ctime=START - 60)
-    assert "older" in str(owner.why_not(Path("/dev/shm/sem.mp-1234"), old))
-    assert owner.why_not(Path("/dev/shm/1234-tp:0-0-cpushm_0"), lstat(0)) is None
-
-
-def test_a_directory_is_vllms_only_with_everything_inside_it() -> None:
-    d = Path("/dev/shm/vllm-cache")
-    owner = Owner(frozenset({VLLM}), START)
-    kv = lstat(VLLM, ino=9)
-    assert owner.why_not(d, lstat(VLLM, kind=stat.S_IFDIR), [(d / "kv.bin", kv)]) is None
-    theirs = [(d / "kv.bin", kv), (d / "root.bin", lstat(0, ino=10))]
-    why = owner.why_not(d, lstat(VLLM, kind=stat.S_IFDIR), theirs)
-    assert why == f"{d / 'root.bin'} inside it is owned by uid 0"
-    # vLLM as root: a directory its tree held something in.
-    root = Owner(frozenset({0}), START, held=frozenset({(1, 41, 11)}))
-    mine = [(d / "kv.bin", lstat(0, ino=11))]
-    assert root.why_not(d, lstat(0, kind=stat.S_IFDIR), mine) is None
-    unheld = [(d / "kv.bin", lstat(0, ino=12))]
-    assert root.why_not(d, lstat(0, kind=stat.S_IFDIR), unheld) == ROOTS_RULE
+def test_vllms_user_is_its_units_user_and_none_when_that_cannot_be_named() -> None:
+    assert FROM_ITS_UNIT.uids == {VLLM}
+    assert UNKNOWN_USER.uids == frozenset()
 
 
 def test_the_owner_is_the_units_user_and_every_user_vllms_processes_run_as() -> None:

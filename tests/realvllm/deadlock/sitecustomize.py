@@ -3,7 +3,7 @@ file named by KIMI_DEADLOCK_FILE exists, the engine core begins no step; where t
 PID, only the engine core whose parent (the API server, the unit's MainPID) it is. So a test
 keeps the old vLLM deadlocked until the new one serves: released at the verdict, the old
 engine answered its queued clients before its teardown, and the clients' outage read short
-(issue 41's review). It waits asleep (state
+(an outside review). It waits asleep (state
 S, no CPU) with requests running, as an engine stuck on a lock or in a collective that sleeps
 does; its API server goes on answering /health with 200. Every process of vLLM reads this file
 at start; only the engine core's module is patched, as it is imported, before the engine's
