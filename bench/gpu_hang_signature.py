@@ -32,6 +32,7 @@ own and is ended (by its PID) before the next shape starts; the GPU is never res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -150,14 +151,14 @@ class Nvml:
     def _try(self, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001 - errors are data here
+        except Exception as e:  # errors are data here
             return f"error: {type(e).__name__}: {e}"
 
     def _gpm_supported(self) -> bool:
         nv = self.nv
         try:
             return bool(nv.nvmlGpmQueryDeviceSupport(self.h).isSupportedDevice)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
 
     def _gpm(self) -> dict[str, Any]:
@@ -167,7 +168,7 @@ class Nvml:
         try:
             sample = nv.nvmlGpmSampleAlloc()
             nv.nvmlGpmSampleGet(self.h, sample)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             return {"gpm_error": str(e)}
         out: dict[str, Any] = {}
         if self.gpm_prev is not None:
@@ -192,12 +193,10 @@ class Nvml:
                 nv.nvmlGpmMetricsGet(m)
                 for i, key in enumerate(wanted):
                     out[key] = round(float(m.metrics[i].value), 2)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 out["gpm_error"] = str(e)
-            try:
+            with contextlib.suppress(Exception):
                 nv.nvmlGpmSampleFree(self.gpm_prev)
-            except Exception:  # noqa: BLE001
-                pass
         self.gpm_prev = sample
         return out
 
@@ -209,7 +208,9 @@ class Nvml:
         row["util_memory"] = getattr(u, "memory", None)
         row["power_w"] = self._num(self._try(nv.nvmlDeviceGetPowerUsage, h), 1e-3)
         row["energy_mj"] = self._num(self._try(nv.nvmlDeviceGetTotalEnergyConsumption, h), 1)
-        row["sm_clock_mhz"] = self._num(self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM), 1)
+        row["sm_clock_mhz"] = self._num(
+            self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM), 1
+        )
         row["mem_clock_mhz"] = self._num(
             self._try(nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_MEM), 1
         )
@@ -225,7 +226,7 @@ class Nvml:
             [nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, nv.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX],
         )
         if isinstance(fields, list):
-            for key, f in zip(("nvlink_tx_kib", "nvlink_rx_kib"), fields):
+            for key, f in zip(("nvlink_tx_kib", "nvlink_rx_kib"), fields, strict=False):
                 row[key] = f.value.ullVal if f.nvmlReturn == 0 else None
         procs = self._try(nv.nvmlDeviceGetProcessUtilization, h, self.last_proc_ts)
         if isinstance(procs, list):
@@ -311,7 +312,8 @@ def table(results: list[dict[str, Any]]) -> str:
         for c in cols:
             v = r.get(c, {})
             cells.append(str(v.get("median", "n/a")) if isinstance(v, dict) else "n/a")
-        lines.append(f"{r['shape']} | " + " | ".join(cells) + f" | {r.get('host_cpu_fraction_of_a_core')}")
+        cpu = r.get("host_cpu_fraction_of_a_core")
+        lines.append(f"{r['shape']} | " + " | ".join(cells) + f" | {cpu}")
     return "\n".join(lines)
 
 

@@ -120,7 +120,7 @@ class TraceDir:
         try:
             pfd = _walk(self.path, self.vllm_uid)
         except Untrusted as e:
-            return f"{e} (it was a folder of vLLM's when the capture began)"
+            return f"the trace folder {self.path} was replaced during the capture: {e}"
         try:
             st = os.fstat(pfd)
         finally:

@@ -166,20 +166,27 @@ def test_the_before_window_opens_at_this_vllms_newest_reading_old_enough_to_give
     ("edges", "measured", "failed"),
     [
         pytest.param(
-            [(0, 10), (10, 2**53)], [False, False, False, False], None,
+            [(0, 10), (10, 2**53)],
+            [False, False, False, False],
+            None,
             id="a counter that jumps by 2**53 is not measured, nor any window after it",
         ),
         pytest.param(
-            [(0, 100), (10, 1100), (20, 50), (30, 150)], [True, False, False, False], None,
+            [(0, 100), (10, 1100), (20, 50), (30, 150)],
+            [True, False, False, False],
+            None,
             id="after a counter went back no later window is believed",
         ),
         pytest.param(
             [(0, 100), (10, 1100), (20, 2100), (30, 3100), (40, 4100)],
-            [True, True, True, True], 0,
+            [True, True, True, True],
+            0,
             id="counters that rise as a host can are measured in every window",
         ),
         pytest.param(
-            [(0, 100), (10, 100 + 9_000_000), (20, 9_001_100)], [True, True, False, False], 0,
+            [(0, 100), (10, 100 + 9_000_000), (20, 9_001_100)],
+            [True, True, False, False],
+            0,
             id="900000 tokens a second is still a host's and is measured",
         ),
     ],
