@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -76,19 +77,24 @@ def _unmapped(addr: Address) -> Address:
     return addr
 
 
-def _from_proc(port: int) -> dict[int, Address]:
-    out: dict[int, Address] = {}
+def _proc_rows() -> Iterator[list[str]]:
+    """The columns of each socket in /proc/net/tcp and tcp6 (the fallback to netlink)."""
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            cols = line.split()
-            local, state, inode = cols[1], cols[3], int(cols[9])
-            addr, _, port_hex = local.rpartition(":")
-            if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
-                out[inode] = _proc_address(addr)
+            yield line.split()
+
+
+def _from_proc(port: int) -> dict[int, Address]:
+    out: dict[int, Address] = {}
+    for cols in _proc_rows():
+        local, state, inode = cols[1], cols[3], int(cols[9])
+        addr, _, port_hex = local.rpartition(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
+            out[inode] = _proc_address(addr)
     return out
 
 
@@ -188,19 +194,13 @@ def _one_uid(family: int, src: Address, sport: int, dst: Address, dport: int) ->
 
 def _proc_uid(src: Address, sport: int, dst: Address, dport: int) -> int | None:
     """/proc/net/tcp{,6}'s word for the socket from src:sport to dst:dport (the fallback)."""
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            local, remote = cols[1].rpartition(":"), cols[2].rpartition(":")
-            if (
-                int(local[2], 16) == sport
-                and int(remote[2], 16) == dport
-                and _proc_address(local[0]) == src
-                and _proc_address(remote[0]) == dst
-            ):
-                return int(cols[7])
+    for cols in _proc_rows():
+        local, remote = cols[1].rpartition(":"), cols[2].rpartition(":")
+        if (
+            int(local[2], 16) == sport
+            and int(remote[2], 16) == dport
+            and _proc_address(local[0]) == src
+            and _proc_address(remote[0]) == dst
+        ):
+            return int(cols[7])
     return None
