@@ -136,8 +136,22 @@ CMDLINE_CHARS = 200
 
 def title(cmdline: Sequence[str], comm: str, width: int = TITLE_CHARS) -> str:
     """A process as a person reads it: its command line cut to `width`, else its `comm` (a kernel
-    thread, or a process that emptied its argv). The one place a title is made."""
-    return " ".join(cmdline)[:width] or comm
+    thread, or a process that emptied its argv). The one place a title is made; its control
+    characters escaped (`printable`)."""
+    return printable(" ".join(cmdline)[:width] or comm)
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped (\\n, \\x1b...): a name another user chose
+    (a process's comm or argv, a file's name) reaches sd_notify's newline-separated fields, a
+    terminal and a log line, where a newline would add a field of its own ("MAINPID=...") and an
+    escape sequence would drive the operator's terminal."""
+    if text.isprintable():
+        return text
+    return "".join(
+        c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii")
+        for c in text
+    )
 
 
 # Programs that run another one named in their argv: a line names the one they run.

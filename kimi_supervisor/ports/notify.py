@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import time
 
+from kimi_supervisor.model import printable
+
 
 class Notifier:
     def __init__(self, enabled: bool | None = None) -> None:
@@ -29,8 +31,12 @@ class Notifier:
         # a negative errno when the manager went away: nothing to tell then.
         # A text that is not UTF-8 (a file's name another user chose) has its odd bytes
         # escaped: sd_notify carries bytes, and an encoding error would end the daemon.
+        # Each field is one line: a newline in a value (a process's name another user chose)
+        # would add a field of its own, and the manager believes root (MAINPID=, STOPPING=).
         safe = {
-            k: v.encode("utf-8", "backslashreplace").decode() if isinstance(v, str) else v
+            k: printable(v.encode("utf-8", "backslashreplace").decode())
+            if isinstance(v, str)
+            else v
             for k, v in fields.items()
         }
         pystemd.daemon.notify(0, **safe)

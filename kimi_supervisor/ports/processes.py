@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_supervisor.model import ProcessDescription
+from kimi_supervisor.model import ProcessDescription, printable
 
 PROC = Path("/proc")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -92,10 +92,13 @@ def ppid_of(pid: int) -> int:
 
 
 def comm_of(pid: int) -> str:
+    """The process's comm, its control characters escaped (its owner chose it: model.printable);
+    "" where it cannot be read."""
     try:
-        return (PROC / str(pid) / "comm").read_text().rstrip("\n")
+        raw = (PROC / str(pid) / "comm").read_bytes()
     except OSError:
         return ""
+    return printable(raw.removesuffix(b"\n").decode(errors="replace"))
 
 
 def exe_name(pid: int) -> str:

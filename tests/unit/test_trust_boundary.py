@@ -373,6 +373,39 @@ def another_users_listener_on_ipv6_loopback(h: Host) -> str:
     return f"believed ({r.status})" if not r.intruder else "not believed"
 
 
+NAMED = """
+import sys, time
+open("/proc/self/comm", "w").write(sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def a_process_named_to_inject_a_notify_field(h: Host) -> str:
+    """A port holder's comm reaches the STUCK status line, which goes to sd_notify: a name with
+    a newline would add a field of its own (MAINPID=, STOPPING=), believed as root's."""
+    from kimi_supervisor.ports.notify import Notifier
+    from kimi_supervisor.ports.processes import comm_of
+
+    p = subprocess.Popen(
+        [PYTHON, "-c", NAMED, "\nMAINPID=1\n."], user=OTHER_UID, group=OTHER_UID,
+        extra_groups=[], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.bind(str(h.base / "notify"))
+            s.settimeout(10)
+            with pytest.MonkeyPatch.context() as m:
+                m.setenv("NOTIFY_SOCKET", str(h.base / "notify"))
+                Notifier().status(f"STUCK: PID {p.pid} ({comm_of(p.pid)}) listens on the port")
+            fields = s.recv(4096).decode().split("\n")
+    finally:
+        p.kill()  # our own child, by its PID
+        p.wait(30)
+    return "one field" if len(fields) == 1 and fields[0].startswith("STATUS=") else str(fields)
+
+
 Row = Callable[..., str]
 
 TABLE = [
@@ -417,6 +450,8 @@ TABLE = [
                  id="another user's listener on ::1 gets nothing while vLLM's address answers"),
     pytest.param(vllms_users_listener, "believed (503)",
                  id="vLLM's user's own listener is believed"),
+    pytest.param(a_process_named_to_inject_a_notify_field, "one field",
+                 id="a process named with a newline reaches sd_notify as one escaped field"),
 ]  # fmt: skip
 
 
