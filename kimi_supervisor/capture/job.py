@@ -84,58 +84,105 @@ def _move_into(
     traces: TraceDir, name: str, listed: safeopen.Identity, dir_fd: int, uid: int, gid: int
 ) -> str:
     """`name` in vLLM's trace folder (`traces`, open by descriptor) becomes `name` in the
-    capture's folder `dir_fd`, owned by uid:gid: renamed when on the same file system, else
-    copied (read through ports/safeopen, created exclusively, never through a link) and removed.
-    vLLM's user can swap the name after the listing: only the file listed, and only a file of
-    vLLM's (capture/tracedir.py), is moved, chowned or read. Returns "" when moved, else why not
-    (said in the capture's record)."""
+    capture's folder `dir_fd`, owned by uid:gid. vLLM's user can swap the name at any moment,
+    so the file is pinned first (O_PATH, no link followed), judged on that descriptor (the file
+    listed, and vLLM's: capture/tracedir.py), and that very inode is linked into the capture's
+    folder (through /proc/self/fd: whatever the name holds by then) or, across file systems,
+    copied from it; the name in vLLM's folder is removed only while it still holds that inode.
+    Returns "" when moved, else why not (said in the capture's record)."""
     try:
-        st = os.stat(name, dir_fd=traces.fd, follow_symlinks=False)
+        pinned = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=traces.fd)
     except OSError as e:
         return f"gone since it was listed ({e.strerror}); nothing taken"
-    if (st.st_dev, st.st_ino) != (listed.dev, listed.ino):
-        return "replaced since it was listed; left where it was, not read"
-    if why := traces.not_vllms(st):
+    try:
+        st = os.fstat(pinned)
+        if (st.st_dev, st.st_ino) != (listed.dev, listed.ino):
+            return "replaced since it was listed; left where it was, not read"
+        if why := traces.not_vllms(st):
+            return f"{why}; left where it was, not read"
+        try:
+            os.link(f"/proc/self/fd/{pinned}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            if why := _copy_pinned(pinned, st, name, dir_fd):
+                return why
+        # The capture's folder is root's until the capture ends: the name made there is ours.
+        os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+        with contextlib.suppress(OSError):
+            now = os.stat(name, dir_fd=traces.fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(name, dir_fd=traces.fd)
+        return ""
+    finally:
+        os.close(pinned)
+
+
+def _copy_pinned(pinned: int, st: os.stat_result, name: str, dir_fd: int) -> str:
+    """The inode `pinned` copied as `name` into `dir_fd` (another file system); "" when done,
+    else why not."""
+    if why := _no_room(st, dir_fd):
         return f"{why}; left where it was, not read"
     try:
-        os.rename(name, name, src_dir_fd=traces.fd, dst_dir_fd=dir_fd)
+        src = os.open(f"/proc/self/fd/{pinned}", safeopen.READ_FLAGS)
     except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        try:
-            src = safeopen.open_file(traces.fd, name, listed)
-        except safeopen.Refused as refused:
-            return str(refused)
-        if why := traces.not_vllms(os.fstat(src)):
-            os.close(src)
-            return f"{why}; left where it was, not read"
+        return f"cannot be opened through /proc/self/fd ({e.strerror}); left where it was"
+    try:
+        again = os.fstat(src)
+        if (again.st_dev, again.st_ino) != (st.st_dev, st.st_ino):
+            return "changed while it was opened; left where it was, not read"
+        os.set_blocking(src, True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        out = os.open(name, flags, 0o640, dir_fd=dir_fd)
         try:
-            out = os.open(name, flags, 0o640, dir_fd=dir_fd)
-            try:
-                while chunk := os.read(src, 1 << 20):
-                    os.write(out, chunk)
-                os.fsync(out)
-            finally:
-                os.close(out)
+            _copy_sparse(src, out, again.st_size)
+            os.fsync(out)
         finally:
-            os.close(src)
-        os.unlink(name, dir_fd=traces.fd)
-    else:
-        # The capture's folder is root's until the capture ends: what is there now stays. Only
-        # the file listed is handed over; anything swapped in meanwhile is left unowned, never
-        # opened.
-        try:
-            got = safeopen.identify(dir_fd, name)
-        except safeopen.Refused as refused:
-            return f"{refused}; left in the folder, not handed over"
-        if (got.dev, got.ino) != (listed.dev, listed.ino):
-            return "replaced since it was listed; left in the folder, not handed over"
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if why := traces.not_vllms(st):
-            return f"{why}; left in the folder, not handed over"
-    os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
+            os.close(out)
+    finally:
+        os.close(src)
     return ""
+
+
+# A trace bigger than this on disk is no vLLM trace: not copied (vLLM's user writes them).
+MAX_TRACE_BYTES = 64 << 30
+# What a copy leaves free on the capture's file system, at least.
+MIN_FREE_SHARE = 0.05
+
+
+def _no_room(st: os.stat_result, dir_fd: int) -> str:
+    """Why a trace is not copied into the folder `dir_fd` ("" if it may be): the blocks it takes
+    (its holes stay holes) past MAX_TRACE_BYTES, or past what leaves MIN_FREE_SHARE free."""
+    used = st.st_blocks * 512
+    if used > MAX_TRACE_BYTES:
+        return f"{used / 2**30:.1f} GiB on disk, past {MAX_TRACE_BYTES >> 30} GiB for one trace"
+    fs = os.fstatvfs(dir_fd)
+    free, reserve = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize * MIN_FREE_SHARE
+    if used > free - reserve:
+        return f"{used / 1e9:.1f} GB would not fit (the capture's file system has {free / 1e9:.1f})"
+    return ""
+
+
+def _copy_sparse(src: int, out: int, size: int) -> None:
+    """`src` into `out`, its data only: a hole is left a hole (a sparse file of a terabyte takes
+    no time and no space), at the same offsets."""
+    offset = 0
+    while offset < size:
+        try:
+            data = os.lseek(src, offset, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # no data past offset: the rest is a hole
+                break
+            raise
+        end = os.lseek(src, data, os.SEEK_HOLE)
+        while data < end:
+            chunk = os.pread(src, min(1 << 20, end - data), data)
+            if not chunk:
+                break
+            os.pwrite(out, chunk, data)
+            data += len(chunk)
+        offset = end
+    os.ftruncate(out, size)
 
 
 def explain(r: HttpResult, endpoint: str, timeout_s: float | None) -> str:

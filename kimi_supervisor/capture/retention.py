@@ -93,11 +93,13 @@ def _rewrite(captures_dir: Path, names: list[str]) -> None:
     os.replace(tmp, captures_dir / ORDER)
 
 
-def _size(d: Path) -> int:
+def _size(d: Path, counted: set[tuple[int, int]]) -> int:
     """The bytes `d` takes on disk: blocks allocated, never the apparent size (a sparse file of
-    1 TB takes none, and must not push every other capture out). Walked by descriptor, no link
-    followed; at most MAX_WALK names are looked at (a capture holds a few per rank; its asker
-    owns it and may fill it with names), what lies beyond is not counted."""
+    1 TB takes none, and must not push every other capture out), and each file once however
+    many names it has here or in another capture (`counted`: the files already counted; one
+    file linked 2,000 times takes its blocks once). Walked by descriptor, no link followed; at
+    most MAX_WALK names are looked at (a capture holds a few per rank; its asker owns it and
+    may fill it with names), what lies beyond is not counted."""
     total, seen = 0, 0
     try:
         for _top, _dirs, files, dir_fd in os.fwalk(d, follow_symlinks=False):
@@ -107,7 +109,8 @@ def _size(d: Path) -> int:
                     return total  # the walk's descriptors close with its generator
                 with contextlib.suppress(OSError):
                     st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                    if stat.S_ISREG(st.st_mode):
+                    if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in counted:
+                        counted.add((st.st_dev, st.st_ino))
                         total += st.st_blocks * 512
     except OSError:
         pass
@@ -130,7 +133,8 @@ def retention(captures_dir: Path, keep: int, max_total_gb: float, newest: str) -
     while len(folders) > keep and removable:
         drop()
     if max_total_gb > 0:
-        sizes = {f: _size(f) for f in folders}
+        counted: set[tuple[int, int]] = set()
+        sizes = {f: _size(f, counted) for f in folders}
         while removable and sum(sizes[f] for f in folders) > max_total_gb * 1e9:
             drop()
     if removed or len(_listed(captures_dir)) > len(folders):

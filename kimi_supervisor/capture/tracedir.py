@@ -10,8 +10,9 @@ names (the daemon's state, other users' captures). So the trace folder is:
    followed only where it sits in a folder only root can change and root made it (`/var/lib` ->
    `/data/lib`); the trace folder itself is never a link. Every folder on the way, and the trace
    folder, is owned by root or vLLM's user and writable by nobody else; a sticky folder (`/tmp`)
-   may be, when the entry below it is root's or vLLM's user's (nobody else may rename it). This
-   is the check the launcher makes of vLLM's cache (ports/launcher.cache_untrusted);
+   on the way may be, when the entry below it is root's or vLLM's user's (nobody else may rename
+   it), never the trace folder itself. This is the check the launcher makes of vLLM's cache
+   (ports/launcher.cache_untrusted);
 2. opened once, at the capture's start, and kept: listing, stat, rename and read go through that
    descriptor and `*at` calls, never through the path again;
 3. named again by its path after the flush: if the path no longer leads to the very folder
@@ -214,10 +215,12 @@ def _walk(path: Path, vllm_uid: int) -> int:
                     f"(uid {vllm_uid}): `chown {vllm_uid} {shown}` or choose another trace folder"
                 )
             folder = got
-        writers = _writers(folder)
-        if writers and not folder.st_mode & stat.S_ISVTX:
+        # The trace folder itself: writable by root and vLLM's user alone, sticky or not (a
+        # shared /tmp lets anyone fill it with names, and every capture would fail).
+        if writers := _writers(folder):
             raise Untrusted(
-                f"the trace folder {text} is writable by {writers}: `chmod go-w {text}`"
+                f"the trace folder {text} is writable by {writers}: `chmod go-w {text}`, or "
+                "choose a folder of vLLM's user's"
             )
         return fd
     except BaseException:

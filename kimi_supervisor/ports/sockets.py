@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -34,8 +35,21 @@ _MSG = struct.Struct("=BBBB2s2s16s16sI8sIIIII")
 def listening_inodes(port: int) -> dict[int, Address]:
     """Socket inode -> local address, for sockets listening on TCP `port` (IPv4 or IPv6) in
     this network namespace."""
+    return {inode: listener.address for inode, listener in listening(port).items()}
+
+
+@dataclass(frozen=True)
+class Listener:
+    address: Address
+    uid: int  # its owner: the user whose process made it
+    family: int
+
+
+def listening(port: int) -> dict[int, Listener]:
+    """Socket inode -> the listener, for sockets listening on TCP `port` (IPv4 or IPv6) in
+    this network namespace."""
     try:
-        out: dict[int, Address] = {}
+        out: dict[int, Listener] = {}
         for family in (socket.AF_INET, socket.AF_INET6):
             out.update(_diag(family, port))
         return out
@@ -43,14 +57,15 @@ def listening_inodes(port: int) -> dict[int, Address]:
         return _from_proc(port)
 
 
-def _diag(family: int, port: int) -> dict[int, Address]:
+def _diag(family: int, port: int) -> dict[int, Listener]:
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as s:
+        s.settimeout(2.0)
         req = _REQ.pack(family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN)
         hdr = _NLMSGHDR.pack(
             _NLMSGHDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0
         )
         s.sendall(hdr + req)
-        out: dict[int, Address] = {}
+        out: dict[int, Listener] = {}
         while True:
             data = s.recv(65536)
             offset = 0
@@ -62,10 +77,11 @@ def _diag(family: int, port: int) -> dict[int, Address]:
                     errno = -struct.unpack_from("=i", data, offset + _NLMSGHDR.size)[0]
                     raise OSError(errno, os.strerror(errno))
                 msg = _MSG.unpack_from(data, offset + _NLMSGHDR.size)
-                fam, state, sport, src, inode = msg[0], msg[1], msg[4], msg[6], msg[14]
+                fam, state, sport, src, uid, inode = (msg[0], msg[1], msg[4], msg[6], msg[13],
+                                                      msg[14])  # fmt: skip
                 if state == _TCP_LISTEN and int.from_bytes(sport, "big") == port:
                     raw = src[:4] if fam == socket.AF_INET else src
-                    out[inode] = _unmapped(ipaddress.ip_address(raw))
+                    out[inode] = Listener(_unmapped(ipaddress.ip_address(raw)), uid, fam)
                 if length <= 0:
                     return out
                 offset += (length + 3) & ~3
@@ -77,24 +93,24 @@ def _unmapped(addr: Address) -> Address:
     return addr
 
 
-def _proc_rows() -> Iterator[list[str]]:
-    """The columns of each socket in /proc/net/tcp and tcp6 (the fallback to netlink)."""
-    for table in ("tcp", "tcp6"):
+def _proc_rows() -> Iterator[tuple[int, list[str]]]:
+    """The family and columns of each socket in /proc/net/tcp and tcp6 (netlink's fallback)."""
+    for family, table in ((socket.AF_INET, "tcp"), (socket.AF_INET6, "tcp6")):
         try:
             lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            yield line.split()
+            yield family, line.split()
 
 
-def _from_proc(port: int) -> dict[int, Address]:
-    out: dict[int, Address] = {}
-    for cols in _proc_rows():
-        local, state, inode = cols[1], cols[3], int(cols[9])
+def _from_proc(port: int) -> dict[int, Listener]:
+    out: dict[int, Listener] = {}
+    for family, cols in _proc_rows():
+        local, state, uid, inode = cols[1], cols[3], int(cols[7]), int(cols[9])
         addr, _, port_hex = local.rpartition(":")
         if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
-            out[inode] = _proc_address(addr)
+            out[inode] = Listener(_proc_address(addr), uid, family)
     return out
 
 
@@ -138,69 +154,25 @@ def unix_paths_by_inode(proc_net_unix: Path = Path("/proc/net/unix")) -> dict[in
     return out
 
 
-# inet_diag_req_v2 for one socket: family, protocol, ext, pad, states, then inet_diag_sockid:
-# sport, dport (big-endian), src, dst (16 bytes each), if, cookie (2 x u32)
-_ONE = struct.Struct("=BBBxI")
-_NOCOOKIE = b"\xff" * 8
-
-
 def peer_uid(sock: socket.socket) -> int | None:
-    """The uid that owns the other end of `sock`, a TCP connection to a local address: the
-    socket a listener accepted (or will accept) for it, which is its listener's owner's. None
-    where it cannot be told (a remote peer, netlink and /proc/net refused): never a guess."""
+    """The uid that owns the listener `sock` (a TCP connection to a local address) reached: the
+    listening socket on the peer's port that the kernel gives that address to, the one bound
+    to it exactly, else a wildcard. The listener, never the connection's other end: a listener
+    that defers its accept (TCP_DEFER_ACCEPT) leaves a request socket there, which sock_diag
+    says is root's. None where it cannot be told (no such listener, listeners of several uids
+    for one address, netlink and /proc/net refused): never a guess."""
     try:
-        ours, theirs = sock.getsockname()[:2], sock.getpeername()[:2]
+        theirs = sock.getpeername()[:2]
     except OSError:
         return None
-    mine, peer = ipaddress.ip_address(ours[0]), ipaddress.ip_address(theirs[0])
-    # The other end's socket: its source is our destination, its destination our source.
-    candidates: list[tuple[int, Address, Address]] = [(sock.family, peer, mine)]
-    if isinstance(peer, ipaddress.IPv4Address) and isinstance(mine, ipaddress.IPv4Address):
-        # A dual-stack listener ([::]) accepts IPv4 as an IPv6 socket with mapped addresses.
-        mapped = (ipaddress.IPv6Address(f"::ffff:{peer}"), ipaddress.IPv6Address(f"::ffff:{mine}"))
-        candidates.append((socket.AF_INET6, *mapped))
-    for family, src, dst in candidates:
-        try:
-            uid = _one_uid(family, src, theirs[1], dst, ours[1])
-        except (OSError, struct.error, ValueError):
-            return _proc_uid(peer, theirs[1], mine, ours[1])
-        if uid is not None:
-            return uid
-    return None
-
-
-def _one_uid(family: int, src: Address, sport: int, dst: Address, dport: int) -> int | None:
-    sockid = (
-        struct.pack("!HH", sport, dport)
-        + src.packed.ljust(16, b"\0")
-        + dst.packed.ljust(16, b"\0")
-        + struct.pack("=I", 0)
-        + _NOCOOKIE
-    )
-    req = _ONE.pack(family, socket.IPPROTO_TCP, 0, 0xFFFFFFFF) + sockid
-    hdr = _NLMSGHDR.pack(_NLMSGHDR.size + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, 1, 0)
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG) as s:
-        s.settimeout(2.0)
-        s.sendall(hdr + req)
-        data = s.recv(65536)
-    _length, kind, _flags, _seq, _pid = _NLMSGHDR.unpack_from(data, 0)
-    if kind == _NLMSG_ERROR:
-        err = -struct.unpack_from("=i", data, _NLMSGHDR.size)[0]
-        if err == 2:  # ENOENT: no such socket in this family
-            return None
-        raise OSError(err, os.strerror(err))
-    return int(_MSG.unpack_from(data, _NLMSGHDR.size)[13])
-
-
-def _proc_uid(src: Address, sport: int, dst: Address, dport: int) -> int | None:
-    """/proc/net/tcp{,6}'s word for the socket from src:sport to dst:dport (the fallback)."""
-    for cols in _proc_rows():
-        local, remote = cols[1].rpartition(":"), cols[2].rpartition(":")
-        if (
-            int(local[2], 16) == sport
-            and int(remote[2], 16) == dport
-            and _proc_address(local[0]) == src
-            and _proc_address(remote[0]) == dst
-        ):
-            return int(cols[7])
+    peer, port = _unmapped(ipaddress.ip_address(theirs[0])), int(theirs[1])
+    found = list(listening(port).values())
+    exact = [x for x in found if x.address == peer]
+    # A wildcard of the peer's own family first ([::] serves IPv4 too, unless IPV6_V6ONLY).
+    same = socket.AF_INET if isinstance(peer, ipaddress.IPv4Address) else socket.AF_INET6
+    wild = [x for x in found if x.address.is_unspecified]
+    for group in (exact, [x for x in wild if x.family == same], wild):
+        uids = {x.uid for x in group}
+        if uids:
+            return uids.pop() if len(uids) == 1 else None
     return None

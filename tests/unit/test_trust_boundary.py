@@ -183,6 +183,11 @@ def sticky_parent(h: Host) -> str:
     return opened(h)
 
 
+def sticky_trace_folder(h: Host) -> str:
+    os.chmod(h.traces, 0o1777)  # /tmp itself as the trace folder: anyone fills it with names
+    return opened(h)
+
+
 def owned_by_another_user(h: Host) -> str:
     os.chown(h.traces, OTHER_UID, OTHER_UID)
     return opened(h)
@@ -246,6 +251,35 @@ def fifo_in_the_folder(h: Host) -> str:
     return handed_over(h, "rank0.json")
 
 
+def sparse_trace_copied_across_file_systems(h: Host) -> str:
+    """vLLM's user's trace folder on another file system (tmpfs) than the capture's: the trace
+    is copied, and a sparse one of a gibibyte must cost neither the space nor the time."""
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="kimi-trust-"))
+    try:
+        os.chown(shm, VLLM_UID, VLLM_UID)
+        os.chmod(shm, 0o755)
+        as_user(VLLM_UID, "import sys\nf = open(sys.argv[1], 'wb'); f.write(b'{}')\n"
+                "f.truncate(1 << 30)", str(shm / "rank0.pt.trace.json"))  # fmt: skip
+        capture = h.base / "capture"
+        capture.mkdir()
+        with TraceDir.open(shm, VLLM_UID) as t:
+            listed = t.files()
+            fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                why = _move_into(t, "rank0.pt.trace.json", listed["rank0.pt.trace.json"][2], fd,
+                                 ASKER_UID, ASKER_UID)  # fmt: skip
+            finally:
+                os.close(fd)
+        assert why == "", why
+        st = os.stat(capture / "rank0.pt.trace.json")
+        assert st.st_size == 1 << 30 and st.st_uid == ASKER_UID
+        with open(capture / "rank0.pt.trace.json", "rb") as f:
+            assert f.read(2) == b"{}"
+        return "holes kept" if st.st_blocks * 512 < (1 << 20) else f"{st.st_blocks} blocks"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def sparse_terabyte_in_a_capture(h: Host) -> str:
     captures = h.base / "captures"
     captures.mkdir()
@@ -257,6 +291,22 @@ def sparse_terabyte_in_a_capture(h: Host) -> str:
     as_user(0, "import sys; open(sys.argv[1], 'wb').truncate(1 << 40)",
             str(captures / made[1] / "huge"))  # fmt: skip
     removed = retention.retention(captures, keep=10, max_total_gb=1.0, newest=made[2])
+    return "removed others" if removed else "nothing removed"
+
+
+def a_file_linked_two_thousand_times_in_a_capture(h: Host) -> str:
+    captures = h.base / "captures"
+    captures.mkdir()
+    made = ["20261201T100000.000Z", "20261201T110000.000Z", "20261201T120000.000Z"]
+    for name in made:
+        (captures / name).mkdir()
+        os.chown(captures / name, ASKER_UID, ASKER_UID)  # the asker owns their capture
+        (captures / name / "rank0.json").write_bytes(b"x" * 4096)
+        retention.record(captures, name)
+    as_user(ASKER_UID, "import os, sys\nopen(sys.argv[1] + '/big', 'wb').write(b'x' * (1 << 20))\n"
+            "for i in range(2000): os.link(sys.argv[1] + '/big', f'{sys.argv[1]}/l{i}')",
+            str(captures / made[1]))  # fmt: skip
+    removed = retention.retention(captures, keep=10, max_total_gb=0.1, newest=made[2])
     return "removed others" if removed else "nothing removed"
 
 
@@ -298,6 +348,8 @@ import socket, sys
 family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
 s = socket.socket(family)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+if sys.argv[4:] == ["defer"]:  # no accept until the client speaks: a request socket till then
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, 30)
 s.bind((sys.argv[1], int(sys.argv[2])))
 s.listen()
 print("ready", flush=True)
@@ -323,12 +375,15 @@ while True:
 
 
 @contextlib.contextmanager
-def listener(uid: int, address: str, port: int, got: Path) -> Iterator[subprocess.Popen[str]]:
-    """A listener of `uid`'s on address:port that answers 503 and counts what it receives."""
+def listener(
+    uid: int, address: str, port: int, got: Path, *how: str
+) -> Iterator[subprocess.Popen[str]]:
+    """A listener of `uid`'s on address:port that answers 503 and counts what it receives
+    (`how`: "defer" defers its accepts until the client speaks)."""
     got.write_text("0")
     os.chmod(got, 0o666)
     p = subprocess.Popen(
-        [PYTHON, "-c", LISTENER, address, str(port), str(got)], user=uid, group=uid,
+        [PYTHON, "-c", LISTENER, address, str(port), str(got), *how], user=uid, group=uid,
         extra_groups=[], stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -351,6 +406,16 @@ def another_users_listener_on_the_address(h: Host) -> str:
         r = request(f"http://127.0.0.1:{port}/health", timeout_s=10, peer_uid=VLLM_UID)
     assert got.read_text() == "0", "the intruder received bytes"
     return "not believed" if r.intruder and r.status == 0 else f"believed ({r.status})"
+
+
+def another_users_deferred_listener_while_vllm_runs_as_root(h: Host) -> str:
+    """vLLM as root (no User=): a listener that defers its accept leaves a request socket on
+    the connection's other end, which sock_diag says is root's."""
+    port, got = free_port(), h.base / "got"
+    with listener(OTHER_UID, "127.0.0.1", port, got, "defer"):
+        r = request(f"http://127.0.0.1:{port}/health", timeout_s=10, peer_uid=0)
+    assert got.read_text() == "0", "the intruder received bytes"
+    return "not believed" if r.intruder else f"believed ({r.status})"
 
 
 def vllms_users_listener(h: Host) -> str:
@@ -422,6 +487,8 @@ TABLE = [
                  id="a folder above the trace folder that anyone can write is refused"),
     pytest.param(sticky_parent, "entered",
                  id="a sticky folder above vLLM's user's trace folder is entered as /tmp is"),
+    pytest.param(sticky_trace_folder, "refused",
+                 id="a trace folder anyone can write, sticky as /tmp, is refused"),
     pytest.param(owned_by_another_user, "refused",
                  id="a trace folder owned by neither root nor vLLM's user is refused"),
     pytest.param(link_placed_by_vllms_user_above, "refused",
@@ -436,8 +503,12 @@ TABLE = [
                  id="a FIFO in the trace folder is not listed and never opened"),
     pytest.param(vllms_own_trace, "handed over",
                  id="a trace vLLM's user wrote is handed over to the asker"),
+    pytest.param(sparse_trace_copied_across_file_systems, "holes kept",
+                 id="a sparse trace copied across file systems keeps its holes"),
     pytest.param(sparse_terabyte_in_a_capture, "nothing removed",
                  id="a sparse terabyte in one capture removes no other capture"),
+    pytest.param(a_file_linked_two_thousand_times_in_a_capture, "nothing removed",
+                 id="a file linked 2000 times in one capture counts once and removes nothing"),
     pytest.param(out_of_another_user, "refused",
                  id="an --out folder of another user is refused"),
     pytest.param(cache_writable_by_others, "refused",
@@ -448,6 +519,8 @@ TABLE = [
                  id="another user's listener on vLLM's address gets nothing and is not believed"),
     pytest.param(another_users_listener_on_ipv6_loopback, "believed (503)",
                  id="another user's listener on ::1 gets nothing while vLLM's address answers"),
+    pytest.param(another_users_deferred_listener_while_vllm_runs_as_root, "not believed",
+                 id="a listener deferring its accepts is judged by its owner, not as root's"),
     pytest.param(vllms_users_listener, "believed (503)",
                  id="vLLM's user's own listener is believed"),
     pytest.param(a_process_named_to_inject_a_notify_field, "one field",
