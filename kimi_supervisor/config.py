@@ -146,8 +146,14 @@ class VllmConfig(_Strict):
         return v
 
     @property
+    def url(self) -> str:
+        """vLLM's base URL: its one address (an IPv6 one in brackets) and port."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
     def health_url(self) -> str:
-        return f"http://{self.host}:{self.port}/health"
+        return f"{self.url}/health"
 
 
 class ModesConfig(_Strict):

@@ -322,7 +322,7 @@ class Capture:
         yet; it is then opened after the flush and closed with `opened`)."""
         p, base = self.config.profiling, self.config.vllm
         before = traces.files() if traces is not None else {}
-        url = f"http://{base.host}:{base.port}"
+        url = base.url
         # The secret of this vLLM's start: its profile guard refuses these routes without it.
         token = launcher.read_token(base.argv_file)
         guard = {kimi_profile_guard.HEADER: token} if token else {}

@@ -145,22 +145,28 @@ class TraceDir:
 
 
 def _walk(path: Path, vllm_uid: int) -> int:
-    """An O_PATH descriptor of the folder `path`, reached as the module's docstring says."""
+    """An O_PATH descriptor of the folder `path`, reached as the module's docstring says. The
+    folders on the way are kept open, judged, as a stack: a `..` in a link root placed (Fedora's
+    `/var/run -> ../run`) goes back to the folder judged before, never through a name again."""
     text = os.fspath(path)
     if not text.startswith("/"):
         raise Untrusted(f"the trace folder {text} is not an absolute path")
-    ours = {0, vllm_uid}
-    flags = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
-    fd = os.open("/", flags)
     parts = [p for p in text.split("/") if p not in ("", ".")]
     if ".." in parts:
-        os.close(fd)
         raise Untrusted(f"the trace folder {text} has '..' in its path: name it plainly")
-    here, links = "/", 0
+    ours = {0, vllm_uid}
+    flags = os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC
+    root = os.open("/", flags)
+    stack: list[tuple[int, os.stat_result, str]] = [(root, os.fstat(root), "/")]
+    links = 0
     try:
-        folder = os.fstat(fd)
         while parts:
             name = parts.pop(0)
+            fd, folder, here = stack[-1]
+            if name == "..":  # only from a link root placed: back to the folder judged before
+                if len(stack) > 1:
+                    os.close(stack.pop()[0])
+                continue
             try:
                 st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
@@ -186,44 +192,41 @@ def _walk(path: Path, vllm_uid: int) -> int:
                     )
                 target = os.readlink(name, dir_fd=fd)
                 parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-                if ".." in parts:
-                    raise Untrusted(f"{shown} points through '..': name the folder plainly")
                 if target.startswith("/"):
-                    os.close(fd)
-                    fd, here = os.open("/", flags), "/"
-                    folder = os.fstat(fd)
+                    while len(stack) > 1:
+                        os.close(stack.pop()[0])
                 continue
             try:
                 nxt = os.open(name, flags, dir_fd=fd)
             except OSError as e:
                 raise Untrusted(f"{shown}: {e.strerror}") from None
-            os.close(fd)
-            fd, here = nxt, shown
-            got = os.fstat(fd)
+            stack.append((nxt, os.fstat(nxt), shown))
+            got = stack[-1][1]
             if (got.st_dev, got.st_ino) != (st.st_dev, st.st_ino):
                 raise Untrusted(f"{shown} changed while it was checked: try again")
             writers = _writers(folder)
             if writers and not (folder.st_mode & stat.S_ISVTX and got.st_uid in ours):
                 raise Untrusted(
-                    f"{os.path.dirname(shown)} is writable by {writers}, who could put another "
-                    f"folder in the place of {name}: `chmod go-w {os.path.dirname(shown)}`, or "
-                    "choose a trace folder under one that only root and vLLM's user can write"
+                    f"{here} is writable by {writers}, who could put another folder in the "
+                    f"place of {name}: `chmod go-w {here}`, or choose a trace folder under one "
+                    "that only root and vLLM's user can write"
                 )
             if got.st_uid not in ours:
                 raise Untrusted(
                     f"{shown} is owned by uid {got.st_uid}, neither root nor vLLM's user "
                     f"(uid {vllm_uid}): `chown {vllm_uid} {shown}` or choose another trace folder"
                 )
-            folder = got
+        fd, folder, _ = stack.pop()
         # The trace folder itself: writable by root and vLLM's user alone, sticky or not (a
         # shared /tmp lets anyone fill it with names, and every capture would fail).
         if writers := _writers(folder):
+            os.close(fd)
             raise Untrusted(
                 f"the trace folder {text} is writable by {writers}: `chmod go-w {text}`, or "
                 "choose a folder of vLLM's user's"
             )
         return fd
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        raise
+    finally:
+        for fd, _, _ in stack:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -208,7 +208,7 @@ class Liveness:
         self._next_probe = now + c.metrics_interval_s
         want_canary = not capturing and now >= self._next_canary
         v = self.config.vllm
-        url = f"http://{v.host}:{v.port}"
+        url = v.url
         threading.Thread(
             target=self._probe,
             args=(pid, url, want_canary, self.peer_uid),

@@ -389,3 +389,18 @@ def test_two_modes_that_start_vllm_alike_are_refused_with_why(tmp_path: Path) ->
     )
     with pytest.raises(ConfigError, match="tells the modes apart by their argv"):
         load_config(p)
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        pytest.param("127.0.0.1", "http://127.0.0.1:8000", id="an IPv4 address as it is"),
+        pytest.param("::1", "http://[::1]:8000", id="an IPv6 address in brackets"),
+        pytest.param("127.1", "http://127.0.0.1:8000", id="a short IPv4 form as its one literal"),
+    ],
+)
+def test_vllm_is_reached_at_its_one_literal_address(host: str, url: str) -> None:
+    from kimi_supervisor.config import VllmConfig
+
+    v = VllmConfig(command=["/opt/vllm/bin/vllm", "serve", "m"], host=host)
+    assert v.url == url and v.health_url == f"{url}/health"

@@ -206,6 +206,19 @@ def link_placed_by_vllms_user_above(h: Host) -> str:
     return "entered"
 
 
+def relative_link_root_placed(h: Host) -> str:
+    """A link root placed in a folder only root can change, relative and through `..`
+    (Fedora's /var/run -> ../run): followed back to the folder judged before."""
+    lib = h.base / "lib"
+    lib.mkdir(mode=0o755)
+    (lib / "run").symlink_to("../vllm-home")  # root's, in root's folder
+    try:
+        TraceDir.open(lib / "run" / "traces", VLLM_UID).close()
+    except Untrusted:
+        return "refused"
+    return "entered"
+
+
 def unknown_vllm_user(h: Host) -> str:
     try:
         TraceDir.open(h.traces, None).close()
@@ -493,6 +506,8 @@ TABLE = [
                  id="a trace folder owned by neither root nor vLLM's user is refused"),
     pytest.param(link_placed_by_vllms_user_above, "refused",
                  id="a link vLLM's user placed on the way to the trace folder is not followed"),
+    pytest.param(relative_link_root_placed, "entered",
+                 id="a relative link root placed through '..' is followed as root meant"),
     pytest.param(unknown_vllm_user, "refused",
                  id="with vLLM's user unknown no trace folder is judged and none entered"),
     pytest.param(roots_file_linked_in, "left where it was",
