@@ -29,7 +29,7 @@ from typing import Any
 
 from kimi_supervisor.analysis import ranks
 from kimi_supervisor.capture import retention
-from kimi_supervisor.capture.stall import Sample, Stall, sample_of
+from kimi_supervisor.capture.stall import MAX_TOKENS_PER_S, Sample, Stall, sample_of
 from kimi_supervisor.capture.tracedir import Listed, Missing, TraceDir, Untrusted
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES
@@ -65,6 +65,8 @@ class CaptureSpec:
     before: Sample | str | None = None
     # The unit's `User=` (None: not known): only its files in the trace folder are vLLM's.
     vllm_uid: int | None = None
+    # The most tokens/s the capture's record believes of this vLLM (capture/stall.ceiling_of).
+    ceiling: float = MAX_TOKENS_PER_S
 
 
 def check_out(fd: int, uid: int) -> str | None:
@@ -369,7 +371,7 @@ class Capture:
         if not result[0].ok:
             # Whatever readings are in by now: a failed flush is told at once.
             a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
-            self.stall = Stall.of(self.spec.before, a, b, c, "no flush")
+            self.stall = Stall.of(self.spec.before, a, b, c, "no flush", ceiling=self.spec.ceiling)
             self._end(
                 False,
                 explain(result[0], "/stop_profile", flush_timeout) + "; " + self.stall.line(),
@@ -385,7 +387,9 @@ class Capture:
                 raise Untrusted(why)
         except Untrusted as e:
             a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
-            self.stall = Stall.of(self.spec.before, a, b, c, "nothing taken")
+            self.stall = Stall.of(
+                self.spec.before, a, b, c, "nothing taken", ceiling=self.spec.ceiling
+            )
             self._end(
                 False,
                 f"{e}: nothing was taken from it, and vLLM's traces are wherever the path led. "
@@ -441,7 +445,7 @@ class Capture:
         self._release()
         a, b, c = (r.get() for r in (started, flushing, flushed_at))
         end = self._after(after) if after else "profiling.stall_after_s is 0"
-        self.stall = Stall.of(self.spec.before, a, b, c, end)
+        self.stall = Stall.of(self.spec.before, a, b, c, end, ceiling=self.spec.ceiling)
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
@@ -510,6 +514,9 @@ class _Reading:
     def _read(self) -> None:
         if self.delay_s:
             threading.Event().wait(self.delay_s)  # the window's length, not a poll
+        # The window's edge is when the reading was asked for, whenever the answer comes: two
+        # edges timed by their answers could give a window of less than nothing.
+        edge = time.monotonic()
         r = request(
             f"{self.url}/metrics", "GET", METRICS_TIMEOUT_S, max_bytes=MAX_METRICS_BYTES,
             peer_uid=self.peer_uid,
@@ -517,7 +524,7 @@ class _Reading:
         if not r.ok:
             self.got = f"/metrics: {r.error or f'HTTP {r.status}'}"
             return
-        self.got = sample_of(r.body, time.monotonic())
+        self.got = sample_of(r.body, edge)
 
     def pending(self) -> bool:
         return self.thread.is_alive()

@@ -33,6 +33,7 @@ Pure: the readings come in as text and monotonic times.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,9 @@ MAX_COUNT = float(2**53)
 # some 10^4 to 5 * 10^4 generated tokens/s at its largest batches; 20 times the top of that.
 # A counter that rose faster was not counting this vLLM's tokens (a fake, a bug, a wrap).
 MAX_TOKENS_PER_S = 1_000_000.0
+# A vLLM's own ceiling is 10 times the fastest it has shown, never below this (the top of what
+# a host makes: a vLLM idle until a capture may serve that much during it).
+MIN_CEILING = 50_000.0
 # Likewise for requests failed or given up: a host finishes some 10^3 requests/s at most.
 MAX_REQUESTS_PER_S = 100_000.0
 
@@ -132,8 +136,11 @@ class Window:
         return out
 
 
-def window(name: str, a: Sample | str | None, b: Sample | str | None) -> Window:
-    """The rate between two readings. A str in place of a reading says why it is missing."""
+def window(
+    name: str, a: Sample | str | None, b: Sample | str | None, *, ceiling: float = MAX_TOKENS_PER_S
+) -> Window:
+    """The rate between two readings (believed up to `ceiling` tokens/s). A str in place of a
+    reading says why it is missing."""
     if not isinstance(a, Sample):
         return Window(name, None, None, a or "not reached")
     if not isinstance(b, Sample):
@@ -143,19 +150,31 @@ def window(name: str, a: Sample | str | None, b: Sample | str | None) -> Window:
         return Window(name, seconds, None, why)
     if seconds <= 0:
         return Window(name, seconds, None, "no time between its readings")
-    if (why := _beyond_a_host(a, b)) is not None:
+    if (why := _beyond_a_host(a, b, ceiling)) is not None:
         return Window(name, seconds, None, why)
     return Window(name, seconds, (b.tokens - a.tokens) / seconds)
 
 
-def _beyond_a_host(a: Sample, b: Sample) -> str | None:
-    """Why the counters between `a` and `b` rose faster than any host counts, or None."""
+def ceiling_of(readings: list[tuple[float, int, float]], pid: int) -> float:
+    """The most tokens/s believed of vLLM `pid` during a capture: 10 times the fastest it has
+    shown between two liveness readings (monotonic, MainPID, tokens), at least MIN_CEILING (a
+    vLLM idle until now may serve a host's top rate), at most MAX_TOKENS_PER_S."""
+    mine = sorted((at, tokens) for at, p, tokens in readings if p == pid)
+    rates = [(t2 - t1) / (a2 - a1) for (a1, t1), (a2, t2) in itertools.pairwise(mine)
+             if a2 > a1]  # fmt: skip
+    fastest = max([r for r in rates if r > 0], default=0.0)
+    return min(MAX_TOKENS_PER_S, max(10 * fastest, MIN_CEILING))
+
+
+def _beyond_a_host(a: Sample, b: Sample, ceiling: float = MAX_TOKENS_PER_S) -> str | None:
+    """Why the counters between `a` and `b` rose faster than believed, or None."""
     seconds = max(b.at - a.at, 1e-3)
     rate = (b.tokens - a.tokens) / seconds
-    if rate > MAX_TOKENS_PER_S:
+    if rate > ceiling:
         return (
             f"the token counter rose by {b.tokens - a.tokens:.3g} in {seconds:.1f} s "
-            f"({rate:.3g} tokens/s), past what any host makes ({MAX_TOKENS_PER_S:.0g}/s)"
+            f"({rate:.3g} tokens/s), past what this vLLM can make ({ceiling:.3g}/s: 10 times "
+            f"its fastest, within {MIN_CEILING:.0g} and {MAX_TOKENS_PER_S:.0g})"
         )
     requests = (b.failed - a.failed) + (b.aborted - a.aborted)
     if requests / seconds > MAX_REQUESTS_PER_S:
@@ -180,15 +199,17 @@ class Stall:
         flushing: Sample | str | None,
         flushed: Sample | str | None,
         after: Sample | str | None,
+        *,
+        ceiling: float = MAX_TOKENS_PER_S,
     ) -> Stall:
         edges = (before, start, flushing, flushed, after)
         windows: list[Window] = []
         broken = ""  # the window whose counters went back or jumped: none after it is believed
         for i, n in enumerate(WINDOWS):
-            w = window(n, edges[i], edges[i + 1])
+            w = window(n, edges[i], edges[i + 1], ceiling=ceiling)
             if broken and w.tokens_per_s is not None:
                 w = Window(n, w.seconds, None, f"after the counters broke in the {broken} window")
-            elif not broken and _broke(edges[i], edges[i + 1]):
+            elif not broken and _broke(edges[i], edges[i + 1], ceiling):
                 broken = n
             windows.append(w)
         # Failures from the capture's start to its last reading, every reading between of the
@@ -200,7 +221,7 @@ class Stall:
             for e in (flushing, flushed, after):
                 if not isinstance(e, Sample):
                     continue
-                if _broke(last or start, e):
+                if _broke(last or start, e, ceiling):
                     break
                 last = e
             if last is not None:
@@ -261,11 +282,11 @@ def _client_failure(labels: dict[str, str]) -> bool:
     return labels.get("status", "").startswith("5") and labels.get("handler") not in PROFILER_ROUTES
 
 
-def _broke(a: Sample | str | None, b: Sample | str | None) -> bool:
+def _broke(a: Sample | str | None, b: Sample | str | None, ceiling: float) -> bool:
     """Whether two readings are of one vLLM whose counters then went back or jumped."""
     if not isinstance(a, Sample) or not isinstance(b, Sample):
         return False
-    return _other_vllm(a, b) is not None or _beyond_a_host(a, b) is not None
+    return _other_vllm(a, b) is not None or _beyond_a_host(a, b, ceiling) is not None
 
 
 def _other_vllm(a: Sample, b: Sample) -> str | None:

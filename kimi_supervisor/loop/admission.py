@@ -260,13 +260,14 @@ class Desk:
         # the readings carry when /metrics answered).
         pid = s.serving.pid if s.serving else 0
         before = stall.pick_before(list(s.tokens_seen), pid, time.monotonic())
+        ceiling = stall.ceiling_of(list(s.tokens_seen), pid)
         try:
             vllm_uid = self.ctx.systemd.run_as(self.ctx.unit)  # whose files are vLLM's traces
         except SystemdError:
             vllm_uid = None  # the capture then refuses to judge the trace folder (fails closed)
         spec = CaptureSpec(
             seconds=seconds, then=r.then, out=r.out, by=r.by, out_fd=out_fd, uid=r.uid,
-            gid=r.gid, mode=serving, before=before, vllm_uid=vllm_uid,
+            gid=r.gid, mode=serving, before=before, vllm_uid=vllm_uid, ceiling=ceiling,
         )  # fmt: skip
         put = self._put
         c = s.capture = Capture(

@@ -174,7 +174,8 @@ class Daemon:
         """The one place status is published (at the end of each turn, before a request's
         answer, and at boot), followed by the events queued since (Context.outbox)."""
         ctx, s = self.ctx, self.s
-        tail = (ctx.output.tail() if s.state is not State.SERVING else [], ctx.output.where)
+        shown = s.state is State.STARTING or (s.output_failed and s.state is not State.SERVING)
+        tail = (ctx.output.tail() if shown else [], ctx.output.where)
         st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at, tail)
         with self._status_lock:
             self._status = st

@@ -241,6 +241,7 @@ class Lifecycle:
         )
         # While it warms, the old vLLM still serves (and status says so).
         s.transition, s.next_attempt_at, s.warm = tr, None, None
+        s.output_failed = False  # a new attempt: the lines shown will be its vLLM's, or none
         if not warm:
             s.serving = None
         ctx.persist_transition()
@@ -264,6 +265,7 @@ class Lifecycle:
             vllm_uid = None  # the secret stays root's: the guard refuses captures (fail closed)
         argv_file = launcher.write_argv_file(ctx.config, tr.target, vllm_uid)
         ctx.output.begin()
+        s.output_failed = False
         s.progress = Progress()
         deadline_at = utcnow() + timedelta(seconds=ctx.config.daemon.start_timeout_s)
         s.transition = tr = tr.model_copy(
@@ -380,6 +382,7 @@ class Lifecycle:
         assert tr is not None
         self.follow_output()
         tail = ctx.output.tail()
+        s.output_failed = True
         said, more = explain(tail), ctx.output.where
         if said:
             reason = f"{reason}; vLLM said: {' / '.join(said)}"
@@ -487,6 +490,7 @@ class Lifecycle:
         mode = s.serving.mode.value if s.serving else None
         # vLLM's output read up to now: what it last said is this vLLM's, not its load's.
         ctx.output.read_new()
+        s.output_failed = True
         ctx.log(event, level="error", reason=reason, mode=mode, **seen)
         ctx.incident({"at": at or utcnow().isoformat(), "what": what, **seen})
         ctx.event(event, {"reason": reason, **seen})

@@ -113,6 +113,9 @@ class LoopState:
     last_intrusion: IntrusionStatus | None = None
     bundle: BundleStatus | None = None  # the newest incident bundle (loop/incident.py)
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
+    # vLLM's output read since the last start is a failed vLLM's (its start failed, or it died
+    # or hung): shown while nothing serves. A switch's old vLLM's lines are not.
+    output_failed: bool = False
     gpu_health: GpuHealthStatus | None = None  # read before the last start (gpus.health_check)
     liveness: LivenessStatus | None = None  # what the liveness probe last saw, while serving
     # The liveness probe's last token counts outside captures: (time.monotonic() when /metrics

@@ -68,7 +68,8 @@ def status_line(s: LoopState, now: float) -> str:
     return s.state.value
 
 
-# Lines of vLLM's output the status carries while vLLM does not serve.
+# Lines of vLLM's output the status carries while it loads, and after a vLLM failed (its start,
+# or it died or hung): that vLLM's lines, never a switch's old vLLM's.
 STATUS_OUTPUT_LINES = 10
 
 
@@ -80,7 +81,8 @@ def build(
     started_at: datetime,
     output: tuple[list[str], str] = ([], ""),
 ) -> Status:
-    """`output`: vLLM's last lines and where all of it is read (shown unless it serves)."""
+    """`output`: vLLM's last lines (the daemon passes none unless they say something now) and
+    where all of it is read."""
     obs, tr = s.observed, s.transition
     waiting = s.next_attempt_at is not None and s.state in (State.BACKOFF, State.STUCK)
     eta = None
@@ -167,16 +169,21 @@ def downtime_status(s: LoopState, now: float) -> DowntimeStatus | None:
     record = w.record()
     since = w.at.get("last_ok")
     so_far = round(now - since, 1) if since is not None else None
+    # STUCK, or between attempts: no part is under way and nothing says when service is back.
+    waiting = s.state is State.STUCK or tr is None
     left = downtime.remaining_s(s.expected_parts, w, now) if s.expected_parts else None
-    part = w.part_now()
+    left = None if waiting else left
+    part = None if waiting else w.part_now()
     text = f"unavailable for {so_far:.0f} s" if so_far is not None else "nothing served before"
     if part:
         text += f"; now: {downtime.WORDS[part]}"
     if left is not None:
         text += f"; back in about {left:.0f} s by past switches"
-    if tr is None:
-        text += f"; nothing serves ({s.state.value}"
-        text += ": `kimi-mode " + s.desired.value + "` retries)" if s.state is State.FAILED else ")"
+    if waiting:
+        text += "; nothing serves, " + {
+            State.STUCK: "STUCK: not until the GPUs are clean",
+            State.FAILED: f"FAILED: not until `kimi-mode {s.desired.value}`",
+        }.get(s.state, f"{s.state.value}: until the next attempt")
     return DowntimeStatus(
         transition=tr.id if tr else "",
         target=tr.target if tr else s.desired,

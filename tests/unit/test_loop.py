@@ -780,7 +780,7 @@ def test_failed_by_the_hang_bound_and_stuck_each_say_why_and_the_outage_as_under
         assert "max_hang_restarts" in st["last_failure"]["reason"]
         assert st["status_line"].startswith("FAILED: production gave up: hung: ")
         assert st["downtime"]["under_way"] is True and st["downtime"]["window_s"] is not None
-        assert "nothing serves (failed" in st["downtime"]["text"]
+        assert "nothing serves, FAILED: not until `kimi-mode production`" in st["downtime"]["text"]
         # An operator's switch onto a GPU that something holds: STUCK, said with its cause.
         host.gpu.extra[1] = 20_000
         host.ask(Switch(Mode.PRODUCTION, "op"))
@@ -788,6 +788,8 @@ def test_failed_by_the_hang_bound_and_stuck_each_say_why_and_the_outage_as_under
         st = host.status()
         assert st["last_failure"]["reason"].startswith("teardown STUCK: "), st["last_failure"]
         assert st["status_line"].startswith("STUCK since") and "(" in st["status_line"]
-        assert st["downtime"]["under_way"] is True
+        assert st["downtime"]["under_way"] is True and "back in about" not in st["downtime"]["text"]
+        assert "nothing serves, STUCK" in st["downtime"]["text"]
+        assert st["output_tail"] == []  # this switch's STUCK: no vLLM of its own failed
     finally:
         host.close()

@@ -162,6 +162,22 @@ def test_the_before_window_opens_at_this_vllms_newest_reading_old_enough_to_give
     assert pick_before(readings, 9, 100.0) == "no liveness reading of this vLLM yet"
 
 
+def test_a_counter_is_believed_only_within_what_this_vllm_can_do() -> None:
+    """10 times the fastest this vLLM has shown (its liveness readings), within MIN_CEILING and
+    MAX_TOKENS_PER_S: a counter that jumps 9,000-fold under the absolute ceiling is no rate."""
+    from kimi_supervisor.capture.stall import MIN_CEILING, ceiling_of
+
+    seen = [(0.0, 7, 0.0), (10.0, 7, 1000.0), (20.0, 7, 2000.0), (5.0, 8, 9e9)]
+    assert ceiling_of(seen, 7) == MIN_CEILING  # 100 tokens/s: 1000, raised to the floor
+    assert ceiling_of([(0.0, 7, 0.0), (1.0, 7, 20_000.0)], 7) == 200_000
+    stall = Stall.of(
+        Sample(0, 100), Sample(10, 1100), Sample(20, 1100 + 9_000_000), "x", "y",
+        ceiling=ceiling_of(seen, 7),
+    )  # fmt: skip
+    assert stall.get("recording").tokens_per_s is None
+    assert "past what this vLLM can make" in stall.get("recording").why_not
+
+
 @pytest.mark.parametrize(
     ("edges", "measured", "failed"),
     [
