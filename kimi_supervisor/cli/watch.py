@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Again, Follow
-from kimi_supervisor.cli.follower import Follower, redraws
+from kimi_supervisor.cli.follower import Follower, Redraw, redraws
 from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.render import columns, format_status, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
@@ -34,27 +35,33 @@ def print_status(o: Output, data: dict[str, Any]) -> None:
         print(format_status(data, columns(o.out)), file=o.out, flush=True)
 
 
+def _columns() -> int:
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _lines() -> int:
+    return shutil.get_terminal_size((80, 24)).lines
+
+
 def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
     """`status --watch`: the status again every --interval seconds (a terminal: redrawn in
     place; otherwise, and in json mode, a new one each time it changed), until Ctrl-C."""
     tty = redraws(o.out, os.environ) and not o.json
     last: Any = None
-    drawn = 0
+    screen = Redraw(o.out, _columns, _lines)
     try:
         while True:
             data = _status(sock)
             if tty:
-                import shutil
-
-                width = shutil.get_terminal_size((80, 24)).columns - 1
-                lines = format_status(data, max(width, 20)).splitlines()
+                lines = format_status(data, max(_columns() - 1, 20)).splitlines()
                 stamp = time.strftime("%H:%M:%S")
                 lines.insert(0, f"every {args.interval:g} s, {stamp} (Ctrl-C ends)")
-                if drawn:
-                    o.out.write(f"\x1b[{drawn}F\x1b[J")
-                o.out.write("\n".join(lines) + "\n")
-                o.out.flush()
-                drawn = len(lines)
+                room = max(_lines() - 1, 2)
+                if len(lines) > room:  # a frame taller than the screen piles up: folded
+                    cut = len(lines) - room + 1
+                    lines = [*lines[: room - 1], f"  {cut} more rows (a taller terminal "
+                             "shows them; `kimi-mode status` prints all)"]  # fmt: skip
+                screen.draw(lines)
             else:
                 # What changed, not the ages that tick by themselves.
                 key = {k: v for k, v in data.items() if k not in ("daemon", "gpus_age_s")}

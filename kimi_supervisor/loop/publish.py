@@ -191,8 +191,12 @@ def eta_said(s: LoopState, now: float) -> tuple[float, str]:
     by_parts = downtime.remaining_s(s.expected_parts, s.watch, now) if s.watch else None
     if by_parts is not None and not s.eta.slower(elapsed):
         part = s.watch.part_now() if s.watch else None
-        left = by_parts
-        text = f"ready in about {whole_s(by_parts)} (now: {downtime.WORDS.get(part or '', '')})"
+        left, now_ = by_parts, downtime.WORDS.get(part or "", "")
+        text = (
+            f"ready in about {whole_s(by_parts)} (now: {now_})"
+            if by_parts >= 0.5  # the estimate ran out: said at once, not "about 0 s"
+            else f"past the estimate by past switches (now: {now_})"
+        )
     return left, text
 
 

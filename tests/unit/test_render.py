@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -80,14 +81,13 @@ def test_after_the_teardown_the_bars_follow_the_load_filling_the_gpus() -> None:
 
 def test_redrawn_lines_wrap_at_the_terminals_width_and_keep_the_verdict_and_the_evidence() -> None:
     out = io.StringIO()
-    f = Follower(out, tty=True, width=lambda: 80)
+    f = Follower(out, tty=True, width=lambda: 80, height=lambda: 50)
     for e in events():
         f.on_event(e)
         f._draw(force=True)
-    drawn = out.getvalue().replace("\x1b[J", "").split("\n")
-    rows = [x.split("F", 1)[-1] if "\x1b[" in x else x for x in drawn]
+    rows = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue()).split("\n")
     assert max(len(x) for x in rows) <= 79
-    last = rows[-f._drawn - 1 :]
+    last = rows[-len(f.screen.drawn) - 1 :]
     assert any("=> CLEAN in 1.19 s" in x for x in last), last  # the verdict, on one row
     assert sum("(kill_strays: vllm_signature)" in x for x in last) == 4, last  # every kill's
 
@@ -206,9 +206,9 @@ def test_at_80_columns_a_long_kill_reason_wraps_at_its_spaces_never_mid_word() -
                 "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}  # fmt: skip
         f.on_event({"event": "kill", "data": kill})
         f.finish()
-        rows = [r.split("F", 1)[-1] if "\x1b[" in r else r for r in out.getvalue().splitlines()]
+        rows = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue()).splitlines()
         source = [*f._lines(), f"killed PID 7 {MAPPED}"]
-        assert_wrapped_whole([r.replace("\x1b[J", "") for r in rows], source, 80)
+        assert_wrapped_whole(rows, source, 80)
         assert any(r.rstrip().endswith("memory)") for r in rows), rows
 
 
@@ -379,3 +379,211 @@ def test_a_path_wider_than_the_row_is_kept_whole_on_a_row_of_its_own() -> None:
     rows = wrap([f"incident: the newest bundle is {path} (root only)"], 80)
     assert f"  {path}" in rows, rows  # copied as it is shown
     assert all(len(r) <= 80 for r in rows if path not in r)
+
+
+# ------------------------------------------------------------------------------ the height
+def switch_frame(kills: int, gpus: int) -> Follower:
+    f = Follower(io.StringIO(), tty=False)
+    f.on_event({"event": "transition_started", "data": {"id": "t1", "previous": "profile",
+                "target": "production", "kind": "switch", "reason": "asked"}})  # fmt: skip
+    for step in ("stop_unit", "kill_cgroup", "kill_strays"):
+        f.on_event({"event": "step_finished", "data": {"step": step, "duration_s": 0.21}})
+    for i in range(kills):
+        f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_strays",
+                    "evidence": "vllm_signature", "process": {"pid": 1000 + i,
+                    "cmdline": PYTHON_HOLDER}}})  # fmt: skip
+    f.on_event({"event": "gpus", "data": {"devices": [
+        {"index": i, "used_mib": 80_615, "baseline_mib": 615} for i in range(gpus)]}})  # fmt: skip
+    f.vllm = "loading weights 45%; ready in about 3 min (past loads: 5 min)"
+    return f
+
+
+@pytest.mark.parametrize(
+    ("columns", "rows", "kills", "gpus", "kills_shown"),
+    [
+        pytest.param(80, 24, 11, 8, 5, id="at 80x24 eleven kills show as five and 6 more"),
+        pytest.param(80, 15, 11, 8, 2, id="at 80x15 the kills fold further, GPUs two a row"),
+        pytest.param(200, 50, 11, 8, 5, id="at 200x50 everything shows, kills to five"),
+        pytest.param(80, 24, 2, 1, 2, id="a short switch shows every kill"),
+        pytest.param(80, 8, 11, 8, 0, id="at 80x8 what does not fit is counted"),
+        pytest.param(40, 5, 11, 8, 0, id="a tiny terminal keeps the clock and a count"),
+    ],
+)
+def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
+    columns: int, rows: int, kills: int, gpus: int, kills_shown: int
+) -> None:
+    frame = switch_frame(kills, gpus).frame(columns, rows)
+    assert len(frame) <= rows - 1, frame  # the cursor's row below it: nothing scrolls
+    assert all(len(r) <= columns - 1 for r in frame), frame
+    assert frame[0].startswith("kimi-mode: switching to production"), frame  # the clock
+    text = "\n".join(frame)
+    shown = text.count("killed PID")
+    assert shown == kills_shown, frame
+    if shown < kills:
+        said = f"{kills - shown} more killed" in text
+        assert said or "more rows" in text, frame
+    if rows >= 15:
+        assert frame[-1].startswith("  vLLM: loading weights 45%"), frame
+        assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
+
+
+# A daemon whose switch kills 11 processes on 8 GPUs, then loads silently for LOAD_S while its
+# published status moves on; the real kimi-mode follows it in a terminal of a given size.
+FITTING = """
+import json, os, socket, sys, threading, time
+from datetime import UTC, datetime
+sys.path.insert(0, {root!r})
+from kimi_supervisor.cli import kimi_mode
+LOAD_S = 5
+path = os.path.join({sock_dir!r}, "s")
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen(16)
+began = time.monotonic()
+
+def status():
+    t = time.monotonic() - began
+    gpus = [{{"index": i, "used_mib": 615 + int(t * 10_000), "baseline_mib": 615,
+             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(8)]
+    left = max(LOAD_S - t, 0)
+    return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
+        "state": "starting", "gpus": gpus,
+        "progress": {{"phase": "weights", "text": "loading weights"}},
+        "eta": {{"expected_s": 60, "remaining_s": left, "elapsed_s": t, "past_loads": 3,
+                 "slower_than_past": False, "text": f"about {{left:.0f}} s left"}}}}}}
+
+def line(kind, **more):
+    return json.dumps({{"v": 1, "type": kind, **more}}).encode() + b"\\n"
+
+def event(name, **data):
+    return line("event", event=name, at="", data=data)
+
+def talk(conn):
+    req = json.loads(conn.makefile("rb").readline())
+    if req["cmd"] == "status":
+        conn.sendall(json.dumps(status()).encode() + b"\\n")
+        conn.close()
+        return
+    tr = {{"id": "t-1", "target": "profile", "previous": "production",
+          "started_at": datetime.now(UTC).isoformat(), "step": "stop_unit"}}
+    conn.sendall(line("reply", ok=True, code="accepted", message="switching to profile",
+                      data={{"transition": tr}}))
+    for i in range(11):
+        conn.sendall(event("kill", signal="SIGKILL", step="kill_strays",
+                           evidence="vllm_signature", process={{"pid": 4000 + i,
+                           "cmdline": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}}))
+        time.sleep(0.05)
+    conn.sendall(event("teardown_finished", outcome="clean", duration_s=0.6))
+    conn.sendall(event("starting", mode="profile"))
+    time.sleep(LOAD_S)
+    conn.sendall(line("end", ok=True, outcome="ready", message="profile is ready",
+                      data={{"transition": "t-1"}}))
+    conn.close()
+
+def serve():
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=talk, args=(conn,), daemon=True).start()
+
+threading.Thread(target=serve, daemon=True).start()
+kimi_mode.main(["profile", "--socket", path])
+print("DONE")
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
+)
+@pytest.mark.parametrize(
+    ("columns", "rows", "shrunk"),
+    [
+        pytest.param(80, 15, None, id="80x15"),
+        pytest.param(80, 24, None, id="80x24"),
+        pytest.param(200, 50, None, id="200x50"),
+        pytest.param(200, 50, (80, 15), id="200x50 shrunk to 80x15 mid-switch"),
+    ],
+)
+def test_in_a_real_terminal_the_clock_is_on_screen_every_second_and_no_frame_piles_up(
+    columns: int, rows: int, shrunk: tuple[int, int] | None, tmp_path: Path
+) -> None:
+    """A frame taller than the screen could not be moved back over: at 80x15 the clock's row
+    was never on screen, and every redraw left a copy in the scrollback (18 for one switch)."""
+    script = tmp_path / "fit.py"
+    sock_dir = tempfile.mkdtemp(prefix="kimi-fit-")
+    script.write_text(FITTING.format(root=str(Path(__file__).resolve().parents[2]),
+                                     sock_dir=sock_dir))  # fmt: skip
+    tmux = ["tmux", "-L", f"kimi-fit-{os.getpid()}-{columns}x{rows}", "-f", "/dev/null"]
+    env = {**os.environ, "TERM": "xterm-256color"}
+    env.pop("TMUX", None)
+    subprocess.run([*tmux, "new-session", "-d", "-x", str(columns), "-y", str(rows),
+                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
+    looks, seconds = 0, set()
+    try:
+        began = time.monotonic()
+        screen, most = "", ""
+        while "DONE" not in screen:
+            assert time.monotonic() - began < 40, screen
+            time.sleep(0.2)
+            screen = subprocess.run([*tmux, "capture-pane", "-p"], capture_output=True,
+                                    text=True, env=env).stdout  # fmt: skip
+            if shrunk and time.monotonic() - began > 3:
+                subprocess.run([*tmux, "resize-window", "-x", str(shrunk[0]), "-y",
+                                str(shrunk[1])], check=True, env=env)  # fmt: skip
+                columns, rows, shrunk = *shrunk, None
+                continue
+            if "DONE" in screen:
+                continue
+            heads = [x for x in screen.splitlines() if x.startswith("kimi-mode: switching to")]
+            if "kill" in screen or heads:
+                looks += 1
+                assert len(heads) == 1, screen  # the clock's row, on screen, once
+                seconds.add(heads[0].rsplit("(", 1)[1])
+                if "killed PID" in screen:
+                    most = screen
+        history = subprocess.run([*tmux, "display", "-p", "#{history_size}"],
+                                 capture_output=True, text=True, env=env).stdout  # fmt: skip
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    assert looks >= 10 and len(seconds) >= 4, (looks, seconds)
+    assert int(history) <= rows, history  # at most one frame went into the scrollback
+    if rows == 24:
+        assert most.count("killed PID") == 5 and "6 more killed" in most, most
+
+
+# ------------------------------------------------------------------------------ GPU health
+GPU3 = {"index": 3, "remap_pending": True, "remap_failed": False, "retired_pending": None,
+        "ecc_uncorrected": 0, "nvlink_errors": None, "xids": [79], "unread": []}  # fmt: skip
+HEALTHY = {**GPU3, "index": 0, "remap_pending": False, "xids": []}
+
+
+@pytest.mark.parametrize(
+    ("policy", "refused", "gpus", "said"),
+    [
+        pytest.param("warn", False, [HEALTHY, GPU3], [
+            "warning: GPU 3: rows remapped, waiting for a GPU reset to take effect "
+            "(gpus.health_check = warn: loading all the same)",
+            "warning: GPU 3: the kernel logged Xid 79 (the GPU fell off the bus) since boot "
+            "(gpus.health_check = warn: loading all the same)",
+        ], id="warn names each failing GPU and signal and says the load goes on"),
+        pytest.param("refuse", True, [{**GPU3, "xids": []}], [
+            "warning: GPU 3: rows remapped, waiting for a GPU reset to take effect "
+            "(gpus.health_check = refuse: the load is refused)",
+        ], id="refuse says the load is refused"),
+    ],
+)  # fmt: skip
+def test_a_followed_switch_says_each_gpu_health_finding_with_the_policy(
+    policy: str, refused: bool, gpus: list[dict[str, Any]], said: list[str]
+) -> None:
+    for tty in (False, True):
+        out = io.StringIO()
+        f = Follower(out, tty=tty, width=lambda: 200, height=lambda: 50)
+        text = "; ".join(said) or "healthy"
+        f.on_event({"event": "gpu_health", "data": {"checked_at": "", "verdict": "failing",
+                    "text": text, "policy": policy, "refused": refused, "gpus": gpus}})  # fmt: skip
+        printed = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue())
+        assert all(len(r) < (200 if tty else 80) for r in printed.splitlines()), printed
+        for line in said:
+            assert line in " ".join(printed.split()), printed
+        assert printed.count("warning:") == len(said), printed
