@@ -127,7 +127,7 @@ class Metrics:
     def __init__(self) -> None:
         # No `X_created` series beside each counter: a family nothing reads (the classic text
         # format exports each as a gauge of its own).
-        disable_created_metrics()
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry(auto_describe=True)
         ns = "kimi_supervisor"
         self.desired_mode = Gauge(
