@@ -92,9 +92,8 @@ class Follow:
                     time.sleep(pause if left is None else max(min(pause, left), 0.0))
         except TimedOut:
             self._finish()
-            return self.o.fail(
-                Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}"
-            )
+            assert timeout_s is not None
+            return self.on_timeout(timeout_s)
         except KeyboardInterrupt:
             self._finish()
             return self.on_interrupt()
@@ -129,6 +128,10 @@ class Follow:
     def on_end(self, msg: dict[str, Any]) -> Exit | None:
         """The end: its exit, or None to ask again (a rollback or a retry may follow)."""
         raise NotImplementedError
+
+    def on_timeout(self, timeout_s: float) -> Exit:
+        """--timeout ran out: said, with what goes on."""
+        return self.o.fail(Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}")
 
     def on_interrupt(self) -> Exit:
         return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; {self.goes_on}")

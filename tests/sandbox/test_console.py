@@ -151,9 +151,11 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     # Nothing to wait for: at once, with the status's exit; never a switch.
     transitions = len(serving.transitions())
     r = serving.kimi_mode("wait", "profile")
-    assert r.returncode == 0 and r.stdout.startswith("nothing to wait for: profile: serving")
+    assert r.returncode == 0 and r.stdout == "done: profile serves\n", r.stdout
     r = serving.kimi_mode("wait", "production", "--timeout", "2")
-    assert r.returncode == 1  # profile serves and nobody asked for production
+    assert r.returncode == 4, r.stdout  # profile serves and nobody asked for production
+    assert flat(r.stdout).startswith("timed out: production does not serve after 2 s: nobody "
+                                     "asked for production"), r.stdout  # fmt: skip
     assert len(serving.transitions()) == transitions
     sandbox.fake()
 

@@ -420,3 +420,60 @@ def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_
     assert s["eta"]["text"] in s["status_line"]
     assert "eta:" in serving.kimi_mode("status").stdout
     serving.wait_serving("profile")
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "verdict"),
+    [
+        pytest.param("reached", 0, "serving", id="profile reached: 0, serving"),
+        pytest.param("rolled back", 1, "rolled_back", id="profile failed and rolled back: 1"),
+        pytest.param("stuck then cleared", 0, "serving", id="a STUCK retried then cleared: 0"),
+        pytest.param("nobody asked", 4, "not_asked", id="nobody asked for profile: 4 at timeout"),
+    ],
+)
+def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last_object(
+    case: str, code: int, verdict: str, sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """kubectl wait's contract: `wait profile` ends when profile serves or --timeout runs out,
+    through a rollback, a STUCK retry or nobody's asking, and its last JSON object says which
+    (a rollback's last `end` said ok: true; a STUCK retried 1 s later ended it at once, rc 6)."""
+    from kimi_supervisor.ports import processes
+
+    with daemon.configured(daemon={"stuck_retry_s": 1.0}):
+        daemon.start()
+        daemon.wait_serving("production")
+        holder = None
+        if case == "rolled back":
+            sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
+        elif case == "stuck then cleared":  # protected: never killed, so the teardown is STUCK
+            holder = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")
+        try:
+            if case != "nobody asked":
+                assert daemon.kimi_mode("profile", "--no-wait").returncode == 0
+            timeout = "4" if case == "nobody asked" else "120"
+            waiting = subprocess.Popen(
+                [KIMI_MODE, "-o", "json", "wait", "profile", "--timeout", timeout],
+                env={**os.environ, **sandbox.sb.env}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            if holder is not None:
+                daemon.wait_state("stuck")
+                handle = processes.PidHandle.open(holder)
+                assert isinstance(handle, processes.PidHandle), handle
+                with handle:
+                    handle.send(signal.SIGKILL)  # gone: the next retry is clean
+                sandbox.started.remove(holder)  # ended by the test, not by the daemon
+            out, err = waiting.communicate(timeout=150)
+        finally:
+            sandbox.fake()
+        last = json.loads(out.splitlines()[-1])
+        assert waiting.returncode == code, out + err
+        assert last["type"] == "verdict" and last["mode"] == "profile", last
+        assert last["verdict"] == verdict and last["exit"] == code, last
+        assert last["ok"] is (code == 0), last
+        if case == "stuck then cleared":
+            assert "STUCK teardown(s), retried until clean" in last["message"], last
+        if case == "nobody asked":
+            assert "nobody asked for profile" in last["message"], last
+        if case == "rolled back":
+            assert "rolling back to production" in last["message"], last
