@@ -587,3 +587,49 @@ def test_a_followed_switch_says_each_gpu_health_finding_with_the_policy(
         for line in said:
             assert line in " ".join(printed.split()), printed
         assert printed.count("warning:") == len(said), printed
+
+
+# ------------------------------------------------------------------------------ doctor
+@pytest.mark.parametrize(
+    ("findings", "folded"),
+    [
+        pytest.param([f"GPU {i}: page retirement: not supported by this GPU" for i in range(8)],
+                     ["GPUs 0-7: page retirement: not supported by this GPU"],
+                     id="eight GPUs saying the same are one line"),
+        pytest.param(["GPU 1: rows remapped", "GPU 3: rows remapped", "GPU 3: Xid 79"],
+                     ["GPUs 1, 3: rows remapped", "GPU 3: Xid 79"],
+                     id="what differs stays apart, in the order first seen"),
+        pytest.param(["GPU 0: x", "GPU 1: x", "GPU 2: x", "GPU 5: x", "no GPU at all"],
+                     ["GPUs 0-2, 5: x", "no GPU at all"],
+                     id="runs are ranges and a finding of no GPU stays as it is"),
+    ],
+)  # fmt: skip
+def test_doctor_says_a_finding_true_of_several_gpus_once(
+    findings: list[str], folded: list[str]
+) -> None:
+    from kimi_supervisor.cli.checks import fold_gpus
+
+    assert fold_gpus(findings) == folded
+
+
+def test_doctor_wraps_every_line_at_80_columns_with_its_message_hung_under_the_message() -> None:
+    from kimi_supervisor.cli.checks import bad, ok
+    from kimi_supervisor.cli.doctor import _report
+    from kimi_supervisor.cli.output import Output
+
+    out = io.StringIO()
+    path = "/var/lib/kimi-supervisor/incidents/incident-20261204T180123.620132Z-stuck.txt"
+    results = [
+        ok("config", "/etc/kimi-supervisor/kimi-supervisor.toml is valid"),
+        bad("daemon", f"STUCK: teardown STUCK: GPU 3 still holds 20000 MiB above its baseline "
+            f"after every step; its incident bundle: {path} (root only)",
+            "kimi-mode status names what holds the GPUs; a teardown is retried on its own"),
+        ok("GPU health", "no failing signal and no warning among those read (not read: GPUs "
+           "0-7: page retirement: not supported by this GPU)"),
+    ]  # fmt: skip
+    assert _report(Output("text", out), results) == 1
+    rows = out.getvalue().splitlines()
+    assert all(len(r) <= 80 for r in rows if path not in r), rows
+    assert any(r.strip() == path or r.rstrip().endswith(path) for r in rows), rows  # whole
+    assert rows[-1] == "1 check(s) failed"
+    assert words(out.getvalue()) >= {"STUCK:", "(root", "only)", "retried"}
