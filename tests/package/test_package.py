@@ -178,6 +178,16 @@ def test_the_licence_is_apache_2_0_stated_the_same_everywhere_with_its_full_text
     assert "/usr/share/common-licenses/Apache-2.0" in copyright_
     readme = (ROOT / "README.md").read_text()
     assert "Apache License 2.0" in readme and "GPL" not in galaxy + copyright_ + readme
+    # The collection ships on its own (ansible-galaxy): with the licence's text, and every file
+    # that states a licence states this one (the module's headers said GPL-3.0+).
+    collection = ROOT / "ansible/ansible_collections/kimi/supervisor"
+    assert (collection / "LICENSE").read_text() == licence
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    other = re.compile(r"General Public License|\bGPL-?\d|gpl-\d|\bMIT License|\bBSD-\d")
+    files = [ROOT / f for f in tracked if f != "tests/package/test_package.py"]
+    stated = [f for f in files if f.is_file() and other.search(f.read_text(errors="replace"))]
+    assert stated == [], stated
 
 
 def purge(root: Path, **env: str) -> str:
