@@ -76,7 +76,7 @@ def wants_json(argv: Sequence[str]) -> bool:
     for i, a in enumerate(argv):
         if a == "--":
             break
-        if a in ("--json", "-ojson", "--output=json") or (
+        if a in ("--json", "-ojson", "-o=json", "--output=json") or (
             a in ("-o", "--output") and argv[i + 1 : i + 2] == ["json"]
         ):
             return True

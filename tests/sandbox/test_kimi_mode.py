@@ -181,7 +181,9 @@ def test_a_user_outside_the_control_group_is_refused_and_a_member_is_let_in(
     # No access to the 0660 socket at all: the kernel refuses, kimi-mode explains.
     r = serving.kimi_mode("status", user=[*NOBODY, "--clear-groups"])
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "permission denied" in r.stderr and "kimi" in r.stderr
+    assert "permission denied" in r.stderr, r.stderr
+    assert "a member of the group `users` (`sudo usermod -aG users $USER`" in r.stderr, r.stderr
+    assert "kimi`" not in r.stderr  # the configured group, not the default
     # A process that gets past the file's mode (CAP_DAC_OVERRIDE) is refused by the daemon's
     # peer-credential check, and the attempt is logged.
     caps = ["--inh-caps=+dac_override", "--ambient-caps=+dac_override"]

@@ -188,6 +188,14 @@ def test_a_kill_line_names_the_program_not_the_interpreter() -> None:
     assert program("/usr/bin/python3 -u /tmp/x/ghost.py --title t", "") == "ghost.py"
     assert program(["VLLM::Worker_TP3"], "VLLM::Worker_TP") == "VLLM::Worker_TP3"
     assert program([], "kworker/0:1") == "kworker/0:1"
+    # python -c: the code it runs, its start (a kill line said `python3 -c` and nothing more)
+    assert program(["python3", "-c", "import torch\nx = torch.zeros(1)"], "") == (
+        "python3 -c 'import torch x = torch.zeros(1)'"
+    )
+    assert program(["python3", "-c", "import a; " * 10], "") == (
+        "python3 -c 'import a; import a; import a; import a;...'"
+    )
+    assert program(["python3", "-c"], "python3") == "python3"
     f = Follower(io.StringIO(), tty=False)
     f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_gpu_holders",
                 "evidence": MAPPED, "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}})  # fmt: skip
