@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,42 @@ time.sleep(60)
 """
 
 
+class Terminal:
+    """A real terminal (tmux, a server of its own) of `columns` x `rows` running `script`; each
+    `look()` is its screen, until the script prints DONE. Ended, and `cleanup` removed, after."""
+
+    def __init__(self, script: Path, columns: int, rows: int, cleanup: str = "") -> None:
+        self.tmux = ["tmux", "-L", f"kimi-{os.getpid()}-{script.stem}-{columns}x{rows}",
+                     "-f", "/dev/null"]  # fmt: skip
+        self.env = {**os.environ, "TERM": "xterm-256color"}
+        self.env.pop("TMUX", None)
+        self.cleanup = cleanup
+        self.began = time.monotonic()
+        self.screen = ""
+        self.run("new-session", "-d", "-x", str(columns), "-y", str(rows),
+                 f"{sys.executable} {script}")  # fmt: skip
+
+    def run(self, *args: str) -> str:
+        return subprocess.run([*self.tmux, *args], capture_output=True, text=True, env=self.env,
+                              check=args[0] != "kill-server").stdout  # fmt: skip
+
+    def looks(self, deadline_s: float = 40, *joined: str) -> Iterator[str]:
+        """The screen every 0.2 s until DONE is on it (-J: rows the terminal wrapped, joined)."""
+        while "DONE" not in self.screen:
+            assert time.monotonic() - self.began < deadline_s, self.screen
+            time.sleep(0.2)
+            self.screen = self.run("capture-pane", "-p", *joined)
+            yield self.screen
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.run("kill-server")
+        if self.cleanup:
+            shutil.rmtree(self.cleanup, ignore_errors=True)
+
+
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -138,33 +175,19 @@ def test_in_a_real_terminal_the_redraw_leaves_one_header_at_any_width(
 ) -> None:
     script = tmp_path / "follow.py"
     script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parents[2])))
-    server = f"kimi-display-{os.getpid()}-{columns}"
-    tmux = ["tmux", "-L", server, "-f", "/dev/null"]
-    env = {**os.environ, "TERM": "xterm-256color"}
-    env.pop("TMUX", None)
-    subprocess.run([*tmux, "new-session", "-d", "-x", str(columns), "-y", "50",
-                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        screen = ""
-        while "DONE" not in screen:
-            assert time.monotonic() < deadline, screen
-            time.sleep(0.2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J"], capture_output=True,
-                                    text=True, env=env).stdout  # fmt: skip
-        lines = screen.splitlines()
-        assert sum("kimi-mode: switching to production" in x for x in lines) == 1, screen
-        assert all(len(x) <= columns for x in lines)
-        gpu = [x for x in lines if x.startswith("  GPU 0 [")]
-        assert len(gpu) == 1 and bar(gpu[0]) == 15, screen  # loaded to 90 GB, drawn once
-        assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
-        evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
-        assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
-        # A reason wider than a row wraps at its spaces; the kill names the program.
-        assert words(screen) >= {"vllm.entrypoints.openai.api_server", "memory)"}, screen
-        assert "/opt/venvs" not in screen
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+    with Terminal(script, columns, 50) as t:
+        screen = [*t.looks(30, "-J")][-1]
+    lines = screen.splitlines()
+    assert sum("kimi-mode: switching to production" in x for x in lines) == 1, screen
+    assert all(len(x) <= columns for x in lines)
+    gpu = [x for x in lines if x.startswith("  GPU 0 [")]
+    assert len(gpu) == 1 and bar(gpu[0]) == 15, screen  # loaded to 90 GB, drawn once
+    assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
+    evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
+    assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
+    # A reason wider than a row wraps at its spaces; the kill names the program.
+    assert words(screen) >= {"vllm.entrypoints.openai.api_server", "memory)"}, screen
+    assert "/opt/venvs" not in screen
 
 
 # ------------------------------------------------------------------------------ 80 columns
@@ -263,15 +286,15 @@ def test_a_captures_summary_wraps_at_80_columns() -> None:
     assert words("\n".join(rows)) <= words(format_capture(data, 10_000))
 
 
-# A daemon that accepts a switch, says the load began, then says nothing for LOAD_S while its
-# published status moves on (the GPUs filling, the ETA shrinking), then ends it; the real
-# kimi-mode follows it in the terminal.
-TICKING = """
+# A daemon whose switch kills KILLS processes, then loads silently for LOAD_S while its
+# published status moves on (GPUS filling, the ETA shrinking), then ends it; the real kimi-mode
+# follows it in the terminal.
+DAEMON = """
 import json, os, socket, sys, threading, time
 from datetime import UTC, datetime
 sys.path.insert(0, {root!r})
 from kimi_supervisor.cli import kimi_mode
-LOAD_S = {load_s}
+LOAD_S, GPUS, KILLS = {load_s}, {gpus}, {kills}
 path = os.path.join({sock_dir!r}, "s")
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
@@ -281,12 +304,18 @@ began = time.monotonic()
 def status():
     t = time.monotonic() - began
     gpus = [{{"index": i, "used_mib": 615 + int(t * 20_000), "baseline_mib": 615,
-             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in (0, 1)]
+             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(GPUS)]
     return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
         "state": "starting", "gpus": gpus,
         "progress": {{"phase": "weights", "text": "loading weights"}},
         "eta": {{"expected_s": 60, "remaining_s": 60 - t, "elapsed_s": t, "past_loads": 3,
                  "slower_than_past": False, "text": f"about {{60 - t:.0f}} s left"}}}}}}
+
+def line(kind, **more):
+    return json.dumps({{"v": 1, "type": kind, **more}}).encode() + b"\\n"
+
+def event(name, **data):
+    return line("event", event=name, at="", data=data)
 
 def talk(conn):
     req = json.loads(conn.makefile("rb").readline())
@@ -295,16 +324,20 @@ def talk(conn):
         conn.close()
         return
     tr = {{"id": "t-1", "target": "profile", "previous": "production",
-          "started_at": datetime.now(UTC).isoformat(), "step": "starting"}}
-    reply = {{"v": 1, "type": "reply", "ok": True, "code": "accepted",
-             "message": "switching to profile", "data": {{"transition": tr}}}}
-    start = {{"v": 1, "type": "event", "event": "starting", "at": "",
-              "data": {{"mode": "profile"}}}}
-    conn.sendall(json.dumps(reply).encode() + b"\\n" + json.dumps(start).encode() + b"\\n")
+          "started_at": datetime.now(UTC).isoformat(), "step": "stop_unit"}}
+    conn.sendall(line("reply", ok=True, code="accepted", message="switching to profile",
+                      data={{"transition": tr}}))
+    for i in range(KILLS):
+        conn.sendall(event("kill", signal="SIGKILL", step="kill_strays",
+                           evidence="vllm_signature", process={{"pid": 4000 + i,
+                           "cmdline": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}}))
+        time.sleep(0.05)
+    if KILLS:
+        conn.sendall(event("teardown_finished", outcome="clean", duration_s=0.6))
+    conn.sendall(event("starting", mode="profile"))
     time.sleep(LOAD_S)
-    end = {{"v": 1, "type": "end", "ok": True, "outcome": "ready",
-           "message": "profile is ready", "data": {{"transition": "t-1"}}}}
-    conn.sendall(json.dumps(end).encode() + b"\\n")
+    conn.sendall(line("end", ok=True, outcome="ready", message="profile is ready",
+                      data={{"transition": "t-1"}}))
     conn.close()
 
 def serve():
@@ -319,6 +352,18 @@ time.sleep(60)
 """
 
 
+def scripted_switch(tmp_path: Path, *, load_s: float, gpus: int, kills: int) -> tuple[Path, str]:
+    """The script (DAEMON) and its socket's folder: short (AF_UNIX paths end at 108 bytes;
+    tmp_path is named after the test), removed after (each run used to leave one in /tmp)."""
+    sock_dir = tempfile.mkdtemp(prefix="kimi-tty-")
+    script = tmp_path / f"switch{gpus}x{kills}.py"
+    root = str(Path(__file__).resolve().parents[2])
+    script.write_text(
+        DAEMON.format(root=root, load_s=load_s, gpus=gpus, kills=kills, sock_dir=sock_dir)
+    )
+    return script, sock_dir
+
+
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -327,29 +372,11 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
 ) -> None:
     """Issue 44: between the daemon's events the display stood still ("(2s)" for 8-9 s, the
     bars frozen), which during a 30-minute load with silent phases looks like a hang."""
-    load_s = 4.5
-    script = tmp_path / "tick.py"
-    root = str(Path(__file__).resolve().parents[2])
-    # The socket's folder: short (AF_UNIX paths end at 108 bytes; tmp_path is named after this
-    # test), and removed after (each run used to leave one in /tmp).
-    sock_dir = tempfile.mkdtemp(prefix="kimi-tick-")
-    script.write_text(TICKING.format(root=root, load_s=load_s, sock_dir=sock_dir))
-    server = f"kimi-tick-{os.getpid()}"
-    tmux = ["tmux", "-L", server, "-f", "/dev/null"]
-    env = {**os.environ, "TERM": "xterm-256color"}
-    env.pop("TMUX", None)
-    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "30",
-                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
+    script, sock_dir = scripted_switch(tmp_path, load_s=4.5, gpus=2, kills=0)
     clocks: list[tuple[float, str]] = []
     bars, etas = set(), set()
-    try:
-        began = time.monotonic()
-        screen = ""
-        while "DONE" not in screen:
-            assert time.monotonic() - began < 30, screen
-            time.sleep(0.2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J"], capture_output=True,
-                                    text=True, env=env).stdout  # fmt: skip
+    with Terminal(script, 80, 30, sock_dir) as t:
+        for screen in t.looks(30, "-J"):
             for line in screen.splitlines():
                 if line.startswith("kimi-mode: switching to profile  ("):
                     clocks.append((time.monotonic(), line.rsplit("(", 1)[1].rstrip(")")))
@@ -357,9 +384,6 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
                     bars.add(bar(line))
                 elif "s left" in line:
                     etas.add(line.strip())
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
-        shutil.rmtree(sock_dir, ignore_errors=True)
     shown = [c for _, c in clocks]
     # The clock said each second of the silent load, and never stood for much more than one
     # (a tick, the 0.2 s look, a loaded machine's jitter: CI saw the first "0s" for 1.84 s
@@ -435,71 +459,6 @@ def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
         assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
 
 
-# A daemon whose switch kills 11 processes on 8 GPUs, then loads silently for LOAD_S while its
-# published status moves on; the real kimi-mode follows it in a terminal of a given size.
-FITTING = """
-import json, os, socket, sys, threading, time
-from datetime import UTC, datetime
-sys.path.insert(0, {root!r})
-from kimi_supervisor.cli import kimi_mode
-LOAD_S = 5
-path = os.path.join({sock_dir!r}, "s")
-server = socket.socket(socket.AF_UNIX)
-server.bind(path)
-server.listen(16)
-began = time.monotonic()
-
-def status():
-    t = time.monotonic() - began
-    gpus = [{{"index": i, "used_mib": 615 + int(t * 10_000), "baseline_mib": 615,
-             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(8)]
-    left = max(LOAD_S - t, 0)
-    return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
-        "state": "starting", "gpus": gpus,
-        "progress": {{"phase": "weights", "text": "loading weights"}},
-        "eta": {{"expected_s": 60, "remaining_s": left, "elapsed_s": t, "past_loads": 3,
-                 "slower_than_past": False, "text": f"about {{left:.0f}} s left"}}}}}}
-
-def line(kind, **more):
-    return json.dumps({{"v": 1, "type": kind, **more}}).encode() + b"\\n"
-
-def event(name, **data):
-    return line("event", event=name, at="", data=data)
-
-def talk(conn):
-    req = json.loads(conn.makefile("rb").readline())
-    if req["cmd"] == "status":
-        conn.sendall(json.dumps(status()).encode() + b"\\n")
-        conn.close()
-        return
-    tr = {{"id": "t-1", "target": "profile", "previous": "production",
-          "started_at": datetime.now(UTC).isoformat(), "step": "stop_unit"}}
-    conn.sendall(line("reply", ok=True, code="accepted", message="switching to profile",
-                      data={{"transition": tr}}))
-    for i in range(11):
-        conn.sendall(event("kill", signal="SIGKILL", step="kill_strays",
-                           evidence="vllm_signature", process={{"pid": 4000 + i,
-                           "cmdline": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}}))
-        time.sleep(0.05)
-    conn.sendall(event("teardown_finished", outcome="clean", duration_s=0.6))
-    conn.sendall(event("starting", mode="profile"))
-    time.sleep(LOAD_S)
-    conn.sendall(line("end", ok=True, outcome="ready", message="profile is ready",
-                      data={{"transition": "t-1"}}))
-    conn.close()
-
-def serve():
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=talk, args=(conn,), daemon=True).start()
-
-threading.Thread(target=serve, daemon=True).start()
-kimi_mode.main(["profile", "--socket", path])
-print("DONE")
-time.sleep(60)
-"""
-
-
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -517,43 +476,22 @@ def test_in_a_real_terminal_the_clock_is_on_screen_every_second_and_no_frame_pil
 ) -> None:
     """A frame taller than the screen could not be moved back over: at 80x15 the clock's row
     was never on screen, and every redraw left a copy in the scrollback (18 for one switch)."""
-    script = tmp_path / "fit.py"
-    sock_dir = tempfile.mkdtemp(prefix="kimi-fit-")
-    script.write_text(FITTING.format(root=str(Path(__file__).resolve().parents[2]),
-                                     sock_dir=sock_dir))  # fmt: skip
-    tmux = ["tmux", "-L", f"kimi-fit-{os.getpid()}-{columns}x{rows}", "-f", "/dev/null"]
-    env = {**os.environ, "TERM": "xterm-256color"}
-    env.pop("TMUX", None)
-    subprocess.run([*tmux, "new-session", "-d", "-x", str(columns), "-y", str(rows),
-                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
-    looks, seconds = 0, set()
-    try:
-        began = time.monotonic()
-        screen, most = "", ""
-        while "DONE" not in screen:
-            assert time.monotonic() - began < 40, screen
-            time.sleep(0.2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p"], capture_output=True,
-                                    text=True, env=env).stdout  # fmt: skip
-            if shrunk and time.monotonic() - began > 3:
-                subprocess.run([*tmux, "resize-window", "-x", str(shrunk[0]), "-y",
-                                str(shrunk[1])], check=True, env=env)  # fmt: skip
+    script, sock_dir = scripted_switch(tmp_path, load_s=5, gpus=8, kills=11)
+    looks, seconds, most = 0, set(), ""
+    with Terminal(script, columns, rows, sock_dir) as t:
+        for screen in t.looks():
+            if shrunk and time.monotonic() - t.began > 3:
+                t.run("resize-window", "-x", str(shrunk[0]), "-y", str(shrunk[1]))
                 columns, rows, shrunk = *shrunk, None
                 continue
-            if "DONE" in screen:
-                continue
             heads = [x for x in screen.splitlines() if x.startswith("kimi-mode: switching to")]
-            if "kill" in screen or heads:
+            if "DONE" not in screen and ("kill" in screen or heads):
                 looks += 1
                 assert len(heads) == 1, screen  # the clock's row, on screen, once
                 seconds.add(heads[0].rsplit("(", 1)[1])
                 if "killed PID" in screen:
                     most = screen
-        history = subprocess.run([*tmux, "display", "-p", "#{history_size}"],
-                                 capture_output=True, text=True, env=env).stdout  # fmt: skip
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
-        shutil.rmtree(sock_dir, ignore_errors=True)
+        history = t.run("display", "-p", "#{history_size}")
     assert looks >= 10 and len(seconds) >= 4, (looks, seconds)
     assert int(history) <= rows, history  # at most one frame went into the scrollback
     if rows == 24:
