@@ -115,6 +115,7 @@ class WaitFollow(Follow):
         self.failed = ""  # how the last switch to MODE heard of failed ("": none, or it served)
         self.stuck = 0  # STUCK teardowns heard while waiting
         self.last: dict[str, Any] = {}  # the status judged last
+        self.lost_at: float | None = None  # since when the daemon is gone (a restart)
         self._pause_s = STALE_PAUSE_S
 
     def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
@@ -126,7 +127,7 @@ class WaitFollow(Follow):
             pause, self._pause_s = self._pause_s, min(self._pause_s * 2, STALE_MAX_S)
             return Again(pause)  # older than the end heard: nothing more comes about it
         self._pause_s = STALE_PAUSE_S
-        self.last = data
+        self.last, self.lost_at = data, None
         if tr:
             self.targets[tr["id"]] = tr["target"]
         if tr and tr["id"] != self.following:
@@ -182,6 +183,23 @@ class WaitFollow(Follow):
             return end_exit(msg)
         return None  # judge the status again: a rollback or a retry may follow
 
+    def on_closed(self) -> Exit | Again:
+        """Given MODE, a daemon that restarts (an upgrade, a reload) is asked again, for
+        RECONNECT_S at most: waiting for MODE goes on through it, as through other events."""
+        if self.mode is None or not self.last:
+            return super().on_closed()
+        now = time.monotonic()
+        self.lost_at = self.lost_at or now
+        if now - self.lost_at > RECONNECT_S:
+            return super().on_closed()
+        return Again(RECONNECT_PAUSE_S)
+
+    def on_unreachable(self, e: Unreachable) -> Again:
+        again = self.on_closed() if self.last else None
+        if not isinstance(again, Again):
+            raise e
+        return again
+
     def on_timeout(self, timeout_s: float) -> Exit:
         if self.mode is None:
             return super().on_timeout(timeout_s)
@@ -205,6 +223,10 @@ class WaitFollow(Follow):
 
 # At --timeout, how long `wait MODE` asks for the status its verdict names.
 LAST_STATUS_S = 2.0
+# A daemon gone while `wait MODE` waits (a restart) is asked again every RECONNECT_PAUSE_S, for
+# RECONNECT_S at most (a restart takes a second or two).
+RECONNECT_S = 60.0
+RECONNECT_PAUSE_S = 0.25
 
 
 def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:

@@ -431,6 +431,7 @@ def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_
         pytest.param("rolled back", 1, "rolled_back", id="profile failed and rolled back: 1"),
         pytest.param("stuck then cleared", 0, "serving", id="a STUCK retried then cleared: 0"),
         pytest.param("nobody asked", 4, "not_asked", id="nobody asked for profile: 4 at timeout"),
+        pytest.param("daemon restarted", 0, "serving", id="the daemon restarted meanwhile: 0"),
     ],
 )
 def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last_object(
@@ -447,6 +448,8 @@ def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last
         holder = None
         if case == "rolled back":
             sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
+        elif case == "daemon restarted":
+            sandbox.fake(load_s=4.0)
         elif case == "stuck then cleared":  # protected: never killed, so the teardown is STUCK
             holder = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")
         try:
@@ -458,6 +461,10 @@ def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last
                 env={**os.environ, **sandbox.sb.env}, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, text=True,
             )  # fmt: skip
+            if case == "daemon restarted":  # an upgrade or a reload, mid-load
+                daemon.wait_state("starting")
+                daemon.stop()
+                daemon.start()
             if holder is not None:
                 daemon.wait_state("stuck")
                 handle = processes.PidHandle.open(holder)

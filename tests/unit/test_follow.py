@@ -312,6 +312,12 @@ def started(tr: dict) -> dict:
             "profile does not serve after 0.5 s: nobody asked for profile; now: serving production",
             id="someone else's switch preempted it: waited on to the timeout",
         ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE)], False),  # gone: a restart
+             ([status("serving", "profile", "profile")], True)],
+            Exit.OK, "serving", "profile serves",
+            id="a daemon that restarts mid-switch is asked again: 0",
+        ),
     ],
 )  # fmt: skip
 def test_wait_for_a_mode_ends_with_one_verdict_about_it_and_the_exit_to_match(
