@@ -208,8 +208,11 @@ class WaitFollow(Follow):
         return self.verdict(*timeout_verdict(self.last, self.mode, timeout_s, stuck=self.stuck))
 
     def verdict(self, code: Exit, kind: str, message: str) -> Exit:
-        """The last line: the verdict about MODE, and its exit."""
+        """The last line: the verdict about MODE, and its exit (in json mode a verdict that
+        is not ok is said on stderr too, as an `error` line is)."""
         if self.o.json:
+            if code is not Exit.OK:
+                print(f"kimi-mode: {message}", file=self.o.err, flush=True)
             self.o.line(
                 VerdictOut(mode=str(self.mode), ok=code is Exit.OK, verdict=kind, exit=code,
                            message=message)

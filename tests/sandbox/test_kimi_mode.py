@@ -308,14 +308,15 @@ def test_exit_codes_say_usage_unreachable_timeout_and_failure(
     assert r.returncode == 4, r.stdout + r.stderr
     assert "the switch to profile goes on" in r.stderr
     # `wait MODE` rejoins it and returns once profile serves (issue 44: it waited forever), in
-    # json mode with nothing but JSON lines, the last the status that serves.
+    # json mode with nothing but JSON lines: the status that serves, then the verdict.
     r = serving.kimi_mode("wait", "profile", "--timeout", "30", "-o", "json")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
-    assert lines[-1]["type"] == "status" and lines[-1]["mode"] == "profile", lines
+    assert lines[-2]["type"] == "status" and lines[-2]["mode"] == "profile", lines
+    assert lines[-1]["type"] == "verdict" and lines[-1]["verdict"] == "serving", lines
     assert serving.kimi_mode("is-serving", "profile").returncode == 0
     r = serving.kimi_mode("wait", "profile", "--timeout", "5")
-    assert r.returncode == 0 and r.stdout.startswith("nothing to wait for: profile: serving")
+    assert r.returncode == 0 and r.stdout == "done: profile serves\n", r.stdout
     sandbox.fake(crash_during_load_at=50)
     r = serving.kimi_mode("production")
     assert r.returncode == 1 and "FAILED:" in r.stdout

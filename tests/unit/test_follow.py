@@ -338,4 +338,5 @@ def test_wait_for_a_mode_ends_with_one_verdict_about_it_and_the_exit_to_match(
         else:
             head = {Exit.OK: "done", Exit.TIMEOUT: "timed out"}.get(code, code.label.upper())
             assert " ".join(out.getvalue().split()).endswith(f"{head}: {said}"), out.getvalue()
-        assert err.getvalue() == ""
+        json_failed = fmt == "json" and code != Exit.OK  # said on stderr too, as an error is
+        assert err.getvalue() == (f"kimi-mode: {said}\n" if json_failed else ""), err.getvalue()
