@@ -22,7 +22,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 from kimi_supervisor.cli.render import duration, whole, wrap
-from kimi_supervisor.decide import gpuhealth
 from kimi_supervisor.model import GpuHealth, program
 
 # The kills a frame shows at most (the newest), with "N more" for the others.
@@ -38,7 +37,8 @@ def redraws(out: TextIO, env: Mapping[str, str]) -> bool:
 
 def health_lines(data: Mapping[str, Any]) -> list[str]:
     """The `gpu_health` event (the GPUs' health read before a load) as warning lines: one per
-    GPU and signal found, each naming the policy and what it did; the signals not read, in one."""
+    GPU and signal found, each naming the policy and what it did."""
+    from kimi_supervisor.decide import gpuhealth  # here: `kimi-mode status` loads no decide/
     policy = data.get("policy", "")
     did = "the load is refused" if data.get("refused") else "loading all the same"
     healths = [
