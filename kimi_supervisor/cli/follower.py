@@ -39,6 +39,7 @@ def health_lines(data: Mapping[str, Any]) -> list[str]:
     """The `gpu_health` event (the GPUs' health read before a load) as warning lines: one per
     GPU and signal found, each naming the policy and what it did."""
     from kimi_supervisor.decide import gpuhealth  # here: `kimi-mode status` loads no decide/
+
     policy = data.get("policy", "")
     did = "the load is refused" if data.get("refused") else "loading all the same"
     healths = [
