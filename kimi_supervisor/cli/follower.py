@@ -273,7 +273,7 @@ class Follower:
         """The rows drawn on a terminal of `width` x `height`: wrapped to its width, folded to
         fit its height less the cursor's row (the module's docstring)."""
         room = max(height - 1, 2)
-        per_cell = len(self._gpu_cell(self.gpus[0], SMALL_BAR)) + 2 if self.gpus else 1
+        per_cell = max((len(self._gpu_cell(d, SMALL_BAR)) + 2 for d in self.gpus), default=1)
         fits_per_row = max((width - 3) // per_cell, 1)
         most = min(len(self.kills), KILLS_SHOWN)
         least = min(most, 1)
@@ -333,7 +333,8 @@ class Follower:
             else:
                 gpus.append(f"  GPU memory in MiB, used/baseline, {what}:")
                 cells = [self._gpu_cell(d, SMALL_BAR) for d in self.gpus]
-                gpus += ["  " + "  ".join(cells[i : i + per_row])
+                cells = [c.ljust(max(map(len, cells))) for c in cells]  # in columns
+                gpus += ["  " + "  ".join(cells[i : i + per_row]).rstrip()
                          for i in range(0, len(cells), per_row)]  # fmt: skip
             if gpu_rows is not None and len(gpus) - 1 > gpu_rows:
                 hidden = len(self.gpus) - gpu_rows * per_row
