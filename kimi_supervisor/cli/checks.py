@@ -224,6 +224,8 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
     if v.verdict == "unread":
         return unknown(name, f"the health of GPU(s) {_listed(v.not_read)} could not be read: "
                        f"{v.text().removeprefix('not read: ')}")  # fmt: skip
+    from kimi_supervisor.cli.render import fold_gpus
+
     unread = f" (not read: {'; '.join(fold_gpus(v.unread))})" if v.unread else ""
     found = "; ".join(fold_gpus([*v.failing, *v.warnings]))
     policy = config.gpus.health_check
@@ -242,39 +244,6 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
                            f"{missing}")  # fmt: skip
         return ok(name, f"no failing signal, but {found}{unread}")
     return ok(name, f"no failing signal and no warning among those read{unread}")
-
-
-def fold_gpus(findings: list[str]) -> list[str]:
-    """Per-GPU findings said once for all the GPUs they are true of, in the order first seen:
-    "GPU 0: page retirement: not supported" for GPUs 0 to 7 is "GPUs 0-7: page retirement:
-    not supported" (it was one line of 495 columns on an 8-GPU host)."""
-    import re
-
-    by_text: dict[str, list[int]] = {}
-    for f in findings:
-        m = re.fullmatch(r"GPU (\d+): (.*)", f, re.DOTALL)
-        key = m.group(2) if m else f"\0{f}"
-        by_text.setdefault(key, []).extend([int(m.group(1))] if m else [])
-    out = []
-    for text, gpus in by_text.items():
-        if not gpus:
-            out.append(text.removeprefix("\0"))
-        elif len(gpus) == 1:
-            out.append(f"GPU {gpus[0]}: {text}")
-        else:
-            out.append(f"GPUs {_ranges(sorted(set(gpus)))}: {text}")
-    return out
-
-
-def _ranges(indices: list[int]) -> str:
-    """0, 1, 2, 3, 5 -> "0-3, 5"."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def _listed(indices: list[int]) -> str:

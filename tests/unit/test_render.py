@@ -553,9 +553,14 @@ def test_a_followed_switch_says_each_gpu_health_finding_with_the_policy(
 def test_doctor_says_a_finding_true_of_several_gpus_once(
     findings: list[str], folded: list[str]
 ) -> None:
-    from kimi_supervisor.cli.checks import fold_gpus
+    from kimi_supervisor.cli.render import fold_gpus, fold_health
 
     assert fold_gpus(findings) == folded
+    # status says the health text the daemon made, folded the same way
+    assert fold_health("; ".join(findings)) == "; ".join(folded)
+    assert fold_health(f"GPU 3: Xid 79; not read: {'; '.join(findings)}") == (
+        f"GPU 3: Xid 79; not read: {'; '.join(folded)}"
+    )
 
 
 def test_doctor_wraps_every_line_at_80_columns_with_its_message_hung_under_the_message() -> None:
