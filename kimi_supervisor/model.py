@@ -174,15 +174,24 @@ def program(cmdline: Sequence[str] | str, comm: str) -> str:
         i = 0
         while i < len(rest):
             a = rest[i]
-            if a in ("-m", "-c"):
-                if a == "-c" or i + 1 >= len(rest):
-                    return f"{head} -c"
+            if a == "-c":  # the code it runs: its start, quoted (a kill line said nothing)
+                return f"{head} -c {_snippet(rest[i + 1])}" if i + 1 < len(rest) else head
+            if a == "-m":
+                if i + 1 >= len(rest):
+                    return head
                 return _with_command(rest[i + 1], rest[i + 2 :])
             if not a.startswith("-"):
                 return _with_command(a.rsplit("/", 1)[-1], rest[i + 1 :])
             i += 2 if a in _VALUED else 1
         return head
     return _with_command(head, rest) or comm
+
+
+def _snippet(code: str, most: int = 40) -> str:
+    """`python -c`'s code as a kill line names it: its words on one line, the first `most`
+    characters and "..." if there are more, quoted."""
+    words = " ".join(code.split())
+    return repr(words if len(words) <= most else words[:most].rstrip() + "...")
 
 
 def _with_command(name: str, after: Sequence[str]) -> str:

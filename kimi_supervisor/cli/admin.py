@@ -275,12 +275,25 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("sandbox", help="an isolated systemd manager, simulated GPUs, fake vLLM")
     sbs = sb.add_subparsers(dest="sandbox_cmd", required=True)
     up = sbs.add_parser("up", help="start a sandbox and print its shell exports")
-    up.add_argument("--dir", required=True)
-    up.add_argument("--gpus", type=int, default=8)
+    up.add_argument(
+        "--dir",
+        required=True,
+        metavar="DIR",
+        help="the sandbox's own folder (made if missing): its config, state, simulated GPUs, "
+        "logs and the user manager's runtime; `ghost` and `down` take the same",
+    )
+    up.add_argument(
+        "--gpus",
+        type=int,
+        default=8,
+        metavar="N",
+        help="how many simulated GPUs, each an H200 of 143,771 MiB (default 8)",
+    )
     up.add_argument(
         "--release-delay",
         type=float,
         default=None,
+        metavar="S",
         help="seconds the simulated driver takes to free a dead process's memory "
         "(default: 0.15, as measured on an H200)",
     )
@@ -294,10 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
         "simulated ones; --gpus caps how many",
     )
     gh = sbs.add_parser("ghost", help="start a detached process outside every unit holding memory")
-    gh.add_argument("--dir", required=True)
+    gh.add_argument("--dir", required=True, metavar="DIR", help="the folder given to `up`")
     gh.add_argument("--gpu", default="all", help="an index, a list like 0,1, or all")
     gh.add_argument("--mib", type=int, default=1024, help="MiB per GPU; 0 holds the files only")
-    gh.add_argument("--title", default="python")
+    gh.add_argument("--title", default="python", help="its process title (argv and comm)")
     gh.add_argument("--hidden", action="store_true", help="hide it from the GPU process lists")
     gh.add_argument(
         "--helper",
@@ -307,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
         "helper's PID",
     )
     dn = sbs.add_parser("down", help="stop everything the sandbox started")
-    dn.add_argument("--dir", required=True)
+    dn.add_argument("--dir", required=True, metavar="DIR", help="the folder given to `up`")
     sb.set_defaults(fn=cmd_sandbox)
     return p
 

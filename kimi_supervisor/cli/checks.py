@@ -224,20 +224,25 @@ def _health(config: Config, gpu: Any, managed: list[int]) -> CheckOut:
     if v.verdict == "unread":
         return unknown(name, f"the health of GPU(s) {_listed(v.not_read)} could not be read: "
                        f"{v.text().removeprefix('not read: ')}")  # fmt: skip
-    unread = f" (not read: {'; '.join(v.unread)})" if v.unread else ""
+    from kimi_supervisor.cli.render import fold_gpus
+
+    unread = f" (not read: {'; '.join(fold_gpus(v.unread))})" if v.unread else ""
+    found = "; ".join(fold_gpus([*v.failing, *v.warnings]))
     policy = config.gpus.health_check
     if v.failing:
         refuses = "refuses" if policy == "refuse" else f"warns (gpus.health_check = {policy!r})"
         return bad(
             name,
-            f"{v.text()}; the daemon {refuses} before a load{unread}",
+            f"{found}; the daemon {refuses} before a load{unread}",
             "reset the GPU (nvidia-smi -r -i N, with nothing running on it) or replace it; "
             "see dmesg for its Xid lines",
         )
     if v.warnings:
         if v.not_read:
-            return unknown(name, f"no failing signal among those read, but {v.text()}")
-        return ok(name, f"no failing signal, but {v.text()}{unread}")
+            missing = "; ".join(fold_gpus(v.unread))
+            return unknown(name, f"no failing signal among those read, but {found}; not read: "
+                           f"{missing}")  # fmt: skip
+        return ok(name, f"no failing signal, but {found}{unread}")
     return ok(name, f"no failing signal and no warning among those read{unread}")
 
 
@@ -353,14 +358,42 @@ def _vllm_user(unit: str, uid: int | str | None) -> CheckOut:
     return ok(name, f"{unit} runs vLLM as {who}: the teardown removes that user's leftovers")
 
 
-def check_daemon(sock: Path, status: Callable[[Path], dict[str, Any]]) -> CheckOut:
+def check_daemon(sock: Path, status: Callable[[Path], dict[str, Any]]) -> tuple[CheckOut, bool]:
+    """The daemon answers, and is neither STUCK nor FAILED: either is a person's to look at,
+    named with its cause and where its incident bundle is. With whether it answered."""
     from kimi_supervisor.control.client import Unreachable
 
     try:
         data = status(sock)
     except Unreachable as e:
-        return bad("daemon", str(e), "systemctl start kimi-supervisor; kimi-mode logs --daemon")
-    return ok("daemon", f"answers at {sock}: {data.get('status_line', data.get('state'))}")
+        fix = "systemctl start kimi-supervisor; kimi-mode logs --daemon"
+        return bad("daemon", str(e), fix), False
+    return _daemon_state(sock, data), True
+
+
+def _daemon_state(sock: Path, data: dict[str, Any]) -> CheckOut:
+    line = data.get("status_line", data.get("state"))
+    state = data.get("state")
+    if state in ("stuck", "failed"):
+        bundle = data.get("incident_bundle") or {}
+        if bundle.get("path"):
+            where = f"its incident bundle: {bundle['path']} (root only)"
+        elif bundle.get("error"):
+            where = f"its incident bundle could not be written: {bundle['error']}"
+        else:
+            where = "no incident bundle was written"
+        fix = (
+            "kimi-mode status names what holds the GPUs; a teardown is retried on its own"
+            if state == "stuck"
+            else "fix the cause (kimi-mode history, kimi-mode logs), then kimi-mode MODE"
+        )
+        if state == "stuck":
+            cause = (data.get("last_teardown") or {}).get("diagnosis")
+        else:
+            cause = (data.get("last_failure") or {}).get("reason")
+        said = [str(line), f"cause: {cause}" if cause else "", where]
+        return bad("daemon", "; ".join(x for x in said if x), fix)
+    return ok("daemon", f"answers at {sock}: {line}")
 
 
 def check_metrics(config: Config, daemon_up: bool) -> CheckOut | None:

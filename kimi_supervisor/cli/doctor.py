@@ -1,6 +1,8 @@
 """`kimi-mode doctor`: is this host fit to run the daemon? Each precondition checked
-(cli/checks.py), what is wrong and how to fix it; exit 1 if any check failed, 0 otherwise (a
-check that could not be made here is shown, and does not fail the run)."""
+(cli/checks.py), what is wrong and how to fix it; exit 1 if any check failed (a daemon that is
+STUCK or FAILED fails its check, with the cause and the incident bundle's path), 0 otherwise (a
+check that could not be made here is shown, and does not fail the run). Text wraps at the
+terminal's width, 80 columns in a pipe, as every command's does."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from kimi_supervisor.cli import checks
 from kimi_supervisor.cli.ask import status
 from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.cli.output import CheckOut, DoctorOut, Output
+from kimi_supervisor.cli.render import columns, wrap
 
 MARK = {True: "ok", False: "FAIL", None: "?"}
 
@@ -39,9 +42,9 @@ def run_doctor(args: argparse.Namespace, sock: Path, o: Output) -> int:
     results += checks.config_checks(config, str(path))
     results += checks.check_systemd(config)
     results += checks.check_gpus(config)
-    daemon = checks.check_daemon(sock, status)
+    daemon, answered = checks.check_daemon(sock, status)
     results.append(daemon)
-    if (m := checks.check_metrics(config, bool(daemon.ok))) is not None:
+    if (m := checks.check_metrics(config, answered)) is not None:
         results.append(m)
     return _report(o, results)
 
@@ -51,14 +54,18 @@ def _report(o: Output, results: list[CheckOut]) -> int:
     if o.json:
         o.line(DoctorOut(ok=not failed, checks=results))
     else:
-        width = max(len(c.name) for c in results)
+        name_w = max(len(c.name) for c in results)
+        hang = 4 + 2 + name_w + 2  # continuation rows under the message
+        lines = []
         for c in results:
-            print(f"{MARK[c.ok]:<4}  {c.name:<{width}}  {c.message}", file=o.out)
+            lines.append(f"{MARK[c.ok]:<4}  {c.name:<{name_w}}  {c.message}")
             if c.fix:
-                print(f"{'':<4}  {'':<{width}}  fix: {c.fix}", file=o.out)
+                lines.append(f"{'':<4}  {'':<{name_w}}  fix: {c.fix}")
         unchecked = sum(1 for c in results if c.ok is None)
         verdict = (f"{len(failed)} check(s) failed" if failed else "every check passed") + (
             f", {unchecked} could not be made here" if unchecked else ""
         )
-        print(verdict, file=o.out, flush=True)
+        width = columns(o.out) - 1
+        print("\n".join([*wrap(lines, width, hang=min(hang, width // 2)), *wrap([verdict], width)]),
+              file=o.out, flush=True)  # fmt: skip
     return Exit.FAILED if failed else Exit.OK

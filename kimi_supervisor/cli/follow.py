@@ -65,36 +65,41 @@ class Follow:
                     raise TimedOut()
                 pause = 0.0
                 tick = self.on_tick if self.display is not None and self.display.tty else None
-                for raw, msg in exchange(
-                    self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
-                ):
-                    kind = msg.get("type")
-                    if self.o.json and (kind != "reply" or self.prints_reply):
-                        self.o.raw(raw)
-                    if kind == "event":
-                        self.on_event(msg)
-                    elif kind == "reply":
-                        code = self.on_reply(msg) if msg["ok"] else self.refused(msg)
-                        if isinstance(code, Again):
-                            pause = code.after_s
-                            break
-                        if code is not None:
+                try:
+                    for raw, msg in exchange(
+                        self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
+                    ):
+                        kind = msg.get("type")
+                        if self.o.json and (kind != "reply" or self.prints_reply):
+                            self.o.raw(raw)
+                        if kind == "event":
+                            self.on_event(msg)
+                        elif kind == "reply":
+                            code = self.on_reply(msg) if msg["ok"] else self.refused(msg)
+                            if isinstance(code, Again):
+                                pause = code.after_s
+                                break
+                            if code is not None:
+                                return code
+                        elif kind == "end":
+                            code = self.on_end(msg)
+                            if code is None:
+                                break  # not the end awaited: ask again
                             return code
-                    elif kind == "end":
-                        code = self.on_end(msg)
-                        if code is None:
-                            break  # not the end awaited: ask again
-                        return code
-                else:
-                    return self.on_closed()
+                    else:
+                        closed = self.on_closed()
+                        if not isinstance(closed, Again):
+                            return closed
+                        pause = closed.after_s
+                except Unreachable as e:
+                    pause = self.on_unreachable(e).after_s
                 if pause:
                     left = None if deadline is None else deadline - time.monotonic()
                     time.sleep(pause if left is None else max(min(pause, left), 0.0))
         except TimedOut:
             self._finish()
-            return self.o.fail(
-                Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}"
-            )
+            assert timeout_s is not None
+            return self.on_timeout(timeout_s)
         except KeyboardInterrupt:
             self._finish()
             return self.on_interrupt()
@@ -130,11 +135,20 @@ class Follow:
         """The end: its exit, or None to ask again (a rollback or a retry may follow)."""
         raise NotImplementedError
 
+    def on_timeout(self, timeout_s: float) -> Exit:
+        """--timeout ran out: said, with what goes on."""
+        return self.o.fail(Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}")
+
     def on_interrupt(self) -> Exit:
         return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; {self.goes_on}")
 
-    def on_closed(self) -> Exit:
+    def on_closed(self) -> Exit | Again:
+        """The daemon closed the connection before the end: an exit, or Again to ask again."""
         return self.o.fail(Exit.UNREACHABLE, self.closed)
+
+    def on_unreachable(self, e: Unreachable) -> Again:
+        """No daemon to ask (any more): Again to ask again after a pause, else raised."""
+        raise e
 
     def _finish(self) -> None:
         if self.display is not None:

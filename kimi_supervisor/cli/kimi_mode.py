@@ -76,7 +76,7 @@ def wants_json(argv: Sequence[str]) -> bool:
     for i, a in enumerate(argv):
         if a == "--":
             break
-        if a in ("--json", "-ojson", "--output=json") or (
+        if a in ("--json", "-ojson", "-o=json", "--output=json") or (
             a in ("-o", "--output") and argv[i + 1 : i + 2] == ["json"]
         ):
             return True
@@ -385,11 +385,17 @@ def build_parser() -> argparse.ArgumentParser:
     c = command(
         "wait",
         "follow the switch under way, or wait until MODE serves",
-        "Follow the switch in progress from its real start (after Ctrl-C, --no-wait, or from "
-        "another terminal) until it ends; with MODE, until vLLM serves in MODE (through a "
-        "rollback or a retry). Returns at once when there is nothing to wait for. Never asks "
-        f"for a switch. Exit {Exit.OK} serving, {Exit.STUCK} STUCK, {Exit.FAILED} failed, "
-        f"{Exit.TIMEOUT} at --timeout.",
+        "Without MODE: follow the switch in progress from its real start (after Ctrl-C, "
+        "--no-wait, or from another terminal) until it ends, or return at once when there is "
+        f"nothing to wait for; exit {Exit.OK} serving, {Exit.STUCK} STUCK, {Exit.FAILED} "
+        f"failed, {Exit.TIMEOUT} at --timeout. With MODE, as kubectl wait: wait until vLLM "
+        "serves in MODE or --timeout runs out, through STUCK retries, rollbacks, other "
+        "people's switches and a restart of the daemon; the last line (a `verdict` object "
+        "with -o json) says which: "
+        f"exit {Exit.OK} MODE serves; {Exit.FAILED} the switch to MODE failed and was rolled "
+        f"back, or the daemon gave up (FAILED); {Exit.STUCK} still STUCK at --timeout; "
+        f"{Exit.TIMEOUT} --timeout ran out otherwise (nobody asked for MODE, or it still "
+        "loads). Without --timeout it waits as long as that takes. Never asks for a switch.",
     )
     mode_argument(c, "wait until it serves")
     c.add_argument(
@@ -397,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_duration,
         default=None,
         metavar="DURATION",
-        help=f"give up after this long (90s, 45m; exit {Exit.TIMEOUT})",
+        help=f"give up after this long (90s, 45m; exit {Exit.TIMEOUT}, or {Exit.STUCK} if "
+        "STUCK then)",
     )
     c.set_defaults(fn=cmd_wait)
     c = command(

@@ -108,6 +108,18 @@ class DoctorOut(_Out):
     checks: list[CheckOut]
 
 
+class VerdictOut(_Out):
+    """`wait MODE`'s last line: whether MODE serves, and if not what held it back (`verdict`:
+    serving, failed, rolled_back, stuck, not_asked, timeout), with the exit it ends with."""
+
+    type: Literal["verdict"] = "verdict"
+    mode: str
+    ok: bool
+    verdict: str
+    exit: int
+    message: str
+
+
 class ErrorOut(_Out):
     """A command that failed before or instead of its own output."""
 
@@ -125,6 +137,7 @@ OutputLine = Annotated[
     | CompareOut
     | LogOut
     | DoctorOut
+    | VerdictOut
     | ErrorOut
     | Reply
     | Event
@@ -139,6 +152,7 @@ OUTPUT_TYPES: tuple[type[BaseModel], ...] = (
     CompareOut,
     LogOut,
     DoctorOut,
+    VerdictOut,
     ErrorOut,
     Reply,
     Event,

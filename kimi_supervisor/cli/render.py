@@ -142,7 +142,7 @@ def format_status(data: dict[str, Any], width: int = 80) -> str:
         refused = ", the load refused" if gh.refused else ""
         lines.append(
             f"GPU health:    {gh.verdict} at {_hhmmss(gh.checked_at)} (before the load; "
-            f"gpus.health_check = {gh.policy}{refused}): {gh.text}"
+            f"gpus.health_check = {gh.policy}{refused}): {fold_health(gh.text)}"
         )
     td = s.last_teardown
     if td:
@@ -313,3 +313,46 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
             drop_whitespace=True,
         ) or [line[:width]]
     return [row.replace(NBSP, " ") for row in out]
+
+
+def fold_gpus(findings: list[str]) -> list[str]:
+    """Per-GPU findings said once for all the GPUs they are true of, in the order first seen:
+    "GPU 0: page retirement: not supported" for GPUs 0 to 7 is "GPUs 0-7: page retirement:
+    not supported" (it was one line of 495 columns on an 8-GPU host)."""
+    import re
+
+    by_text: dict[str, list[int]] = {}
+    for f in findings:
+        m = re.fullmatch(r"GPU (\d+): (.*)", f, re.DOTALL)
+        key = m.group(2) if m else f"\0{f}"
+        by_text.setdefault(key, []).extend([int(m.group(1))] if m else [])
+    out = []
+    for text, gpus in by_text.items():
+        if not gpus:
+            out.append(text.removeprefix("\0"))
+        elif len(gpus) == 1:
+            out.append(f"GPU {gpus[0]}: {text}")
+        else:
+            out.append(f"GPUs {_ranges(sorted(set(gpus)))}: {text}")
+    return out
+
+
+def _ranges(indices: list[int]) -> str:
+    """0, 1, 2, 3, 5 -> "0-3, 5"."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
+
+
+def fold_health(text: str) -> str:
+    """A GPU health text ("found; ...; not read: ...; ...", decide/gpuhealth.py) with each
+    finding true of several GPUs said once (fold_gpus)."""
+    found, sep, missing = text.partition("not read: ")
+    said = "; ".join(fold_gpus([x for x in found.rstrip("; ").split("; ") if x]))
+    if not sep:
+        return said
+    return (f"{said}; " if said else "") + "not read: " + "; ".join(fold_gpus(missing.split("; ")))

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+from kimi_supervisor.cli import ask
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Again, Follow
-from kimi_supervisor.cli.follower import Follower, redraws
-from kimi_supervisor.cli.output import Output
+from kimi_supervisor.cli.follower import Follower, Redraw, redraws
+from kimi_supervisor.cli.output import Output, VerdictOut
 from kimi_supervisor.cli.render import columns, format_status, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
+from kimi_supervisor.control.client import TimedOut, Unreachable
 
 
 def status_exit(data: dict[str, Any]) -> Exit:
@@ -34,27 +38,33 @@ def print_status(o: Output, data: dict[str, Any]) -> None:
         print(format_status(data, columns(o.out)), file=o.out, flush=True)
 
 
+def _columns() -> int:
+    return shutil.get_terminal_size((80, 24)).columns
+
+
+def _lines() -> int:
+    return shutil.get_terminal_size((80, 24)).lines
+
+
 def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
     """`status --watch`: the status again every --interval seconds (a terminal: redrawn in
     place; otherwise, and in json mode, a new one each time it changed), until Ctrl-C."""
     tty = redraws(o.out, os.environ) and not o.json
     last: Any = None
-    drawn = 0
+    screen = Redraw(o.out, _columns, _lines)
     try:
         while True:
             data = _status(sock)
             if tty:
-                import shutil
-
-                width = shutil.get_terminal_size((80, 24)).columns - 1
-                lines = format_status(data, max(width, 20)).splitlines()
+                lines = format_status(data, max(_columns() - 1, 20)).splitlines()
                 stamp = time.strftime("%H:%M:%S")
                 lines.insert(0, f"every {args.interval:g} s, {stamp} (Ctrl-C ends)")
-                if drawn:
-                    o.out.write(f"\x1b[{drawn}F\x1b[J")
-                o.out.write("\n".join(lines) + "\n")
-                o.out.flush()
-                drawn = len(lines)
+                room = max(_lines() - 1, 2)
+                if len(lines) > room:  # a frame taller than the screen piles up: folded
+                    cut = len(lines) - room + 1
+                    lines = [*lines[: room - 1], f"  {cut} more rows (a taller terminal "
+                             "shows them; `kimi-mode status` prints all)"]  # fmt: skip
+                screen.draw(lines)
             else:
                 # What changed, not the ages that tick by themselves.
                 key = {k: v for k, v in data.items() if k not in ("daemon", "gpus_age_s")}
@@ -79,6 +89,11 @@ class WaitFollow(Follow):
     joined from its real start), whose events draw the live display, and whose end is the
     answer, or, given MODE, a reason to judge the status again.
 
+    Given MODE it keeps kubectl wait's contract: it waits until MODE serves or --timeout runs
+    out, through STUCK retries, rollbacks and other people's switches, and ends with one
+    verdict about MODE, its last line (a `verdict` object in json mode), with the exit to match
+    (`mode_verdict`, `timeout_verdict`).
+
     The end of a transition and the status that no longer shows it may reach this client in
     either order: a status that still shows a transition whose end was heard is older than
     that end, and is asked for again (after a short pause) instead of being followed, since
@@ -96,6 +111,11 @@ class WaitFollow(Follow):
         self.mode: str | None = args.mode
         self.following = ""  # the transition being followed
         self.ended: set[str] = set()  # transitions whose end was heard
+        self.targets: dict[str, str] = {}  # transition -> its target, as heard
+        self.failed = ""  # how the last switch to MODE heard of failed ("": none, or it served)
+        self.stuck = 0  # STUCK teardowns heard while waiting
+        self.last: dict[str, Any] = {}  # the status judged last
+        self.lost_at: float | None = None  # since when the daemon is gone (a restart)
         self._pause_s = STALE_PAUSE_S
 
     def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
@@ -107,6 +127,9 @@ class WaitFollow(Follow):
             pause, self._pause_s = self._pause_s, min(self._pause_s * 2, STALE_MAX_S)
             return Again(pause)  # older than the end heard: nothing more comes about it
         self._pause_s = STALE_PAUSE_S
+        self.last, self.lost_at = data, None
+        if tr:
+            self.targets[tr["id"]] = tr["target"]
         if tr and tr["id"] != self.following:
             self.following = tr["id"]
             self.display.join(tr)
@@ -115,24 +138,44 @@ class WaitFollow(Follow):
                     f"following {tr['id']}: {tr.get('previous') or 'nothing'} -> "
                     f"{tr['target']} (since {tr['started_at'][11:19]} UTC, {tr['step']})"
                 )
-        verdict = _wait_verdict(data, self.mode)
+        if self.mode is not None:
+            said = mode_verdict(data, self.mode, failed=self.failed, stuck=self.stuck)
+            if said is None:
+                return None
+            if self.o.json:
+                print_status(self.o, data)
+            return self.verdict(*said)
+        verdict = _wait_verdict(data)
         if verdict is not None:
             if self.o.json:
                 print_status(self.o, data)
             elif not self.following:
-                said = [f"nothing to wait for: {data['status_line']}"]
-                print("\n".join(wrap(said, columns(self.o.out) - 1)), file=self.o.out)
+                said_ = [f"nothing to wait for: {data['status_line']}"]
+                print("\n".join(wrap(said_, columns(self.o.out) - 1)), file=self.o.out)
         return verdict
 
     def on_event(self, msg: dict[str, Any]) -> None:
         if msg.get("event") == "transition_started":
             self.following = msg.get("transition") or ""
+            data = msg.get("data") or {}
+            if data.get("id"):
+                self.targets[str(data["id"])] = str(data.get("target"))
         if not self.o.json:
             self.display.on_event(msg)
 
     def on_end(self, msg: dict[str, Any]) -> Exit | None:
-        if ended := (msg.get("data") or {}).get("transition"):
-            self.ended.add(str(ended))
+        ended = str((msg.get("data") or {}).get("transition") or "")
+        if ended:
+            self.ended.add(ended)
+        outcome = msg.get("outcome")
+        if outcome == "stuck":
+            self.stuck += 1
+        elif self.targets.get(ended) == self.mode:
+            # preempted or stopped: someone else's doing, not MODE's failure
+            if msg.get("ok"):
+                self.failed = ""
+            elif outcome not in ("preempted", "stopped"):
+                self.failed = str(msg.get("message", ""))
         self.display.finish()
         if not self.o.json:
             print_end(msg, self.o)
@@ -140,16 +183,111 @@ class WaitFollow(Follow):
             return end_exit(msg)
         return None  # judge the status again: a rollback or a retry may follow
 
+    def on_closed(self) -> Exit | Again:
+        """Given MODE, a daemon that restarts (an upgrade, a reload) is asked again, for
+        RECONNECT_S at most: waiting for MODE goes on through it, as through other events."""
+        if self.mode is None or not self.last:
+            return super().on_closed()
+        now = time.monotonic()
+        self.lost_at = self.lost_at or now
+        if now - self.lost_at > RECONNECT_S:
+            return super().on_closed()
+        return Again(RECONNECT_PAUSE_S)
+
+    def on_unreachable(self, e: Unreachable) -> Again:
+        again = self.on_closed() if self.last else None
+        if not isinstance(again, Again):
+            raise e
+        return again
+
+    def on_timeout(self, timeout_s: float) -> Exit:
+        if self.mode is None:
+            return super().on_timeout(timeout_s)
+        with contextlib.suppress(Unreachable, TimedOut):  # what holds MODE back now
+            self.last = ask.status(self.sock, timeout_s=LAST_STATUS_S)
+        return self.verdict(*timeout_verdict(self.last, self.mode, timeout_s, stuck=self.stuck))
+
+    def verdict(self, code: Exit, kind: str, message: str) -> Exit:
+        """The last line: the verdict about MODE, and its exit (in json mode a verdict that
+        is not ok is said on stderr too, as an `error` line is)."""
+        if self.o.json:
+            if code is not Exit.OK:
+                print(f"kimi-mode: {message}", file=self.o.err, flush=True)
+            self.o.line(
+                VerdictOut(mode=str(self.mode), ok=code is Exit.OK, verdict=kind, exit=code,
+                           message=message)
+            )  # fmt: skip
+        else:
+            head = {Exit.OK: "done", Exit.TIMEOUT: "timed out"}.get(code, code.label.upper())
+            print("\n".join(wrap([f"{head}: {message}"], columns(self.o.out) - 1)),
+                  file=self.o.out, flush=True)  # fmt: skip
+        return code
+
+
+# At --timeout, how long `wait MODE` asks for the status its verdict names.
+LAST_STATUS_S = 2.0
+# A daemon gone while `wait MODE` waits (a restart) is asked again every RECONNECT_PAUSE_S, for
+# RECONNECT_S at most (a restart takes a second or two).
+RECONNECT_S = 60.0
+RECONNECT_PAUSE_S = 0.25
+
 
 def wait(args: argparse.Namespace, sock: Path, o: Output) -> int:
     """Follow the switch under way (the live display, from its real start) until it ends, or,
-    given MODE, until vLLM serves in MODE; return at once if there is nothing to wait for. Ends
-    with the status's exit: 0 serving, 6 STUCK, 1 failed; 4 at --timeout; 130 at Ctrl-C."""
+    given MODE, until vLLM serves in MODE (WaitFollow); return at once if there is nothing to
+    wait for. Without MODE it ends with the status's exit: 0 serving, 6 STUCK, 1 failed; 4 at
+    --timeout; 130 at Ctrl-C."""
     return WaitFollow(args, sock, o).run({"cmd": "subscribe"}, args.timeout)
 
 
-def _wait_verdict(data: dict[str, Any], mode: str | None) -> Exit | None:
-    """The exit `wait` ends with for this status, or None to go on waiting."""
+def mode_verdict(
+    data: dict[str, Any], mode: str, *, failed: str = "", stuck: int = 0
+) -> tuple[Exit, str, str] | None:
+    """`wait MODE`'s verdict on this status (exit, kind, words), or None to wait on.
+
+    | the status                                      | verdict                          |
+    |-------------------------------------------------|----------------------------------|
+    | MODE serves, no transition                      | 0 `serving`                      |
+    | a transition under way                          | wait (a switch, a rollback)      |
+    | STUCK                                           | wait: the daemon retries         |
+    | FAILED                                          | 1 `failed`: it waits for a person|
+    | another mode desired, a switch to MODE failed   | 1 `rolled_back`                  |
+    | another mode desired, none failed               | wait: someone may still ask      |
+    | MODE desired, not serving (backoff, a driver)   | wait: the daemon goes on         |
+    """
+    state, line = data.get("state"), data.get("status_line", "")
+    if data.get("transition") or state == "stuck":
+        return None
+    if state == "serving" and data.get("mode") == mode:
+        after = f" (after {stuck} STUCK teardown(s), retried until clean)" if stuck else ""
+        return Exit.OK, "serving", f"{mode} serves{after}"
+    if state == "failed":
+        return Exit.FAILED, "failed", f"{mode} does not serve, and the daemon gave up: {line}"
+    if data.get("desired_mode") != mode and failed:
+        return Exit.FAILED, "rolled_back", f"the switch to {mode} failed: {failed}; now: {line}"
+    return None
+
+
+def timeout_verdict(
+    data: dict[str, Any], mode: str, timeout_s: float, *, stuck: int = 0
+) -> tuple[Exit, str, str]:
+    """`wait MODE`'s verdict when --timeout ran out: STUCK (6) if the GPUs are, else 4, with
+    what held MODE back."""
+    line = data.get("status_line", "") or "no status"
+    after = f"{mode} does not serve after {timeout_s:g} s"
+    if data.get("state") == "stuck":
+        return (
+            Exit.STUCK,
+            "stuck",
+            f"{after}: the GPUs are STUCK ({stuck} teardown(s) heard): {line}",
+        )
+    if data.get("desired_mode") not in (None, mode) and not data.get("transition"):
+        return Exit.TIMEOUT, "not_asked", f"{after}: nobody asked for {mode}; now: {line}"
+    return Exit.TIMEOUT, "timeout", f"{after}: {line}"
+
+
+def _wait_verdict(data: dict[str, Any]) -> Exit | None:
+    """The exit `wait` (no MODE) ends with for this status, or None to go on waiting."""
     state = data.get("state")
     if state == "stuck":
         return Exit.STUCK
@@ -158,11 +296,7 @@ def _wait_verdict(data: dict[str, Any], mode: str | None) -> Exit | None:
     if data.get("transition"):
         return None
     if state == "serving":
-        if mode is None or data.get("mode") == mode:
-            return Exit.OK
-        if data.get("desired_mode") != mode:
-            return Exit.FAILED  # serving another mode, and nobody asked for MODE
-        return None
-    if mode is None and state not in ("booting", "starting", "tearing_down", "backoff"):
+        return Exit.OK
+    if state not in ("booting", "starting", "tearing_down", "backoff"):
         return status_exit(data)
     return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,6 +49,25 @@ def connect(path: Path, timeout_s: float = 5.0) -> socket.socket:
             raise _unreachable(path, e) from None
 
 
+def socket_group(path: Path) -> str | None:
+    """The control group, as the socket (or, unreadable, its folder) is owned by it (the
+    daemon gives the socket to control.group); None where neither says (root's, or no name)."""
+    import grp
+
+    for p in (path, path.parent):
+        try:
+            gid = os.stat(p).st_gid
+        except OSError:
+            continue
+        if gid == 0:
+            continue
+        try:
+            return grp.getgrgid(gid).gr_name
+        except KeyError:
+            return None
+    return None
+
+
 def _unreachable(path: Path, e: OSError) -> Unreachable:
     if e.errno in (errno.ENOENT, errno.ECONNREFUSED):
         return Unreachable(
@@ -55,9 +75,16 @@ def _unreachable(path: Path, e: OSError) -> Unreachable:
             "`systemctl start kimi-supervisor`, or pass --socket"
         )
     if e.errno == errno.EACCES:
+        group = socket_group(path)
+        if group is None:
+            return Unreachable(
+                f"permission denied on {path}: be root or a member of the daemon's control "
+                "group (control.group in its config: `sudo usermod -aG GROUP $USER`, then log "
+                "in again)"
+            )
         return Unreachable(
-            f"permission denied on {path}: be root or a member of the daemon's control "
-            "group (default `kimi`: `sudo usermod -aG kimi $USER`, then log in again)"
+            f"permission denied on {path}: be root or a member of the group `{group}` "
+            f"(`sudo usermod -aG {group} $USER`, then log in again)"
         )
     return Unreachable(f"cannot connect to {path}: {e.strerror or e}")
 

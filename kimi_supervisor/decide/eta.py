@@ -44,8 +44,8 @@ class Estimate:
                 f"slowest took {_minutes(self.slowest_s)}"
             )
         left = self.remaining_s(elapsed_s)
-        if left <= 0:
-            return f"about due: past loads took {_minutes(self.expected_s)}"
+        if left < 0.5:  # "ready in about 0 s" would stand while the load goes on
+            return f"past the estimate: past loads took {_minutes(self.expected_s)}"
         return f"ready in about {_minutes(left)} (past loads: {_minutes(self.expected_s)})"
 
 

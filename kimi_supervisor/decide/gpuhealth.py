@@ -107,3 +107,23 @@ def signals(h: GpuHealth) -> dict[str, object]:
         "xids": list(h.xids) if h.xids is not None else None,
         "unread": list(h.unread),
     }
+
+
+def dcgm_flags(signals_: dict[str, object]) -> dict[str, bool | None]:
+    """One GPU's signals (as `signals` says them) as 0/1 flags named after DCGM's fields
+    (ports/metrics.py's GPU_HEALTH_SIGNALS): True where the signal says the GPU will fail a
+    load, None where it was not read."""
+
+    def count(key: str) -> bool | None:
+        n = signals_.get(key)
+        return None if n is None else bool(n)
+
+    xids = signals_.get("xids")
+    return {
+        "xid_errors": None if not isinstance(xids, list) else any(x in SERIOUS_XIDS for x in xids),
+        "row_remap_pending": count("remap_pending"),
+        "row_remap_failure": count("remap_failed"),
+        "retired_pending": count("retired_pending"),
+        "ecc_dbe_vol_total": count("ecc_uncorrected"),
+        "nvlink_errors": count("nvlink_errors"),
+    }

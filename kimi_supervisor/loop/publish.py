@@ -9,7 +9,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from kimi_supervisor.decide import downtime
+from kimi_supervisor.decide import downtime, gpuhealth
 from kimi_supervisor.model import CMDLINE_CHARS, State, TeardownReport, utcnow
 from kimi_supervisor.ports.metrics import Metrics
 from kimi_supervisor.status import (
@@ -206,8 +206,12 @@ def eta_said(s: LoopState, now: float) -> tuple[float, str]:
     by_parts = downtime.remaining_s(s.expected_parts, s.watch, now) if s.watch else None
     if by_parts is not None and not s.eta.slower(elapsed):
         part = s.watch.part_now() if s.watch else None
-        left = by_parts
-        text = f"ready in about {whole_s(by_parts)} (now: {downtime.WORDS.get(part or '', '')})"
+        left, now_ = by_parts, downtime.WORDS.get(part or "", "")
+        text = (
+            f"ready in about {whole_s(by_parts)} (now: {now_})"
+            if by_parts >= 0.5  # the estimate ran out: said at once, not "about 0 s"
+            else f"past the estimate by past switches (now: {now_})"
+        )
     return left, text
 
 
@@ -268,6 +272,11 @@ def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> 
     m.set_state(s.state.value, [x.value for x in State])
     for g in st.gpus:
         m.set_gpu(g.index, uuid(g.index), g.used_mib, g.baseline_mib)
+    if st.gpu_health and not st.gpu_health.gpus:
+        m.gpu_health_unread()  # the last reading failed: what an older one said is not known
+    for h in st.gpu_health.gpus if st.gpu_health else []:
+        i = int(str(h["index"]))
+        m.set_gpu_health(i, uuid(i), gpuhealth.dcgm_flags(h))
     m.start_eta.set(st.eta.remaining_s if st.eta else 0)
     m.stuck_since.set(s.stuck_since.timestamp() if s.stuck_since else 0)
     m.stuck_retries.set(st.stuck.retries if st.stuck else 0)

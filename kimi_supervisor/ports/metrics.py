@@ -38,7 +38,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 
 from kimi_supervisor.model import STALL_WINDOWS, Evidence, Mode, Step
 from kimi_supervisor.version import package_version
@@ -89,6 +97,14 @@ CAPTURE_OUTCOMES = ("ok", "failed")
 # sign against it), `doubt` (one sign says no progress, the other not: never restarted),
 # `not_judged` (not serving, a capture holds the verdict, or no reading).
 LIVENESS_VERDICTS = ("progress", "doubt", "not_judged")
+# A GPU's health signals, as kimi_supervisor_gpu_health{signal} says them: named after the
+# DCGM field that carries each (DCGM_FI_DEV_XID_ERRORS, _ROW_REMAP_PENDING, _ROW_REMAP_FAILURE,
+# _RETIRED_PENDING, _ECC_DBE_VOL_TOTAL), lower case, so that a fleet joins the two;
+# nvlink_errors sums the CRC, replay and recovery counts DCGM keeps apart.
+GPU_HEALTH_SIGNALS = (
+    "xid_errors", "row_remap_pending", "row_remap_failure", "retired_pending",
+    "ecc_dbe_vol_total", "nvlink_errors",
+)  # fmt: skip
 
 
 def evidence_label(e: Evidence) -> str:
@@ -109,6 +125,9 @@ def _counter_at_0(
 
 class Metrics:
     def __init__(self) -> None:
+        # No `X_created` series beside each counter: a family nothing reads (the classic text
+        # format exports each as a gauge of its own).
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         r = self.registry = CollectorRegistry(auto_describe=True)
         ns = "kimi_supervisor"
         self.desired_mode = Gauge(
@@ -202,6 +221,19 @@ class Metrics:
             "daemon started)",
             registry=r,
         )
+        self.gpu_health = Gauge(
+            f"{ns}_gpu_health",
+            "1 where the GPU's health signal, read before vLLM's last load (gpus.health_check), "
+            "says it will fail a load: xid_errors (an Xid that needs a reset, since boot), "
+            "row_remap_pending, row_remap_failure, retired_pending, ecc_dbe_vol_total "
+            "(uncorrected ECC since the driver loaded), nvlink_errors; 0 where it does not; NaN "
+            "where not read (before the first load, health_check off, the GPU cannot say)",
+            ["gpu", "uuid", "signal"],
+            registry=r,
+        )
+        self._health_gpus: set[tuple[str, str]] = set()
+        # process_*: the daemon's own CPU, memory and descriptors (read from /proc/self).
+        ProcessCollector(registry=r)
         self.build_info = Gauge(
             f"{ns}_build_info", "1, labelled with the version running", ["version", "python"],
             registry=r,
@@ -355,6 +387,24 @@ class Metrics:
         self.gpu_used.labels(str(index), uuid).set(used_mib * MIB)
         self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
         self.intrusions.labels(str(index))  # at 0 from the first reading of each managed GPU
+        if (str(index), uuid) not in self._health_gpus:  # not read yet: NaN, never "healthy"
+            self._health_gpus.add((str(index), uuid))
+            for signal in GPU_HEALTH_SIGNALS:
+                self.gpu_health.labels(str(index), uuid, signal).set(math.nan)
+
+    def gpu_health_unread(self) -> None:
+        for gpu, uuid in self._health_gpus:
+            for signal in GPU_HEALTH_SIGNALS:
+                self.gpu_health.labels(gpu, uuid, signal).set(math.nan)
+
+    def set_gpu_health(self, index: int, uuid: str, flags: dict[str, bool | None]) -> None:
+        """One GPU's health signals as last read (None: not read, NaN)."""
+        self._health_gpus.add((str(index), uuid))
+        for signal in GPU_HEALTH_SIGNALS:
+            flag = flags.get(signal)
+            self.gpu_health.labels(str(index), uuid, signal).set(
+                math.nan if flag is None else float(flag)
+            )
 
 
 WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

@@ -517,8 +517,20 @@ def test_reinstalling_on_a_configured_host_starts_the_daemon_and_it_serves_again
     wait_serving(host, "profile", 60)  # the desired mode, kept in the state
 
 
-def test_apt_purge_leaves_nothing_of_the_package(host: BootedHost) -> None:
-    host.sh(f"{APT} purge kimi-supervisor", timeout=300)
+def test_apt_purge_keeps_the_incident_bundles_says_so_and_leaves_nothing_else(
+    host: BootedHost,
+) -> None:
+    """The incident bundles are an operator's evidence, as the captures are: a purge kept the
+    captures and said so, and deleted the bundles without a word."""
+    incidents = "/var/lib/kimi-supervisor/incidents"
+    bundle = f"{incidents}/incident-20261204T180123.620132Z-stuck.txt"
+    host.sh(f"install -d -m 0700 {incidents} && echo 'trigger:   stuck' > {bundle}")
+    said = host.sh(f"{APT} purge kimi-supervisor", timeout=300).stdout
+    assert f"KEPT the incident bundles in {incidents}" in said, said
+    assert "KIMI_SUPERVISOR_PURGE_INCIDENTS=yes" in said, said
+    assert host.sh(f"cat {bundle}").stdout == "trigger:   stuck\n"
+    assert host.sh("ls -A /var/lib/kimi-supervisor").stdout.split() == ["incidents"]
+    host.sh("rm -rf /var/lib/kimi-supervisor")  # as the purge said to
     assert host.sh("dpkg-query -W kimi-supervisor", check=False).returncode != 0
     assert host.sh("getent group kimi", check=False).returncode != 0
     new = files(host) - BEFORE["files"]

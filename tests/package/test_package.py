@@ -178,6 +178,16 @@ def test_the_licence_is_apache_2_0_stated_the_same_everywhere_with_its_full_text
     assert "/usr/share/common-licenses/Apache-2.0" in copyright_
     readme = (ROOT / "README.md").read_text()
     assert "Apache License 2.0" in readme and "GPL" not in galaxy + copyright_ + readme
+    # The collection ships on its own (ansible-galaxy): with the licence's text, and every file
+    # that states a licence states this one (the module's headers said GPL-3.0+).
+    collection = ROOT / "ansible/ansible_collections/kimi/supervisor"
+    assert (collection / "LICENSE").read_text() == licence
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+    other = re.compile(r"General Public License|\bGPL-?\d|gpl-\d|\bMIT License|\bBSD-\d")
+    files = [ROOT / f for f in tracked if f != "tests/package/test_package.py"]
+    stated = [f for f in files if f.is_file() and other.search(f.read_text(errors="replace"))]
+    assert stated == [], stated
 
 
 def purge(root: Path, **env: str) -> str:
@@ -232,7 +242,7 @@ def test_purge_asked_to_removes_the_captures_and_says_so_and_a_linked_folder_is_
 ) -> None:
     state = host_with_captures(tmp_path)
     said = purge(tmp_path, KIMI_SUPERVISOR_PURGE_CAPTURES="yes")
-    assert "removing the captures in /var/lib/kimi-supervisor/captures" in said
+    assert "removing the captures\n  in /var/lib/kimi-supervisor/captures" in said
     assert not state.exists()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -241,3 +251,44 @@ def test_purge_asked_to_removes_the_captures_and_says_so_and_a_linked_folder_is_
     (state / "captures").symlink_to(elsewhere)
     said = purge(tmp_path)
     assert "KEPT" not in said and not state.exists() and (elsewhere / "trace").exists()
+
+
+BUNDLE = "var/lib/kimi-supervisor/incidents/incident-20261204T180123.620132Z-stuck.txt"
+TRACE = "var/lib/kimi-supervisor/captures/2026-12-03T10-00-00/rank-0.pt.trace.json.gz"
+
+
+@pytest.mark.parametrize(
+    ("env", "kept", "said"),
+    [
+        pytest.param({}, [TRACE, BUNDLE],
+                     ["KEPT the captures in /var/lib/kimi-supervisor/captures",
+                      "KEPT the incident bundles in /var/lib/kimi-supervisor/incidents",
+                      "KIMI_SUPERVISOR_PURGE_INCIDENTS=yes in its environment."],
+                     id="nothing asked: both kept, and said"),
+        pytest.param({"KIMI_SUPERVISOR_PURGE_CAPTURES": "yes"}, [BUNDLE],
+                     ["removing the captures\n  in /var/lib/kimi-supervisor/captures",
+                      "KEPT the incident bundles in /var/lib/kimi-supervisor/incidents"],
+                     id="the captures asked for: the bundles still kept"),
+        pytest.param({"KIMI_SUPERVISOR_PURGE_INCIDENTS": "yes"}, [TRACE],
+                     ["KEPT the captures in /var/lib/kimi-supervisor/captures",
+                      "removing the incident bundles\n  in /var/lib/kimi-supervisor/incidents"],
+                     id="the bundles asked for: the captures still kept"),
+        pytest.param({"KIMI_SUPERVISOR_PURGE_CAPTURES": "yes",
+                      "KIMI_SUPERVISOR_PURGE_INCIDENTS": "yes"}, [],
+                     ["removing the captures", "removing the incident bundles"],
+                     id="both asked for: nothing left, each said"),
+    ],
+)  # fmt: skip
+def test_purge_keeps_the_incident_bundles_as_it_keeps_the_captures_unless_asked(
+    env: dict[str, str], kept: list[str], said: list[str], tmp_path: Path
+) -> None:
+    state = host_with_captures(tmp_path)
+    (state / "incidents").mkdir(mode=0o700)
+    (tmp_path / BUNDLE).write_text("trigger:   stuck\n")
+    out = purge(tmp_path, **env)
+    assert all(s in out for s in said), out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted(kept), left
+    assert not (state / "state.json").exists()
+    assert state.exists() == bool(kept)

@@ -151,9 +151,11 @@ def test_wait_rejoins_a_switch_under_way_with_its_real_target_and_ends_with_its_
     # Nothing to wait for: at once, with the status's exit; never a switch.
     transitions = len(serving.transitions())
     r = serving.kimi_mode("wait", "profile")
-    assert r.returncode == 0 and r.stdout.startswith("nothing to wait for: profile: serving")
+    assert r.returncode == 0 and r.stdout == "done: profile serves\n", r.stdout
     r = serving.kimi_mode("wait", "production", "--timeout", "2")
-    assert r.returncode == 1  # profile serves and nobody asked for production
+    assert r.returncode == 4, r.stdout  # profile serves and nobody asked for production
+    assert flat(r.stdout).startswith("timed out: production does not serve after 2 s: nobody "
+                                     "asked for production"), r.stdout  # fmt: skip
     assert len(serving.transitions()) == transitions
     sandbox.fake()
 
@@ -198,7 +200,10 @@ def test_doctor_passes_on_a_healthy_host_and_says_what_it_could_not_check(
     for name in ("config", "vllm executable", "control group", "system bus", "vLLM's unit"):
         assert f"ok    {name}" in r.stdout, r.stdout
     # The sandbox's vLLM runs as its manager's user, root, and doctor says what that costs.
-    assert "ok    vLLM's user" in r.stdout and "runs vLLM as root: of root's files" in r.stdout
+    assert "ok    vLLM's user" in r.stdout and "runs vLLM as root: of root's files" in flat(
+        r.stdout
+    )
+    assert not too_wide(r.stdout), r.stdout
     for name in ("GPU driver", "managed GPUs", "baseline", "daemon", "metrics"):
         assert f"ok    {name}" in r.stdout, r.stdout
 
@@ -288,3 +293,24 @@ def test_a_reload_that_changes_vllms_argv_keeps_vllm_and_says_a_restart_is_neede
         assert b"65536" in cmdline
     finally:
         path.write_text(original)
+
+
+def test_doctor_fails_while_stuck_naming_the_cause_and_the_incident_bundle_within_80_columns(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """It said "every check passed", rc 0, during a STUCK, without a word of the bundle."""
+    with daemon.configured(daemon={"stuck_retry_s": 300.0}):
+        daemon.start()
+        daemon.wait_serving("production")
+        sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")  # protected: STUCK
+        assert daemon.kimi_mode("profile", "--timeout", "60").returncode == 6
+        st = daemon.wait_status(lambda s: (s.get("incident_bundle") or {}).get("path"), 60,
+                                "the incident bundle")  # fmt: skip
+        r = daemon.kimi_mode("doctor")
+    assert r.returncode == 1, r.stdout
+    said = flat(r.stdout)
+    assert "FAIL daemon STUCK since " in said, r.stdout
+    assert f"cause: {flat(st['last_teardown']['diagnosis'])}" in said, r.stdout
+    assert f"its incident bundle: {st['incident_bundle']['path']} (root only)" in said, r.stdout
+    assert not too_wide(r.stdout), r.stdout
+    assert r.stdout.splitlines()[-1].startswith("1 check(s) failed"), r.stdout

@@ -241,7 +241,7 @@ def test_the_shipped_alert_fleet_and_dcgm_rules_pass_promtool_and_their_unit_tes
     r = subprocess.run(["promtool", "check", "config", "prometheus-fleet.yml"], cwd=prom,
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0 and "SUCCESS: 3 rule files found" in r.stdout, r.stdout + r.stderr
-    assert "SUCCESS: 12 rules found" in r.stdout and "SUCCESS: 10 rules found" in r.stdout
+    assert "SUCCESS: 15 rules found" in r.stdout and "SUCCESS: 10 rules found" in r.stdout
     assert "SUCCESS: 2 rules found" in r.stdout  # the dcgm-exporter join
     for test in ("alerts_test.yml", "fleet_test.yml", "dcgm_test.yml"):
         r = subprocess.run(["promtool", "test", "rules", test], capture_output=True, text=True,

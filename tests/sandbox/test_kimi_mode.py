@@ -181,7 +181,9 @@ def test_a_user_outside_the_control_group_is_refused_and_a_member_is_let_in(
     # No access to the 0660 socket at all: the kernel refuses, kimi-mode explains.
     r = serving.kimi_mode("status", user=[*NOBODY, "--clear-groups"])
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "permission denied" in r.stderr and "kimi" in r.stderr
+    assert "permission denied" in r.stderr, r.stderr
+    assert "a member of the group `users` (`sudo usermod -aG users $USER`" in r.stderr, r.stderr
+    assert "kimi`" not in r.stderr  # the configured group, not the default
     # A process that gets past the file's mode (CAP_DAC_OVERRIDE) is refused by the daemon's
     # peer-credential check, and the attempt is logged.
     caps = ["--inh-caps=+dac_override", "--ambient-caps=+dac_override"]
@@ -306,14 +308,15 @@ def test_exit_codes_say_usage_unreachable_timeout_and_failure(
     assert r.returncode == 4, r.stdout + r.stderr
     assert "the switch to profile goes on" in r.stderr
     # `wait MODE` rejoins it and returns once profile serves (issue 44: it waited forever), in
-    # json mode with nothing but JSON lines, the last the status that serves.
+    # json mode with nothing but JSON lines: the status that serves, then the verdict.
     r = serving.kimi_mode("wait", "profile", "--timeout", "30", "-o", "json")
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
-    assert lines[-1]["type"] == "status" and lines[-1]["mode"] == "profile", lines
+    assert lines[-2]["type"] == "status" and lines[-2]["mode"] == "profile", lines
+    assert lines[-1]["type"] == "verdict" and lines[-1]["verdict"] == "serving", lines
     assert serving.kimi_mode("is-serving", "profile").returncode == 0
     r = serving.kimi_mode("wait", "profile", "--timeout", "5")
-    assert r.returncode == 0 and r.stdout.startswith("nothing to wait for: profile: serving")
+    assert r.returncode == 0 and r.stdout == "done: profile serves\n", r.stdout
     sandbox.fake(crash_during_load_at=50)
     r = serving.kimi_mode("production")
     assert r.returncode == 1 and "FAILED:" in r.stdout
@@ -416,7 +419,71 @@ def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_
     assert serving.kimi_mode("profile", "--no-wait").returncode == 0
     s = serving.wait_status(lambda s: s.get("eta") is not None, 30, "a load with an eta")
     assert s["eta"]["past_loads"] == 1 and s["eta"]["expected_s"] >= 2.0
-    assert "ready in about" in s["eta"]["text"] or "about due" in s["eta"]["text"]
+    assert "ready in about" in s["eta"]["text"] or "past the estimate" in s["eta"]["text"]
     assert s["eta"]["text"] in s["status_line"]
     assert "eta:" in serving.kimi_mode("status").stdout
     serving.wait_serving("profile")
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "verdict"),
+    [
+        pytest.param("reached", 0, "serving", id="profile reached: 0, serving"),
+        pytest.param("rolled back", 1, "rolled_back", id="profile failed and rolled back: 1"),
+        pytest.param("stuck then cleared", 0, "serving", id="a STUCK retried then cleared: 0"),
+        pytest.param("nobody asked", 4, "not_asked", id="nobody asked for profile: 4 at timeout"),
+        pytest.param("daemon restarted", 0, "serving", id="the daemon restarted meanwhile: 0"),
+    ],
+)
+def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last_object(
+    case: str, code: int, verdict: str, sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """kubectl wait's contract: `wait profile` ends when profile serves or --timeout runs out,
+    through a rollback, a STUCK retry or nobody's asking, and its last JSON object says which
+    (a rollback's last `end` said ok: true; a STUCK retried 1 s later ended it at once, rc 6)."""
+    from kimi_supervisor.ports import processes
+
+    with daemon.configured(daemon={"stuck_retry_s": 1.0}):
+        daemon.start()
+        daemon.wait_serving("production")
+        holder = None
+        if case == "rolled back":
+            sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
+        elif case == "daemon restarted":
+            sandbox.fake(load_s=4.0)
+        elif case == "stuck then cleared":  # protected: never killed, so the teardown is STUCK
+            holder = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")
+        try:
+            if case != "nobody asked":
+                assert daemon.kimi_mode("profile", "--no-wait").returncode == 0
+            timeout = "4" if case == "nobody asked" else "120"
+            waiting = subprocess.Popen(
+                [KIMI_MODE, "-o", "json", "wait", "profile", "--timeout", timeout],
+                env={**os.environ, **sandbox.sb.env}, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            if case == "daemon restarted":  # an upgrade or a reload, mid-load
+                daemon.wait_state("starting")
+                daemon.stop()
+                daemon.start()
+            if holder is not None:
+                daemon.wait_state("stuck")
+                handle = processes.PidHandle.open(holder)
+                assert isinstance(handle, processes.PidHandle), handle
+                with handle:
+                    handle.send(signal.SIGKILL)  # gone: the next retry is clean
+                sandbox.started.remove(holder)  # ended by the test, not by the daemon
+            out, err = waiting.communicate(timeout=150)
+        finally:
+            sandbox.fake()
+        last = json.loads(out.splitlines()[-1])
+        assert waiting.returncode == code, out + err
+        assert last["type"] == "verdict" and last["mode"] == "profile", last
+        assert last["verdict"] == verdict and last["exit"] == code, last
+        assert last["ok"] is (code == 0), last
+        if case == "stuck then cleared":
+            assert "STUCK teardown(s), retried until clean" in last["message"], last
+        if case == "nobody asked":
+            assert "nobody asked for profile" in last["message"], last
+        if case == "rolled back":
+            assert "rolling back to production" in last["message"], last

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,35 @@ def test_a_real_prometheus_scrapes_every_second_while_another_user_keeps_110_con
     # Nothing else moved: the same daemon serves the same vLLM.
     assert daemon.pid() == pid and daemon.vllm_pid() == vllm
     assert daemon.status()["state"] == "serving"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_family_a_live_scrape_serves_is_in_an_alert_rule_or_a_dashboard_panel(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """A family that feeds no alert and no panel tells nobody anything (a bundle that could not
+    be written alerted nobody): each is queried somewhere, or it is not exported."""
+    daemon.start()
+    daemon.wait_serving("production")
+    m = sandbox.config.metrics
+    with urllib.request.urlopen(f"http://{m.address}:{m.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    shipped = "\n".join(
+        (ROOT / f).read_text()
+        for f in ("config/grafana/kimi-supervisor.json",
+                  "config/prometheus/kimi-supervisor-alerts.yml",
+                  "config/prometheus/kimi-supervisor-fleet.yml")
+    )  # fmt: skip
+    named = re.findall(r"(?<![\w:])(?:kimi_supervisor|process)_\w+", shipped)
+    queried = {re.sub(r"(_total|_bucket|_count|_sum)$", "", n) for n in named}
+    unread = sorted(f for f in families if re.sub(r"_total$", "", f) not in queried)
+    assert len(families) >= 30 and not unread, unread
+    # The daemon's own resources and each GPU's health, from the start.
+    assert {"process_resident_memory_bytes", "process_open_fds", "process_cpu_seconds"} <= {
+        re.sub(r"_total$", "", f) for f in families
+    }
+    health = [x for x in text.splitlines() if x.startswith("kimi_supervisor_gpu_health{")]
+    assert len(health) == 6 * len(daemon.status()["gpus"]), health

@@ -629,7 +629,8 @@ def test_the_eta_is_the_median_of_the_newest_loads_of_the_same_mode_and_argv() -
     e = estimate(records, "production", key)
     assert e is not None and (e.expected_s, e.slowest_s, e.past) == (1800, 2000, 5)  # not 100
     assert e.describe(600) == "ready in about 20 min (past loads: 30 min)"
-    assert e.describe(1900) == "about due: past loads took 30 min"
+    assert e.describe(1900) == "past the estimate: past loads took 30 min"
+    assert e.describe(1799.6).startswith("past the estimate")  # never "in about 0 s"
     assert e.describe(2600).startswith("slower than the last 5 load(s): 43 min so far")
     assert estimate(records, "profile", argv_key(["vllm", "serve", "other-model"])) is None
 

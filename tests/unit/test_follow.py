@@ -159,8 +159,9 @@ def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks
         transition=None, status_line="starting production",
     )  # fmt: skip
     with daemon(
-        ([tearing_down, end(False, "failed", "rolled back")], False), ([starting], True)
-    ) as (sock, requests):
+        ([tearing_down, end(False, "failed", "rolled back")], False), ([starting], True),
+        ([starting], False),
+    ) as (sock, requests):  # fmt: skip
         o, out, err = output("text")
         began = time.monotonic()
         code = WaitFollow(argparse.Namespace(mode="production"), sock, o).run(
@@ -169,10 +170,12 @@ def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks
         took = time.monotonic() - began
     assert code == Exit.TIMEOUT
     assert 0.5 <= took < 3.0
-    assert [r["cmd"] for r in requests] == ["subscribe", "subscribe"]
+    assert [r["cmd"] for r in requests] == ["subscribe", "subscribe", "status"]
     assert "following t-1: production -> production" in out.getvalue()
     assert "FAILED: rolled back" in out.getvalue()
-    assert err.getvalue() == "kimi-mode: timed out after 0.5 s waiting; the switch goes on\n"
+    last = out.getvalue().splitlines()[-1]
+    assert last == "timed out: production does not serve after 0.5 s: starting production"
+    assert err.getvalue() == ""
 
 
 def test_wait_for_a_mode_returns_in_50_of_50_switches_whatever_order_end_and_status_come() -> None:
@@ -208,9 +211,12 @@ def test_wait_for_a_mode_returns_in_50_of_50_switches_whatever_order_end_and_sta
             took.append(time.monotonic() - began)
         assert code == Exit.OK, (i, stale, out.getvalue())
         assert len(requests) == len(talks)
-        if o.json:  # only JSON lines, the last the status that serves
+        if o.json:  # only JSON lines: the status that serves, then the verdict
             lines = [json.loads(x) for x in out.getvalue().splitlines()]
-            assert lines[-1]["type"] == "status" and lines[-1]["mode"] == target, lines
+            assert lines[-2]["type"] == "status" and lines[-2]["mode"] == target, lines
+            assert lines[-1] == {"v": 1, "type": "verdict", "mode": target, "ok": True,
+                                 "verdict": "serving", "exit": 0,
+                                 "message": f"{target} serves"}, lines  # fmt: skip
     assert max(took) < 1.0, took
 
 
@@ -223,3 +229,114 @@ def test_a_capture_by_switching_says_before_it_begins_that_it_costs_two_restarts
     )
     assert "none measured on this host yet" in plan_line(None)
     assert "none measured on this host yet" in plan_line({"window_s": None})
+
+
+# ------------------------------------------------------------------------------ wait MODE
+def status(state: str, mode: str | None, desired: str, tr: dict | None = None, **more: Any) -> dict:
+    return reply(code="subscribed", state=state, mode=mode, desired_mode=desired, transition=tr,
+                 status_line=f"{state} {mode or ''}".strip(), **more)  # fmt: skip
+
+
+TO_PROFILE = {**TRANSITION, "id": "t-2", "target": "profile"}
+BACK = {**TRANSITION, "id": "t-3", "target": "production", "previous": "profile"}
+RETRY = {**TRANSITION, "id": "t-4", "target": "profile", "previous": None}
+
+
+def ended(tr: dict, ok: bool, outcome: str, message: str) -> dict:
+    return {**end(ok, outcome, message), "data": {"transition": tr["id"]}}
+
+
+def started(tr: dict) -> dict:
+    return event("transition_started", id=tr["id"], target=tr["target"],
+                 previous=tr["previous"], kind="switch", reason="asked")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("talks", "code", "verdict", "said"),
+    [
+        pytest.param(
+            [([status("tearing_down", None, "profile", TO_PROFILE),
+               ended(TO_PROFILE, True, "ready", "profile is ready")], False),
+             ([status("serving", "profile", "profile")], True)],
+            Exit.OK, "serving", "profile serves",
+            id="profile reached: 0, and its verdict is the last line",
+        ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE),
+               ended(TO_PROFILE, False, "rolled_back", "vLLM exited 1; rolling back"),
+               started(BACK)], False),
+             ([status("tearing_down", None, "production", BACK),
+               ended(BACK, True, "ready", "production is ready")], False),
+             ([status("serving", "production", "production")], True)],
+            Exit.FAILED, "rolled_back",
+            "the switch to profile failed: vLLM exited 1; rolling back; now: serving production",
+            id="profile failed and rolled back: 1, not the rollback's done",
+        ),
+        pytest.param(
+            [([status("tearing_down", None, "profile", TO_PROFILE),
+               ended(TO_PROFILE, False, "stuck", "teardown STUCK: retrying in 1 s")], False),
+             ([status("stuck", None, "profile"), started(RETRY),
+               ended(RETRY, True, "ready", "profile is ready")], False),
+             ([status("serving", "profile", "profile")], True)],
+            Exit.OK, "serving", "profile serves (after 1 STUCK teardown(s), retried until clean)",
+            id="a STUCK retried then cleared: waited through, 0",
+        ),
+        pytest.param(
+            [([status("serving", "production", "production")], True),
+             ([status("serving", "production", "production")], False)],
+            Exit.TIMEOUT, "not_asked",
+            "profile does not serve after 0.5 s: nobody asked for profile; now: serving production",
+            id="nobody asked for profile before the timeout: 4, and it says so",
+        ),
+        pytest.param(
+            [([status("stuck", None, "profile")], True),
+             ([status("stuck", None, "profile")], False)],
+            Exit.STUCK, "stuck",
+            "profile does not serve after 0.5 s: the GPUs are STUCK (0 teardown(s) heard): stuck",
+            id="still STUCK at the timeout: 6",
+        ),
+        pytest.param(
+            [([status("failed", None, "profile")], True)],
+            Exit.FAILED, "failed", "profile does not serve, and the daemon gave up: failed",
+            id="FAILED: 1 at once, the daemon waits for a person",
+        ),
+        pytest.param(
+            [([status("tearing_down", None, "profile", TO_PROFILE),
+               ended(TO_PROFILE, False, "preempted", "preempted by a switch to production"),
+               started(BACK)], False),
+             ([status("tearing_down", None, "production", BACK),
+               ended(BACK, True, "ready", "production is ready")], False),
+             ([status("serving", "production", "production")], True),
+             ([status("serving", "production", "production")], False)],
+            Exit.TIMEOUT, "not_asked",
+            "profile does not serve after 0.5 s: nobody asked for profile; now: serving production",
+            id="someone else's switch preempted it: waited on to the timeout",
+        ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE)], False),  # gone: a restart
+             ([status("serving", "profile", "profile")], True)],
+            Exit.OK, "serving", "profile serves",
+            id="a daemon that restarts mid-switch is asked again: 0",
+        ),
+    ],
+)  # fmt: skip
+def test_wait_for_a_mode_ends_with_one_verdict_about_it_and_the_exit_to_match(
+    talks: list[tuple[Lines, bool]], code: Exit, verdict: str, said: str
+) -> None:
+    for fmt in ("json", "text"):
+        with daemon(*talks) as (sock, _requests):
+            o, out, err = output(fmt)
+            got = WaitFollow(argparse.Namespace(mode="profile"), sock, o).run(
+                {"cmd": "subscribe"}, timeout_s=0.5
+            )
+        assert got == code, (fmt, out.getvalue())
+        last = out.getvalue().splitlines()[-1]
+        if fmt == "json":
+            assert json.loads(last) == {"v": 1, "type": "verdict", "mode": "profile",
+                                        "ok": code == Exit.OK, "verdict": verdict, "exit": code,
+                                        "message": said}, last  # fmt: skip
+        else:
+            head = {Exit.OK: "done", Exit.TIMEOUT: "timed out"}.get(code, code.label.upper())
+            assert " ".join(out.getvalue().split()).endswith(f"{head}: {said}"), out.getvalue()
+        json_failed = fmt == "json" and code != Exit.OK  # said on stderr too, as an error is
+        assert err.getvalue() == (f"kimi-mode: {said}\n" if json_failed else ""), err.getvalue()

@@ -19,7 +19,12 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.ports.http import request
-from kimi_supervisor.ports.metrics import MAX_REQUEST_BYTES, Metrics, MetricsServer
+from kimi_supervisor.ports.metrics import (
+    GPU_HEALTH_SIGNALS,
+    MAX_REQUEST_BYTES,
+    Metrics,
+    MetricsServer,
+)
 from tests.conftest import as_user
 from tests.floods import METRICS_HOLD
 
@@ -311,7 +316,7 @@ def test_every_counter_is_present_at_0_from_the_start_with_short_label_values() 
     m = Metrics()
     m.set_gpu(3, "GPU-3", 600, 500)  # a managed GPU's first reading
     text = generate_latest(m.registry).decode()
-    counters = re.findall(r"^# TYPE (\S+) counter$", text, re.M)
+    counters = re.findall(r"^# TYPE (kimi_supervisor_\S+) counter$", text, re.M)
     assert len(counters) >= 8, counters
     for name in counters:
         samples = re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
@@ -323,3 +328,48 @@ def test_every_counter_is_present_at_0_from_the_start_with_short_label_values() 
     assert all(re.fullmatch(r"[\w.:-]+", v) for v in values), values  # no sentence
     assert {evidence_label(e) for e in Evidence} <= values
     assert 'kimi_supervisor_liveness{verdict="not_judged"} 1.0' in text
+
+
+HEALTHY = {"index": 3, "remap_pending": False, "remap_failed": False, "retired_pending": None,
+           "ecc_uncorrected": 0, "nvlink_errors": None, "xids": [], "unread": []}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("signals", "expected"),
+    [
+        pytest.param(None, dict.fromkeys(GPU_HEALTH_SIGNALS, "NaN"),
+                     id="before the first reading every signal is NaN, never healthy"),
+        pytest.param(HEALTHY, {"xid_errors": "0.0", "row_remap_pending": "0.0",
+                               "row_remap_failure": "0.0", "retired_pending": "NaN",
+                               "ecc_dbe_vol_total": "0.0", "nvlink_errors": "NaN"},
+                     id="a healthy GPU reads 0 and the signals it cannot give NaN"),
+        pytest.param({**HEALTHY, "remap_pending": True, "xids": [79]},
+                     {"xid_errors": "1.0", "row_remap_pending": "1.0"},
+                     id="xid 79 and a pending row remap read 1"),
+        pytest.param({**HEALTHY, "xids": [13, 31]}, {"xid_errors": "0.0"},
+                     id="an application's Xid is no sign of a failing GPU"),
+        pytest.param({**HEALTHY, "xids": None}, {"xid_errors": "NaN"},
+                     id="an Xid log that cannot be read is NaN"),
+        pytest.param({**HEALTHY, "ecc_uncorrected": 2, "nvlink_errors": 5},
+                     {"ecc_dbe_vol_total": "1.0", "nvlink_errors": "1.0"},
+                     id="uncorrected ECC and NVLink errors read 1"),
+    ],
+)  # fmt: skip
+def test_each_gpu_health_signal_reads_1_0_or_nan_named_after_dcgms_field(
+    signals: dict[str, object] | None, expected: dict[str, str]
+) -> None:
+    import re
+
+    from prometheus_client import generate_latest
+
+    from kimi_supervisor.decide.gpuhealth import dcgm_flags
+
+    m = Metrics()
+    m.set_gpu(3, "GPU-3", 600, 500)
+    if signals is not None:
+        m.set_gpu_health(3, "GPU-3", dcgm_flags(signals))
+    text = generate_latest(m.registry).decode()
+    got = dict(re.findall(r'^kimi_supervisor_gpu_health\{gpu="3",signal="(\w+)",uuid="GPU-3"\} '
+                          r"(\S+)$", text, re.M))  # fmt: skip
+    assert set(got) == set(GPU_HEALTH_SIGNALS), got
+    assert {k: got[k] for k in expected} == expected

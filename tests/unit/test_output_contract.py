@@ -176,9 +176,15 @@ def test_a_commands_own_error_shows_that_commands_usage(
 
 @pytest.mark.parametrize(
     "argv",
-    [["-o", "json", "prod"], ["wait", "--json", "--timeout", "x"], ["--output=json", "history",
-     "-n", "0"], ["status", "-ojson", "--bogus"]],
-)  # fmt: skip
+    [
+        pytest.param(["-o", "json", "prod"], id="-o json"),
+        pytest.param(["wait", "--json", "--timeout", "x"], id="--json"),
+        pytest.param(["--output=json", "history", "-n", "0"], id="--output=json"),
+        pytest.param(["status", "-ojson", "--bogus"], id="-ojson"),
+        pytest.param(["-o=json", "stauts"], id="-o=json, as argparse reads it too"),
+        pytest.param(["--output", "json", "wait", "prodcution"], id="--output json"),
+    ],
+)
 def test_in_json_mode_a_usage_error_is_one_json_error_line_and_nothing_else(
     argv: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -187,3 +193,28 @@ def test_in_json_mode_a_usage_error_is_one_json_error_line_and_nothing_else(
     (line,) = [json.loads(x) for x in said.out.splitlines()]
     assert line["type"] == "error" and line["exit"] == 2 and line["code"] == "usage", line
     assert said.err.startswith("kimi-mode: ") and "usage:" not in said.err
+
+
+def test_every_option_of_both_programs_says_what_it_is_for() -> None:
+    """`sandbox up --help` showed --dir and --gpus with no word about them."""
+    import argparse
+
+    from kimi_supervisor.cli import admin
+
+    def parsers(p: argparse.ArgumentParser, name: str) -> list[tuple[str, argparse.ArgumentParser]]:
+        found = [(name, p)]
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for sub, sp in a.choices.items():
+                    found += parsers(sp, f"{name} {sub}")
+        return found
+
+    bare = [
+        f"{name} {'/'.join(a.option_strings) or a.dest}"
+        for root, prog in ((admin.build_parser(), "kimi-supervisor"),
+                           (kimi_mode.build_parser(), "kimi-mode"))
+        for name, p in parsers(root, prog)
+        for a in p._actions
+        if not isinstance(a, argparse._SubParsersAction) and not a.help
+    ]  # fmt: skip
+    assert bare == [], bare

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +82,13 @@ def test_after_the_teardown_the_bars_follow_the_load_filling_the_gpus() -> None:
 
 def test_redrawn_lines_wrap_at_the_terminals_width_and_keep_the_verdict_and_the_evidence() -> None:
     out = io.StringIO()
-    f = Follower(out, tty=True, width=lambda: 80)
+    f = Follower(out, tty=True, width=lambda: 80, height=lambda: 50)
     for e in events():
         f.on_event(e)
         f._draw(force=True)
-    drawn = out.getvalue().replace("\x1b[J", "").split("\n")
-    rows = [x.split("F", 1)[-1] if "\x1b[" in x else x for x in drawn]
+    rows = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue()).split("\n")
     assert max(len(x) for x in rows) <= 79
-    last = rows[-f._drawn - 1 :]
+    last = rows[-len(f.screen.drawn) - 1 :]
     assert any("=> CLEAN in 1.19 s" in x for x in last), last  # the verdict, on one row
     assert sum("(kill_strays: vllm_signature)" in x for x in last) == 4, last  # every kill's
 
@@ -129,6 +130,42 @@ time.sleep(60)
 """
 
 
+class Terminal:
+    """A real terminal (tmux, a server of its own) of `columns` x `rows` running `script`; each
+    `look()` is its screen, until the script prints DONE. Ended, and `cleanup` removed, after."""
+
+    def __init__(self, script: Path, columns: int, rows: int, cleanup: str = "") -> None:
+        self.tmux = ["tmux", "-L", f"kimi-{os.getpid()}-{script.stem}-{columns}x{rows}",
+                     "-f", "/dev/null"]  # fmt: skip
+        self.env = {**os.environ, "TERM": "xterm-256color"}
+        self.env.pop("TMUX", None)
+        self.cleanup = cleanup
+        self.began = time.monotonic()
+        self.screen = ""
+        self.run("new-session", "-d", "-x", str(columns), "-y", str(rows),
+                 f"{sys.executable} {script}")  # fmt: skip
+
+    def run(self, *args: str) -> str:
+        return subprocess.run([*self.tmux, *args], capture_output=True, text=True, env=self.env,
+                              check=args[0] != "kill-server").stdout  # fmt: skip
+
+    def looks(self, deadline_s: float = 40, *joined: str) -> Iterator[str]:
+        """The screen every 0.2 s until DONE is on it (-J: rows the terminal wrapped, joined)."""
+        while "DONE" not in self.screen:
+            assert time.monotonic() - self.began < deadline_s, self.screen
+            time.sleep(0.2)
+            self.screen = self.run("capture-pane", "-p", *joined)
+            yield self.screen
+
+    def __enter__(self) -> Terminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.run("kill-server")
+        if self.cleanup:
+            shutil.rmtree(self.cleanup, ignore_errors=True)
+
+
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -138,33 +175,19 @@ def test_in_a_real_terminal_the_redraw_leaves_one_header_at_any_width(
 ) -> None:
     script = tmp_path / "follow.py"
     script.write_text(SCRIPT.format(root=str(Path(__file__).resolve().parents[2])))
-    server = f"kimi-display-{os.getpid()}-{columns}"
-    tmux = ["tmux", "-L", server, "-f", "/dev/null"]
-    env = {**os.environ, "TERM": "xterm-256color"}
-    env.pop("TMUX", None)
-    subprocess.run([*tmux, "new-session", "-d", "-x", str(columns), "-y", "50",
-                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        screen = ""
-        while "DONE" not in screen:
-            assert time.monotonic() < deadline, screen
-            time.sleep(0.2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J"], capture_output=True,
-                                    text=True, env=env).stdout  # fmt: skip
-        lines = screen.splitlines()
-        assert sum("kimi-mode: switching to production" in x for x in lines) == 1, screen
-        assert all(len(x) <= columns for x in lines)
-        gpu = [x for x in lines if x.startswith("  GPU 0 [")]
-        assert len(gpu) == 1 and bar(gpu[0]) == 15, screen  # loaded to 90 GB, drawn once
-        assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
-        evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
-        assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
-        # A reason wider than a row wraps at its spaces; the kill names the program.
-        assert words(screen) >= {"vllm.entrypoints.openai.api_server", "memory)"}, screen
-        assert "/opt/venvs" not in screen
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
+    with Terminal(script, columns, 50) as t:
+        screen = [*t.looks(30, "-J")][-1]
+    lines = screen.splitlines()
+    assert sum("kimi-mode: switching to production" in x for x in lines) == 1, screen
+    assert all(len(x) <= columns for x in lines)
+    gpu = [x for x in lines if x.startswith("  GPU 0 [")]
+    assert len(gpu) == 1 and bar(gpu[0]) == 15, screen  # loaded to 90 GB, drawn once
+    assert sum("=> CLEAN in 1.19 s" in x for x in lines) == 1, screen  # the verdict
+    evidence = sum("(kill_strays: vllm_signature)" in x for x in lines)
+    assert evidence == 4, screen  # each kill's evidence, whole, at 80 columns too
+    # A reason wider than a row wraps at its spaces; the kill names the program.
+    assert words(screen) >= {"vllm.entrypoints.openai.api_server", "memory)"}, screen
+    assert "/opt/venvs" not in screen
 
 
 # ------------------------------------------------------------------------------ 80 columns
@@ -188,6 +211,14 @@ def test_a_kill_line_names_the_program_not_the_interpreter() -> None:
     assert program("/usr/bin/python3 -u /tmp/x/ghost.py --title t", "") == "ghost.py"
     assert program(["VLLM::Worker_TP3"], "VLLM::Worker_TP") == "VLLM::Worker_TP3"
     assert program([], "kworker/0:1") == "kworker/0:1"
+    # python -c: the code it runs, its start (a kill line said `python3 -c` and nothing more)
+    assert program(["python3", "-c", "import torch\nx = torch.zeros(1)"], "") == (
+        "python3 -c 'import torch x = torch.zeros(1)'"
+    )
+    assert program(["python3", "-c", "import a; " * 10], "") == (
+        "python3 -c 'import a; import a; import a; import a;...'"
+    )
+    assert program(["python3", "-c"], "python3") == "python3"
     f = Follower(io.StringIO(), tty=False)
     f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_gpu_holders",
                 "evidence": MAPPED, "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}})  # fmt: skip
@@ -206,9 +237,9 @@ def test_at_80_columns_a_long_kill_reason_wraps_at_its_spaces_never_mid_word() -
                 "process": {"pid": 7, "cmdline": PYTHON_HOLDER}}  # fmt: skip
         f.on_event({"event": "kill", "data": kill})
         f.finish()
-        rows = [r.split("F", 1)[-1] if "\x1b[" in r else r for r in out.getvalue().splitlines()]
+        rows = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue()).splitlines()
         source = [*f._lines(), f"killed PID 7 {MAPPED}"]
-        assert_wrapped_whole([r.replace("\x1b[J", "") for r in rows], source, 80)
+        assert_wrapped_whole(rows, source, 80)
         assert any(r.rstrip().endswith("memory)") for r in rows), rows
 
 
@@ -255,15 +286,15 @@ def test_a_captures_summary_wraps_at_80_columns() -> None:
     assert words("\n".join(rows)) <= words(format_capture(data, 10_000))
 
 
-# A daemon that accepts a switch, says the load began, then says nothing for LOAD_S while its
-# published status moves on (the GPUs filling, the ETA shrinking), then ends it; the real
-# kimi-mode follows it in the terminal.
-TICKING = """
+# A daemon whose switch kills KILLS processes, then loads silently for LOAD_S while its
+# published status moves on (GPUS filling, the ETA shrinking), then ends it; the real kimi-mode
+# follows it in the terminal.
+DAEMON = """
 import json, os, socket, sys, threading, time
 from datetime import UTC, datetime
 sys.path.insert(0, {root!r})
 from kimi_supervisor.cli import kimi_mode
-LOAD_S = {load_s}
+LOAD_S, GPUS, KILLS = {load_s}, {gpus}, {kills}
 path = os.path.join({sock_dir!r}, "s")
 server = socket.socket(socket.AF_UNIX)
 server.bind(path)
@@ -273,12 +304,18 @@ began = time.monotonic()
 def status():
     t = time.monotonic() - began
     gpus = [{{"index": i, "used_mib": 615 + int(t * 20_000), "baseline_mib": 615,
-             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in (0, 1)]
+             "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(GPUS)]
     return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
         "state": "starting", "gpus": gpus,
         "progress": {{"phase": "weights", "text": "loading weights"}},
         "eta": {{"expected_s": 60, "remaining_s": 60 - t, "elapsed_s": t, "past_loads": 3,
                  "slower_than_past": False, "text": f"about {{60 - t:.0f}} s left"}}}}}}
+
+def line(kind, **more):
+    return json.dumps({{"v": 1, "type": kind, **more}}).encode() + b"\\n"
+
+def event(name, **data):
+    return line("event", event=name, at="", data=data)
 
 def talk(conn):
     req = json.loads(conn.makefile("rb").readline())
@@ -287,16 +324,20 @@ def talk(conn):
         conn.close()
         return
     tr = {{"id": "t-1", "target": "profile", "previous": "production",
-          "started_at": datetime.now(UTC).isoformat(), "step": "starting"}}
-    reply = {{"v": 1, "type": "reply", "ok": True, "code": "accepted",
-             "message": "switching to profile", "data": {{"transition": tr}}}}
-    start = {{"v": 1, "type": "event", "event": "starting", "at": "",
-              "data": {{"mode": "profile"}}}}
-    conn.sendall(json.dumps(reply).encode() + b"\\n" + json.dumps(start).encode() + b"\\n")
+          "started_at": datetime.now(UTC).isoformat(), "step": "stop_unit"}}
+    conn.sendall(line("reply", ok=True, code="accepted", message="switching to profile",
+                      data={{"transition": tr}}))
+    for i in range(KILLS):
+        conn.sendall(event("kill", signal="SIGKILL", step="kill_strays",
+                           evidence="vllm_signature", process={{"pid": 4000 + i,
+                           "cmdline": ["python3", "-m", "vllm.entrypoints.openai.api_server"]}}))
+        time.sleep(0.05)
+    if KILLS:
+        conn.sendall(event("teardown_finished", outcome="clean", duration_s=0.6))
+    conn.sendall(event("starting", mode="profile"))
     time.sleep(LOAD_S)
-    end = {{"v": 1, "type": "end", "ok": True, "outcome": "ready",
-           "message": "profile is ready", "data": {{"transition": "t-1"}}}}
-    conn.sendall(json.dumps(end).encode() + b"\\n")
+    conn.sendall(line("end", ok=True, outcome="ready", message="profile is ready",
+                      data={{"transition": "t-1"}}))
     conn.close()
 
 def serve():
@@ -311,6 +352,18 @@ time.sleep(60)
 """
 
 
+def scripted_switch(tmp_path: Path, *, load_s: float, gpus: int, kills: int) -> tuple[Path, str]:
+    """The script (DAEMON) and its socket's folder: short (AF_UNIX paths end at 108 bytes;
+    tmp_path is named after the test), removed after (each run used to leave one in /tmp)."""
+    sock_dir = tempfile.mkdtemp(prefix="kimi-tty-")
+    script = tmp_path / f"switch{gpus}x{kills}.py"
+    root = str(Path(__file__).resolve().parents[2])
+    script.write_text(
+        DAEMON.format(root=root, load_s=load_s, gpus=gpus, kills=kills, sock_dir=sock_dir)
+    )
+    return script, sock_dir
+
+
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -319,29 +372,11 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
 ) -> None:
     """Issue 44: between the daemon's events the display stood still ("(2s)" for 8-9 s, the
     bars frozen), which during a 30-minute load with silent phases looks like a hang."""
-    load_s = 4.5
-    script = tmp_path / "tick.py"
-    root = str(Path(__file__).resolve().parents[2])
-    # The socket's folder: short (AF_UNIX paths end at 108 bytes; tmp_path is named after this
-    # test), and removed after (each run used to leave one in /tmp).
-    sock_dir = tempfile.mkdtemp(prefix="kimi-tick-")
-    script.write_text(TICKING.format(root=root, load_s=load_s, sock_dir=sock_dir))
-    server = f"kimi-tick-{os.getpid()}"
-    tmux = ["tmux", "-L", server, "-f", "/dev/null"]
-    env = {**os.environ, "TERM": "xterm-256color"}
-    env.pop("TMUX", None)
-    subprocess.run([*tmux, "new-session", "-d", "-x", "80", "-y", "30",
-                    f"{sys.executable} {script}"], check=True, env=env)  # fmt: skip
+    script, sock_dir = scripted_switch(tmp_path, load_s=4.5, gpus=2, kills=0)
     clocks: list[tuple[float, str]] = []
     bars, etas = set(), set()
-    try:
-        began = time.monotonic()
-        screen = ""
-        while "DONE" not in screen:
-            assert time.monotonic() - began < 30, screen
-            time.sleep(0.2)
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-J"], capture_output=True,
-                                    text=True, env=env).stdout  # fmt: skip
+    with Terminal(script, 80, 30, sock_dir) as t:
+        for screen in t.looks(30, "-J"):
             for line in screen.splitlines():
                 if line.startswith("kimi-mode: switching to profile  ("):
                     clocks.append((time.monotonic(), line.rsplit("(", 1)[1].rstrip(")")))
@@ -349,9 +384,6 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
                     bars.add(bar(line))
                 elif "s left" in line:
                     etas.add(line.strip())
-    finally:
-        subprocess.run([*tmux, "kill-server"], capture_output=True, env=env)
-        shutil.rmtree(sock_dir, ignore_errors=True)
     shown = [c for _, c in clocks]
     # The clock said each second of the silent load, and never stood for much more than one
     # (a tick, the 0.2 s look, a loaded machine's jitter: CI saw the first "0s" for 1.84 s
@@ -379,3 +411,176 @@ def test_a_path_wider_than_the_row_is_kept_whole_on_a_row_of_its_own() -> None:
     rows = wrap([f"incident: the newest bundle is {path} (root only)"], 80)
     assert f"  {path}" in rows, rows  # copied as it is shown
     assert all(len(r) <= 80 for r in rows if path not in r)
+
+
+# ------------------------------------------------------------------------------ the height
+def switch_frame(kills: int, gpus: int) -> Follower:
+    f = Follower(io.StringIO(), tty=False)
+    f.on_event({"event": "transition_started", "data": {"id": "t1", "previous": "profile",
+                "target": "production", "kind": "switch", "reason": "asked"}})  # fmt: skip
+    for step in ("stop_unit", "kill_cgroup", "kill_strays"):
+        f.on_event({"event": "step_finished", "data": {"step": step, "duration_s": 0.21}})
+    for i in range(kills):
+        f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_strays",
+                    "evidence": "vllm_signature", "process": {"pid": 1000 + i,
+                    "cmdline": PYTHON_HOLDER}}})  # fmt: skip
+    f.on_event({"event": "gpus", "data": {"devices": [
+        {"index": i, "used_mib": 80_615, "baseline_mib": 615} for i in range(gpus)]}})  # fmt: skip
+    f.vllm = "loading weights 45%; ready in about 3 min (past loads: 5 min)"
+    return f
+
+
+@pytest.mark.parametrize(
+    ("columns", "rows", "kills", "gpus", "kills_shown"),
+    [
+        pytest.param(80, 24, 11, 8, 5, id="at 80x24 eleven kills show as five and 6 more"),
+        pytest.param(80, 15, 11, 8, 2, id="at 80x15 the kills fold further, GPUs two a row"),
+        pytest.param(200, 50, 11, 8, 5, id="at 200x50 everything shows, kills to five"),
+        pytest.param(80, 24, 2, 1, 2, id="a short switch shows every kill"),
+        pytest.param(80, 8, 11, 8, 0, id="at 80x8 what does not fit is counted"),
+        pytest.param(40, 5, 11, 8, 0, id="a tiny terminal keeps the clock and a count"),
+    ],
+)
+def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
+    columns: int, rows: int, kills: int, gpus: int, kills_shown: int
+) -> None:
+    frame = switch_frame(kills, gpus).frame(columns, rows)
+    assert len(frame) <= rows - 1, frame  # the cursor's row below it: nothing scrolls
+    assert all(len(r) <= columns - 1 for r in frame), frame
+    assert frame[0].startswith("kimi-mode: switching to production"), frame  # the clock
+    text = "\n".join(frame)
+    shown = text.count("killed PID")
+    assert shown == kills_shown, frame
+    if shown < kills:
+        said = f"{kills - shown} more killed" in text
+        assert said or "more rows" in text, frame
+    if rows >= 15:
+        assert frame[-1].startswith("  vLLM: loading weights 45%"), frame
+        assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
+
+
+@pytest.mark.skipif(
+    shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
+)
+@pytest.mark.parametrize(
+    ("columns", "rows", "shrunk"),
+    [
+        pytest.param(80, 15, None, id="80x15"),
+        pytest.param(80, 24, None, id="80x24"),
+        pytest.param(200, 50, None, id="200x50"),
+        pytest.param(200, 50, (80, 15), id="200x50 shrunk to 80x15 mid-switch"),
+    ],
+)
+def test_in_a_real_terminal_the_clock_is_on_screen_every_second_and_no_frame_piles_up(
+    columns: int, rows: int, shrunk: tuple[int, int] | None, tmp_path: Path
+) -> None:
+    """A frame taller than the screen could not be moved back over: at 80x15 the clock's row
+    was never on screen, and every redraw left a copy in the scrollback (18 for one switch)."""
+    script, sock_dir = scripted_switch(tmp_path, load_s=5, gpus=8, kills=11)
+    looks, seconds, most = 0, set(), ""
+    with Terminal(script, columns, rows, sock_dir) as t:
+        for screen in t.looks():
+            if shrunk and time.monotonic() - t.began > 3:
+                t.run("resize-window", "-x", str(shrunk[0]), "-y", str(shrunk[1]))
+                columns, rows, shrunk = *shrunk, None
+                continue
+            heads = [x for x in screen.splitlines() if x.startswith("kimi-mode: switching to")]
+            if "DONE" not in screen and ("kill" in screen or heads):
+                looks += 1
+                assert len(heads) == 1, screen  # the clock's row, on screen, once
+                seconds.add(heads[0].rsplit("(", 1)[1])
+                if "killed PID" in screen:
+                    most = screen
+        history = t.run("display", "-p", "#{history_size}")
+    assert looks >= 10 and len(seconds) >= 4, (looks, seconds)
+    assert int(history) <= rows, history  # at most one frame went into the scrollback
+    if rows == 24:
+        assert most.count("killed PID") == 5 and "6 more killed" in most, most
+
+
+# ------------------------------------------------------------------------------ GPU health
+GPU3 = {"index": 3, "remap_pending": True, "remap_failed": False, "retired_pending": None,
+        "ecc_uncorrected": 0, "nvlink_errors": None, "xids": [79], "unread": []}  # fmt: skip
+HEALTHY = {**GPU3, "index": 0, "remap_pending": False, "xids": []}
+
+
+@pytest.mark.parametrize(
+    ("policy", "refused", "gpus", "said"),
+    [
+        pytest.param("warn", False, [HEALTHY, GPU3], [
+            "warning: GPU 3: rows remapped, waiting for a GPU reset to take effect "
+            "(gpus.health_check = warn: loading all the same)",
+            "warning: GPU 3: the kernel logged Xid 79 (the GPU fell off the bus) since boot "
+            "(gpus.health_check = warn: loading all the same)",
+        ], id="warn names each failing GPU and signal and says the load goes on"),
+        pytest.param("refuse", True, [{**GPU3, "xids": []}], [
+            "warning: GPU 3: rows remapped, waiting for a GPU reset to take effect "
+            "(gpus.health_check = refuse: the load is refused)",
+        ], id="refuse says the load is refused"),
+    ],
+)  # fmt: skip
+def test_a_followed_switch_says_each_gpu_health_finding_with_the_policy(
+    policy: str, refused: bool, gpus: list[dict[str, Any]], said: list[str]
+) -> None:
+    for tty in (False, True):
+        out = io.StringIO()
+        f = Follower(out, tty=tty, width=lambda: 200, height=lambda: 50)
+        text = "; ".join(said) or "healthy"
+        f.on_event({"event": "gpu_health", "data": {"checked_at": "", "verdict": "failing",
+                    "text": text, "policy": policy, "refused": refused, "gpus": gpus}})  # fmt: skip
+        printed = re.sub(r"\x1b\[\d*[FJK]", "", out.getvalue())
+        assert all(len(r) < (200 if tty else 80) for r in printed.splitlines()), printed
+        for line in said:
+            assert line in " ".join(printed.split()), printed
+        assert printed.count("warning:") == len(said), printed
+
+
+# ------------------------------------------------------------------------------ doctor
+@pytest.mark.parametrize(
+    ("findings", "folded"),
+    [
+        pytest.param([f"GPU {i}: page retirement: not supported by this GPU" for i in range(8)],
+                     ["GPUs 0-7: page retirement: not supported by this GPU"],
+                     id="eight GPUs saying the same are one line"),
+        pytest.param(["GPU 1: rows remapped", "GPU 3: rows remapped", "GPU 3: Xid 79"],
+                     ["GPUs 1, 3: rows remapped", "GPU 3: Xid 79"],
+                     id="what differs stays apart, in the order first seen"),
+        pytest.param(["GPU 0: x", "GPU 1: x", "GPU 2: x", "GPU 5: x", "no GPU at all"],
+                     ["GPUs 0-2, 5: x", "no GPU at all"],
+                     id="runs are ranges and a finding of no GPU stays as it is"),
+    ],
+)  # fmt: skip
+def test_doctor_says_a_finding_true_of_several_gpus_once(
+    findings: list[str], folded: list[str]
+) -> None:
+    from kimi_supervisor.cli.render import fold_gpus, fold_health
+
+    assert fold_gpus(findings) == folded
+    # status says the health text the daemon made, folded the same way
+    assert fold_health("; ".join(findings)) == "; ".join(folded)
+    assert fold_health(f"GPU 3: Xid 79; not read: {'; '.join(findings)}") == (
+        f"GPU 3: Xid 79; not read: {'; '.join(folded)}"
+    )
+
+
+def test_doctor_wraps_every_line_at_80_columns_with_its_message_hung_under_the_message() -> None:
+    from kimi_supervisor.cli.checks import bad, ok
+    from kimi_supervisor.cli.doctor import _report
+    from kimi_supervisor.cli.output import Output
+
+    out = io.StringIO()
+    path = "/var/lib/kimi-supervisor/incidents/incident-20261204T180123.620132Z-stuck.txt"
+    results = [
+        ok("config", "/etc/kimi-supervisor/kimi-supervisor.toml is valid"),
+        bad("daemon", f"STUCK: teardown STUCK: GPU 3 still holds 20000 MiB above its baseline "
+            f"after every step; its incident bundle: {path} (root only)",
+            "kimi-mode status names what holds the GPUs; a teardown is retried on its own"),
+        ok("GPU health", "no failing signal and no warning among those read (not read: GPUs "
+           "0-7: page retirement: not supported by this GPU)"),
+    ]  # fmt: skip
+    assert _report(Output("text", out), results) == 1
+    rows = out.getvalue().splitlines()
+    assert all(len(r) <= 80 for r in rows if path not in r), rows
+    assert any(r.strip() == path or r.rstrip().endswith(path) for r in rows), rows  # whole
+    assert rows[-1] == "1 check(s) failed"
+    assert words(out.getvalue()) >= {"STUCK:", "(root", "only)", "retried"}

@@ -1,5 +1,5 @@
 # Copyright: the kimi-supervisor authors
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Apache License 2.0 (see LICENSE, or https://www.apache.org/licenses/LICENSE-2.0)
 """The controller's half of kimi_mode: run the module on the host, then, for a capture with
 `fetch_to`, copy its files back over the task's own connection (as ansible.builtin.fetch does)
 to FETCH_TO/<inventory_hostname>/<capture folder>/."""

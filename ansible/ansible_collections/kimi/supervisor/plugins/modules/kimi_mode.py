@@ -1,6 +1,6 @@
 #!/usr/bin/python
 # Copyright: the kimi-supervisor authors
-# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+# Apache License 2.0 (see LICENSE, or https://www.apache.org/licenses/LICENSE-2.0)
 """Switch a host's vLLM between production and profile mode, or take a capture, through the
 host's own `kimi-mode --json` (see DOCUMENTATION's notes for why not the socket)."""
 
