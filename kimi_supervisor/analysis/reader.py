@@ -15,7 +15,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_supervisor.analysis.collectives import from_args, group_of
+from kimi_supervisor.analysis.collectives import (
+    LOOKS_LIKE,
+    from_args,
+    group_of,
+    nccl_bytes,
+    shape_of,
+)
 
 STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$|^ProfilerStep#\d+$")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -42,6 +48,7 @@ class NcclArgs:
 
     collective: str | None
     group: str
+    nbytes: int | None = None  # the message, as nccl-tests sizes it (collectives.nccl_bytes)
 
 
 @dataclass
@@ -91,8 +98,24 @@ class Reader:
     # collective runs, waits included; the c10d operator on the calling thread only hands it
     # over (its wait is in `work.wait()`, which the profiler does not record).
     gloo: Ops = field(default_factory=Ops)
+    # What record_shapes says of a collective operator's message (collectives.shape_of), by
+    # (thread, index in its Ops) for an operator and by index for a gloo range; empty without
+    # record_shapes (vLLM's `torch_profiler_record_shapes`).
+    op_shapes: dict[tuple[int, int], tuple[int, int | None]] = field(default_factory=dict)
+    gloo_shapes: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     process_name: str = ""
     count: int = 0
+    _comm: dict[int, bool] = field(default_factory=dict)  # name index -> looks like a collective
+
+    def _shape(self, n: int, ev: dict[str, Any]) -> tuple[int, int | None] | None:
+        """The message of a communication operator whose arguments carry shapes, else None."""
+        args = ev.get("args")
+        if not isinstance(args, dict) or "Input Dims" not in args:
+            return None
+        comm = self._comm.get(n)
+        if comm is None:
+            comm = self._comm[n] = bool(LOOKS_LIKE.search(ev["name"]))
+        return shape_of(args) if comm else None
 
     def index(self, name: str) -> int:
         n = self.names.get(name)
@@ -123,7 +146,9 @@ class Reader:
             k = self.kernels
             if name[:4].lower() == "nccl":
                 args = ev.get("args")
-                self.nccl_args[len(k.ts)] = NcclArgs(from_args(args), group_of(args))
+                self.nccl_args[len(k.ts)] = NcclArgs(
+                    from_args(args), group_of(args), nccl_bytes(args)
+                )
             k.ts.append(ts)
             k.dur.append(dur)
             k.name.append(self.index(name))
@@ -141,16 +166,22 @@ class Reader:
                 self.cpu_steps.append(Step(ts, ts + dur, name, tid))
             elif name.startswith(GLOO):
                 g = self.gloo
+                n = self.index(name)
+                if (shape := self._shape(n, ev)) is not None:
+                    self.gloo_shapes[len(g.ts)] = shape
                 g.ts.append(ts)
                 g.dur.append(dur)
-                g.name.append(self.index(name))
+                g.name.append(n)
             elif cat == "cpu_op":
                 ops = self.cpu_ops.get(tid)
                 if ops is None:
                     ops = self.cpu_ops[tid] = Ops()
+                n = self.index(name)
+                if (shape := self._shape(n, ev)) is not None:
+                    self.op_shapes[(tid, len(ops.ts))] = shape
                 ops.ts.append(ts)
                 ops.dur.append(dur)
-                ops.name.append(self.index(name))
+                ops.name.append(n)
 
 
 def _correlation(ev: dict[str, Any]) -> int:
