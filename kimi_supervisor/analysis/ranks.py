@@ -152,7 +152,7 @@ def summarize(
             done.append((rank, name, json.loads(out)))
         except ValueError:
             done.append((rank, name, {"error": f"the summarizer exited with {proc.returncode}"}))
-    fabric = _fabric(dir_fd, names, open_file)
+    fabric = _fabric(dir_fd, open_file)
     ranks: list[dict[str, Any]] = []
     timelines: list[skew.RankTimeline] = []
     for rank, name, result in sorted(done, key=lambda d: d[0]):
@@ -172,11 +172,15 @@ def summarize(
     }
 
 
-def _fabric(dir_fd: int, names: list[str], open_file: Opener) -> dict[str, Any] | None:
+def _fabric(dir_fd: int, open_file: Opener) -> dict[str, Any] | None:
     """The capture's fabric.json (see FABRIC), with its limit (analysis/sizes.py); None where
     the folder has none; {"error": why} where it cannot be read."""
-    if FABRIC not in names:
+    try:
+        os.stat(FABRIC, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        return {"error": f"{FABRIC}: {e.strerror}"}
     fd, why = open_file(dir_fd, FABRIC)
     if fd is None:
         return {"error": f"{FABRIC}: {why}"}
