@@ -564,12 +564,16 @@ def _named(late: list[dict[str, Any]], up: bool) -> str:
         else [row[other]["share"] * 100 if row[other]["rank"] == rank else 0.0 for row in rows]
     )
     by = [row[side]["by_ms"] for row in rows if row[side]["by_ms"] is not None]
+    by_then = [row[other]["by_ms"] for row in rows
+               if row[other]["rank"] == rank and row[other]["by_ms"] is not None]  # fmt: skip
     span = f"{min(shares):.0f}" + (f"-{max(shares):.0f}" if max(shares) - min(shares) >= 1 else "")
     was_span = f"{min(was):.0f}" + (f"-{max(was):.0f}" if max(was) - min(was) >= 1 else "")
     lead = f", {statistics.median(by):.2f} ms after the next latest (median)" if by else ""
+    if by and by_then:
+        lead += f" against {statistics.median(by_then):.2f}"
     where, then = ("B", "A") if up else ("A", "B")
     return (
         f", carried by rank {rank}: last to arrive in {span} % of the calls of "
         f"{', '.join(r['collective'].replace('_', '-') for r in rows)} in {where} ({was_span} % in "
-        f"{then}){lead}"
+        f"{then}){lead}{' in ' + then if by and by_then else ''}"
     )

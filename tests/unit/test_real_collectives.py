@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from typing import Any
 import pytest
 
 from kimi_supervisor.analysis.compare import compare
-from kimi_supervisor.analysis.ranks import summarize
+from kimi_supervisor.analysis.ranks import FABRIC, summarize
+from kimi_supervisor.analysis.sizes import BUS
 from kimi_supervisor.cli.summary_text import format_summary
 from kimi_supervisor.ports.safeopen import try_open
 from tests.gloo_truth import truth_of
@@ -42,7 +44,9 @@ def capture(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def counted(summary: dict[str, Any]) -> set[int]:
-    return {row[0] for row in summary["across_ranks"]["per_step"]["rows"] if row[-1]}
+    table = summary["across_ranks"]["per_step"]
+    at = table["columns"].index("counted")
+    return {row[0] for row in table["rows"] if row[at]}
 
 
 @pytest.mark.parametrize(
@@ -143,8 +147,9 @@ def test_compare_of_real_gloo_captures_says_the_skew_grew_by_the_injected_delay(
         - truth_of(truth_a, counted(control))["all_reduce"]["spread_p50_ms"]
     )
     assert grew == pytest.approx(true, rel=0.10)
-    assert "the skew went up by +" in c["verdict"]
-    assert abs(rows["all-reduce transfer"]) < grew / 4  # not "the data moves slower"
+    assert c["verdict"].startswith("the wait grew +"), c["verdict"]
+    assert "the skew went up: arrival spread p50 +" in c["verdict"]
+    assert "the data moves slower" not in c["verdict"]
     shutil.rmtree(tmp_path)
 
 
@@ -168,4 +173,77 @@ def test_vllms_shm_collectives_are_read_from_the_spinning_operator_and_the_skew_
             - truth_of(truth_a, counted(control))[kind]["spread_p50_ms"]
         )
         assert grew == pytest.approx(true, rel=0.10, abs=0.05), kind
-    assert "the skew went up by +" in cmp["verdict"], cmp["verdict"]
+    assert "the skew went up: arrival spread p50 +" in cmp["verdict"], cmp["verdict"]
+
+
+def truth_busbw(truth: dict[str, Any], counted_steps: set[int]) -> dict[str, dict[int, float]]:
+    """Per collective and size, the truth's bus bandwidth (GB/s): the median call's bytes over
+    the median rank's exit less the latest entry, x nccl-tests' factor."""
+    per_rank = [truth["calls"][r] for r in sorted(truth["calls"], key=int)]
+    out: dict[str, dict[int, float]] = {}
+    for kind in truth["kinds"]:
+        calls = [[c for c in cs if c[1] == kind and c[0] in counted_steps] for cs in per_rank]
+        by: dict[int, list[float]] = {}
+        for call in zip(*calls, strict=True):
+            latest = max(c[2] for c in call)
+            t_us = statistics.median((c[3] - latest) / 1000 for c in call)
+            by.setdefault(call[0][4], []).append(
+                call[0][4] / t_us / 1e3 * BUS[kind][0](len(per_rank))
+            )
+        out[kind] = {b: statistics.median(v) for b, v in by.items()}
+    return out
+
+
+def test_real_gloo_message_sizes_match_the_truth_exactly_and_the_bus_bandwidth_within_10_percent() -> (
+    None
+):
+    """record_shapes on (vLLM's "torch_profiler_record_shapes": true), two sizes per collective
+    (64 and 512 tokens x 7168 fp32). The bus bandwidth is held to 10 % at the larger size; at
+    the smaller one the truth's stamps around a call (Python's dispatch, the caller's wake-up
+    after gloo's worker) are a larger part of its time than the trace shows."""
+    summary, truth = capture("gloo-2ranks-shapes")
+    true = truth_busbw(truth, counted(summary))
+    for kind, c in summary["across_ranks"]["kinds"]["decode"]["collectives"].items():
+        s = c["sizes"]
+        sent = sorted({call[4] for call in truth["calls"]["0"] if call[1] == kind})
+        assert sorted(r["bytes"] for r in s["by_size"]) == sent, kind
+        largest = max(s["by_size"], key=lambda r: r["bytes"])
+        assert largest["busbw_gbps"] == pytest.approx(true[kind][largest["bytes"]], rel=0.10), (
+            kind, largest, true[kind])  # fmt: skip
+        assert s["bound"]["reading"] in ("bandwidth-bound", "between"), s["bound"]
+        assert s["rule"].startswith(f"busbw = algbw x {BUS[kind][1]}, n = 2")
+
+
+def test_a_capture_without_sizes_says_they_are_missing_and_how_to_get_them() -> None:
+    summary, _ = capture("gloo-2ranks-5ms")
+    text = format_summary(summary)
+    assert "message sizes missing (11 calls carry none): no bus bandwidth is given, none " in text
+    assert '"torch_profiler_record_shapes": true' in text and "busbw" not in text
+    assert "fabric: not recorded with this capture" in text
+
+
+def test_the_fabric_recorded_with_a_capture_is_named_and_each_collective_set_against_it(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "capture"
+    shutil.copytree(FIXTURES / "gloo-2ranks-shapes", folder)
+    pcie = {
+        "index": 0,
+        "name": "NVIDIA H200",
+        "pcie": {"gen": 1, "width": 16, "max_gen": 5, "max_width": 16},
+        "nvlink": {"links": 0, "active": 0, "version": None},
+        "unread": [],
+    }
+    (folder / FABRIC).write_text(
+        json.dumps({"source": "NVML at capture time", "gpus": [pcie, {**pcie, "index": 1}]})
+    )
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        summary = summarize(fd, os.listdir(fd), try_open)
+    finally:
+        os.close(fd)
+    text = format_summary(summary)
+    assert ("fabric (NVML, NVML at capture time): GPU 0 NVIDIA H200: PCIe Gen1 x16 (max Gen5 "
+            "x16), no NVLink; GPU 1") in text  # fmt: skip
+    assert "limit GPU 0: PCIe Gen5 x16, no active NVLink: 63.0 GB/s per direction" in text
+    assert "% of the fabric's 63.0 GB/s (busbw = algbw x 2(n-1)/n, n = 2 (nccl-tests))" in text
