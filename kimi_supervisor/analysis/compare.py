@@ -421,11 +421,18 @@ def compare(
         if not all(xa) or not all(xb):
             continue
         tests[part] = judge(xa, xb, rounds=rounds, seed=part)  # type: ignore[arg-type]
+    unsplit: list[str] = []
     for side, caps, ser in zip("AB", sides, series, strict=True):
-        for label, x in zip(_labels(len(caps), side), ser, strict=True):
-            n = len(x.get("step") or [])
-            if n < MIN_STEPS:
+        for label, s, x in zip(_labels(len(caps), side), caps, ser, strict=True):
+            if not x:
+                unsplit.append(f"{label} ({len(s['ranks'])} rank(s) read)")
+            elif (n := len(x.get("step") or [])) < MIN_STEPS:
                 short.append(f"{label} {n}")
+    if unsplit:
+        notes.append(
+            f"no split across ranks in {', '.join(unsplit)}: two ranks or more are needed; the "
+            "parts are not judged"
+        )
     if short:
         notes.append(
             f"too few counted steps to measure the step-to-step noise ({', '.join(short)}; "

@@ -59,6 +59,16 @@ class Ops:
     dur: array[float] = field(default_factory=lambda: array("d"))
     name: array[int] = field(default_factory=lambda: array("l"))
     link: array[int] = field(default_factory=lambda: array("q"))  # a kernel's correlation id
+    # A collective operator's message as record_shapes gives it (collectives.shape_of), packed
+    # in one number per operator: elements x 16 + bytes per element (0: not a dtype), -1: none.
+    shape: array[int] = field(default_factory=lambda: array("q"))
+
+    def shape_at(self, j: int) -> tuple[int, int | None] | None:
+        """The j-th operator's (elements, bytes per element or None), None for no shape."""
+        packed = self.shape[j] if j < len(self.shape) else -1
+        if packed < 0:
+            return None
+        return packed >> 4, (packed & 15) or None
 
 
 class Launches:
@@ -98,24 +108,24 @@ class Reader:
     # collective runs, waits included; the c10d operator on the calling thread only hands it
     # over (its wait is in `work.wait()`, which the profiler does not record).
     gloo: Ops = field(default_factory=Ops)
-    # What record_shapes says of a collective operator's message (collectives.shape_of), by
-    # (thread, index in its Ops) for an operator and by index for a gloo range; empty without
-    # record_shapes (vLLM's `torch_profiler_record_shapes`).
-    op_shapes: dict[tuple[int, int], tuple[int, int | None]] = field(default_factory=dict)
-    gloo_shapes: dict[int, tuple[int, int | None]] = field(default_factory=dict)
     process_name: str = ""
     count: int = 0
     _comm: dict[int, bool] = field(default_factory=dict)  # name index -> looks like a collective
 
-    def _shape(self, n: int, ev: dict[str, Any]) -> tuple[int, int | None] | None:
-        """The message of a communication operator whose arguments carry shapes, else None."""
+    def _shape(self, n: int, ev: dict[str, Any]) -> int:
+        """The packed message (Ops.shape) of a communication operator whose arguments carry
+        shapes (record_shapes: vLLM's `torch_profiler_record_shapes`), else -1."""
         args = ev.get("args")
         if not isinstance(args, dict) or "Input Dims" not in args:
-            return None
+            return -1
         comm = self._comm.get(n)
         if comm is None:
             comm = self._comm[n] = bool(LOOKS_LIKE.search(ev["name"]))
-        return shape_of(args) if comm else None
+        shape = shape_of(args) if comm else None
+        if shape is None or shape[0] >= 1 << 58:
+            return -1
+        size = shape[1] if shape[1] is not None and shape[1] < 16 else 0
+        return shape[0] << 4 | size
 
     def index(self, name: str) -> int:
         n = self.names.get(name)
@@ -167,8 +177,7 @@ class Reader:
             elif name.startswith(GLOO):
                 g = self.gloo
                 n = self.index(name)
-                if (shape := self._shape(n, ev)) is not None:
-                    self.gloo_shapes[len(g.ts)] = shape
+                g.shape.append(self._shape(n, ev))
                 g.ts.append(ts)
                 g.dur.append(dur)
                 g.name.append(n)
@@ -177,8 +186,7 @@ class Reader:
                 if ops is None:
                     ops = self.cpu_ops[tid] = Ops()
                 n = self.index(name)
-                if (shape := self._shape(n, ev)) is not None:
-                    self.op_shapes[(tid, len(ops.ts))] = shape
+                ops.shape.append(self._shape(n, ev))
                 ops.ts.append(ts)
                 ops.dur.append(dur)
                 ops.name.append(n)

@@ -129,22 +129,36 @@ def limit(fabric: Any) -> dict[str, Any] | None:
     gpus = fabric.get("gpus") if isinstance(fabric, dict) else None
     if not isinstance(gpus, list):
         return None
-    each: list[tuple[float, str]] = []
+    nvlink: list[tuple[float, str]] = []
+    pcie: list[tuple[float, str]] = []
     for g in gpus:
         if not isinstance(g, dict):
             continue
-        nv, pcie = g.get("nvlink") or {}, g.get("pcie") or {}
+        nv, link = g.get("nvlink") or {}, g.get("pcie") or {}
         active, version = nv.get("active"), nv.get("version")
+        if isinstance(active, int) and active > 0 and version not in NVLINK_GBPS:
+            return None  # links active at a rate not read: no limit rather than a wrong one
         if isinstance(active, int) and active > 0 and version in NVLINK_GBPS:
-            gbps = active * NVLINK_GBPS[version]
-            each.append((gbps, f"GPU {g.get('index')}: NVLink {version}, {active} active links "
-                               f"x {NVLINK_GBPS[version]:g} GB/s"))  # fmt: skip
-            continue
-        gen = pcie.get("max_gen") or pcie.get("gen")
-        width = pcie.get("max_width") or pcie.get("width")
+            nvlink.append(
+                (
+                    active * NVLINK_GBPS[version],
+                    f"GPU {g.get('index')}: NVLink "
+                    f"{version}, {active} active links x {NVLINK_GBPS[version]:g} GB/s",
+                )
+            )
+        gen = link.get("max_gen") or link.get("gen")
+        width = link.get("max_width") or link.get("width")
+        now = "" if link.get("max_gen") and link.get("max_width") else " (its link now: max unread)"
         if gen in PCIE_LANE_GBPS and isinstance(width, int) and width > 0:
-            gbps = PCIE_LANE_GBPS[gen] * width
-            each.append((gbps, f"GPU {g.get('index')}: PCIe Gen{gen} x{width}, no active NVLink"))
+            pcie.append((PCIE_LANE_GBPS[gen] * width, f"GPU {g.get('index')}: PCIe Gen{gen} "
+                         f"x{width}{now}"))  # fmt: skip
+    # Every GPU on NVLink: its slowest's links. Else a GPU without one reaches the others over
+    # PCIe: the slowest PCIe link.
+    read = [g for g in gpus if isinstance(g, dict) and g.get("nvlink")]
+    each = nvlink if nvlink and len(nvlink) == len(read) else pcie
+    if each is pcie and pcie:
+        why = "no GPU has an active NVLink" if not nvlink else "not every GPU has an active NVLink"
+        each = [(gbps, f"{said} ({why})") for gbps, said in pcie]
     if not each:
         return None
     gbps, said = min(each)
@@ -169,10 +183,15 @@ def fabric_line(fabric: Any) -> str:
             if p
             else "PCIe unread"
         )
-        if nv.get("links"):
+        if not nv:
+            link += ", NVLink unread"
+        elif nv.get("links"):
             link += f", NVLink {nv.get('version')}: {nv.get('active')} of {nv['links']} active"
         else:
             link += ", no NVLink"
+        unread = g.get("unread") or []
+        if isinstance(unread, list) and unread:
+            link += f" (unread: {'; '.join(map(str, unread[:4]))})"
         parts.append(f"GPU {g.get('index')} {g.get('name') or ''}".rstrip() + f": {link}")
     lim = limit(fabric)
     tail = f"; limit {lim['said']}" if lim else "; no limit can be read from it"

@@ -150,7 +150,7 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
             # The rank arrived when it handed the work over; the call ends with the worker's.
             if (step := index.at(handover)) >= 0:
                 out.append((step, c, handover, start + dur - handover, nbytes))
-        for tid, ops in r.cpu_ops.items():
+        for ops in r.cpu_ops.values():
             ends: dict[str, float] = {}  # an operator inside one of its own kind is not a call
             for j in sorted(range(len(ops.ts)), key=ops.ts.__getitem__):
                 c = kind(ops.name[j])
@@ -160,7 +160,7 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
                     continue  # a hand-over to gloo: the call is its worker's range
                 ends[c] = ops.ts[j] + ops.dur[j]
                 if (step := index.at(ops.ts[j])) >= 0:
-                    nbytes = _bytes(r.op_shapes.get((tid, j)))
+                    nbytes = _bytes(ops.shape_at(j))
                     out.append((step, c, ops.ts[j], ops.dur[j], nbytes))
     out.sort(key=lambda c: c[2])
     return Calls(
@@ -211,7 +211,7 @@ def gloo_calls(r: Reader, names: dict[int, str]) -> list[tuple[float, float, flo
         if j == len(ranges):
             break
         k = ranges[j]
-        nbytes = _bytes(r.op_shapes.get(op), r.gloo_shapes.get(k))
+        nbytes = _bytes(r.cpu_ops[op[0]].shape_at(op[1]), g.shape_at(k))
         out.append((ts, g.ts[k], g.dur[k], kind, nbytes))
         j += 1
     return out

@@ -230,7 +230,7 @@ def format_compare(c: dict[str, Any], a: str | list[str], b: str | list[str]) ->
             f"  {row['a']:9.3f} {row['b']:9.3f} {row['delta']:+9.3f}  {_short(row['what'], 60)}"
         )
     if c.get("tests"):
-        lines.append(f"each part against its noise ({c['noise']}), the median step's ms:")
+        lines.append(f"each part against its noise, the median step's ms; {c['noise']}:")
         for part, t in c["tests"].items():
             runs = f"{t['run_noise']:.3f}" if t["run_noise"] is not None else "not measured"
             steps = f"{t['step_noise']:.3f}" if t["step_noise"] is not None else "too few steps"
