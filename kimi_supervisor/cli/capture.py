@@ -155,7 +155,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return o.fail(Exit.USAGE, f"--compare: {e}")
     a, b = ([str(f.absolute()) for f in folders] for folders in sides)
     if o.json:
-        o.line({"v": 1, "type": "compare", "a": " ".join(a), "b": " ".join(b), **c})
+        o.line({"v": 1, "type": "compare", "a": ", ".join(a), "b": ", ".join(b),
+                "a_folders": a, "b_folders": b, **c})  # fmt: skip
     else:
         text = format_compare(c, a, b)
         print("\n".join(wrap(text.splitlines(), columns(sys.stdout) - 1)))

@@ -106,6 +106,11 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     for rank in range(4):
         assert f"rank   {rank}" in r.stdout
     assert_summary_of_the_fakes_traces(folder, r.stdout, 4)
+    # The host's fabric, read from the GPU port at capture time, beside the traces and named.
+    fabric = json.loads((folder / "fabric.json").read_text())
+    assert [g["index"] for g in fabric["gpus"]] == [0, 1, 2, 3], fabric
+    assert "GPU 0 NVIDIA H200: PCIe Gen5 x16 (max Gen5 x16), NVLink 4: 18 of 18 active" in flat(
+        r.stdout)  # fmt: skip
     assert "flushing:" in flat(r.stdout)  # progress while the files grew
     assert "going back to production" in flat(r.stdout)
     profiling.wait_serving("production")

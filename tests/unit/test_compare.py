@@ -266,8 +266,9 @@ def test_kimi_mode_compare_takes_several_captures_a_side_and_folders_of_captures
     a1, a2 = (str(tmp_path / "a" / f"capture-{i}") for i in range(2))
     r = kimi_mode("--compare", a1, a2, "--", str(tmp_path / "b"))
     assert r.returncode == 0, r.stderr
-    assert "A2: " in r.stdout and "B2: " in r.stdout and "carried by rank 1" in r.stdout
-    assert "last to arrive, per collective" in r.stdout and "each part against its noise" in (
-        r.stdout)  # fmt: skip
+    said = " ".join(r.stdout.split())  # as wrapped to the terminal's width
+    assert f"A2: {a2}" in said and f"B2: {tmp_path / 'b' / 'capture-1'}" in said
+    assert "carried by rank 1" in said and "last to arrive, per collective" in said
+    assert "each part against its noise" in said
     r = kimi_mode("--compare", a1, a2, str(tmp_path / "b"))
     assert r.returncode == 2 and "with -- between the sides" in r.stderr
