@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from typing import Any
 from bench.common import machine
 from bench.gloo_bench import summarize
 from kimi_supervisor.analysis.compare import compare
-from kimi_supervisor.analysis.sizes import BUS
+from tests.gloo_truth import truth_busbw
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKE = ROOT / "tests" / "fixtures" / "make_gloo_trace.py"
@@ -74,32 +73,14 @@ def _leads_beyond(c: dict[str, Any]) -> bool:
     return any(words[p] in first for p in beyond)
 
 
-def truth_sizes(truth: dict[str, Any], counted: set[int]) -> dict[str, dict[int, float]]:
-    """Per collective and size: the truth's bus bandwidth (GB/s), the median over the counted
-    calls of bytes / (the median rank's exit less the latest entry) x nccl-tests' factor."""
-    ranks = sorted(truth["calls"], key=int)
-    per_rank = [truth["calls"][r] for r in ranks]
-    n = len(ranks)
-    out: dict[str, dict[int, float]] = {}
-    for kind in truth["kinds"]:
-        calls = [[c for c in cs if c[1] == kind and c[0] in counted] for cs in per_rank]
-        by: dict[int, list[float]] = {}
-        for call in zip(*calls, strict=True):
-            latest = max(c[2] for c in call)
-            t_us = statistics.median((c[3] - latest) / 1000 for c in call)
-            nbytes = call[0][4]
-            by.setdefault(nbytes, []).append(nbytes / t_us / 1e3 * BUS[kind][0](n))
-        out[kind] = {b: statistics.median(v) for b, v in by.items()}
-    return out
-
-
-def sizes_check(python: str, d: Path, steps: int) -> dict[str, Any]:
+def sizes_check(python: str, d: Path, steps: int, *, remake: bool = True) -> dict[str, Any]:
     folder = d / "sizes"
-    make(python, folder, steps=steps, extra=["--record-shapes", "--tokens", SIZES])
+    if remake:
+        make(python, folder, steps=steps, extra=["--record-shapes", "--tokens", SIZES])
     summary = summarize(folder)
     truth = json.loads((folder / "truth.json").read_text())
     counted = {row[0] for row in summary["across_ranks"]["per_step"]["rows"] if row[6]}
-    true_bus = truth_sizes(truth, counted)
+    true_bus = truth_busbw(truth, counted)
     true_bytes = {
         k: sorted({c[4] for c in truth["calls"]["0"] if c[1] == k}) for k in truth["kinds"]
     }
@@ -123,17 +104,22 @@ def sizes_check(python: str, d: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def run(python: str, runs: int, steps: int, delay_ms: float) -> dict[str, Any]:
+def run(
+    python: str, runs: int, steps: int, delay_ms: float, *, keep: Path | None = None
+) -> dict[str, Any]:
+    """The bench (see the module). `keep`: the captures' folder, kept, and those already there
+    (a capture with its truth.json) summarized again rather than made again."""
     reps = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="compare-bench-") as tmp:
-        d = Path(tmp)
+        d = keep or Path(tmp)
         for rep in range(runs):
             caps: dict[str, list[dict[str, Any]]] = {"A": [], "B": [], "C": []}
             for i in range(3):  # interleaved: a drift of the host falls on every side alike
                 for side, delay in (("A", 0.0), ("B", 0.0), ("C", delay_ms)):
                     folder = d / f"{rep}-{side}{i}"
-                    make(python, folder, delay_ms=delay, steps=steps, extra=[])
+                    if not (folder / "truth.json").exists():
+                        make(python, folder, delay_ms=delay, steps=steps, extra=[])
                     caps[side].append(summarize(folder))
             reps.append({
                 "control_3v3": judged(compare(caps["A"], caps["B"])),
@@ -143,7 +129,8 @@ def run(python: str, runs: int, steps: int, delay_ms: float) -> dict[str, Any]:
             })  # fmt: skip
             print(f"rep {rep}: " + json.dumps({k: v["verdict"] for k, v in reps[-1].items()}),
                   file=sys.stderr, flush=True)  # fmt: skip
-        sizes = sizes_check(python, d, steps)
+        sizes = sizes_check(python, d, steps) if not keep or not (d / "sizes").exists() else (
+            sizes_check(python, d, steps, remake=False))  # fmt: skip
 
     def count(case: str, key: str) -> int:
         return sum(bool(r[case][key]) for r in reps)
@@ -184,8 +171,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--delay-ms", type=float, default=2.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--keep", type=Path, default=None, help="keep the captures here (and reuse)")
     a = p.parse_args()
-    got = run(a.torch_python, a.runs, a.steps, a.delay_ms)
+    if a.keep:
+        a.keep.mkdir(parents=True, exist_ok=True)
+    got = run(a.torch_python, a.runs, a.steps, a.delay_ms, keep=a.keep)
     text = json.dumps(got, indent=1) + "\n"
     if a.out:
         a.out.write_text(text)

@@ -4,14 +4,14 @@ wait/transfer split, each with its delta; per collective, the rank that arrives 
 B; and a verdict that says only what moved beyond its noise.
 
 **The noise.** Each part of a step (the step itself, the collectives' wait, their transfer, the
-compute, and the arrival spread per call) is read step by step from each capture's per-step rows,
-and each capture's figure is its median step's (one slow step moves no median). A side's figure
-is the mean of its captures'. Two noises are measured, at LEVEL (99 %, two-sided):
-- step to step: a bootstrap over steps (each capture's steps drawn again with replacement,
-  `rounds` times; the noise is Z99 standard deviations of the resampled difference);
-- run to run, with two or more captures on a side: the spread of the captures' own figures
-  around their side's (pooled over the sides), as Student's t at LEVEL for its degrees of
-  freedom times the standard error of the difference of the sides' means.
+compute, and the arrival spread per call) is read step by step from each capture's per-step rows.
+A side's figure is the median of its captures' steps together (one slow step, or one capture
+that a busy host slowed, moves a median little). Two noises are measured, at LEVEL (99 %,
+two-sided: Z99 standard deviations of a bootstrap's differences, `rounds` draws):
+- step to step: each capture's steps drawn again with replacement;
+- run to run, with two or more captures on a side: that side's captures drawn again with
+  replacement, then each one's steps (a hierarchical bootstrap; the variance a bootstrap of n
+  captures understates by (n - 1) / n is put back).
 A change is beyond the noise when it exceeds the larger of the two and RESOLUTION_MS. With one
 capture a side, run-to-run noise is not measured, and the output says so: two captures of one
 unchanged 2-CPU host differed by 1.1 to 1.85 ms of transfer per step, more than the steps'
@@ -36,7 +36,8 @@ from kimi_supervisor.analysis.collectives import SPLIT
 from kimi_supervisor.analysis.skew import SLOW_SHARE
 
 LEVEL, Z99 = 0.99, 2.576
-# Student's t at 99 % two-sided by degrees of freedom (beyond the table: the nearest below).
+# Student's t at 99 % two-sided by degrees of freedom (beyond the table: the nearest below), for
+# the late rank's share across captures.
 T99 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355,
        9: 3.25, 10: 3.169, 12: 3.055, 15: 2.947, 20: 2.845, 30: 2.75, 60: 2.66}  # fmt: skip
 RESOLUTION_MS = 0.05  # below this no move is said: a trace's µs and gloo's hand-over
@@ -184,37 +185,45 @@ def _t99(df: int) -> float:
     return T99[max(d for d in T99 if d <= df)] if df < 60 else Z99
 
 
+def _pooled(side: list[list[float]]) -> float:
+    return statistics.median([x for capture in side for x in capture])
+
+
 def judge(
     a: list[list[float]], b: list[list[float]], *, rounds: int | None = None, seed: str = ""
 ) -> dict[str, Any]:
     """One part judged against its noise (see the module): `a` and `b` are each side's
-    captures' step-by-step series. The figures (ms), the two noises (None: not measured), and
-    whether the change is beyond them."""
-    ma = [statistics.median(x) for x in a]
-    mb = [statistics.median(x) for x in b]
-    delta = statistics.mean(mb) - statistics.mean(ma)
+    captures' step-by-step series; a side's figure is the median of its captures' steps
+    together. The figures (ms), the two noises (None: not measured), and whether the change is
+    beyond them."""
+    fa, fb = _pooled(a), _pooled(b)
+    delta = fb - fa
     fewest = min(len(x) for x in (*a, *b))
     step_noise = run_noise = None
     if fewest >= MIN_STEPS:
         drawn = sum(len(x) for x in (*a, *b))
         n = rounds or max(ROUNDS_MIN, min(ROUNDS, DRAWS // drawn))
         rng = random.Random(f"{seed}:{drawn}")
-        diffs = []
-        for _ in range(n):
-            ra = [statistics.median(rng.choices(x, k=len(x))) for x in a]
-            rb = [statistics.median(rng.choices(x, k=len(x))) for x in b]
-            diffs.append(statistics.mean(rb) - statistics.mean(ra))
-        step_noise = Z99 * statistics.pstdev(diffs)
-    df = sum(len(side) - 1 for side in (ma, mb) if len(side) >= 2)
-    if df:
-        ss = sum(sum((m - statistics.mean(side)) ** 2 for m in side) for side in (ma, mb)
-                 if len(side) >= 2)  # fmt: skip
-        se = math.sqrt(ss / df * (1 / len(ma) + 1 / len(mb)))
-        run_noise = _t99(df) * se
+
+        def steps(side: list[list[float]]) -> float:  # each capture's steps drawn again
+            return _pooled([rng.choices(x, k=len(x)) for x in side])
+
+        def runs(side: list[list[float]]) -> float:  # the captures drawn again, then steps
+            return _pooled([rng.choices(x, k=len(x)) for x in rng.choices(side, k=len(side))])
+
+        step_noise = Z99 * statistics.pstdev(steps(b) - steps(a) for _ in range(n))
+        if len(a) >= 2 or len(b) >= 2:
+            # A bootstrap of n captures understates their variance by (n - 1) / n: undone.
+            ka, kb = (math.sqrt(len(x) / (len(x) - 1)) if len(x) >= 2 else 1.0 for x in (a, b))
+            ra = [runs(a) if len(a) >= 2 else steps(a) for _ in range(n)]
+            rb = [runs(b) if len(b) >= 2 else steps(b) for _ in range(n)]
+            ma, mb = statistics.mean(ra), statistics.mean(rb)
+            spread = [(y - mb) * kb - (x - ma) * ka for x, y in zip(ra, rb, strict=True)]
+            run_noise = Z99 * statistics.pstdev(spread)
     noise = max(step_noise or 0.0, run_noise or 0.0, RESOLUTION_MS)
     return {
-        "a": round(statistics.mean(ma), 3),
-        "b": round(statistics.mean(mb), 3),
+        "a": round(fa, 3),
+        "b": round(fb, 3),
         "delta": round(delta, 3),
         "noise": round(noise, 3),
         "step_noise": None if step_noise is None else round(step_noise, 3),
@@ -475,10 +484,13 @@ def _side_tops(side: list[dict[str, Any]]) -> dict[str, float]:
 def noise_line(tests: dict[str, Any], *, runs: tuple[int, int]) -> str:
     """How the noise was measured, in words."""
     boot = "a bootstrap over steps (each capture's steps drawn again with replacement)"
-    if min(runs) >= 2 or max(runs) >= 2:
-        run = f"the run-to-run spread between the {runs[0]} and {runs[1]} captures of each side"
+    if max(runs) >= 2:
+        run = (
+            f"run to run, a bootstrap over the {runs[0]} and {runs[1]} captures of the sides (the "
+            "captures drawn again, then their steps)"
+        )
         if min(runs) < 2:
-            run += " (measured on the side with several)"
+            run += ", measured on the side with several"
     else:
         run = "run-to-run noise not measured (one capture a side: give several, `A1 A2 -- B1 B2`)"
     return f"noise at {LEVEL * 100:.0f} %: {boot}; {run}"

@@ -195,4 +195,4 @@ def fabric_line(fabric: Any) -> str:
         parts.append(f"GPU {g.get('index')} {g.get('name') or ''}".rstrip() + f": {link}")
     lim = limit(fabric)
     tail = f"; limit {lim['said']}" if lim else "; no limit can be read from it"
-    return f"fabric (NVML, {fabric.get('source', 'at capture time')}): " + "; ".join(parts) + tail
+    return f"fabric ({fabric.get('source', 'NVML at capture time')}): " + "; ".join(parts) + tail

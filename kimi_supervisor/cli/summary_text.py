@@ -65,7 +65,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "fabric" in summary:  # a summary of this version: said also where none was recorded
         lines.append(fabric_line(summary.get("fabric")))
     if summary.get("across_ranks"):
-        lines += format_split(summary["across_ranks"], summary.get("fabric"))
+        # A CPU's collectives (gloo, vLLM's shared memory) do not cross the GPUs' links.
+        on_gpus = all(r.get("device") == "gpu" for r in summary.get("ranks", []))
+        fabric = summary.get("fabric") if on_gpus else {"cpu": True}
+        lines += format_split(summary["across_ranks"], fabric)
     for e in summary.get("errors", []):
         if e.get("rank") is None:
             lines.append(f"{e['file']}: {e['error']}")
@@ -136,14 +139,21 @@ def data_line(sizes: dict[str, Any], fabric: dict[str, Any] | None) -> str:
         for r in rows[:3]
     )
     lim = (fabric or {}).get("limit")
-    if lim:
+    if (fabric or {}).get("cpu"):
+        against = "CPU ranks: not set against the GPUs' links"
+    elif lim:
         share = sizes["busbw_gbps_p50"] / lim["gbps"] * 100 if lim["gbps"] else 0.0
         against = f"{share:.1f} % of the fabric's {lim['gbps']:.1f} GB/s"
     else:
         against = "no fabric limit recorded with this capture (not a GPU host, or an older one)"
     unsized = f"; {sizes['unsized_calls']} calls without a size" if sizes["unsized_calls"] else ""
     return (
-        f"{sizes['bytes_per_call']:,} bytes per call (most calls); bus bandwidth p50 "
+        (
+            f"{rows[0]['bytes']:,} bytes per call"
+            if len(rows) == 1
+            else f"{len(rows)} sizes, most often {sizes['bytes_per_call']:,} bytes per call"
+        )
+        + "; bus bandwidth p50 "
         f"{sizes['busbw_gbps_p50']:.2f} GB/s, {against} ({sizes['rule']}); by size: {each}"
         f"{unsized}; {sizes['bound']['reading']}: {sizes['bound']['said']}"
     )

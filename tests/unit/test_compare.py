@@ -219,7 +219,7 @@ def test_three_captures_of_one_state_against_three_say_no_change_with_run_noise_
     delayed, _ = capture("gloo-2ranks-5ms")
     c = compare([control] * 3, [json.loads(json.dumps(control)) for _ in range(3)], rounds=200)
     assert c["verdict"].startswith("no change beyond the noise"), c["verdict"]
-    assert "the run-to-run spread between the 3 and 3 captures" in c["verdict"]
+    assert "run to run, a bootstrap over the 3 and 3 captures of the sides" in c["verdict"]
     c = compare([control] * 3, [delayed] * 3, rounds=200)
     assert c["verdict"].startswith("the wait grew +"), c["verdict"]
     assert (

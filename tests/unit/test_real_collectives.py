@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from kimi_supervisor.analysis.ranks import FABRIC, summarize
 from kimi_supervisor.analysis.sizes import BUS
 from kimi_supervisor.cli.summary_text import format_summary
 from kimi_supervisor.ports.safeopen import try_open
-from tests.gloo_truth import truth_of
+from tests.gloo_truth import truth_busbw, truth_of
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 DELAYED = ["gloo-2ranks-5ms", "gloo-4ranks-1ms", "gloo-8ranks-0.25ms", "shm-2ranks-1ms"]
@@ -176,24 +175,6 @@ def test_vllms_shm_collectives_are_read_from_the_spinning_operator_and_the_skew_
     assert "the skew went up: arrival spread p50 +" in cmp["verdict"], cmp["verdict"]
 
 
-def truth_busbw(truth: dict[str, Any], counted_steps: set[int]) -> dict[str, dict[int, float]]:
-    """Per collective and size, the truth's bus bandwidth (GB/s): the median call's bytes over
-    the median rank's exit less the latest entry, x nccl-tests' factor."""
-    per_rank = [truth["calls"][r] for r in sorted(truth["calls"], key=int)]
-    out: dict[str, dict[int, float]] = {}
-    for kind in truth["kinds"]:
-        calls = [[c for c in cs if c[1] == kind and c[0] in counted_steps] for cs in per_rank]
-        by: dict[int, list[float]] = {}
-        for call in zip(*calls, strict=True):
-            latest = max(c[2] for c in call)
-            t_us = statistics.median((c[3] - latest) / 1000 for c in call)
-            by.setdefault(call[0][4], []).append(
-                call[0][4] / t_us / 1e3 * BUS[kind][0](len(per_rank))
-            )
-        out[kind] = {b: statistics.median(v) for b, v in by.items()}
-    return out
-
-
 def test_real_gloo_message_sizes_match_the_truth_exactly_and_bus_bandwidth_within_10_pct() -> None:
     """record_shapes on (vLLM's "torch_profiler_record_shapes": true), two sizes per collective
     (64 and 512 tokens x 7168 fp32). The bus bandwidth is held to 10 % at the larger size; at
@@ -220,11 +201,20 @@ def test_a_capture_without_sizes_says_they_are_missing_and_how_to_get_them() -> 
     assert "fabric: not recorded with this capture" in text
 
 
+def summarize_with_fabric(tmp_path: Path, fixture: str, fabric: dict[str, Any]) -> str:
+    folder = tmp_path / fixture
+    shutil.copytree(FIXTURES / fixture, folder)
+    (folder / FABRIC).write_text(json.dumps(fabric))
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return format_summary(summarize(fd, os.listdir(fd), try_open))
+    finally:
+        os.close(fd)
+
+
 def test_the_fabric_recorded_with_a_capture_is_named_and_each_collective_set_against_it(
     tmp_path: Path,
 ) -> None:
-    folder = tmp_path / "capture"
-    shutil.copytree(FIXTURES / "gloo-2ranks-shapes", folder)
     pcie = {
         "index": 0,
         "name": "NVIDIA H200",
@@ -232,17 +222,15 @@ def test_the_fabric_recorded_with_a_capture_is_named_and_each_collective_set_aga
         "nvlink": {"links": 0, "active": 0, "version": None},
         "unread": [],
     }
-    (folder / FABRIC).write_text(
-        json.dumps({"source": "NVML at capture time", "gpus": [pcie, {**pcie, "index": 1}]})
-    )
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        summary = summarize(fd, os.listdir(fd), try_open)
-    finally:
-        os.close(fd)
-    text = format_summary(summary)
-    assert ("fabric (NVML, NVML at capture time): GPU 0 NVIDIA H200: PCIe Gen1 x16 (max Gen5 "
+    fabric = {"source": "NVML at capture time", "gpus": [pcie, {**pcie, "index": 1}]}
+    text = summarize_with_fabric(tmp_path, "gpu-allreduce-2xh200", fabric)
+    assert ("fabric (NVML at capture time): GPU 0 NVIDIA H200: PCIe Gen1 x16 (max Gen5 "
             "x16), no NVLink; GPU 1") in text  # fmt: skip
     assert ("limit GPU 0: PCIe Gen5 x16 (no GPU has an active NVLink): 63.0 GB/s per "
             "direction") in text  # fmt: skip
-    assert "% of the fabric's 63.0 GB/s (busbw = algbw x 2(n-1)/n, n = 2 (nccl-tests))" in text
+    # The H200 fixture's decode all-reduce: 16 x 7168 bf16, 30.4 GB/s of bus bandwidth.
+    assert ("229,376 bytes per call; bus bandwidth p50 30.42 GB/s, 48.3 % of the fabric's 63.0 "
+            "GB/s (busbw = algbw x 2(n-1)/n, n = 2 (nccl-tests))") in text  # fmt: skip
+    # gloo's collectives on the CPU do not cross the GPUs' links: no share of them is said.
+    text = summarize_with_fabric(tmp_path, "gloo-2ranks-shapes", fabric)
+    assert "CPU ranks: not set against the GPUs' links" in text and "% of the fabric" not in text
