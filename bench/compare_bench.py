@@ -6,7 +6,9 @@ and bus bandwidth against that truth.
     .venv/bin/python -m bench.compare_bench --torch-python PYTHON [--runs 5] [--out FILE.json]
 
 Per repetition: three captures of one state (no delay) as A, three more as B, three with the
-last rank 2 ms late before every collective as C; then A against B (a control: the truth is no
+last rank 2 ms late before every collective as C, made interleaved (A, B, C, A, ...) by one pair
+of rank processes, each capture its own profiler session (as a running vLLM's captures are);
+then A against B (a control: the truth is no
 change), A against C (the wait grew, carried by the late rank), and A1 against C1 (one capture a
 side: run-to-run noise unmeasured, the rank still named). Then one capture with
 record_shapes and two sizes per collective: the bytes per call against the truth's, exactly,
@@ -27,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine
-from bench.gloo_bench import summarize
 from kimi_supervisor.analysis.compare import compare
+from kimi_supervisor.analysis.ranks import summarize_folder
+from kimi_supervisor.ports.safeopen import try_open
 from tests.gloo_truth import truth_busbw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +43,15 @@ LATE_RANK = 1
 SIZES = "64,512"
 
 
-def make(python: str, folder: Path, *, delay_ms: float = 0.0, steps: int, extra: list[str]) -> None:
-    argv = [python, str(MAKE), str(folder), "--ranks", "2", "--delay-ms", str(delay_ms),
+def make(python: str, folder: Path, *, delays: str = "0", steps: int, extra: list[str]) -> None:
+    argv = [python, str(MAKE), str(folder), "--ranks", "2", "--delay-ms", delays,
             "--steps", str(steps), *extra]  # fmt: skip
     subprocess.run(argv, check=True, capture_output=True)
+
+
+def summarize(folder: Path) -> dict[str, Any]:
+    """The capture's summary as `kimi-mode capture --summarize` makes it (in this process)."""
+    return summarize_folder(folder, try_open)[0]
 
 
 def judged(c: dict[str, Any]) -> dict[str, Any]:
@@ -115,12 +123,14 @@ def run(
         d = keep or Path(tmp)
         for rep in range(runs):
             caps: dict[str, list[dict[str, Any]]] = {"A": [], "B": [], "C": []}
-            for i in range(3):  # interleaved: a drift of the host falls on every side alike
-                for side, delay in (("A", 0.0), ("B", 0.0), ("C", delay_ms)):
-                    folder = d / f"{rep}-{side}{i}"
-                    if not (folder / "truth.json").exists():
-                        make(python, folder, delay_ms=delay, steps=steps, extra=[])
-                    caps[side].append(summarize(folder))
+            # Nine captures by one pair of ranks, each its own profiler session (as a running
+            # vLLM's captures are), interleaved A, B, C: a drift of the host falls on all alike.
+            folder = d / f"rep-{rep}"
+            if not (folder / "08" / "truth.json").exists():
+                make(python, folder, delays=",".join(["0", "0", f"{delay_ms:g}"] * 3),
+                     steps=steps, extra=[])  # fmt: skip
+            for k in range(9):
+                caps["ABC"[k % 3]].append(summarize(folder / f"{k:02d}"))
             reps.append({
                 "control_3v3": judged(compare(caps["A"], caps["B"])),
                 "delayed_3v3": judged(compare(caps["A"], caps["C"])),

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kimi_supervisor.analysis.sizes import fabric_line
-
 LABELS = {"communication": "communication", "gemm": "GEMM", "attention": "attention"}
 COLLECTIVES = {
     "all_reduce": "all-reduce",
@@ -63,6 +61,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{o['communication_ms']:.3f} ms"
             )
     if "fabric" in summary:  # a summary of this version: said also where none was recorded
+        from kimi_supervisor.analysis.sizes import fabric_line  # kimi-mode loads no analysis
+
         lines.append(fabric_line(summary.get("fabric")))
     if summary.get("across_ranks"):
         # A CPU's collectives (gloo, vLLM's shared memory) do not cross the GPUs' links.
