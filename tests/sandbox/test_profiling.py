@@ -163,7 +163,8 @@ def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> No
     assert "communication   26.1 %" in stdout  # rank 0: 0.3 of 1.15 ms
     # Across the ranks: every all-reduce ends together, rank r arriving 100 x r us before rank 0.
     split = summary["across_ranks"]["kinds"]["decode"]["collectives"]["all_reduce"]
-    assert split["last_to_arrive"] == {"rank": 0, "share": 1.0}
+    assert {k: split["last_to_arrive"][k] for k in ("rank", "share")} == {"rank": 0, "share": 1.0}
+    assert split["last_to_arrive"]["by_ms"] == 0.1  # 100 us before the next latest
     assert [p["wait_ms"] for p in split["per_rank"]] == pytest.approx([0.1 * r for r in range(tp)])
     assert [p["transfer_ms"] for p in split["per_rank"]] == pytest.approx([0.3] * tp)
     assert "all-reduce" in stdout and "last to arrive: rank 0 in 100 % of calls" in stdout
