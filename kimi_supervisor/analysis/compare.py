@@ -42,7 +42,11 @@ T99 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8:
        9: 3.25, 10: 3.169, 12: 3.055, 15: 2.947, 20: 2.845, 30: 2.75, 60: 2.66}  # fmt: skip
 RESOLUTION_MS = 0.05  # below this no move is said: a trace's µs and gloo's hand-over
 MIN_STEPS = 5  # a capture with fewer counted steps has no step-to-step noise to measure
-ROUNDS, ROUNDS_MIN, DRAWS = 1000, 200, 2_000_000  # bootstrap rounds; draws per part at most
+ROUNDS, ROUNDS_MIN, DRAWS = 1000, 200, 600_000  # bootstrap rounds; draws per part at most
+# A capture of more steps is drawn again from this many of them, evenly spaced: its noise is then
+# overstated, by sqrt(steps / STEP_MAX) at most (3.2x for a summary's 5,000 rows), and a compare
+# of six such captures takes seconds, not a minute.
+STEP_MAX = 500
 TOP = 8
 # The parts judged, and what a change of each says, down then up (the verdict's words).
 PARTS = ("step", "wait", "transfer", "compute", "spread")
@@ -121,6 +125,9 @@ def malformed(summary: dict[str, Any]) -> str | None:
             _series(summary, kind)
             _tops(summary)
             _typical(summary, kind)
+            for coll in _split_of(summary, kind):  # the late rank, as _late reads it
+                if _late([summary], kind, coll) is not None:
+                    _share_of([summary], kind, coll, 0)
             # Each device and rank hashable, as compare() makes sets of them.
             {r["device"] for r in summary["ranks"]}
             errors = summary.get("errors") or []
@@ -201,6 +208,7 @@ def judge(
     fewest = min(len(x) for x in (*a, *b))
     step_noise = run_noise = None
     if fewest >= MIN_STEPS:
+        a, b = ([x[:: -(-len(x) // STEP_MAX)] for x in side] for side in (a, b))
         drawn = sum(len(x) for x in (*a, *b))
         n = rounds or max(ROUNDS_MIN, min(ROUNDS, DRAWS // drawn))
         rng = random.Random(f"{seed}:{drawn}")
@@ -243,7 +251,7 @@ def _late(side: list[dict[str, Any]], kind: str, coll: str) -> dict[str, Any] | 
         last = (_split_of(s, kind).get(coll) or {}).get("last_to_arrive")
         if not isinstance(last, dict):
             continue
-        calls = int(last.get("calls") or 0)
+        calls = int(_num(last.get("calls") or 0, "a late rank's calls"))
         shares = last.get("shares") or {str(last.get("rank")): last.get("share", 0.0)}
         for r, share in shares.items():
             counts[str(r)] = counts.get(str(r), 0.0) + _num(share, "a late share") * calls
@@ -255,7 +263,7 @@ def _late(side: list[dict[str, Any]], kind: str, coll: str) -> dict[str, Any] | 
     for s in side:
         last = (_split_of(s, kind).get(coll) or {}).get("last_to_arrive") or {}
         shares = last.get("shares") or {str(last.get("rank")): last.get("share", 0.0)}
-        each.append(float(shares.get(rank, 0.0)))
+        each.append(_num(shares.get(rank, 0.0), "a late share"))
         if str(last.get("rank")) == rank and last.get("by_ms") is not None:
             by.append(_num(last["by_ms"], "a late rank's lead"))
     return {
@@ -272,9 +280,9 @@ def _share_of(side: list[dict[str, Any]], kind: str, coll: str, rank: Any) -> tu
     got, total = 0.0, 0
     for s in side:
         last = (_split_of(s, kind).get(coll) or {}).get("last_to_arrive") or {}
-        calls = int(last.get("calls") or 0)
+        calls = int(_num(last.get("calls") or 0, "a late rank's calls"))
         shares = last.get("shares") or {str(last.get("rank")): last.get("share", 0.0)}
-        got += float(shares.get(str(rank), 0.0)) * calls
+        got += _num(shares.get(str(rank), 0.0), "a late share") * calls
         total += calls
     return (got / total if total else 0.0), total
 

@@ -83,7 +83,7 @@ def test_kimi_mode_compare_needs_no_daemon_prints_the_verdict_and_validates_as_j
     a, b = str(tmp_path / "fixture"), str(tmp_path / "synthetic")
     r = kimi_mode("--compare", a, b)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines()[:2] == [f"A: {a}", f"B: {b}"]
+    assert " ".join(r.stdout.split()).startswith(f"A: {a} B: {b} ")  # wrapped to the width
     assert "\nverdict: " in r.stdout and "all-reduce wait" in r.stdout
     r = kimi_mode("--compare", a, b, "--json")
     assert r.returncode == 0, r.stderr
@@ -169,8 +169,10 @@ def test_captures_of_different_collectives_judge_only_the_step_not_the_wait() ->
 
 @pytest.mark.parametrize(
     ("where", "bad"),
-    [("device", ["cpu"]), ("errors", 5), ("errors", [{"rank": [1]}]), ("typical", ["x"])],
-)
+    [("device", ["cpu"]), ("errors", 5), ("errors", [{"rank": [1]}]), ("typical", ["x"]),
+     ("shares", "x"), ("shares", {"1": float("nan")}), ("calls", "9"), ("by_ms", "2"),
+     ("spread_ms", None)],
+)  # fmt: skip
 def test_a_summary_with_unhashable_or_misshapen_fields_is_refused_not_a_traceback(
     where: str, bad: object
 ) -> None:
@@ -182,6 +184,11 @@ def test_a_summary_with_unhashable_or_misshapen_fields_is_refused_not_a_tracebac
         s["ranks"][0]["device"] = bad
     elif where == "typical":
         s["ranks"][0]["step_times"]["decode"]["typical"] = bad
+    elif where in ("shares", "calls", "by_ms"):
+        s["across_ranks"]["kinds"]["decode"]["collectives"]["all_reduce"]["last_to_arrive"][
+            where] = bad  # fmt: skip
+    elif where == "spread_ms":
+        s["across_ranks"]["per_step"]["rows"][3][7] = bad
     else:
         s["errors"] = bad
     assert malformed(s), where
