@@ -38,7 +38,8 @@ ABS_MS, REL = 0.05, 0.10  # the issue's bar: within 10 % or 50 µs
 def check(summary: dict[str, Any], truth: dict[str, Any]) -> dict[str, Any]:
     """How the summary's split stands against the truth (see the module)."""
     a = summary["across_ranks"]
-    counted = {row[0] for row in a["per_step"]["rows"] if row[-1]}
+    at = a["per_step"]["columns"].index("counted")
+    counted = {row[0] for row in a["per_step"]["rows"] if row[at]}
     t = truth_of(truth, counted)
     late = truth["late_rank"]
     worst_abs = worst_rel = 0.0
@@ -104,7 +105,7 @@ def run(runs: int, torch_python: str, ranks: str, delays: str, steps: int, backe
                         control = (summary, got)
                     elif control is not None:
                         cmp = compare(control[0], summary)
-                        skew, readings = _said(cmp["verdict"])
+                        _skew, readings = _said(cmp["verdict"])
                         grew = [r for r in cmp["rows"] if r["what"].endswith("arrival spread p50")]
                         # As the verdict states it (compare._reading): the median over three
                         # collectives or more, the smaller move of one or two.
@@ -113,7 +114,9 @@ def run(runs: int, torch_python: str, ranks: str, delays: str, steps: int, backe
                             - control[1]["truth"][k]["spread_p50_ms"]
                             for k in truth["kinds"]
                         ])  # fmt: skip
-                        ours = skew if skew is not None else _as_stated([r["delta"] for r in grew])
+                        # The rows' per-collective growth (the verdict states the per-step
+                        # median spread's, another figure of the same skew).
+                        ours = _as_stated([r["delta"] for r in grew])
                         err = abs(ours - true_grew) / abs(true_grew)
                         if delay > 0:  # a control's growth is noise: no share of it is a bar
                             worst_compare = max(worst_compare, err)
@@ -157,9 +160,10 @@ def run(runs: int, torch_python: str, ranks: str, delays: str, steps: int, backe
         "the split names as the delayed rank (the worst collective), and the share of calls "
         "the delayed rank really entered last (the truth). Compare: the arrival "
         "spread p50's growth against the same rank count's capture with no delay, ms per call, as "
-        "the verdict states it (the median over three collectives or more, the smaller move of "
-        "two), against the truth's taken the same way, and every reading the verdict gives, in its "
-        "order (a control's says nothing unless its own spread moved, as its truth shows).\n\n"
+        "the compare's rows give it (the median over three collectives or more, the smaller move "
+        "of two), against the truth's taken the same way, and every reading the verdict gives, in "
+        "its order (a control's says nothing unless its own spread moved, as its truth shows)."
+        "\n\n"
         "| ranks | delay, ms | worst error, µs | worst error, % | within the bar | named | "
         "clock correction | verdicts | transient calls trimmed | compare: spread growth, ms |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
@@ -176,7 +180,7 @@ def _as_stated(growth: list[float]) -> float:
 def _said(verdict: str) -> tuple[float | None, list[str]]:
     """The skew the compare's verdict states going up (ms per call, None where it does not),
     and every reading it gives, in its order ("nothing" where none passed its floor)."""
-    m = re.search(r"the skew went up by ([+-][\d.]+) ms per call", verdict)
+    m = re.search(r"the skew went up: arrival spread p50 ([+-][\d.]+) ms per call", verdict)
     phrases = [p for pair in MEANING.values() for p in pair]
     found = sorted((verdict.find(p), p) for p in phrases if p in verdict)
     return (float(m.group(1)) if m else None), [p for _, p in found] or ["nothing"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from kimi_supervisor.analysis.sizes import BUS
+
 
 def truth_of(truth: dict[str, Any], counted: set[int]) -> dict[str, Any]:
     """The truth over the counted steps, per collective: each rank's wait (ms per step), the
@@ -33,4 +35,23 @@ def truth_of(truth: dict[str, Any], counted: set[int]) -> dict[str, Any]:
             "late_share": last / max(len(spreads), 1),
             "spread_p50_ms": statistics.median(spreads) if spreads else 0.0,
         }
+    return out
+
+
+def truth_busbw(truth: dict[str, Any], counted: set[int]) -> dict[str, dict[int, float]]:
+    """Per collective and size, the truth's bus bandwidth (GB/s, nccl-tests' definition): over
+    the counted calls, the median of bytes / (the median rank's exit less the latest entry) x
+    the collective's bus factor."""
+    per_rank = [truth["calls"][r] for r in sorted(truth["calls"], key=int)]
+    out: dict[str, dict[int, float]] = {}
+    for kind in truth["kinds"]:
+        calls = [[c for c in cs if c[1] == kind and c[0] in counted] for cs in per_rank]
+        by: dict[int, list[float]] = {}
+        for call in zip(*calls, strict=True):
+            latest = max(c[2] for c in call)
+            t_us = statistics.median((c[3] - latest) / 1000 for c in call)
+            by.setdefault(call[0][4], []).append(
+                call[0][4] / t_us / 1e3 * BUS[kind][0](len(per_rank))
+            )
+        out[kind] = {b: statistics.median(v) for b, v in by.items()}
     return out

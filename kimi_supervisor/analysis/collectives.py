@@ -113,3 +113,71 @@ def group_of(args: dict[str, Any] | None) -> str:
     """The process group a kernel's arguments name (NCCL's), else "" (one sequence per kind)."""
     g = (args or {}).get("Process Group Name")
     return str(g) if g is not None else ""
+
+
+# Bytes per element of the dtypes the profiler names: record_shapes' "Input type" (C++ names,
+# "float", "c10::BFloat16") and NCCL kernels' "dtype" (torch's, "BFloat16", "Float").
+DTYPE_BYTES = {
+    "float": 4, "double": 8, "half": 2, "bfloat16": 2, "int": 4, "long int": 8, "long": 8,
+    "short int": 2, "short": 2, "signed char": 1, "unsigned char": 1, "char": 1, "byte": 1,
+    "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2, "float32": 4,
+    "float64": 8, "complex<float>": 8, "complexfloat": 8, "complex<double>": 16,
+}  # fmt: skip
+
+
+def dtype_bytes(name: Any) -> int | None:
+    """An element's size in bytes, by the profiler's dtype name; None for a name not known
+    (a TensorList, an empty type): never guessed."""
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower().removeprefix("c10::").removeprefix("at::")
+    return DTYPE_BYTES.get(key)
+
+
+def _numel(dims: Any) -> int | None:
+    if not isinstance(dims, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        return None
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def shape_of(args: dict[str, Any] | None) -> tuple[int, int | None] | None:
+    """What record_shapes' arguments of a collective's operator say of its message: the largest
+    tensor among its inputs, as (elements, bytes per element, None where its type is not a
+    dtype: a TensorList's); None where they carry no tensor. The largest input is the message as
+    nccl-tests sizes it: an all-reduce's tensor, an all-gather's output, a reduce-scatter's
+    input (`c10d::_allgather_base_(out, in)`, `c10d::_reduce_scatter_base_(out, in)`)."""
+    dims, types = (args or {}).get("Input Dims"), (args or {}).get("Input type")
+    if not isinstance(dims, list):
+        return None
+    types = types if isinstance(types, list) else []
+    best: tuple[int, int | None] | None = None
+    for i, d in enumerate(dims):
+        n = _numel(d)
+        size = dtype_bytes(types[i]) if i < len(types) else None
+        if n is None and isinstance(d, list) and d and all(isinstance(x, list) for x in d):
+            parts = [_numel(x) for x in d]  # a TensorList: its tensors together, dtype unsaid
+            n, size = (sum(p for p in parts if p is not None), None) if None not in parts else (
+                None, None)  # fmt: skip
+        if n is not None and n > 0 and (best is None or n > best[0]):
+            best = (n, size)
+    return best
+
+
+def nccl_bytes(args: dict[str, Any] | None) -> int | None:
+    """An NCCL kernel's message in bytes, as nccl-tests sizes it (the larger of its input and
+    output: an all-gather's output, a reduce-scatter's input), from its arguments ("In msg
+    nelems", "Out msg nelems", "dtype": PyTorch's record_param_comms, in every GPU trace);
+    None where they do not say."""
+    a = args or {}
+    counts = [a.get("In msg nelems"), a.get("Out msg nelems")]
+    known = [c for c in counts if isinstance(c, int) and not isinstance(c, bool) and c >= 0]
+    size = dtype_bytes(a.get("dtype"))
+    if not known or size is None:
+        return None
+    return max(known) * size

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import kimi_supervisor
-from kimi_supervisor.analysis import skew, trace
+from kimi_supervisor.analysis import sizes, skew, trace
 from kimi_supervisor.analysis.jsonstream import TraceError
 from kimi_supervisor.analysis.timeline import Timeline
 from kimi_supervisor.model import SUMMARY
@@ -31,8 +31,13 @@ from kimi_supervisor.model import SUMMARY
 TRACE = re.compile(r"\.pt\.trace\.json(\.gz)?$|\.trace\.json(\.gz)?$")
 RANK = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 # summary.json's shape: 2 added the collectives, the steps' distribution, the overlap and the
-# wait/transfer split across ranks (`across_ranks`); --compare summarizes again what is older.
-SUMMARY_VERSION = 2
+# wait/transfer split across ranks (`across_ranks`); 3 the message sizes, the late rank's lead,
+# the per-step arrival spread and the fabric; --compare summarizes again what is older.
+SUMMARY_VERSION = 3
+# The host's fabric as NVML read it at capture time (ports/gpu.py's `fabric`), written by the
+# capture beside its traces: the summary carries it and sets the collectives against it.
+FABRIC = "fabric.json"
+FABRIC_MAX_BYTES = 1 << 20
 
 
 def rank_of(name: str) -> int | None:
@@ -147,6 +152,7 @@ def summarize(
             done.append((rank, name, json.loads(out)))
         except ValueError:
             done.append((rank, name, {"error": f"the summarizer exited with {proc.returncode}"}))
+    fabric = _fabric(dir_fd, open_file)
     ranks: list[dict[str, Any]] = []
     timelines: list[skew.RankTimeline] = []
     for rank, name, result in sorted(done, key=lambda d: d[0]):
@@ -160,14 +166,41 @@ def summarize(
         "version": SUMMARY_VERSION,
         "ranks": ranks,
         "across_ranks": skew.split(timelines),
+        "fabric": fabric,
         "errors": sorted(errors, key=lambda e: e["rank"]),
         "took_s": round(time.monotonic() - t0, 1),
     }
 
 
-def write(dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1) -> None:
-    """summary.json in the folder, replaced whole (a reader never sees half of it)."""
-    tmp = f".{SUMMARY}.{os.getpid()}"
+def _fabric(dir_fd: int, open_file: Opener) -> dict[str, Any] | None:
+    """The capture's fabric.json (see FABRIC), with its limit (analysis/sizes.py); None where
+    the folder has none; {"error": why} where it cannot be read."""
+    try:
+        os.stat(FABRIC, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return {"error": f"{FABRIC}: {e.strerror}"}
+    fd, why = open_file(dir_fd, FABRIC)
+    if fd is None:
+        return {"error": f"{FABRIC}: {why}"}
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(FABRIC_MAX_BYTES + 1)
+    try:
+        found = json.loads(raw) if len(raw) <= FABRIC_MAX_BYTES else None
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        return {"error": f"{FABRIC} is not a fabric reading"}
+    return {**found, "limit": sizes.limit(found)}
+
+
+def write(
+    dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1, *, name: str = SUMMARY
+) -> None:
+    """summary.json (or `name`: FABRIC) in the folder, replaced whole (a reader never sees half
+    of it)."""
+    tmp = f".{name}.{os.getpid()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(tmp, flags, 0o640, dir_fd=dir_fd)
     try:
@@ -180,7 +213,7 @@ def write(dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1) ->
         os.unlink(tmp, dir_fd=dir_fd)
         raise
     os.close(fd)
-    os.rename(tmp, SUMMARY, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 SUMMARY_MAX_BYTES = 64 * 2**20  # a summary.json of 5,000 per-step rows is about 300 kB

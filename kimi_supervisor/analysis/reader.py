@@ -15,7 +15,13 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimi_supervisor.analysis.collectives import from_args, group_of
+from kimi_supervisor.analysis.collectives import (
+    LOOKS_LIKE,
+    from_args,
+    group_of,
+    nccl_bytes,
+    shape_of,
+)
 
 STEP = re.compile(r"^execute_context_(\d+)\((\d+)\)_generation_(\d+)\((\d+)\)$|^ProfilerStep#\d+$")
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
@@ -42,6 +48,7 @@ class NcclArgs:
 
     collective: str | None
     group: str
+    nbytes: int | None = None  # the message, as nccl-tests sizes it (collectives.nccl_bytes)
 
 
 @dataclass
@@ -52,6 +59,16 @@ class Ops:
     dur: array[float] = field(default_factory=lambda: array("d"))
     name: array[int] = field(default_factory=lambda: array("l"))
     link: array[int] = field(default_factory=lambda: array("q"))  # a kernel's correlation id
+    # A collective operator's message as record_shapes gives it (collectives.shape_of), packed
+    # in one number per operator: elements x 16 + bytes per element (0: not a dtype), -1: none.
+    shape: array[int] = field(default_factory=lambda: array("q"))
+
+    def shape_at(self, j: int) -> tuple[int, int | None] | None:
+        """The j-th operator's (elements, bytes per element or None), None for no shape."""
+        packed = self.shape[j] if j < len(self.shape) else -1
+        if packed < 0:
+            return None
+        return packed >> 4, (packed & 15) or None
 
 
 class Launches:
@@ -93,6 +110,22 @@ class Reader:
     gloo: Ops = field(default_factory=Ops)
     process_name: str = ""
     count: int = 0
+    _comm: dict[int, bool] = field(default_factory=dict)  # name index -> looks like a collective
+
+    def _shape(self, n: int, ev: dict[str, Any]) -> int:
+        """The packed message (Ops.shape) of a communication operator whose arguments carry
+        shapes (record_shapes: vLLM's `torch_profiler_record_shapes`), else -1."""
+        args = ev.get("args")
+        if not isinstance(args, dict) or "Input Dims" not in args:
+            return -1
+        comm = self._comm.get(n)
+        if comm is None:
+            comm = self._comm[n] = bool(LOOKS_LIKE.search(ev["name"]))
+        shape = shape_of(args) if comm else None
+        if shape is None or shape[0] >= 1 << 58:
+            return -1
+        size = shape[1] if shape[1] is not None and shape[1] < 16 else 0
+        return shape[0] << 4 | size
 
     def index(self, name: str) -> int:
         n = self.names.get(name)
@@ -123,7 +156,9 @@ class Reader:
             k = self.kernels
             if name[:4].lower() == "nccl":
                 args = ev.get("args")
-                self.nccl_args[len(k.ts)] = NcclArgs(from_args(args), group_of(args))
+                self.nccl_args[len(k.ts)] = NcclArgs(
+                    from_args(args), group_of(args), nccl_bytes(args)
+                )
             k.ts.append(ts)
             k.dur.append(dur)
             k.name.append(self.index(name))
@@ -141,16 +176,20 @@ class Reader:
                 self.cpu_steps.append(Step(ts, ts + dur, name, tid))
             elif name.startswith(GLOO):
                 g = self.gloo
+                n = self.index(name)
+                g.shape.append(self._shape(n, ev))
                 g.ts.append(ts)
                 g.dur.append(dur)
-                g.name.append(self.index(name))
+                g.name.append(n)
             elif cat == "cpu_op":
                 ops = self.cpu_ops.get(tid)
                 if ops is None:
                     ops = self.cpu_ops[tid] = Ops()
+                n = self.index(name)
+                ops.shape.append(self._shape(n, ev))
                 ops.ts.append(ts)
                 ops.dur.append(dur)
-                ops.name.append(self.index(name))
+                ops.name.append(n)
 
 
 def _correlation(ev: dict[str, Any]) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 
 from kimi_supervisor.analysis.collectives import SPLIT
 from kimi_supervisor.analysis.reader import Step
+from kimi_supervisor.analysis.sizes import sizes
 from kimi_supervisor.analysis.timeline import Timeline, kind_of, leading, percentile
 
 CLOCK_TOLERANCE_US = 20.0
@@ -47,8 +48,10 @@ TRANSIENT_FACTOR, TRANSIENT_MIN_US = 10.0, 1000.0
 MAX_SHIFT = 16  # steps a rank's profiler may have started before or after the lowest rank's
 # A per-step row: the step's index in the lowest rank's trace, its kind, its time there, and the
 # mean over ranks of its split collectives' time and wait; the rank last most often; whether the
-# totals count it (a start-up step is not).
-COLUMNS = ["step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank", "counted"]
+# totals count it (a start-up step is not); the median arrival spread of its calls.
+COLUMNS = [
+    "step", "kind", "step_ms", "collective_ms", "wait_ms", "last_rank", "counted", "spread_ms"
+]  # fmt: skip
 PER_STEP_MAX = 5000  # per-step rows kept in the summary (a 100 s capture of 20 ms steps)
 
 
@@ -69,11 +72,13 @@ PerCall = list[list[tuple[float, float]]]
 @dataclass(frozen=True)
 class MatchedStep:
     """A step every rank made with the same calls: its name, its index in the lowest rank's
-    steps, and its calls by key."""
+    steps, its calls by key, and each call's message in bytes by key (the largest any rank's
+    trace gives, -1 where none does)."""
 
     name: str
     index: int
     calls: dict[str, PerCall]
+    nbytes: dict[str, list[int]]
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,11 @@ def _shift(ref: Timeline, other: Timeline, offset_us: float) -> int:
     return best[2] if best else 0
 
 
-def _calls_by_step(tl: Timeline) -> dict[int, dict[str, list[tuple[float, float]]]]:
-    out: dict[int, dict[str, list[tuple[float, float]]]] = {}
+def _calls_by_step(tl: Timeline) -> dict[int, dict[str, list[tuple[float, float, int]]]]:
+    out: dict[int, dict[str, list[tuple[float, float, int]]]] = {}
     c = tl.calls
-    for step, key, t, d in zip(c.step, c.key, c.start, c.dur, strict=True):
-        out.setdefault(step, {}).setdefault(key, []).append((t, d))
+    for step, key, t, d, b in zip(c.step, c.key, c.start, c.dur, c.nbytes, strict=True):
+        out.setdefault(step, {}).setdefault(key, []).append((t, d, b))
     return out
 
 
@@ -138,13 +143,13 @@ def match(ranks: list[RankTimeline]) -> Matching:
             unmatched += 1
             continue
         calls: dict[str, PerCall] = {}
+        nbytes: dict[str, list[int]] = {}
         for key, _n in sig[1]:
             per_rank = [by_step[k][idx[k]][key] for k in range(len(ranks))]
-            calls[key] = [
-                [(t + offsets[k], d) for k, (t, d) in enumerate(call)]
-                for call in zip(*per_rank, strict=True)
-            ]
-        steps.append(MatchedStep(sig[0], i, calls))
+            matched = list(zip(*per_rank, strict=True))
+            calls[key] = [[(t + offsets[k], d) for k, (t, d, _b) in enumerate(c)] for c in matched]
+            nbytes[key] = [max(b for _t, _d, b in c) for c in matched]
+        steps.append(MatchedStep(sig[0], i, calls, nbytes))
     return Matching(steps, shifts, unmatched)
 
 
@@ -248,24 +253,35 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
             step_ms.setdefault(kind, []).append(ms)
         row_wait = row_total = 0.0
         row_last: Counter[int] = Counter()
+        row_spread: list[float] = []
         for key, per_call in calls.items():  # split collectives only (see _signature)
             coll = key.split("@")[0]
             # A start-up step's figures go to its row only, in a bin nobody reports.
             a = acc.setdefault((kind if counted else "", coll), _new(n))
-            for call in per_call:
+            for call, nbytes in zip(per_call, matched.nbytes[key], strict=True):
                 starts = [t + offsets[k] for k, (t, _d) in enumerate(call)]
                 last = max(starts)
                 a["spread"].append(last - min(starts))
-                a["last"][starts.index(last)] += 1
-                row_last[starts.index(last)] += 1
+                row_spread.append(last - min(starts))
+                late = starts.index(last)
+                a["last"][late] += 1
+                row_last[late] += 1
+                if n > 1:  # by how much the last rank came after the next latest
+                    a["by"].setdefault(late, []).append(last - sorted(starts)[-2])
                 shortest = min(d for _t, d in call)
+                moving: list[float] = []
                 for k, (_t, d) in enumerate(call):
                     a["short_wait"][k] += d - shortest
                     wait = min(max(last - starts[k], 0.0), d)
                     a["total"][k] += d
                     a["wait"][k] += wait
+                    moving.append(d - wait)
                     row_wait += wait / n
                     row_total += d / n
+                if nbytes >= 0:  # the call's transfer: the median rank's time after the last came
+                    a["sizes"].append((nbytes, statistics.median(moving)))
+                else:
+                    a["unsized"] += 1
         for coll in {key.split("@")[0] for key in calls}:
             acc[(kind if counted else "", coll)]["steps"] += 1
         last_rank = names[row_last.most_common(1)[0][0]] if row_last else None
@@ -278,12 +294,13 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
                 round(row_wait / 1000, 3),
                 last_rank,
                 counted,
+                round(statistics.median(row_spread) / 1000, 4) if row_spread else 0.0,
             ]
         )
     kinds: dict[str, Any] = {}
     for kind, times in step_ms.items():
         per_coll = {
-            coll: _report(a, step_ms[kind], names)
+            coll: _report(a, step_ms[kind], names, coll)
             for (k, coll), a in sorted(acc.items())
             if k == kind and a["steps"]
         }
@@ -331,10 +348,13 @@ def _new(n: int) -> dict[str, Any]:
         "short_wait": [0.0] * n,
         "last": Counter(),
         "spread": [],
+        "by": {},
+        "sizes": [],
+        "unsized": 0,
     }
 
 
-def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[str, Any]:
+def _report(a: dict[str, Any], step_ms: list[float], names: list[int], coll: str) -> dict[str, Any]:
     """One collective of one step kind, as summary.json carries it (ms per step)."""
     steps = len(step_ms)
     per_rank = []
@@ -355,7 +375,14 @@ def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[s
     slowest = a["last"].most_common(1)
     spread = sorted(a["spread"])
     last = (
-        {"rank": names[slowest[0][0]], "share": round(slowest[0][1] / calls, 4)}
+        {
+            "rank": names[slowest[0][0]],
+            "share": round(slowest[0][1] / calls, 4),
+            # the median call it was last of: how long after the next latest rank it came
+            "by_ms": round(statistics.median(a["by"].get(slowest[0][0]) or [0.0]) / 1000, 4),
+            "calls": calls,
+            "shares": {str(names[k]): round(c / calls, 4) for k, c in sorted(a["last"].items())},
+        }
         if slowest and calls
         else None
     )
@@ -382,6 +409,7 @@ def _report(a: dict[str, Any], step_ms: list[float], names: list[int]) -> dict[s
             "max": round(spread[-1] / 1000, 4) if spread else 0.0,
         },
         "per_rank": per_rank,
+        "sizes": sizes(a["sizes"], a["unsized"], coll=coll, ranks=len(names)),
     }
 
 

@@ -31,12 +31,14 @@ FIRST_FACTOR, FIRST_MAX = 1.5, 5
 @dataclass(frozen=True)
 class Calls:
     """A rank's collective calls inside its steps, in start order, as columns: the step each is
-    in (its index in the timeline's steps), its key, its start and its duration (µs)."""
+    in (its index in the timeline's steps), its key, its start and its duration (µs), and its
+    message in bytes as nccl-tests sizes it (-1: the trace does not say)."""
 
     step: list[int]
     key: list[str]
     start: list[float]
     dur: list[float]
+    nbytes: list[int]
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ class Timeline:
         return {
             "base_ns": self.base_ns,
             "steps": [[s.start, s.end, s.name] for s in self.steps],
-            "calls": {"step": c.step, "key": c.key, "start": c.start, "dur": c.dur},
-        }
+            "calls": {
+                "step": c.step, "key": c.key, "start": c.start, "dur": c.dur, "nbytes": c.nbytes
+            },
+        }  # fmt: skip
 
     @classmethod
     def from_json(cls, found: dict[str, Any]) -> Timeline:
@@ -63,7 +67,13 @@ class Timeline:
         return cls(
             base_ns=int(found["base_ns"]),
             steps=[Step(s, e, n) for s, e, n in found["steps"]],
-            calls=Calls(step=c["step"], key=c["key"], start=c["start"], dur=c["dur"]),
+            calls=Calls(
+                step=c["step"],
+                key=c["key"],
+                start=c["start"],
+                dur=c["dur"],
+                nbytes=c.get("nbytes") or [-1] * len(c["step"]),
+            ),
         )
 
 
@@ -119,7 +129,7 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
             kinds[n] = c.kind if c else None
         return kinds[n]
 
-    out: list[tuple[int, str, float, float]] = []
+    out: list[tuple[int, str, float, float, int]] = []
     k = r.kernels
     if len(k.ts):
         for j in range(len(k.ts)):
@@ -132,13 +142,14 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
             step = index.at(launched if r.cpu_steps and launched is not None else k.ts[j])
             if step >= 0:
                 key = f"{c}@{what.group}" if what and what.group else c
-                out.append((step, key, k.ts[j], k.dur[j]))
+                nbytes = what.nbytes if what and what.nbytes is not None else -1
+                out.append((step, key, k.ts[j], k.dur[j], nbytes))
     else:
         handed = bool(len(r.gloo.ts))
-        for handover, start, dur, c in gloo_calls(r, names):
+        for handover, start, dur, c, nbytes in gloo_calls(r, names):
             # The rank arrived when it handed the work over; the call ends with the worker's.
             if (step := index.at(handover)) >= 0:
-                out.append((step, c, handover, start + dur - handover))
+                out.append((step, c, handover, start + dur - handover, nbytes))
         for ops in r.cpu_ops.values():
             ends: dict[str, float] = {}  # an operator inside one of its own kind is not a call
             for j in sorted(range(len(ops.ts)), key=ops.ts.__getitem__):
@@ -149,18 +160,34 @@ def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Laun
                     continue  # a hand-over to gloo: the call is its worker's range
                 ends[c] = ops.ts[j] + ops.dur[j]
                 if (step := index.at(ops.ts[j])) >= 0:
-                    out.append((step, c, ops.ts[j], ops.dur[j]))
+                    nbytes = _bytes(ops.shape_at(j))
+                    out.append((step, c, ops.ts[j], ops.dur[j], nbytes))
     out.sort(key=lambda c: c[2])
     return Calls(
         step=[c[0] for c in out],
         key=[c[1] for c in out],
         start=[c[2] for c in out],
         dur=[c[3] for c in out],
+        nbytes=[c[4] for c in out],
     )
 
 
-def gloo_calls(r: Reader, names: dict[int, str]) -> list[tuple[float, float, float, str]]:
-    """gloo's collectives as (hand-over start, start, duration, kind): each worker range paired,
+def _bytes(
+    shape: tuple[int, int | None] | None, fallback: tuple[int, int | None] | None = None
+) -> int:
+    """A message's bytes from record_shapes' (elements, element size), the element size taken
+    from `fallback` where `shape` has none (a TensorList's, from gloo's own range of the same
+    tensor); -1 where either is unknown."""
+    if shape is None:
+        return -1
+    size = shape[1] if shape[1] is not None else (fallback[1] if fallback else None)
+    return shape[0] * size if size is not None else -1
+
+
+def gloo_calls(r: Reader, names: dict[int, str]) -> list[tuple[float, float, float, str, int]]:
+    """gloo's collectives as (hand-over start, start, duration, kind, bytes as nccl-tests size
+    them or -1: the operator's largest tensor, its dtype from gloo's range where the operator
+    takes a TensorList): each worker range paired,
     in start order, with the c10d operator that handed it over, the first range to start at or
     after the operator's start (gloo's queue is first in, first out). The kind is the
     operator's (gloo runs a reduce-scatter as `gloo:all_reduce`); a range with no operator
@@ -168,23 +195,24 @@ def gloo_calls(r: Reader, names: dict[int, str]) -> list[tuple[float, float, flo
     g = r.gloo
     if not len(g.ts):
         return []
-    handovers: list[tuple[float, str]] = []
-    for ops in r.cpu_ops.values():
-        for ts, n in zip(ops.ts, ops.name, strict=True):
+    handovers: list[tuple[float, str, tuple[int, int]]] = []
+    for tid, ops in r.cpu_ops.items():
+        for j, (ts, n) in enumerate(zip(ops.ts, ops.name, strict=True)):
             name = names[n]
             if name.startswith("c10d::") and (c := collective(name)) is not None:
-                handovers.append((ts, c.kind))
+                handovers.append((ts, c.kind, (tid, j)))
     handovers.sort()
     ranges = sorted(range(len(g.ts)), key=g.ts.__getitem__)
-    out: list[tuple[float, float, float, str]] = []
+    out: list[tuple[float, float, float, str, int]] = []
     j = 0
-    for ts, kind in handovers:
+    for ts, kind, op in handovers:
         while j < len(ranges) and g.ts[ranges[j]] < ts:
             j += 1
         if j == len(ranges):
             break
         k = ranges[j]
-        out.append((ts, g.ts[k], g.dur[k], kind))
+        nbytes = _bytes(r.cpu_ops[op[0]].shape_at(op[1]), g.shape_at(k))
+        out.append((ts, g.ts[k], g.dur[k], kind, nbytes))
         j += 1
     return out
 
@@ -285,5 +313,6 @@ def timeline(r: Reader, names: dict[int, str], launches: Launches, base_ns: int)
             key=calls.key,
             start=[round(t, 3) for t in calls.start],
             dur=[round(d, 3) for d in calls.dur],
+            nbytes=calls.nbytes,
         ),
     )

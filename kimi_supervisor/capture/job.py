@@ -36,6 +36,7 @@ from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES
 from kimi_supervisor.messages import End, Event
 from kimi_supervisor.model import SUMMARY, CapturePhase, Mode, shown, utcnow
 from kimi_supervisor.ports import launcher, safeopen
+from kimi_supervisor.ports.gpu import GpuPort, fabric_of
 from kimi_supervisor.ports.http import HttpResult, request
 from kimi_supervisor.status import CaptureStatus
 from kimi_supervisor.vllm_guard import kimi_profile_guard
@@ -217,7 +218,10 @@ class Capture:
         publish: Callable[[Event | End], None],
         on_done: Callable[[Capture], None],
         log: Callable[..., None],
+        *,
+        gpu: GpuPort | None = None,  # the daemon's: the fabric is read from it (fabric.json)
     ) -> None:
+        self.gpu = gpu
         self.config = config
         self.spec = spec
         self.publish = publish
@@ -431,6 +435,9 @@ class Capture:
                 files.append({"name": shown(name), "rank": rank, "bytes": new[name].size})
                 moved.append(name)  # as the file system names it: the summary opens these
             os.fchown(fd, spec.uid, spec.gid)
+            if (fabric := fabric_of(self.gpu, self.config.gpus.managed)) is not None:
+                with contextlib.suppress(OSError):  # the host's links, for the summary
+                    ranks.write(fd, fabric, spec.uid, spec.gid, name=ranks.FABRIC)
             if p.summarize and ranks.rank_traces(moved):
                 summary = self._summarize(fd, moved)
         finally:

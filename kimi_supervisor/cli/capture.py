@@ -86,31 +86,88 @@ def _summary_of(folder: Path) -> dict[str, Any]:
     return summarize_folder(folder, try_open)[0]
 
 
+def compare_sides(given: list[str], after: list[str]) -> tuple[list[Path], list[Path]] | str:
+    """`--compare A B`, `--compare A1 A2 -- B1 B2`: each side's capture folders, a folder
+    that holds no trace but capture folders standing for those it holds; or what is wrong."""
+    if after:
+        sides = [given, after]
+    elif len(given) == 2:
+        sides = [given[:1], given[1:]]
+    else:
+        return (
+            f"--compare takes A B, or several captures a side with -- between the sides "
+            f"(A1 A2 -- B1 B2); {len(given)} folders were given without --"
+        )
+    out: list[list[Path]] = []
+    for folders in sides:
+        side: list[Path] = []
+        for f in map(Path, folders):
+            side += _captures_in(f)
+        out.append(side)
+    return out[0], out[1]
+
+
+def _captures_in(folder: Path) -> list[Path]:
+    """`folder` when it holds traces (or nothing readable to say otherwise), else the capture
+    folders in it (those holding traces), by name."""
+    from kimi_supervisor.analysis.ranks import rank_traces
+
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return [folder]  # said when it is read
+    if rank_traces(names):
+        return [folder]
+    inner = sorted(folder / n for n in names if (folder / n).is_dir() and _holds_traces(folder / n))
+    return inner or [folder]
+
+
+def _holds_traces(folder: Path) -> bool:
+    from kimi_supervisor.analysis.ranks import rank_traces
+
+    try:
+        return bool(rank_traces(os.listdir(folder)))
+    except OSError:
+        return False
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    """`capture --compare A B`: two captures side by side, made here (no daemon needed)."""
+    """`capture --compare A B` (or several captures a side): side by side, made here (no daemon
+    needed)."""
     from kimi_supervisor.analysis.compare import CompareError, compare
 
     o = Output(args.output)
-    summaries = []
-    for label, given in zip("AB", args.compare, strict=True):
-        folder = Path(given)
-        try:
-            summaries.append(_summary_of(folder))
-        except OSError as e:
-            return o.fail(Exit.USAGE, f"--compare {label} {folder}: {e.strerror}")
+    sides = compare_sides(args.compare, getattr(args, "compare_b", None) or [])
+    if isinstance(sides, str):
+        return o.fail(Exit.USAGE, sides)
+    summaries: list[list[dict[str, Any]]] = []
+    for label, folders in zip("AB", sides, strict=True):
+        side = []
+        for folder in folders:
+            try:
+                side.append(_summary_of(folder))
+            except OSError as e:
+                return o.fail(Exit.USAGE, f"--compare {label} {folder}: {e.strerror}")
+        summaries.append(side)
     try:
         c = compare(*summaries)
     except CompareError as e:
         return o.fail(Exit.USAGE, f"--compare: {e}")
-    a, b = (str(Path(x).absolute()) for x in args.compare)
+    a, b = ([str(f.absolute()) for f in folders] for folders in sides)
     if o.json:
-        o.line({"v": 1, "type": "compare", "a": a, "b": b, **c})
+        o.line({"v": 1, "type": "compare", "a": ", ".join(a), "b": ", ".join(b),
+                "a_folders": a, "b_folders": b, **c})  # fmt: skip
     else:
-        print("\n".join(wrap(format_compare(c, a, b).splitlines(), columns(sys.stdout) - 1)))
+        text = format_compare(c, a, b)
+        print("\n".join(wrap(text.splitlines(), columns(sys.stdout) - 1)))
     return Exit.OK
 
 
 def cmd_capture(args: argparse.Namespace, sock: Path) -> int:
+    if getattr(args, "compare_b", None) and not args.compare:
+        return Output(args.output).fail(
+            Exit.USAGE, f"capture takes no folder ({' '.join(args.compare_b)}) without --compare"
+        )
     if args.summarize or args.compare:
         flag = "--summarize" if args.summarize else "--compare"
         given = [f for f, v in (("--switch", args.switch), ("--seconds", args.seconds),

@@ -339,12 +339,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--compare",
-        nargs=2,
+        nargs="+",
         default=None,
-        metavar=("A", "B"),
-        help="take no capture: compare two captures' folders (the same step kind, per class, "
-        "top kernel and the all-reduce's wait and transfer, with deltas and a verdict)",
+        metavar="A",
+        help="take no capture: compare captures' folders, A B or several a side (A1 A2 -- B1 B2; "
+        "a folder of capture folders stands for those): per class, top kernel, the collectives' "
+        "wait and transfer and the late rank, each change judged against the noise",
     )
+    c.add_argument("compare_b", nargs="*", default=[], help=argparse.SUPPRESS)
     c.set_defaults(fn=capture.cmd_capture)
     c = command(
         "status",

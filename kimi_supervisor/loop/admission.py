@@ -276,6 +276,7 @@ class Desk:
             self.ctx.bus.publish,
             lambda done: put(CaptureDone(done)),  # type: ignore[operator]
             self.ctx.log,
+            gpu=self.ctx.gpu,
         )
         c.start()
         self.ctx.log("capture_started", **c.describe().model_dump(mode="json"))

@@ -56,6 +56,7 @@ class GpuPort(Protocol):
     def device_path(self, index: int) -> str: ...
     def uuid(self, index: int) -> str: ...
     def driver_version(self) -> str: ...
+    def fabric(self, indices: Sequence[int] | None = None) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
@@ -237,6 +238,59 @@ class NvmlGpu:
                     total += int(nv.nvmlDeviceGetNvLinkErrorCounter(h, link, c))
                     read += 1
         return total if read else None
+
+    def fabric(self, indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """The host's fabric as NVML reports it, per GPU (`indices`, None: every one): its PCIe
+        link's generation and width now and at most, and its NVLink links (those NVML answers
+        for), how many are active and their version. Errors are data: a reading that fails is
+        named in that GPU's `unread`, a GPU that cannot be read has only `unread`, and NVML
+        itself missing is {"error": why} (the capture records it as it is)."""
+        try:
+            nv = self._lib()
+            count = self.device_count()
+        except GpuUnavailable as e:
+            return {"source": "NVML at capture time", "gpus": [], "error": str(e)}
+        gpus: list[dict[str, Any]] = []
+        for index in range(count) if indices is None else indices:
+            unread: list[str] = []
+            try:
+                h = self._handle(index)
+            except GpuUnavailable as e:
+                gpus.append({"index": index, "unread": [str(e)]})
+                continue
+
+            def ask(name: str, fn: Any, *args: Any, unread: list[str] = unread) -> Any:
+                return _ask(nv, unread, name, fn, *args)
+
+            name = ask("name", nv.nvmlDeviceGetName, h)
+            pcie = {
+                "gen": ask("PCIe generation", nv.nvmlDeviceGetCurrPcieLinkGeneration, h),
+                "width": ask("PCIe width", nv.nvmlDeviceGetCurrPcieLinkWidth, h),
+                "max_gen": ask("PCIe max generation", nv.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                "max_width": ask("PCIe max width", nv.nvmlDeviceGetMaxPcieLinkWidth, h),
+            }
+            links = active = 0
+            version = None
+            for link in range(int(getattr(nv, "NVML_NVLINK_MAX_LINKS", 18))):
+                try:
+                    state = nv.nvmlDeviceGetNvLinkState(h, link)
+                except Exception:
+                    continue  # no such link, or no NVLink at all
+                links += 1
+                if state == nv.NVML_FEATURE_ENABLED:
+                    active += 1
+                    if version is None:
+                        version = ask("NVLink version", nv.nvmlDeviceGetNvLinkVersion, h, link)
+            gpus.append(
+                {
+                    "index": index,
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "pcie": pcie,
+                    "nvlink": {"links": links, "active": active, "version": version},
+                    "unread": unread,
+                }
+            )
+        return {"source": "NVML at capture time", "gpus": gpus}
 
     def device_path(self, index: int) -> str:
         h = self._handle(index)
@@ -499,6 +553,17 @@ def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
     return None
 
 
+def fabric_of(gpu: GpuPort | None, indices: Sequence[int] = ()) -> dict[str, Any] | None:
+    """A capture's fabric reading (the GPUs of `indices`, none: every one), whatever goes
+    wrong as data; None with no port."""
+    if gpu is None:
+        return None
+    try:
+        return gpu.fabric(list(indices) or None)
+    except Exception as e:  # a port's own bug: said in the reading, never a failed capture
+        return {"source": "NVML at capture time", "gpus": [], "error": reading_error(e)}
+
+
 def _mib(value: int | None) -> int | None:
     # NVML reports NVML_VALUE_NOT_AVAILABLE (2**64-1) or None where it cannot account memory.
     if value is None or value >= 2**63:
@@ -569,6 +634,14 @@ class BoundedGpu:
     def health(self, indices: Sequence[int]) -> list[GpuHealth]:
         shown = ", ".join(map(str, indices))
         return list(self._call(f"the health of GPU(s) {shown}", "health", list(indices)))
+
+    def fabric(self, indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """The inner port's fabric; a driver that hangs past the deadline is {"error": why}."""
+        try:
+            got = self._call("the fabric", "fabric", None if indices is None else list(indices))
+        except GpuUnavailable as e:
+            return {"source": "NVML at capture time", "gpus": [], "error": str(e)}
+        return dict(got)
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         # Asked once per device node while judging a holder, on the caller's thread: NVML's

@@ -23,6 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kimi_supervisor.model import GpuHealth
 from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
@@ -40,6 +41,16 @@ HEALTH = "health.json"
 # remapping supported and clean, page retirement not supported (row remapping replaced it),
 # no uncorrected ECC error, no Xid in the kernel's log. NVLink as the lent host has it: none.
 H200_UNREAD = ("page retirement: not supported by this GPU",)
+# The fabric of one simulated GPU: an H200 SXM of an HGX board as NVIDIA's H200 datasheet gives
+# it (PCIe Gen5 x16, "NVLink 900 GB/s": 18 NVLink 4 links of 25 GB/s per direction each).
+# `fabric.json` in the sim folder replaces any of it per index ({"0": {"nvlink": {"links": 0,
+# "active": 0, "version": null}}}: a PCIe card). bench/fabric_probe.py reads a real host's.
+SXM_FABRIC: dict[str, Any] = {
+    "name": "NVIDIA H200",
+    "pcie": {"gen": 5, "width": 16, "max_gen": 5, "max_width": 16},
+    "nvlink": {"links": 18, "active": 18, "version": 4},
+    "unread": [],
+}
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -250,6 +261,28 @@ class SimGpu:
                 fields["unread"] = tuple(fields["unread"])
             out.append(GpuHealth(index, **fields))  # type: ignore[arg-type]
         return out
+
+    def fabric(self, indices: Sequence[int] | None = None) -> dict[str, Any]:
+        """NvmlGpu.fabric's answer: each device an SXM GPU's (SXM_FABRIC), with what the sim
+        folder's fabric.json changes for it ({"0": {"nvlink": {...}}})."""
+        try:
+            self._answer()
+            devices = self._devices
+        except GpuUnavailable as e:
+            return {"source": "NVML at capture time", "gpus": [], "error": str(e)}
+        try:
+            changed = json.loads((self.root / "fabric.json").read_text())
+        except (OSError, ValueError):
+            changed = {}
+        gpus: list[dict[str, Any]] = []
+        for index in [d.index for d in devices] if indices is None else indices:
+            try:
+                self._device(index)
+            except GpuUnavailable as e:
+                gpus.append({"index": index, "unread": [str(e)]})
+                continue
+            gpus.append({"index": index, **SXM_FABRIC, **changed.get(str(index), {})})
+        return {"source": "NVML at capture time", "gpus": gpus}
 
     def device_path(self, index: int) -> str:
         self._answer()

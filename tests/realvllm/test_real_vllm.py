@@ -427,7 +427,7 @@ def test_retention_keeps_only_the_newest_real_capture(real: DaemonHelper) -> Non
     assert r.returncode == 0, r.stdout + r.stderr
     said = flat(r.stdout)
     assert "decode steps, ms per step" in said and "all-reduce wait" in said, r.stdout
-    assert "verdict: decode step p50" in said, r.stdout
+    assert "verdict: " in said and "each part against its noise" in said, r.stdout
     record(compare_output=r.stdout)
 
 

@@ -106,6 +106,11 @@ def test_a_capture_lists_the_traces_per_rank_in_its_own_folder_and_returns_to_pr
     for rank in range(4):
         assert f"rank   {rank}" in r.stdout
     assert_summary_of_the_fakes_traces(folder, r.stdout, 4)
+    # The host's fabric, read from the GPU port at capture time, beside the traces and named.
+    fabric = json.loads((folder / "fabric.json").read_text())
+    assert [g["index"] for g in fabric["gpus"]] == [0, 1, 2, 3], fabric
+    assert "GPU 0 NVIDIA H200: PCIe Gen5 x16 (max Gen5 x16), NVLink 4: 18 of 18 active" in flat(
+        r.stdout)  # fmt: skip
     assert "flushing:" in flat(r.stdout)  # progress while the files grew
     assert "going back to production" in flat(r.stdout)
     profiling.wait_serving("production")
@@ -158,7 +163,8 @@ def assert_summary_of_the_fakes_traces(folder: Path, stdout: str, tp: int) -> No
     assert "communication   26.1 %" in stdout  # rank 0: 0.3 of 1.15 ms
     # Across the ranks: every all-reduce ends together, rank r arriving 100 x r us before rank 0.
     split = summary["across_ranks"]["kinds"]["decode"]["collectives"]["all_reduce"]
-    assert split["last_to_arrive"] == {"rank": 0, "share": 1.0}
+    assert {k: split["last_to_arrive"][k] for k in ("rank", "share")} == {"rank": 0, "share": 1.0}
+    assert split["last_to_arrive"]["by_ms"] == 0.1  # 100 us before the next latest
     assert [p["wait_ms"] for p in split["per_rank"]] == pytest.approx([0.1 * r for r in range(tp)])
     assert [p["transfer_ms"] for p in split["per_rank"]] == pytest.approx([0.3] * tp)
     assert "all-reduce" in stdout and "last to arrive: rank 0 in 100 % of calls" in stdout

@@ -324,3 +324,57 @@ def test_a_kmsg_that_is_not_the_kernels_log_is_no_reading(tmp_path: Path) -> Non
     assert gpu.kernel_xids(str(fake)) == (None, False)
     assert gpu.kernel_xids("/dev/null") == (None, False)
     assert gpu.kernel_xids(str(fake), device=False) == ({}, False)  # read as given
+
+
+class Fabric(Health):
+    """Health's three GPUs with links: GPU 0 an SXM card (2 NVLink 4 links, one active, the
+    link at Gen1 while idle), GPU 2 a PCIe card whose NVLink calls are not supported and whose
+    width read fails."""
+
+    def nvmlDeviceGetName(self, h: object) -> bytes:
+        return b"NVIDIA H200"
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h: object) -> int:
+        return 1
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h: object) -> int:
+        if h == ("handle", 2):
+            raise NVMLError("Unknown Error")
+        return 16
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h: object) -> int:
+        return 5
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h: object) -> int:
+        return 16
+
+    def nvmlDeviceGetNvLinkState(self, h: object, link: int) -> int:
+        if h == ("handle", 2):
+            raise self.NVMLError_NotSupported()
+        return 1 if link == 0 else 0
+
+    def nvmlDeviceGetNvLinkVersion(self, h: object, link: int) -> int:
+        return 4
+
+
+def test_the_fabric_is_read_per_gpu_with_every_error_as_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kimi_supervisor.analysis.sizes import limit
+
+    monkeypatch.setitem(sys.modules, "pynvml", Fabric())
+    got = NvmlGpu().fabric()
+    sxm, lost, pcie = got["gpus"]
+    assert sxm["pcie"] == {"gen": 1, "width": 16, "max_gen": 5, "max_width": 16}
+    assert sxm["nvlink"] == {"links": 2, "active": 1, "version": 4} and sxm["unread"] == []
+    assert "GPU is lost" in lost["unread"][0] and "pcie" not in lost
+    assert pcie["nvlink"] == {"links": 0, "active": 0, "version": None}
+    assert pcie["pcie"]["width"] is None and pcie["unread"] == ["PCIe width: Unknown Error"]
+    # GPU 2 reaches the others over PCIe: the limit is the slowest PCIe link, at its maximum
+    # (an idle link trains down to Gen1), not GPU 0's one NVLink.
+    assert limit(got) == {"gbps": 63.008, "said": "GPU 0: PCIe Gen5 x16 (not every GPU has an "
+                          "active NVLink): 63.0 GB/s per direction"}  # fmt: skip
+    assert limit({"gpus": [sxm]})["said"] == (
+        "GPU 0: NVLink 4, 1 active links x 25 GB/s: 25.0 GB/s per direction")  # fmt: skip
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no pynvml at all: said, not raised
+    assert "pynvml module is missing" in NvmlGpu().fabric()["error"]

@@ -61,7 +61,7 @@ def test_one_rank_arriving_late_is_named_and_the_others_wait_is_recovered_within
     s = summary_of(tmp_path)
     assert not s["errors"]
     c = all_reduce(s)
-    assert c["last_to_arrive"] == {"rank": 5, "share": 1.0}
+    assert {k: c["last_to_arrive"][k] for k in ("rank", "share")} == {"rank": 5, "share": 1.0}
     counted = STEPS - 1  # the first step is the profilers' start, not counted
     for p in c["per_rank"]:
         injected = truth[p["rank"]]["wait_us"] / counted / 1000
@@ -163,7 +163,7 @@ def test_a_rank_whose_profiler_started_a_step_later_is_still_matched_step_for_st
     assert a["matched_steps"] == STEPS - 2 and a["unmatched_steps"] == 2
     assert a["shifts"] == {"0": 0, "1": -1, "2": 0, "3": 0}
     c = a["kinds"]["decode"]["collectives"]["all_reduce"]
-    assert c["last_to_arrive"] == {"rank": 3, "share": 1.0}
+    assert {k: c["last_to_arrive"][k] for k in ("rank", "share")} == {"rank": 3, "share": 1.0}
     assert [p["wait_ms"] for p in c["per_rank"]] == pytest.approx(
         [LAYERS * 0.25] * 3 + [0.0], rel=0.01
     )
@@ -184,7 +184,7 @@ def test_the_h200_fixtures_ranks_move_the_same_data_in_the_same_time_and_rank_0_
     c = all_reduce(s)
     transfer = [p["transfer_ms"] for p in c["per_rank"]]
     assert transfer[0] == pytest.approx(transfer[1], rel=0.1)  # the same bytes on one link
-    assert c["last_to_arrive"] == {"rank": 0, "share": 1.0}
+    assert {k: c["last_to_arrive"][k] for k in ("rank", "share")} == {"rank": 0, "share": 1.0}
     # Rank 1's 1.5 ms of NCCL per decode step is waiting for rank 0, not moving data.
     assert c["per_rank"][1]["wait_ms"] > 20 * c["per_rank"][1]["transfer_ms"]
     assert s["ranks"][0]["collectives"]["all_reduce"]["implementations"] == ["NCCL"]
@@ -264,7 +264,8 @@ def test_a_start_up_step_is_kept_in_the_rows_and_out_of_the_totals(tmp_path: Pat
     a = summary_of(tmp_path)["across_ranks"]
     assert a["startup_steps"] == 2  # the profilers' start, and the slow one
     rows = a["per_step"]["rows"]
-    assert [r[-1] for r in rows[:3]] == [False, False, True]
+    assert [r[6] for r in rows[:3]] == [False, False, True]  # counted
+    assert [r[7] for r in rows[:3]] == [0.2, 5.2, 0.2]  # the median arrival spread, ms
     assert rows[1][4] > 20 * rows[2][4]  # its wait, in its row
     c = a["kinds"]["decode"]["collectives"]["all_reduce"]
     for p in c["per_rank"]:
@@ -287,3 +288,34 @@ def test_a_send_only_one_rank_makes_leaves_every_step_matched(tmp_path: Path) ->
     s = summary_of(tmp_path)
     assert s["across_ranks"]["matched_steps"] == STEPS
     assert s["ranks"][1]["collectives"]["other"]["implementations"] == ["NCCL"]
+
+
+def _moving(wait_ms: float, transfer_ms: float, spread_ms: float) -> dict[str, Any]:
+    return {
+        "verdict": {"reading": "moving data", "rank": None,
+                    "thresholds": {"slow_rank_last_share": 0.8, "slow_rank_spread_p50_ms": 0.05,
+                                   "waiting_share": 0.5}},
+        "wait_ms": wait_ms, "transfer_ms": transfer_ms, "wait_share": wait_ms / (
+            wait_ms + transfer_ms), "arrival_spread_ms": {"p50": spread_ms},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("wait_ms", "step_ms", "said"),
+    [
+        pytest.param(0.2, 10.0, "the wait is 0.200 ms per step (2.0 % of the 10.00 ms step), "
+                     "arrivals p50 0.010 ms apart per call: removing skew would save at most that",
+                     id="a wait of 2 % of the step is said not worth removing, with its figure"),
+        pytest.param(4.0, 20.0, "the wait is 4.000 ms per step (20.0 % of the 20.00 ms step), "
+                     "arrivals p50 0.010 ms apart per call: removing skew could save up to 4.000 "
+                     "ms per step", id="a wait of 20 % of the step is said worth removing"),
+    ],
+)  # fmt: skip
+def test_removing_skew_is_said_not_to_help_only_where_the_wait_is_small_against_the_step(
+    wait_ms: float, step_ms: float, said: str
+) -> None:
+    from kimi_supervisor.cli.summary_text import reading
+
+    text = reading(_moving(wait_ms, 5.0, 0.01), step_ms)
+    assert said in text, text
+    assert ("would not" in text) is False
