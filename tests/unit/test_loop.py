@@ -543,7 +543,9 @@ def test_liveness_probes_keep_their_own_cadence_when_the_tick_is_longer(tmp_path
             return probes[-1] - probes[0] >= seconds
 
         host.until(lambda: probed_for(20), "20 s of probes")
-        assert len(probes) >= 15, probes  # about one a second, not one in ten
+        # About one a second, not one in ten (3 at most in 20 s). A probe still running when
+        # the next falls due (a loaded host's slow thread) waits for it: half is the floor.
+        assert len(probes) >= 10, probes
     finally:
         host.close()
 

@@ -4,6 +4,7 @@ width (in a real terminal, tmux), and plain lines where a redraw cannot work."""
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import re
 import shutil
@@ -130,13 +131,18 @@ time.sleep(60)
 """
 
 
+_SERVERS = itertools.count()
+
+
 class Terminal:
     """A real terminal (tmux, a server of its own) of `columns` x `rows` running `script`; each
     `look()` is its screen, until the script prints DONE. Ended, and `cleanup` removed, after."""
 
     def __init__(self, script: Path, columns: int, rows: int, cleanup: str = "") -> None:
-        self.tmux = ["tmux", "-L", f"kimi-{os.getpid()}-{script.stem}-{columns}x{rows}",
-                     "-f", "/dev/null"]  # fmt: skip
+        # A server of its own each time: a name used again may still be the last one's,
+        # shutting down, on a loaded host (new-session then fails).
+        name = f"kimi-{os.getpid()}-{next(_SERVERS)}-{script.stem}-{columns}x{rows}"
+        self.tmux = ["tmux", "-L", name, "-f", "/dev/null"]
         self.env = {**os.environ, "TERM": "xterm-256color"}
         self.env.pop("TMUX", None)
         self.cleanup = cleanup
@@ -385,18 +391,17 @@ def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_s
                 elif "s left" in line:
                     etas.add(line.strip())
     shown = [c for _, c in clocks]
-    # The clock said each second of the silent load, and never stood for much more than one
-    # (a tick, the 0.2 s look, a loaded machine's jitter: CI saw the first "0s" for 1.84 s
-    # while the interpreter started, so that one is not counted, and under -n 2 the display's
-    # first tick once came at "2s": the first second is the interpreter's, not the display's).
-    assert {"2s", "3s", "4s"} <= set(shown), shown
+    # The clock moved through the silent load and never stood for long (the bug: 8-9 s). A
+    # loaded host (load 17 on 2 cores) may skip a second between two looks, or hold the
+    # display's process for a second or two: neither is the bug, so the bound is loose.
+    assert len({c for c in shown if c != "0s"}) >= 3, shown
     stood, last, since = 0.0, None, 0.0
     for at, c in clocks:
         if c != last:
             last, since = c, at
         if c != "0s":
             stood = max(stood, at - since)
-    assert stood < 2.5, (stood, shown)  # the bug stood 8-9 s; -n 2 on 2 cores adds jitter
+    assert stood < 5.0, (stood, shown)  # the bug stood 8-9 s
     assert len(bars) >= 3, bars  # the bars followed the published readings
     assert len(etas) >= 3, etas  # and so did the ETA
 
