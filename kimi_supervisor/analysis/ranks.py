@@ -75,7 +75,7 @@ def rank_traces(names: list[str]) -> list[RankTrace]:
 
 # What one rank's summarizer may take (address space, RLIMIT_AS; 8 ranks in parallel: 8 GiB at
 # most in all). A real rank's trace of 500,000 events needs 3.6 MB of Python's allocations
-# (docs/performance.md); a gzip bomb of 7 MB took 780 MB before this cap (issue 26).
+# (docs/performance.md); a gzip bomb of 7 MB took 780 MB before this cap.
 SUMMARY_MEMORY_MB = 1024
 
 

@@ -215,8 +215,8 @@ def cost_line(windows: list[dict[str, Any]]) -> str:
 
 
 def plan_line(last: dict[str, Any] | None) -> str:
-    """What a capture by switching will cost in service, said before the first switch
-    (issue 45): two restarts, each a load."""
+    """What a capture by switching will cost in service, said before the first switch: two
+    restarts, each a load."""
     if last is None or not last.get("window_s"):
         return ("this capture stops serving twice: a switch to profile mode and one back, each "
                 "a restart and a load (none measured on this host yet)")  # fmt: skip

@@ -10,7 +10,7 @@ The loop sets them; the exporter thread only reads. Off when metrics.enabled is 
 
 The server (`MetricsServer`) is one thread that never blocks on a client: any local user may
 connect, and one idle connection to a server that answered one request at a time with no timeout
-blinded every scrape (issue 42). Every connection is non-blocking and has one deadline for its
+blinded every scrape. Every connection is non-blocking and has one deadline for its
 whole exchange (`timeout_s` from its accept: the request whole, then the answer taken), so a
 client that trickles a byte a second is closed at it too. At most `max_connections` are held:
 a new one closes the oldest. A request that came with its connection, as a scraper's does, is

@@ -260,7 +260,7 @@ def metrics(sandbox: SandboxHelper) -> str:
 def test_a_reload_that_changes_vllms_argv_keeps_vllm_and_says_a_restart_is_needed(
     sandbox: SandboxHelper, serving: DaemonHelper
 ) -> None:
-    """Issue 29: after an edit of vllm.command and `systemctl reload`, the daemon tore the
+    """Before, after an edit of vllm.command and `systemctl reload`, the daemon tore the
     serving vLLM down at once (on the real host, a 30-minute load nobody asked for)."""
     path = sandbox.sb.config_path
     original = path.read_text()

@@ -1,4 +1,4 @@
-"""A GPU's health before a long load (issue 44, item 8), on the simulated host: a GPU whose
+"""A GPU's health before a long load, on the simulated host: a GPU whose
 remapped rows wait for a reset, as NVML reports one (the simulated host copies a healthy
 H200's answer, bench/results/h200x1-2026-12-04-gpu-health.txt, and changes one GPU's)."""
 

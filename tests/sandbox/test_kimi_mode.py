@@ -307,7 +307,7 @@ def test_exit_codes_say_usage_unreachable_timeout_and_failure(
     r = serving.kimi_mode("profile", "--timeout", "1")
     assert r.returncode == 4, r.stdout + r.stderr
     assert "the switch to profile goes on" in r.stderr
-    # `wait MODE` rejoins it and returns once profile serves (issue 44: it waited forever), in
+    # `wait MODE` rejoins it and returns once profile serves (it waited forever), in
     # json mode with nothing but JSON lines: the status that serves, then the verdict.
     r = serving.kimi_mode("wait", "profile", "--timeout", "30", "-o", "json")
     assert r.returncode == 0, r.stdout + r.stderr

@@ -1,5 +1,5 @@
 """The daemon's /metrics as systemd runs it, scraped by a real Prometheus while another user
-keeps connections to it idle and trickling (issue 42: one idle connection blinded every scrape).
+keeps connections to it idle and trickling (one idle connection blinded every scrape).
 """
 
 from __future__ import annotations

@@ -236,7 +236,7 @@ def summarize_as_another_user(tmp_path: Path) -> None:
 def test_a_fifo_swapped_over_a_rank_trace_is_refused_at_once_and_never_wedges_the_summary(
     tmp_path: Path,
 ) -> None:
-    """Issue 26: a group member renamed a FIFO over a trace after the handover; the summarizer's
+    """Before, a group member renamed a FIFO over a trace after the handover; the summarizer's
     open blocked for ever, and the capture stayed `summarizing`."""
     shutil.copy(next(FIXTURE.glob("*rank-0*")), tmp_path / "9-rank-0.1.pt.trace.json.gz")
     os.mkfifo(tmp_path / "9-rank-1.1.pt.trace.json.gz")

@@ -179,7 +179,7 @@ def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks
 
 
 def test_wait_for_a_mode_returns_in_50_of_50_switches_whatever_order_end_and_status_come() -> None:
-    """Issue 44: the end of a switch came before the status that no longer shows it; asked
+    """Before, the end of a switch came before the status that no longer shows it; asked
     again, the daemon answered the old status, and `wait MODE` waited forever. Here each switch
     reaches the real client in one order: the status first (serving already), or the end first
     and then 0 to 2 answers that still show the ended transition, each held open as a

@@ -1,6 +1,6 @@
 """The daemon's HTTP client (ports/http.py) against real servers on loopback: `timeout_s` bounds
 the whole exchange, so a vLLM that trickles its answer holds the loop's /health no longer than
-it (issue 42); without a timeout, a slow answer (a profiler flush) is waited for whole."""
+it; without a timeout, a slow answer (a profiler flush) is waited for whole."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The daemon's /metrics server (ports/metrics.py) with real sockets: idle, trickling, many and
 slow clients of another user never hold back root's scrapes; its threads and connections stay
-bounded; every connection is closed at its deadline (issue 42)."""
+bounded; every connection is closed at its deadline."""
 
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ def test_a_flood_of_whole_requests_renders_the_registry_once_per_interval_not_on
 
 
 def test_every_counter_is_present_at_0_from_the_start_with_short_label_values() -> None:
-    """Issue 44: two counters had no series until their first event (their panels were empty,
+    """Before, two counters had no series until their first event (their panels were empty,
     and increase() cannot see the event that creates a series), and kills_total's evidence
     label was a whole sentence."""
     import re

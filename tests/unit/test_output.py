@@ -1,4 +1,4 @@
-"""vLLM's output as the daemon reads it: memory bounded whatever the output holds (issue 26: 300 MB
+"""vLLM's output as the daemon reads it: memory bounded whatever the output holds (300 MB
 with no newline took the daemon from 49 to 774 MB)."""
 
 from __future__ import annotations

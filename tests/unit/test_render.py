@@ -234,7 +234,7 @@ def test_a_kill_line_names_the_program_not_the_interpreter() -> None:
 
 
 def test_at_80_columns_a_long_kill_reason_wraps_at_its_spaces_never_mid_word() -> None:
-    """Issue 44: the evidence was kept whole (one unbreakable unit) and, wider than a row, cut
+    """Before, the evidence was kept whole (one unbreakable unit) and, wider than a row, cut
     as `memor` / `y)`."""
     for tty in (True, False):
         out = io.StringIO()
@@ -376,7 +376,7 @@ def scripted_switch(tmp_path: Path, *, load_s: float, gpus: int, kills: int) -> 
 def test_in_a_real_terminal_the_clock_bars_and_eta_move_every_second_through_a_silent_load(
     tmp_path: Path,
 ) -> None:
-    """Issue 44: between the daemon's events the display stood still ("(2s)" for 8-9 s, the
+    """Before, between the daemon's events the display stood still ("(2s)" for 8-9 s, the
     bars frozen), which during a 30-minute load with silent phases looks like a hang."""
     script, sock_dir = scripted_switch(tmp_path, load_s=4.5, gpus=2, kills=0)
     clocks: list[tuple[float, str]] = []
