@@ -21,19 +21,16 @@ from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample, GpuUnavailable
 
 def test_a_call_stuck_past_its_deadline_is_abandoned_and_the_others_fail_at_once() -> None:
     w, gate, ran = Worker("test", 0.2), threading.Event(), []
-    t0 = time.monotonic()
+    # The gate stays shut until after both calls: that they return at all is that neither
+    # waited for it; the second's "not tried" is that it was not queued behind the first.
     with pytest.raises(TimeoutError, match=r"stuck read: no answer in 0\.2 s; the call is aband"):
         w.call(gate.wait, "stuck read")
-    assert time.monotonic() - t0 < 1.0
     assert w.stuck() is not None and w.stuck()[0] == "stuck read"  # type: ignore[index]
-    t1 = time.monotonic()
     with pytest.raises(TimeoutError, match="next: not tried, since stuck read has had no ans"):
-        w.call(lambda: ran.append(1), "next")
-    assert time.monotonic() - t1 < 0.1 and not ran, "nothing waits, nothing queues"
+        w.call(lambda: ran.append(1), "next", timeout_s=3600)
+    assert not ran, "nothing waits, nothing queues"
     gate.set()  # the kernel lets it go
-    deadline = time.monotonic() + 5
-    while w.stuck() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: w.stuck() is None)
     assert w.call(lambda: 42, "after") == 42 and w.abandoned == 1
 
 
@@ -84,17 +81,13 @@ def test_a_driver_that_does_not_answer_is_gpu_unavailable_in_time_and_read_again
     driver = HungDriver()
     gpu = BoundedGpu(driver, 0.2)  # type: ignore[arg-type]
     assert [s.used_mib for s in gpu.sample([0, 1])] == [500, 500]
-    driver.answers.clear()
-    t0 = time.monotonic()
+    driver.answers.clear()  # until after both calls: neither held its caller waiting for it
     with pytest.raises(GpuUnavailable, match=r"NVML: reading GPU\(s\) 0, 1: no answer in 0.2 s"):
         gpu.sample([0, 1])
     with pytest.raises(GpuUnavailable, match="not tried, since reading GPU"):
         gpu.device_count()
-    assert time.monotonic() - t0 < 1.0, "neither call held its caller past the deadline"
     driver.answers.set()
-    deadline = time.monotonic() + 5
-    while gpu.worker.stuck() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: gpu.worker.stuck() is None)
     assert gpu.device_count() == 2
 
 
@@ -158,13 +151,12 @@ def test_a_process_stuck_in_the_kernel_fails_calls_at_once_and_its_late_answer_i
     fifo: Path,
 ) -> None:
     w, heard = ProcessWorker("test", 0.3), []
-    try:
-        t0 = time.monotonic()
+    try:  # nothing writes to the FIFO until after both calls: they returned without it
         with pytest.raises(TimeoutError, match=r"a read: no answer in 0\.3 s"):
             w.call(functools.partial(_open_fifo, str(fifo)), "a read", on_late=heard.append)
         with pytest.raises(TimeoutError, match="next: not tried, since a read has had no answ"):
-            w.call(functools.partial(os.getpid), "next")
-        assert time.monotonic() - t0 < 2.0 and w.abandoned == 1 and w.stuck() is not None
+            w.call(functools.partial(os.getpid), "next", timeout_s=3600)
+        assert w.abandoned == 1 and w.stuck() is not None
         with open(fifo, "wb") as f:  # the kernel lets the read go
             f.write(b"late")
         wait_for(lambda: w.stuck() is None)
@@ -182,10 +174,8 @@ def test_closing_never_waits_for_a_stuck_process_which_ends_once_the_kernel_lets
         w.call(functools.partial(_open_fifo, str(fifo)), "a read")
     stuck = w.pid
     assert stuck is not None
-    t0 = time.monotonic()
-    w.close()
-    assert time.monotonic() - t0 < 0.5, "close left the stuck process as it is"
-    assert _alive(stuck), "and did not kill it"
+    w.close()  # returns while nothing has written to the FIFO: it did not wait for the read
+    assert _alive(stuck), "close left the stuck process as it is, and did not kill it"
     with open(fifo, "wb"):
         pass  # the read returns; the process finds its input closed and exits
     wait_for(lambda: not _alive(stuck))
@@ -241,12 +231,11 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
     w = ProcessWorker("test", 10)
     try:
         w.start()
-        t0 = time.monotonic()
         heard: list[int] = []
+        # A TimeoutError, not the answer: the deadline held, whatever kept coming.
         with pytest.raises(TimeoutError):
             w.call(functools.partial(_bytes, 128 << 20), "a big read", 0.05,
                    on_late=lambda b: heard.append(len(b)))  # fmt: skip
-        assert time.monotonic() - t0 < 1.0, "the deadline held, whatever kept coming"
         wait_for(lambda: w.stuck() is None, 120)  # 50 ms looks: long on a loaded machine
         assert heard == [128 << 20], "the whole answer was heard once it all came"
         assert w.call(functools.partial(sum, [1, 1]), "after") == 2 and w.started == 1

@@ -308,9 +308,7 @@ def test_the_fake_vllm_asks_the_guard_as_real_vllm_does(with_token: bool) -> Non
 def test_a_fifo_at_the_secrets_path_is_refused_at_once_never_waited_on(tmp_path: Path) -> None:
     argv_file = tmp_path / "vllm-argv.json"
     os.mkfifo(launcher.token_path(argv_file), 0o600)
-    began = time.monotonic()
     assert launcher.read_token(argv_file) is None  # no writer: a blocking open would hang
-    assert time.monotonic() - began < 5
 
 
 def test_an_armed_vllm_running_without_the_guard_is_told_and_apply_would_restart_it(
