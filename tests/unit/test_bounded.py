@@ -213,7 +213,7 @@ class Counter:
         return self.n
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10) -> None:
+def wait_for(cond: Callable[[], bool], timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "not within the bound"

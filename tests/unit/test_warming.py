@@ -31,7 +31,7 @@ TREE: dict[str, object] = {
 }
 
 
-def readers_gone(timeout_s: float = 10.0) -> bool:
+def readers_gone(timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while pagecache.stuck_readers():
         if time.monotonic() > deadline:
