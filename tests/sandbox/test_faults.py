@@ -150,7 +150,10 @@ def _free(daemon: DaemonHelper, state_dir: Path) -> None:
 def test_a_full_disk_refuses_a_switch_before_any_teardown_and_never_takes_the_daemon_down(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    daemon.start()
+    # The switch's stop_unit below takes term_grace_s: long enough, on a busy host, to fill the
+    # disk while it lasts.
+    with daemon.configured(teardown={"term_grace_s": 10}):
+        daemon.start()
     daemon.wait_serving("production")
     vllm, pid = daemon.vllm_pid(), daemon.pid()
     with _tiny_state_disk(sandbox, daemon) as state_dir:
@@ -162,7 +165,7 @@ def test_a_full_disk_refuses_a_switch_before_any_teardown_and_never_takes_the_da
         assert daemon.status()["desired_mode"] == "production"
         # Accepted while there is room; the disk fills in the middle of the switch.
         _free(daemon, state_dir)
-        sandbox.fake(ignore_sigterm=True)  # stop_unit takes term_grace_s: time to fill
+        sandbox.fake(ignore_sigterm=True)  # stop_unit takes term_grace_s (10 s): time to fill
         r = daemon.kimi_mode("profile", "--no-wait")
         assert r.returncode == 0, r.stderr
         daemon.wait_state("tearing_down", 10)

@@ -31,11 +31,11 @@ def test_a_call_stuck_past_its_deadline_is_abandoned_and_the_others_fail_at_once
     assert not ran, "nothing waits, nothing queues"
     gate.set()  # the kernel lets it go
     wait_for(lambda: w.stuck() is None)
-    assert w.call(lambda: 42, "after") == 42 and w.abandoned == 1
+    assert w.call(lambda: 42, "after", timeout_s=60) == 42 and w.abandoned == 1
 
 
 def test_a_call_given_up_before_it_began_never_runs() -> None:
-    w, gate, began, ran = Worker("test", 5), threading.Event(), threading.Event(), []
+    w, gate, began, ran = Worker("test", 60), threading.Event(), threading.Event(), []
 
     def first() -> None:
         began.set()
@@ -58,7 +58,7 @@ def test_an_error_of_the_call_reaches_its_caller_as_it_was() -> None:
         raise PermissionError("denied")
 
     with pytest.raises(PermissionError, match="denied"):
-        Worker("test", 1).call(fails, "a read")
+        Worker("test", 60).call(fails, "a read")
 
 
 class HungDriver:
@@ -79,8 +79,10 @@ class HungDriver:
 
 def test_a_driver_that_does_not_answer_is_gpu_unavailable_in_time_and_read_again_after() -> None:
     driver = HungDriver()
-    gpu = BoundedGpu(driver, 0.2)  # type: ignore[arg-type]
+    worker = Worker("nvml", 60)  # a deadline a busy host's answers meet; 0.2 s while it hangs
+    gpu = BoundedGpu(driver, 60, worker)  # type: ignore[arg-type]
     assert [s.used_mib for s in gpu.sample([0, 1])] == [500, 500]
+    worker.timeout_s = 0.2
     driver.answers.clear()  # until after both calls: neither held its caller waiting for it
     with pytest.raises(GpuUnavailable, match=r"NVML: reading GPU\(s\) 0, 1: no answer in 0.2 s"):
         gpu.sample([0, 1])
@@ -88,6 +90,7 @@ def test_a_driver_that_does_not_answer_is_gpu_unavailable_in_time_and_read_again
         gpu.device_count()
     driver.answers.set()
     wait_for(lambda: gpu.worker.stuck() is None)
+    worker.timeout_s = 60
     assert gpu.device_count() == 2
 
 
@@ -126,7 +129,7 @@ def fifo(tmp_path: Path) -> Iterator[Path]:
 def test_a_process_worker_runs_each_call_in_its_own_process_and_hands_back_errors_as_raised() -> (
     None
 ):
-    w = ProcessWorker("test", 10)
+    w = ProcessWorker("test", 60)
     try:
         child = w.call(functools.partial(os.getpid), "its pid")
         assert child != os.getpid() and child == w.pid
@@ -141,7 +144,7 @@ def test_a_process_worker_runs_each_call_in_its_own_process_and_hands_back_error
 
 
 def test_a_call_that_cannot_cross_to_the_process_is_refused_before_anything_is_sent() -> None:
-    for w in (ProcessWorker("test", 5), Worker("test", 5, copy=True)):
+    for w in (ProcessWorker("test", 60), Worker("test", 60, copy=True)):
         with pytest.raises(TypeError, match="a write: the call cannot be handed to another pro"):
             w.call(lambda: 1, "a write")
         w.close()
@@ -161,7 +164,7 @@ def test_a_process_stuck_in_the_kernel_fails_calls_at_once_and_its_late_answer_i
             f.write(b"late")
         wait_for(lambda: w.stuck() is None)
         assert heard == [b"late"], "the answer of the call given up on reached its on_late"
-        assert w.call(functools.partial(sum, [2, 2]), "after") == 4 and w.started == 1
+        assert w.call(functools.partial(sum, [2, 2]), "after", 60) == 4 and w.started == 1
     finally:
         w.close()
 
@@ -182,7 +185,7 @@ def test_closing_never_waits_for_a_stuck_process_which_ends_once_the_kernel_lets
 
 
 def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -> None:
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     try:
         first = w.call(functools.partial(os.getpid), "its pid")
         with pytest.raises(ProcessGone, match=r"an exit: its I/O process ended \(exit 3\)"):
@@ -194,9 +197,9 @@ def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -
 
 
 def test_the_gpu_port_made_in_the_process_keeps_its_object_there_between_calls() -> None:
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     try:
-        gpu = BoundedGpu(Counter(), 5, w, (Counter, ()))  # type: ignore[arg-type]
+        gpu = BoundedGpu(Counter(), 60, w, (Counter, ()))  # type: ignore[arg-type]
         assert [gpu.device_count() for _ in range(3)] == [1, 2, 3]
     finally:
         w.close()
@@ -228,7 +231,7 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
     """An answer that keeps coming (a history of 114 MiB) held the caller past its deadline,
     read after read; taken in by a byte string grown by copying, it took 30 s. The call ends
     at its deadline; what came is kept, and the rest is taken in by later looks."""
-    w = ProcessWorker("test", 10)
+    w = ProcessWorker("test", 60)
     try:
         w.start()
         heard: list[int] = []
@@ -246,7 +249,7 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
 def test_a_closed_worker_starts_no_process_again() -> None:
     """The daemon closes its workers before it re-executes; a second close or a call after
     (the exec failed, the `finally` that follows) starts nothing that would outlive it."""
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     w.start()
     child = w.pid
     w.close()
@@ -259,10 +262,10 @@ def test_a_closed_worker_starts_no_process_again() -> None:
 def test_closing_the_gpu_port_after_its_process_died_starts_none_to_close_it() -> None:
     """At system shutdown the I/O scopes may stop before the daemon: its NVML process gone, the
     close started a new one (in a scope the stopping manager refused) only to shut NVML down."""
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     w.start()
     assert w.pid is not None
     os.kill(w.pid, 9)  # the process this test started
     wait_for(lambda: not w.alive)
-    BoundedGpu(HungDriver(), 5, w, made_by=(HungDriver, ())).close()  # type: ignore[arg-type]
+    BoundedGpu(HungDriver(), 60, w, made_by=(HungDriver, ())).close()  # type: ignore[arg-type]
     assert w.started == 1
