@@ -32,6 +32,11 @@ TREE: dict[str, object] = {
 }
 
 
+# A warming starts no reader while one is stuck anywhere on the machine (a sandbox test's daemon
+# leaves one in its scope until its hung mount goes): these tests wait for none to be left.
+NOT_ALONE = "a warming's reader of another test is still stuck on this machine"
+
+
 def readers_gone(timeout_s: float = 60.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while pagecache.stuck_readers():
@@ -104,6 +109,7 @@ def test_a_warming_whose_reads_never_return_gives_up_at_its_deadline_and_leaves_
     tmp_path: Path, hang: str
 ) -> None:
     adopted: list[int] = []
+    assert readers_gone(), NOT_ALONE
     with hungfs.mounted(tmp_path / "mnt", TREE, hang=hang):
         # Its deadline counted from the reads stuck: it gives up on reads, not on a slow start.
         end, took = warm_now(
@@ -118,7 +124,7 @@ def test_a_warming_whose_reads_never_return_gives_up_at_its_deadline_and_leaves_
         assert end.left_in == f"kimi-supervisor-warm-{adopted[0]}.scope"
         assert "stopped at warm.timeout_s (2 s)" in end.text
         assert "read(s) stuck in the kernel abandoned" in end.text
-        assert pagecache.stuck_readers() == [adopted[0]]  # it is left, and known to be
+        assert adopted[0] in pagecache.stuck_readers()  # it is left, and known to be
         # A second warming while it is left starts no reader: skipped at once, and said.
         again, took = warm_now(tmp_path / "mnt" / "m", threading.Event(), adopted)
         assert len(adopted) == 1
@@ -131,6 +137,7 @@ def test_a_stop_during_a_warming_stuck_in_the_kernel_is_not_held_by_it(tmp_path:
     adopted: list[int] = []
     stop = threading.Event()
     asked: list[float] = []
+    assert readers_gone(), NOT_ALONE
 
     def reading(w: WarmStatus) -> None:
         """The stop comes once a thread of the reader waits in the FUSE request (its wchan)."""
