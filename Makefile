@@ -34,8 +34,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy kimi_supervisor
 
+# The tests: the unit tier on both cores (`make unit`), then every other tier in one session (a
+# session's fixtures are shared: one package build, one sandbox), whatever the first's outcome.
 pytest: setup
-	$(BIN)/pytest -q --durations=25
+	rc=0; $(MAKE) --no-print-directory unit || rc=$$?; \
+	  $(BIN)/pytest -q --durations=25 --ignore=tests/unit || rc=$$?; exit $$rc
 
 # The fast layer alone: pure logic per wing, the loop in-process, the import layers, on two
 # workers (pytest-xdist) in a short temporary folder (a socket's path has 108 bytes at most),

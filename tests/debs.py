@@ -1,5 +1,6 @@
-"""The Debian package for the tests: built once per session from this checkout
-(scripts/build-deb.sh), and later builds made from it for the upgrade tests.
+"""The Debian package for the tests: built from this checkout (scripts/build-deb.sh) once per
+tree on a machine (cached by the hash of what it is made from), and later builds made from it for
+the upgrade tests.
 
 A later build is the first one repacked (dpkg-deb -R, then -b) under a higher version: its
 virtualenv moves to the new version's directory, `current` points there, and `edit` may change
@@ -8,7 +9,9 @@ from source again would take a minute more per version for the same files."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -16,6 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "usr/lib/kimi-supervisor"
+# Builds kept by the hash of what they are made from; the booted hosts' root file systems are
+# cached there too (tests/booted/host.py).
+CACHE = Path("/var/cache/kimi-supervisor-tests")
+BUILT_WITH = ("python3", "libsystemd-dev", "debhelper", "dpkg-dev", "gcc")
 
 
 def unavailable() -> str | None:
@@ -27,15 +34,52 @@ def unavailable() -> str | None:
     return None
 
 
+def tree_key() -> str:
+    """What a build of this checkout is made from: the files build-deb.sh takes (tracked and
+    not ignored, as a clone has them), each name and content, and the versions of the build
+    tools and of what pystemd is compiled against."""
+    h = hashlib.sha256()
+    names = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    for name in sorted(filter(None, names)):
+        path = ROOT / name.decode()
+        if path.is_file() and not path.is_symlink():
+            h.update(name + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        elif path.is_symlink():
+            h.update(name + b"\0->" + os.readlink(path).encode())
+    tools = subprocess.run(
+        ["dpkg-query", "-W", "-f", "${Package} ${Version}\n", *BUILT_WITH],
+        capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    h.update(tools.encode())
+    return h.hexdigest()[:16]
+
+
 def build(out: Path) -> Path:
-    """The package of this checkout, in `out`."""
+    """The package of this checkout, in `out`: built once per tree (tree_key) on this machine,
+    and taken from CACHE after (the package's, booted and install tests of every later run)."""
+    cached = CACHE / f"deb-{tree_key()}"
+    debs = sorted(cached.glob("*.deb")) if cached.is_dir() else []
+    if len(debs) == 1:
+        shutil.copy2(debs[0], out / debs[0].name)
+        return out / debs[0].name
     r = subprocess.run(
         ["sh", "scripts/build-deb.sh", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     if r.returncode != 0:
         raise AssertionError(f"build-deb.sh exited {r.returncode}:\n{r.stdout}{r.stderr}")
-    return Path(r.stdout.split()[-1])
+    deb = Path(r.stdout.split()[-1])
+    with contextlib.suppress(OSError):  # no cache is a build next time, nothing worse
+        tmp = CACHE / f".deb-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        shutil.copy2(deb, tmp / deb.name)
+        tmp.rename(cached)  # whole or not at all; a build beside this one may have won
+    shutil.rmtree(CACHE / f".deb-{os.getpid()}", ignore_errors=True)
+    return deb
 
 
 def field(deb: Path, name: str) -> str:

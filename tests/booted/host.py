@@ -28,8 +28,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests.debs import CACHE
+
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = Path("/var/cache/kimi-supervisor-tests")
 # A GPU host as the package finds it: what the package depends on is there (Python, systemd,
 # dbus), a compiler and Python's build tools are not.
 PACKAGES = (

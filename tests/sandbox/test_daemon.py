@@ -77,9 +77,11 @@ def test_a_restarted_daemon_adopts_the_healthy_vllm_without_restarting_it(
 def test_a_daemon_killed_in_the_middle_of_a_teardown_converges_to_the_desired_mode_when_restarted(
     sandbox: SandboxHelper, daemon: DaemonHelper
 ) -> None:
-    daemon.start()
+    # vLLM will ignore SIGTERM: the teardown spends term_grace_s in stop_unit, long enough on a
+    # busy host for the kill below to land in it (the restarted daemon reads the sandbox's 2 s).
+    with daemon.configured(teardown={"term_grace_s": 10}):
+        daemon.start()
     daemon.wait_serving("production")
-    # vLLM ignores SIGTERM: the teardown spends term_grace_s (2 s) in stop_unit.
     sandbox.fake(ignore_sigterm=True)
     r = daemon.kimi_mode("profile", "--no-wait")
     assert r.returncode == 0, r.stderr
@@ -333,7 +335,7 @@ def test_a_process_that_takes_a_managed_gpu_while_vllm_loads_is_noticed_killed_a
 ) -> None:
     daemon.start()
     daemon.wait_serving("production")
-    sandbox.fake(load_s=4.0)
+    sandbox.fake(load_s=10.0)  # a load long enough, on a busy host, to plant both during it
     r = daemon.kimi_mode("profile", "--no-wait")
     assert r.returncode == 0, r.stderr
     daemon.wait_state("starting", 15)

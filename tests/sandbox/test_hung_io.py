@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from kimi_supervisor.sandbox.simreader import HANG
 from ..conftest import DaemonHelper, SandboxHelper, flat, wait_until
 
 TIMEOUT_S = 2  # state.timeout_s and gpus.timeout_s here (10 s shipped)
+FROZEN_S = 10  # state.timeout_s where an answer must come well before it, even on a busy host
 
 
 def unavailable() -> str:
@@ -94,22 +94,23 @@ def test_a_frozen_state_disk_holds_no_command_and_what_was_kept_is_written_once_
 ) -> None:
     folder = sandbox.config.state.dir
     bystander = sandbox.spawn([sys.executable, "-c", "import time; time.sleep(600)"])
-    with bounded(daemon), on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze:
+    with (
+        daemon.configured(state={"timeout_s": FROZEN_S}, gpus={"timeout_s": TIMEOUT_S}),
+        on_a_freezable_disk(folder, sandbox.sb.manager.pid) as fsfreeze,
+    ):
         daemon.start()
         daemon.wait_serving("production")
         before, first = len(daemon.history()), daemon.vllm_pid()
         fsfreeze("-f")
         try:
-            t0 = time.monotonic()
-            assert daemon.status()["state"] == "serving"
-            assert time.monotonic() - t0 < 1, "status is answered from memory"
-            t0 = time.monotonic()
-            r = daemon.kimi_mode("profile", timeout=60)
-            refused_s = time.monotonic() - t0
+            # Answered before any call to the frozen disk could have given up (FROZEN_S): from
+            # memory. The switch is refused at that deadline, said with it, not held by the disk.
+            (reply,) = daemon.request({"cmd": "status"}, FROZEN_S)
+            assert reply["ok"] and reply["data"]["state"] == "serving", reply  # type: ignore[index]
+            r = daemon.kimi_mode("profile", timeout=FROZEN_S + 60)
             assert r.returncode != 0, r.stdout
             assert "cannot be persisted" in flat(r.stdout + r.stderr), r.stdout + r.stderr
-            assert f"no answer in {TIMEOUT_S} s" in flat(r.stdout + r.stderr), r.stdout + r.stderr
-            assert refused_s < TIMEOUT_S + 5, refused_s
+            assert f"no answer in {FROZEN_S} s" in flat(r.stdout + r.stderr), r.stdout + r.stderr
             wait_until(lambda: warned(daemon, "the state folder does not answer"), 10, "said")
             # vLLM dies meanwhile: the daemon restarts it all the same.
             os.kill(first, 9)  # the sandbox's own vLLM, started for this test
@@ -175,12 +176,9 @@ def test_a_stop_while_the_state_disk_is_frozen_returns_and_leaves_the_stuck_writ
                 return bool(stuck)
 
             wait_until(in_the_kernel, 10, "the state write to wait in the kernel, in its scope")
-            main, t0 = daemon.pid(), time.monotonic()
-            daemon.stop()
-            stop_s = time.monotonic() - t0
-            # Under the sandbox's DefaultTimeoutStopSec (5 s), after which systemd gives up on a
-            # process the kernel keeps, and leaves it.
-            assert stop_s < 5, f"the stop took {stop_s:.1f} s: it waited for the frozen disk"
+            main = daemon.pid()
+            # Before TimeoutStopSec, after which systemd gives up on a process the kernel keeps.
+            assert daemon.stopped_by_itself(), "the stop waited for the frozen disk"
             assert not state_of(main), "the daemon's own process ended"
             assert all(state_of(p) == "D" for p in stuck), "left as it is, not waited for"
         finally:
@@ -259,10 +257,8 @@ def test_a_stop_while_the_start_waits_for_a_frozen_state_disk_ends_it_at_once(
         try:
             daemon.start(wait=False)
             wait_until(lambda: "state_folder_waiting" in daemon.log(), TIMEOUT_S + 20, "it")
-            t0 = time.monotonic()
-            daemon.stop()
-            stop_s = time.monotonic() - t0
-            assert daemon.unit() == "inactive" and stop_s < 5, (daemon.unit(), stop_s)
+            assert daemon.stopped_by_itself(), "the stop waited for the frozen disk"
+            assert daemon.unit() == "inactive"
         finally:
             fsfreeze("-u")
 

@@ -21,24 +21,21 @@ from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample, GpuUnavailable
 
 def test_a_call_stuck_past_its_deadline_is_abandoned_and_the_others_fail_at_once() -> None:
     w, gate, ran = Worker("test", 0.2), threading.Event(), []
-    t0 = time.monotonic()
+    # The gate stays shut until after both calls: that they return at all is that neither
+    # waited for it; the second's "not tried" is that it was not queued behind the first.
     with pytest.raises(TimeoutError, match=r"stuck read: no answer in 0\.2 s; the call is aband"):
         w.call(gate.wait, "stuck read")
-    assert time.monotonic() - t0 < 1.0
     assert w.stuck() is not None and w.stuck()[0] == "stuck read"  # type: ignore[index]
-    t1 = time.monotonic()
     with pytest.raises(TimeoutError, match="next: not tried, since stuck read has had no ans"):
-        w.call(lambda: ran.append(1), "next")
-    assert time.monotonic() - t1 < 0.1 and not ran, "nothing waits, nothing queues"
+        w.call(lambda: ran.append(1), "next", timeout_s=3600)
+    assert not ran, "nothing waits, nothing queues"
     gate.set()  # the kernel lets it go
-    deadline = time.monotonic() + 5
-    while w.stuck() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert w.call(lambda: 42, "after") == 42 and w.abandoned == 1
+    wait_for(lambda: w.stuck() is None)
+    assert w.call(lambda: 42, "after", timeout_s=60) == 42 and w.abandoned == 1
 
 
 def test_a_call_given_up_before_it_began_never_runs() -> None:
-    w, gate, began, ran = Worker("test", 5), threading.Event(), threading.Event(), []
+    w, gate, began, ran = Worker("test", 60), threading.Event(), threading.Event(), []
 
     def first() -> None:
         began.set()
@@ -61,7 +58,7 @@ def test_an_error_of_the_call_reaches_its_caller_as_it_was() -> None:
         raise PermissionError("denied")
 
     with pytest.raises(PermissionError, match="denied"):
-        Worker("test", 1).call(fails, "a read")
+        Worker("test", 60).call(fails, "a read")
 
 
 class HungDriver:
@@ -82,19 +79,18 @@ class HungDriver:
 
 def test_a_driver_that_does_not_answer_is_gpu_unavailable_in_time_and_read_again_after() -> None:
     driver = HungDriver()
-    gpu = BoundedGpu(driver, 0.2)  # type: ignore[arg-type]
+    worker = Worker("nvml", 60)  # a deadline a busy host's answers meet; 0.2 s while it hangs
+    gpu = BoundedGpu(driver, 60, worker)  # type: ignore[arg-type]
     assert [s.used_mib for s in gpu.sample([0, 1])] == [500, 500]
-    driver.answers.clear()
-    t0 = time.monotonic()
+    worker.timeout_s = 0.2
+    driver.answers.clear()  # until after both calls: neither held its caller waiting for it
     with pytest.raises(GpuUnavailable, match=r"NVML: reading GPU\(s\) 0, 1: no answer in 0.2 s"):
         gpu.sample([0, 1])
     with pytest.raises(GpuUnavailable, match="not tried, since reading GPU"):
         gpu.device_count()
-    assert time.monotonic() - t0 < 1.0, "neither call held its caller past the deadline"
     driver.answers.set()
-    deadline = time.monotonic() + 5
-    while gpu.worker.stuck() is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: gpu.worker.stuck() is None)
+    worker.timeout_s = 60
     assert gpu.device_count() == 2
 
 
@@ -133,7 +129,7 @@ def fifo(tmp_path: Path) -> Iterator[Path]:
 def test_a_process_worker_runs_each_call_in_its_own_process_and_hands_back_errors_as_raised() -> (
     None
 ):
-    w = ProcessWorker("test", 10)
+    w = ProcessWorker("test", 60)
     try:
         child = w.call(functools.partial(os.getpid), "its pid")
         assert child != os.getpid() and child == w.pid
@@ -148,7 +144,7 @@ def test_a_process_worker_runs_each_call_in_its_own_process_and_hands_back_error
 
 
 def test_a_call_that_cannot_cross_to_the_process_is_refused_before_anything_is_sent() -> None:
-    for w in (ProcessWorker("test", 5), Worker("test", 5, copy=True)):
+    for w in (ProcessWorker("test", 60), Worker("test", 60, copy=True)):
         with pytest.raises(TypeError, match="a write: the call cannot be handed to another pro"):
             w.call(lambda: 1, "a write")
         w.close()
@@ -158,18 +154,17 @@ def test_a_process_stuck_in_the_kernel_fails_calls_at_once_and_its_late_answer_i
     fifo: Path,
 ) -> None:
     w, heard = ProcessWorker("test", 0.3), []
-    try:
-        t0 = time.monotonic()
+    try:  # nothing writes to the FIFO until after both calls: they returned without it
         with pytest.raises(TimeoutError, match=r"a read: no answer in 0\.3 s"):
             w.call(functools.partial(_open_fifo, str(fifo)), "a read", on_late=heard.append)
         with pytest.raises(TimeoutError, match="next: not tried, since a read has had no answ"):
-            w.call(functools.partial(os.getpid), "next")
-        assert time.monotonic() - t0 < 2.0 and w.abandoned == 1 and w.stuck() is not None
+            w.call(functools.partial(os.getpid), "next", timeout_s=3600)
+        assert w.abandoned == 1 and w.stuck() is not None
         with open(fifo, "wb") as f:  # the kernel lets the read go
             f.write(b"late")
         wait_for(lambda: w.stuck() is None)
         assert heard == [b"late"], "the answer of the call given up on reached its on_late"
-        assert w.call(functools.partial(sum, [2, 2]), "after") == 4 and w.started == 1
+        assert w.call(functools.partial(sum, [2, 2]), "after", 60) == 4 and w.started == 1
     finally:
         w.close()
 
@@ -182,17 +177,15 @@ def test_closing_never_waits_for_a_stuck_process_which_ends_once_the_kernel_lets
         w.call(functools.partial(_open_fifo, str(fifo)), "a read")
     stuck = w.pid
     assert stuck is not None
-    t0 = time.monotonic()
-    w.close()
-    assert time.monotonic() - t0 < 0.5, "close left the stuck process as it is"
-    assert _alive(stuck), "and did not kill it"
+    w.close()  # returns while nothing has written to the FIFO: it did not wait for the read
+    assert _alive(stuck), "close left the stuck process as it is, and did not kill it"
     with open(fifo, "wb"):
         pass  # the read returns; the process finds its input closed and exits
     wait_for(lambda: not _alive(stuck))
 
 
 def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -> None:
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     try:
         first = w.call(functools.partial(os.getpid), "its pid")
         with pytest.raises(ProcessGone, match=r"an exit: its I/O process ended \(exit 3\)"):
@@ -204,9 +197,9 @@ def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -
 
 
 def test_the_gpu_port_made_in_the_process_keeps_its_object_there_between_calls() -> None:
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     try:
-        gpu = BoundedGpu(Counter(), 5, w, (Counter, ()))  # type: ignore[arg-type]
+        gpu = BoundedGpu(Counter(), 60, w, (Counter, ()))  # type: ignore[arg-type]
         assert [gpu.device_count() for _ in range(3)] == [1, 2, 3]
     finally:
         w.close()
@@ -223,7 +216,7 @@ class Counter:
         return self.n
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 10) -> None:
+def wait_for(cond: Callable[[], bool], timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, "not within the bound"
@@ -238,15 +231,14 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
     """An answer that keeps coming (a history of 114 MiB) held the caller past its deadline,
     read after read; taken in by a byte string grown by copying, it took 30 s. The call ends
     at its deadline; what came is kept, and the rest is taken in by later looks."""
-    w = ProcessWorker("test", 10)
+    w = ProcessWorker("test", 60)
     try:
         w.start()
-        t0 = time.monotonic()
         heard: list[int] = []
+        # A TimeoutError, not the answer: the deadline held, whatever kept coming.
         with pytest.raises(TimeoutError):
             w.call(functools.partial(_bytes, 128 << 20), "a big read", 0.05,
                    on_late=lambda b: heard.append(len(b)))  # fmt: skip
-        assert time.monotonic() - t0 < 1.0, "the deadline held, whatever kept coming"
         wait_for(lambda: w.stuck() is None, 120)  # 50 ms looks: long on a loaded machine
         assert heard == [128 << 20], "the whole answer was heard once it all came"
         assert w.call(functools.partial(sum, [1, 1]), "after") == 2 and w.started == 1
@@ -257,7 +249,7 @@ def test_a_large_answer_still_coming_at_the_deadline_is_not_waited_for_and_arriv
 def test_a_closed_worker_starts_no_process_again() -> None:
     """The daemon closes its workers before it re-executes; a second close or a call after
     (the exec failed, the `finally` that follows) starts nothing that would outlive it."""
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     w.start()
     child = w.pid
     w.close()
@@ -270,10 +262,10 @@ def test_a_closed_worker_starts_no_process_again() -> None:
 def test_closing_the_gpu_port_after_its_process_died_starts_none_to_close_it() -> None:
     """At system shutdown the I/O scopes may stop before the daemon: its NVML process gone, the
     close started a new one (in a scope the stopping manager refused) only to shut NVML down."""
-    w = ProcessWorker("test", 5)
+    w = ProcessWorker("test", 60)
     w.start()
     assert w.pid is not None
     os.kill(w.pid, 9)  # the process this test started
     wait_for(lambda: not w.alive)
-    BoundedGpu(HungDriver(), 5, w, made_by=(HungDriver, ())).close()  # type: ignore[arg-type]
+    BoundedGpu(HungDriver(), 60, w, made_by=(HungDriver, ())).close()  # type: ignore[arg-type]
     assert w.started == 1

@@ -112,9 +112,9 @@ def test_a_refusal_sent_before_the_daemon_read_the_request_is_still_what_the_cli
     t.start()
     try:
         # Larger than the socket's buffer: the send cannot finish before the daemon closes.
-        got = [msg for _raw, msg in exchange(path, {"cmd": "x", "pad": "a" * (8 << 20)}, 10)]
+        got = [msg for _raw, msg in exchange(path, {"cmd": "x", "pad": "a" * (8 << 20)}, 60)]
     finally:
-        t.join(10)
+        t.join(60)
         server.close()
     assert got == [refusal]
 
@@ -139,7 +139,7 @@ def test_a_refusal_of_a_short_request_the_daemon_never_read_is_what_the_client_s
 
     def refuse() -> None:
         conn, _ = server.accept()
-        conn.settimeout(10)
+        conn.settimeout(60)
         peeked.append(conn.recv(65536, socket.MSG_PEEK))  # there, and left unread
         conn.sendall(json.dumps(refusal).encode() + b"\n")
         conn.close()
@@ -147,9 +147,9 @@ def test_a_refusal_of_a_short_request_the_daemon_never_read_is_what_the_client_s
     t = threading.Thread(target=refuse)
     t.start()
     try:
-        got = [msg for _raw, msg in exchange(path, {"cmd": "history", "n": 1000}, 10)]
+        got = [msg for _raw, msg in exchange(path, {"cmd": "history", "n": 1000}, 60)]
     finally:
-        t.join(10)
+        t.join(60)
         server.close()
     assert peeked and peeked[0].endswith(b"\n"), peeked  # the request went whole
     assert got == [refusal]
@@ -180,7 +180,7 @@ def test_an_answer_cut_short_by_the_daemon_is_said_not_taken_for_no_answer(
     t.start()
     try:
         with pytest.raises(Unreachable, match=r"in the middle of an answer \(65 bytes of it"):
-            list(exchange(path, {"cmd": "history", "n": 5}, 10))
+            list(exchange(path, {"cmd": "history", "n": 5}, 60))
     finally:
-        t.join(10)
+        t.join(60)
         server.close()

@@ -92,7 +92,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> Report:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     return Report(r.stdout + r.stderr)
 
@@ -161,7 +161,7 @@ def test_kimi_mode_status_loads_the_client_and_plain_data_and_none_of_the_daemon
         ],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         cwd=ROOT,
     )
     assert r.returncode == 3, r.stderr[-2000:]  # unreachable, said so

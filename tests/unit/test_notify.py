@@ -15,7 +15,7 @@ from kimi_supervisor.ports.notify import Notifier
 def listen(address: str) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     s.bind(address)
-    s.settimeout(5)
+    s.settimeout(60)
     return s
 
 

@@ -39,10 +39,10 @@ def test_a_tier_whose_tests_all_skipped_is_named_at_the_end_and_in_the_report(
             "tests/gpu/test_real_gpus.py",
         ],
         cwd=CHECKOUT,
-        env={**os.environ, "KIMI_TIER_REPORT": str(report)},
+        env={**os.environ, "KIMI_TIER_REPORT": str(report), "KIMI_FAILURE_DIGEST": ""},
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     if r.returncode == 0 and "passed" in r.stdout:
         assert report.read_text() == ""  # a GPU here: the tier ran, nothing to say
