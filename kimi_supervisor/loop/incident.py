@@ -80,9 +80,17 @@ class Incidents:
 
         threading.Thread(target=run, name="incident-bundle", daemon=True).start()
 
-    def collect(self, trigger: str, reason: str, report: TeardownReport | None) -> None:
+    def collect(
+        self,
+        trigger: str,
+        reason: str,
+        report: TeardownReport | None,
+        *,
+        kept: dict[str, str] | None = None,
+    ) -> None:
         """The loop's thread, at the moment: the data handed to a thread of its own. Never
-        raises, never waits."""
+        raises, never waits. `kept`: what explains a hang, read before its teardown (loop/
+        liveness.Liveness.kept: vLLM's stacks, the GPUs' counters, the last /metrics)."""
         ctx, s = self.ctx, self.ctx.s
         try:
             now = utcnow()
@@ -100,6 +108,11 @@ class Incidents:
                             named.add(pid)
                             holders.append(Holder(pid, None, f"listed by NVML on GPU {d.index}"))
             body = report.model_dump(mode="json") if report is not None else None
+            if kept and "output" in kept:  # read at the verdict: the last lines before it
+                output = kept["output"].splitlines()
+            else:
+                ctx.output.read_new()  # the lines since the load, if they were not followed
+                output = ctx.output.tail()
             incident = Incident(
                 trigger=trigger,
                 at=now.isoformat(),
@@ -112,8 +125,9 @@ class Incidents:
                 pending=[_pending(p.kind, p.record) for p in ctx.pending if not p.written],
                 holders=tuple(holders),
                 gpu_health=s.gpu_health.model_dump(mode="json") if s.gpu_health else None,
-                output_tail=ctx.output.tail(),
+                output_tail=output,
                 output_where=ctx.output.where,
+                kept={k: v for k, v in (kept or {}).items() if k != "output"},
             )
         except Exception as e:  # a bundle never costs the daemon what it was doing
             ctx.log("incident_bundle_failed", level="error", trigger=trigger, error=repr(e))

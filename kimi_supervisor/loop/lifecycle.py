@@ -65,7 +65,9 @@ class Lifecycle:
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
         self.incidents = Incidents(ctx, put)  # the bundle at a STUCK, FAILED, hang restart
-        self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
+        self.liveness = Liveness(
+            ctx.config, lambda r: put(LivenessSeen(r)), gpu=ctx.gpu, indices=lambda: ctx.s.indices
+        )
         self._verdicts: list[str] = []  # when this daemon gave a hang or unhealthy verdict
 
     # ------------------------------------------------------------------ the one door
@@ -622,13 +624,17 @@ class Lifecycle:
         hang = self.liveness.seen(reading, now, capturing)
         c, w, cpu = reading.canary, reading.work, reading.cpu
         judge = self.liveness.judge
+        # A canary's reading (its own thread's) has no counters: the probes' stay shown.
+        counters = {} if reading.kind != "probe" else {
+            "metrics": reading.metrics,
+            "running": w.running if w else None,
+            "waiting": w.waiting if w else None,
+            "tokens": w.tokens if w else None,
+            "steps": w.steps if w else None,
+        }  # fmt: skip
         seen = (s.liveness or LivenessStatus()).model_copy(
             update={
-                "metrics": reading.metrics,
-                "running": w.running if w else None,
-                "waiting": w.waiting if w else None,
-                "tokens": w.tokens if w else None,
-                "steps": w.steps if w else None,
+                **counters,
                 "cpu_s": cpu.seconds if cpu else None,
                 "stopped": list(cpu.stopped) if cpu else [],
                 "doubt": judge.doubt or None,
@@ -665,6 +671,14 @@ class Lifecycle:
             ctx.unwarn("vLLM's /metrics has no vllm:* series")
         serving = s.state is State.SERVING and s.serving and s.serving.pid == reading.pid
         if hang is not None and serving and not s.busy:
+            if s.capture is not None and s.capture.active:
+                # What no flush does (decide/liveness.Judge.capturing): the capture fails now,
+                # saying why, not at profiling.flush_timeout_s.
+                s.capture.give_up(f"vLLM hung: {hang.reason}")
+            # vLLM's last lines before the hang (the bundle's), not its teardown's.
+            ctx.output.read_new()
+            kept = self.liveness.kept or {}
+            self.liveness.kept = {**kept, "output": "\n".join(ctx.output.tail())}
             self.hung(hang, reading)
 
     # ------------------------------------------------------------------ stopping
@@ -770,7 +784,7 @@ class Lifecycle:
                 self.failure(job.cause or job.reason, detail)
         if purpose is Purpose.DIED and job.cause.startswith("hung:") and s.state is State.BACKOFF:
             # A hang restart (a STUCK or a FAILED after the hang has its own bundle)
-            self.incidents.collect("hang", f"vLLM {job.cause}", report)
+            self.incidents.collect("hang", f"vLLM {job.cause}", report, kept=self.liveness.kept)
 
     def job_event(self, job_event: JobEvent) -> None:
         s, ctx, e = self.s, self.ctx, job_event.event

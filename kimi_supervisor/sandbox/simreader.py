@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_supervisor.model import GpuHealth
+from kimi_supervisor.model import GpuActivity, GpuHealth
 from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
 
 # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding)
@@ -40,6 +40,23 @@ HEALTH = "health.json"
 # remapping supported and clean, page retirement not supported (row remapping replaced it),
 # no uncorrected ECC error, no Xid in the kernel's log. NVLink as the lent host has it: none.
 H200_UNREAD = ("page retirement: not supported by this GPU",)
+# In the sim folder: what each GPU runs (activity/N: {"state": "work" or "spin", "at": the
+# monotonic clock}), written by the fake engine (simgpu.set_activity). Work read more than
+# WORK_HOLD_S ago is over: the GPU reads idle again.
+ACTIVITY = "activity"
+WORK_HOLD_S = 1.0
+# The counters NVML reads for each, as measured on the GPU host (FIGURES_FROM): a kernel that
+# spins on a flag that is never set (a collective stuck on the GPU) keeps the GPU "busy" with
+# no memory traffic at idle power; work moves memory at several times the idle power.
+FIGURES_FROM = "the issue's first look on an H100 (NVML every 0.2 s, medians)"
+COUNTERS: dict[str, dict[str, float]] = {
+    "idle": {"util_gpu": 0.0, "util_memory": 0.0, "power_w": 122.0, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 0.1},
+    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 121.0, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 0.1},
+    "work": {"util_gpu": 99.0, "util_memory": 94.0, "power_w": 617.0, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 20.0},
+}  # fmt: skip
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -249,6 +266,29 @@ class SimGpu:
             if isinstance(fields["unread"], list):
                 fields["unread"] = tuple(fields["unread"])
             out.append(GpuHealth(index, **fields))  # type: ignore[arg-type]
+        return out
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        """Each GPU's counters as NVML reads them for what it runs (COUNTERS): what the fake
+        engine last wrote to activity/N, idle once work is WORK_HOLD_S old. The simulated host
+        has no NVLink (as the lent H200s: none)."""
+        self._answer()
+        now = time.monotonic()
+        out = []
+        for index in indices:
+            try:
+                self._device(index)
+            except GpuUnavailable as e:
+                out.append(GpuActivity(index, unread=(f"the GPU: {e}",)))
+                continue
+            try:
+                seen = json.loads((self.root / ACTIVITY / str(index)).read_text())
+                state, at = str(seen["state"]), float(seen["at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                state, at = "idle", now
+            if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
+                state = "idle"
+            out.append(GpuActivity(index, **COUNTERS[state]))  # type: ignore[arg-type]
         return out
 
     def device_path(self, index: int) -> str:

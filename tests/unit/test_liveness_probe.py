@@ -121,11 +121,21 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
         assert live.seen(readings.pop(), 0.1) is None
         live.serving(api.pid, config.liveness.canary_interval_s + 1, capturing=False)
         deadline = time.monotonic() + 30  # a loaded host's threads
-        while not readings and time.monotonic() < deadline:
+        # The canary's reading comes on its own thread, beside the probe's.
+        while not any(r.kind == "canary" for r in readings) and time.monotonic() < deadline:
             time.sleep(0.01)
-        reading = readings.pop()
+        (reading,) = [r for r in readings if r.kind == "canary"]
         assert reading.canary is not None and not reading.canary.answered, reading
         hang = live.seen(reading, config.liveness.canary_interval_s + 3)
+        if live.gathering:  # a verdict: handed on once its evidence is read
+            assert hang is None
+            while not any(r.kind == "evidence" for r in readings) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (kept,) = [r for r in readings if r.kind == "evidence"]
+            hang = live.seen(kept, config.liveness.canary_interval_s + 4)
+            assert hang is not None and live.kept is not None
+            for ref in planted:  # every process of vLLM's tree, by PID
+                assert ref is not None and f"-- PID {ref.pid} (" in live.kept["stacks"]
         return hang, live.judge.doubt, reading
     finally:
         for ref in planted:
