@@ -464,7 +464,8 @@ class Judge:
         evidence |= {"doubt_s": round(lasted, 1), "hang_bound_s": self.hang_bound_s,
                      "helpers_cpu_s": round(used, 2), "gpus": said}  # fmt: skip
         if work:
-            self.doubt += f"; past liveness.hang_bound_s, but {work}"
+            past = "; past liveness.hang_bound_s, but "
+            self.doubt = f"{self.doubt.split(past)[0]}{past}{work}"
             return None
         assert self.alive_at is not None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
