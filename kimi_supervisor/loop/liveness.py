@@ -21,7 +21,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES, Cpu, Hang, Judge, Work, parse
+from kimi_supervisor.decide.liveness import (
+    MAX_METRICS_BYTES,
+    Cpu,
+    Hang,
+    Judge,
+    Work,
+    gpu_said,
+    parse,
+)
 from kimi_supervisor.model import GpuActivity, title
 from kimi_supervisor.ports import processes, stacks
 from kimi_supervisor.ports.gpu import GpuPort, reading_error
@@ -318,10 +326,14 @@ class Liveness:
         elif isinstance(got, str):
             gpus.append(f"NVML's counters: no reading: {got}")
         else:
-            gpus += [f"{g}" for g in got]
+            gpus += [gpu_said(g, None) + f", SM clock {g.sm_clock_mhz} MHz" + (
+                f"; unread: {', '.join(g.unread)}" if g.unread else "") for g in got]  # fmt: skip
         if self._gpu is not None:
             try:
-                gpus += [f"{d}" for d in self._gpu.sample(list(self._indices()))]
+                for d in self._gpu.sample(list(self._indices())):
+                    procs = ", ".join(f"PID {p.pid} ({p.used_mib} MiB)" for p in d.processes)
+                    gpus.append(f"GPU {d.index}: {d.used_mib} of {d.total_mib} MiB used; "
+                                f"processes: {procs or 'none listed'}")  # fmt: skip
             except Exception as e:
                 gpus.append(f"NVML's memory and processes: no reading: {reading_error(e)}")
         kept["gpus"] = "\n".join(gpus)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import Hang
+from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Hang
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.ports import processes
 
@@ -153,7 +153,10 @@ def test_a_canary_held_by_a_busy_api_server_while_the_engine_idles_is_a_doubt_no
     assert doubt.startswith("a one-token request got no answer in 1 s, but vLLM's API"), doubt
     assert "(the canary may wait behind them): not hung" in doubt
     assert reading.canary is not None and reading.canary.others_s is not None
-    assert reading.canary.others_s >= 0.5, "the busy API server's CPU over the canary's wait"
+    # The busy API server's CPU over the canary's wait (a core it wants; a loaded host gives
+    # it less), past the rule's share.
+    busy = API_BUSY_FRACTION * reading.canary.took_s
+    assert reading.canary.others_s >= busy, reading.canary
     # The engine's own reading is the idle child's alone.
     assert reading.cpu is not None and reading.cpu.processes == 1
 
@@ -310,3 +313,56 @@ def test_a_tree_with_no_engine_role_counts_every_stopped_process(tmp_path: Path)
     finally:
         os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
         tree.wait(10)
+
+
+STACKED = """
+import time
+def waiting_on_a_collective():
+    time.sleep(60)
+print("ready", flush=True)
+waiting_on_a_collective()
+"""
+
+
+@pytest.fixture
+def stacked() -> Iterator[int]:
+    """A Python process blocked in a function of its own, as an engine waits in a collective."""
+    child = subprocess.Popen([sys.executable, "-c", STACKED], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 30  # asleep in its function, on a loaded host too
+        while processes.state_of(child.pid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield child.pid
+    finally:
+        child.kill()  # ours, by its handle
+        child.wait(10)
+
+
+@pytest.mark.skipif(
+    __import__("kimi_supervisor.ports.stacks").ports.stacks.py_spy() is None,
+    reason="py-spy is not installed",
+)
+def test_a_hangs_evidence_holds_each_processs_python_stack_where_py_spy_is_installed(
+    stacked: int,
+) -> None:
+    from kimi_supervisor.ports import stacks
+
+    text = stacks.dump([stacked], time.monotonic() + 30)
+    assert f"-- PID {stacked} (python" in text
+    assert "waiting_on_a_collective" in text, text
+
+
+def test_without_py_spy_each_thread_says_its_state_and_where_it_sleeps_in_the_kernel(
+    stacked: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kimi_supervisor.ports import stacks
+
+    monkeypatch.setattr(stacks, "py_spy", lambda: None)
+    text = stacks.dump([stacked, 2**22 + 7], time.monotonic() + 30)
+    assert "Python stacks by nobody (py-spy is not installed)" in text
+    assert f"thread {stacked} (python" in text and ", state S, wchan " in text, text
+    assert f"-- PID {2**22 + 7} (gone), state gone" in text
+    # Bounded: past its deadline, no process is read, and that is said.
+    late = stacks.dump([stacked], time.monotonic() - 1)
+    assert f"the time for stacks ran out: 1 process(es) not read: {stacked}" in late
