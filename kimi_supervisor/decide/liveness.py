@@ -228,6 +228,8 @@ def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
     say (a counter unread: no reading is never "idle")."""
     if g.util_memory is None or g.pcie_mb_s is None:
         return None
+    if any(u.startswith("NVLink traffic") for u in g.unread):
+        return None  # its links could not be read (not "no NVLink")
     if g.nvlink_kib is not None and nvlink_mb_s is None:
         return None  # a link's rate needs two readings
     return (

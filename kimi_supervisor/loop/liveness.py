@@ -152,6 +152,14 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness)
             serving = p == pid or p in engine or role_of(comm, SERVING_ROLES)
             stuck.append((p, state, cpu_s, serving))
+    # An engine's ancestors (an API server under a wrapper that is MainPID) feed it: no helper.
+    feeding: set[int] = set()
+    for p in engine:
+        up = processes.ppid_of(p)
+        while up > 1 and up != pid and up not in feeding and up not in engine:
+            feeding.add(up)
+            up = processes.ppid_of(up)
+    helpers = [h for h in helpers if h[0] not in feeding]
     stopped = [
         (f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))}, state {state})", cpu)
         for p, state, cpu, serving in stuck

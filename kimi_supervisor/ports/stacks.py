@@ -110,13 +110,15 @@ def _py_spy(spy: str, pid: int, timeout_s: float) -> str | None:
 
 def dump(pids: Sequence[int], deadline: float) -> str:
     """The stacks of `pids` (vLLM's processes, parents first), read until `deadline`
-    (time.monotonic()), each process's text at most PROCESS_MAX_BYTES."""
+    (time.monotonic()), each process's text at most PROCESS_MAX_BYTES. A PID that names another
+    process by the time its turn comes (its start time) is not read: never a stranger's."""
     spy = py_spy()
     out = [
         "Python stacks by "
         + (f"py-spy ({spy})" if spy else "nobody (py-spy is not installed)")
         + "; each thread's state, wchan and kernel stack from /proc"
     ]
+    listed = {pid: processes.ref_of(pid) for pid in pids}  # each as it was when listed
     for n, pid in enumerate(pids):
         left = deadline - time.monotonic()
         if left <= 0:
@@ -125,6 +127,9 @@ def dump(pids: Sequence[int], deadline: float) -> str:
             break
         comm = processes.comm_of(pid)
         part = [f"-- PID {pid} ({comm or 'gone'}), state {processes.state_of(pid) or 'gone'}"]
+        if listed[pid] is None or processes.ref_of(pid) != listed[pid]:
+            out.append(f"{part[0]}\n  (not read: it exited, or its PID names another process now)")
+            continue
         if spy is not None:
             said = _py_spy(spy, pid, min(PY_SPY_S, left))
             part += [said] if said else []

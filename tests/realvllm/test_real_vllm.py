@@ -5,6 +5,7 @@ simulated memory; this is the seam). One vLLM start is shared by the tests in or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,14 +68,20 @@ HERE = Path(__file__).resolve().parent
 READY_S = 600  # 38-105 s measured here; a loaded CI machine is slower
 
 
-@pytest.fixture(scope="module")
-def real() -> Iterator[DaemonHelper]:
+@contextlib.contextmanager
+def serving_real(
+    model: Path | None = None, room: list[str] | None = None, profile_extra: tuple[str, ...] = ()
+) -> Iterator[DaemonHelper]:
+    """The daemon serving real vLLM's production in a sandbox of its own, taken down after:
+    the tier's tiny model (or `model`), each mode with `room` (`--max-model-len 256`) and the
+    profile mode with `profile_extra` too."""
+    room = room or ["--max-model-len", "256"]
     why = env.unavailable() or unavailable_reason()
     if why:
         pytest.skip(f"no real vLLM here: {why}")
     try:
         venv = env.venv()
-        model = env.model(venv)
+        model = model or env.model(venv)
     except env.Unavailable as e:
         pytest.skip(f"no real vLLM here: {e}")
     root = Path(tempfile.mkdtemp(prefix="kimi-real-"))
@@ -92,8 +99,10 @@ def real() -> Iterator[DaemonHelper]:
         "vllm": {"command": [str(venv / "bin" / "vllm"), "serve", str(model),
                              "--tensor-parallel-size", "2", "--dtype", "bfloat16",
                              "--block-size", "16"]},
-        "modes": {"production": {"args": ["--max-model-len", "256"]},
-                  "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
+        "modes": {
+            "production": {"args": room},
+            "profile": {"args": [*room, "--profiler-config", profiler, *profile_extra]},
+        },
         # The tier kills, freezes or deadlocks its vLLM five times within the failure window
         # (the SIGKILL of the API server, the frozen engine, the frozen worker, two deadlocks):
         # each is a failure, and the third would be FAILED with the shipped max_failures (3).
@@ -152,6 +161,12 @@ def real() -> Iterator[DaemonHelper]:
                 sb.daemon_log, Path(tempfile.gettempdir()) / "kimi-realvllm-last-daemon.log"
             )
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[DaemonHelper]:
+    with serving_real() as daemon:
+        yield daemon
 
 
 def as_executed(argv: list[str]) -> list[str]:
@@ -557,6 +572,57 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
            capture_stall_failed=st["failed"])  # fmt: skip
 
 
+def test_a_real_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_says_why(
+    real: DaemonHelper,
+) -> None:
+    """A capture's flush is bounded by profiling.flush_timeout_s (30 minutes shipped) because
+    a flush works; a worker stopped on the serving path does not. Stopped during the flush
+    under load, it is judged within stall_s and a reading or two, as without a capture, and
+    the capture fails saying why (last round: only at the flush timeout)."""
+    if real.status()["mode"] != "profile":
+        r = real.kimi_mode("profile", timeout=READY_S + 120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    api = real.vllm_pid()
+    (worker,) = [
+        ref for pid, title in unit_tree(real).items()
+        if title.startswith("VLLM::Worker_TP1") and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    before = len(hangs(real))
+    out: list[subprocess.CompletedProcess[str]] = []
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        capture = threading.Thread(target=lambda: out.append(real.kimi_mode(
+            "capture", "--seconds", "3", "--then", "stay", timeout=READY_S)))  # fmt: skip
+        capture.start()
+        real.wait_status(lambda s: (s.get("capture") or {}).get("phase") == "flushing", 120,
+                         "the flush")  # fmt: skip
+        t0 = time.monotonic()
+        processes.send_signal(worker, signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(hangs(real)) > before, 120, "the hang to be recorded")
+            noticed_s = time.monotonic() - t0
+            capture.join(READY_S)
+            wait_new_vllm(real, api)
+            real.wait_serving("profile", READY_S)
+        finally:
+            if processes.is_alive(worker):
+                processes.send_signal(worker, signal.SIGCONT)
+    finally:
+        load.stop()
+    incident = hangs(real)[-1]
+    assert "a capture is under way, and the engine: stopped: PID" in incident["what"], incident
+    assert "VLLM::Worker_TP1" in str(incident["stopped"]), incident
+    c = real.config.liveness
+    assert noticed_s <= c.stall_s + 2 * c.metrics_interval_s + 1, (noticed_s, incident["what"])
+    taken = [e for e in real.history() if e["kind"] == "capture"][-1]
+    assert not taken["ok"] and "the capture failed: vLLM hung: a capture is under way" in str(
+        taken["message"]
+    ), taken
+    assert out and out[0].returncode != 0 and "vLLM hung" in flat(out[0].stdout + out[0].stderr)
+    record(flush_worker_hang_noticed_s=round(noticed_s, 1))
+
+
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     real: DaemonHelper,
 ) -> None:
@@ -699,6 +765,53 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
     assert not processes.is_alive(engine), "the frozen engine was ended"
     record(hang_noticed_s=round(noticed_s, 1),
            hang_served_again_s=round(time.monotonic() - t0, 1))  # fmt: skip
+
+
+def test_a_real_engine_frozen_with_a_clients_request_open_is_torn_down_without_its_grace(
+    real: DaemonHelper,
+) -> None:
+    """A hung engine finishes no request, and vLLM's API server holding a client's open
+    request waited out the whole teardown.term_grace_s (30 s here) at each hang's teardown
+    (30.2 s of a 95-127 s outage). A hang's unit gets liveness.hang_term_grace_s (5 s) to
+    stop. The bundle of the restart holds every vLLM process's stacks, read before it."""
+    real.wait_serving(real.status()["mode"] or "production", READY_S)
+    api = real.vllm_pid()
+    tree = [api, *processes.descendants(api)]
+    (engine,) = [
+        ref for pid, title in unit_tree(real).items()
+        if title.startswith("VLLM::EngineCore") and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    before = len(hangs(real))
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        t0 = time.monotonic()
+        processes.send_signal(engine, signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(hangs(real)) > before, 120, "the hang to be recorded")
+            wait_new_vllm(real, api)
+            status = real.wait_serving(real.status()["mode"] or "production", READY_S)
+        finally:
+            if processes.is_alive(engine):
+                processes.send_signal(engine, signal.SIGCONT)
+        served_again_s = time.monotonic() - t0
+    finally:
+        load.stop()
+    status = real.wait_status(
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "hang", 60, "its bundle"
+    )
+    text = Path(status["incident_bundle"]["path"]).read_text()
+    report = json.loads(text.split("== the teardown report (JSON) ==\n", 1)[1].split("\n==")[0])
+    (stop,) = [x for x in report["steps"] if x["step"] == "stop_unit"]
+    c, t = real.config.liveness, real.config.teardown
+    assert c.hang_term_grace_s < t.term_grace_s
+    assert stop["duration_s"] <= c.hang_term_grace_s + 1, stop
+    for pid in tree:
+        assert f"-- PID {pid} (" in text, f"no stack of PID {pid}"
+    record(hang_stop_unit_s=round(stop["duration_s"], 2), hang_stop_note=stop["note"],
+           hang_grace_window_s=status["downtime"]["window_s"],
+           hang_grace_served_again_s=round(served_again_s, 1),
+           hang_stacks_by="py-spy" if "Python stacks by py-spy" in text else "/proc")  # fmt: skip
 
 
 def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_reading(

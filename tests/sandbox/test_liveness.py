@@ -465,7 +465,7 @@ def test_a_collective_stuck_under_load_is_hung_at_the_bound_and_its_stacks_are_k
         stuck.touch()
         wait_until(lambda: bool(hangs(daemon)), 3 * c.hang_bound_s + 60, "the hang")
         sandbox.fake()  # the next vLLM starts without the fault
-        daemon.wait_serving_anew("production", main)
+        served = daemon.wait_serving_anew("production", main)
     finally:
         stuck.unlink(missing_ok=True)
         done.set()
@@ -477,11 +477,14 @@ def test_a_collective_stuck_under_load_is_hung_at_the_bound_and_its_stacks_are_k
     assert "GPU 0: busy 100 %, memory 0 %" in what and "vLLM's helpers used" in what
     assert float(incident["doubt_s"]) >= c.hang_bound_s  # type: ignore[arg-type]
     assert float(incident["running"]) >= 1  # type: ignore[arg-type]
+    # One attempt: the window's first part is the hang, its teardown and the backoff.
+    text = served["downtime"]["text"]
+    assert "the lost vLLM until found, its teardown and the backoff" in text, text
+    assert "earlier attempts" not in text, text
     status = daemon.wait_status(
         lambda s: (s.get("incident_bundle") or {}).get("trigger") == "hang", 30, "its bundle"
     )
     text = Path(status["incident_bundle"]["path"]).read_text()
-    Path("/tmp/wt52-hang-bundle.txt").write_text(text)
     for pid in tree:
         assert f"-- PID {pid} (" in text, f"no stack of PID {pid}"
     assert "wchan" in text and "vllm:num_requests_running" in text
