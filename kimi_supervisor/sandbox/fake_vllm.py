@@ -152,6 +152,7 @@ class _Faults:
         self._spinners: dict[str, threading.Event] = {}
         self._compiler: subprocess.Popen[bytes] | None = None
         self._worked_at = 0.0
+        self._lock = threading.Lock()
 
     @staticmethod
     def _on(path: str | None) -> bool:
@@ -167,9 +168,10 @@ class _Faults:
 
     def worked(self) -> None:
         now = time.monotonic()
-        if now - self._worked_at >= 0.2 and not self.stuck:
-            self._worked_at = now
-            self._gpus("work")
+        with self._lock:  # never "work" written over a stuck collective's "spin"
+            if now - self._worked_at >= 0.2 and not self.stuck:
+                self._worked_at = now
+                self._gpus("work")
 
     def _spinner(self, name: str, on: bool) -> None:
         if on and name not in self._spinners:
@@ -183,9 +185,10 @@ class _Faults:
         o = self.opts
         while True:
             stuck = self._on(o.stuck_collective_file)
-            if stuck != self.stuck:
-                self._gpus("spin" if stuck else "idle")
-            self.stuck = stuck
+            with self._lock:
+                if stuck != self.stuck:
+                    self._gpus("spin" if stuck else "idle")
+                self.stuck = stuck
             self._spinner("collective", stuck)
             self._spinner("thread", self._on(o.spinning_thread_file))
             compiling = self._on(o.compile_file)

@@ -201,6 +201,15 @@ def unit_tree(real: DaemonHelper) -> dict[int, str]:
     }
 
 
+def role(real: DaemonHelper, title: str) -> processes.ProcessRef:
+    """The one process of vLLM's unit whose argv[0] begins with `title` (`VLLM::EngineCore`)."""
+    (ref,) = [
+        ref for pid, argv0 in unit_tree(real).items()
+        if argv0.startswith(title) and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    return ref
+
+
 def test_real_vllm_serves_production_byte_exact_with_its_real_tree_and_health(
     real: DaemonHelper,
 ) -> None:
@@ -583,10 +592,7 @@ def test_a_real_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_sa
         r = real.kimi_mode("profile", timeout=READY_S + 120)
         assert r.returncode == 0, r.stdout + r.stderr
     api = real.vllm_pid()
-    (worker,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::Worker_TP1") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    worker = role(real, "VLLM::Worker_TP1")
     before = len(hangs(real))
     out: list[subprocess.CompletedProcess[str]] = []
     load = Load(real)
@@ -733,10 +739,7 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
     """Issue 27: VLLM::EngineCore frozen (SIGSTOP, as one stuck in a collective or the driver
     is), the API server answered /health 200 and the daemon said `serving` for 10 minutes."""
     api = real.vllm_pid()
-    (engine,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::EngineCore") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    engine = role(real, "VLLM::EngineCore")
     hung = [e for e in real.history() if "vLLM hung" in e.get("what", "")]
     # First the canary's cost, as real vLLM answers it (one every 10 s here).
     seen = real.wait_status(lambda s: bool((s["liveness"] or {}).get("canary_ok")), 60, "canary")
@@ -777,10 +780,7 @@ def test_a_real_engine_frozen_with_a_clients_request_open_is_torn_down_without_i
     real.wait_serving(real.status()["mode"] or "production", READY_S)
     api = real.vllm_pid()
     tree = [api, *processes.descendants(api)]
-    (engine,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::EngineCore") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    engine = role(real, "VLLM::EngineCore")
     before = len(hangs(real))
     load = Load(real)
     try:
@@ -822,10 +822,7 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
     metrics interval (5 + 2 s here), recorded with both signals, served again."""
     real.wait_serving("production", READY_S)
     api = real.vllm_pid()
-    (worker,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::Worker_TP1") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    worker = role(real, "VLLM::Worker_TP1")
     before = len(hangs(real))
     load = Load(real)
     try:
