@@ -223,6 +223,7 @@ class Liveness:
         self._pid = 0
         self._probing = False
         self._canary_out = False
+        self._idle = True  # the last probe's counters said nothing runs or waits (or had none)
         self._next_probe = 0.0
         self._next_canary = 0.0
         self._last_metrics = ""  # the newest /metrics answer (at most KEPT_METRICS_BYTES)
@@ -263,7 +264,7 @@ class Liveness:
             threading.Thread(
                 target=self._probe, args=(pid, url, False), name="liveness", daemon=True
             ).start()
-        if not capturing and not self._canary_out and now >= self._next_canary:
+        if not capturing and self._idle and not self._canary_out and now >= self._next_canary:
             self._canary_out = True
             threading.Thread(
                 target=self._probe, args=(pid, url, True), name="liveness-canary", daemon=True
@@ -365,6 +366,8 @@ class Liveness:
                 return None  # not sent: work ran or waited (the probes judge it)
         else:
             self._probing = False
+            if reading.metrics != "unreachable":  # the canary goes only to an idle engine
+                self._idle = reading.work is None or reading.work.pending <= 0
         if reading.pid != self._pid or self._verdict is not None:
             return None
         if reading.canary is not None:

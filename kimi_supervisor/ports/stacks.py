@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,8 @@ def _threads(pid: int, deadline: float) -> list[str]:
 
 
 def _py_spy(spy: str, pid: int, timeout_s: float) -> str | None:
-    """py-spy's dump of `pid`, or None where it gave none (its error said)."""
+    """py-spy's dump of `pid` (at most PROCESS_MAX_BYTES of it: a process of many threads is
+    its owner's to make), or None where py-spy could not start."""
     try:
         proc = subprocess.Popen(
             [spy, "dump", "--pid", str(pid)], stdout=subprocess.PIPE,
@@ -96,15 +98,30 @@ def _py_spy(spy: str, pid: int, timeout_s: float) -> str | None:
         )  # fmt: skip
     except OSError:
         return None
+    assert proc.stdout is not None
+    out, fd = bytearray(), proc.stdout.fileno()
+    deadline = time.monotonic() + timeout_s
+    ended = False
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+        while len(out) <= PROCESS_MAX_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                break
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                ended = True
+                break
+            out += chunk
+    finally:
         with contextlib.suppress(ProcessLookupError):
-            proc.kill()  # our own child, by its handle
+            proc.kill()  # our own child, by its handle: done, cut short or out of time
+        proc.stdout.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=1)
-        return f"(py-spy gave no dump in {timeout_s:g} s)"
+            proc.wait(1)
     text = out.decode(errors="backslashreplace").strip()
+    if not ended:
+        why = "out of time" if len(out) <= PROCESS_MAX_BYTES else "too long"
+        return f"{text}\n(py-spy's dump cut short: {why})" if text else f"(py-spy: {why})"
     return text if proc.returncode == 0 else f"(py-spy failed: {text[-500:]})"
 
 
