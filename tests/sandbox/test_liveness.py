@@ -330,6 +330,12 @@ def test_the_second_hang_within_the_window_is_not_restarted_but_failed_with_its_
     assert second["stopped"] and "VLLM::EngineCore" in str(second["stopped"])
     assert "liveness.max_hang_restarts = 2" in daemon.log()
     assert daemon.unit() == "active" and processes.ref_of(engine) is None
+    # Its bundle keeps what explains the hang that was not restarted: the stacks too.
+    status = daemon.wait_status(
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "failed", 30, "its bundle"
+    )
+    text = Path(status["incident_bundle"]["path"]).read_text()
+    assert f"-- PID {engine} (VLLM::EngineCor), state T" in text, text[:3000]
 
 
 def test_a_health_that_answers_late_from_a_busy_api_server_is_never_restarted(
