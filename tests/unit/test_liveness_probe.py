@@ -366,3 +366,33 @@ def test_without_py_spy_each_thread_says_its_state_and_where_it_sleeps_in_the_ke
     # Bounded: past its deadline, no process is read, and that is said.
     late = stacks.dump([stacked], time.monotonic() - 1)
     assert f"the time for stacks ran out: 1 process(es) not read: {stacked}" in late
+
+
+def test_readings_go_on_beside_a_canary_that_waits(config: Config) -> None:
+    """With vLLM's stats off the canary is the only judge of an idle engine, and it may wait
+    `canary_timeout_s`: on a thread of its own, the readings of /metrics and the processes go
+    on meanwhile (before, none was taken while it waited)."""
+    readings: list[Reading] = []
+    # The canary waits until released (its timeout far off): whatever comes first is a probe's.
+    c = config.liveness.model_copy(update={"canary_timeout_s": 60.0})
+    live = Liveness(config.model_copy(update={"liveness": c}), readings.append)
+    live.serving(os.getpid(), 0.0, capturing=False)
+    deadline = time.monotonic() + 30  # a loaded host's threads
+    while not readings and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live.seen(readings.pop(), 0.1)
+    live.serving(os.getpid(), c.canary_interval_s + 1, capturing=False)  # a probe, the canary
+    while len(readings) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (probe,) = readings
+    assert probe.kind == "probe"
+    live.seen(readings.pop(), c.canary_interval_s + 1.1)
+    later = c.canary_interval_s + 1 + c.metrics_interval_s
+    live.serving(os.getpid(), later, capturing=False)  # the canary still waits: a probe
+    while len(readings) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.kind for r in readings] == ["probe"], readings
+    Vllm.released.set()  # the canary's answer (an empty one: an answer all the same)
+    while len(readings) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.kind for r in readings] == ["probe", "canary"], readings
