@@ -54,9 +54,10 @@ one of them from outside vLLM's HTTP server:
 A doubt is no verdict: shown in status, alerted on after 15 minutes, and kept until a proof of
 progress, or until `hang_bound_s` (at most 600 s shipped) bounds it. A collective stuck on the
 GPU spins its host thread at 100 % of a core (bench/cuda_wait_cpu.py) for ever: busy, yet dead.
-The bound's second signal is the GPUs' own counters (model.GpuActivity, measured on the GPU
-host: a spinning kernel reads util.gpu 100 %, util.memory 0 %, the idle power; work moves
-memory at several times the idle power), and real work that no step shows holds it off: a
+The bound's second signal is the GPUs' own counters (model.GpuActivity, measured on an H100:
+a kernel that spins or polls a flag in device memory reads util.gpu 100 %, util.memory 0 %,
+PCIe at the idle level; every shape of work moved memory or PCIe: MEMORY_BUSY_PCT,
+PCIE_BUSY_MB_S), and real work that no step shows holds it off: a
 helper process of vLLM's that has none of its roles using CPU (FlashInfer's JIT compile runs up
 to 10 minutes in ninja and nvcc), or memory or link traffic on a GPU. A counter not read is
 never "idle": no verdict by the bound then. The last proof of progress (a counter that moved, a
@@ -201,12 +202,17 @@ def helpers_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
 
 
 # The GPU's own counters (model.GpuActivity) that tell a kernel spinning on a flag never set (a
-# collective stuck on the GPU) from work, as measured on the GPU host (docs/performance.md,
-# "What tells a spinning hang from work"; bench/gpu_hang_signature.py): memory traffic is work;
-# a spinning kernel reads util.gpu 100 % with no memory traffic, at the idle power.
-MEMORY_BUSY_PCT = 5.0  # util.memory at or above this: the GPU moves memory, it works
-PCIE_BUSY_MB_S = 100.0  # PCIe traffic at or above this (sent and received): it works
-NVLINK_BUSY_MB_S = 100.0  # NVLink traffic at or above this (sent and received): it works
+# collective stuck on the GPU) from work, as measured on an H100 (NVML every 0.2 s, 8 s a shape,
+# medians of two runs; bench/gpu_hang_signature.py, bench/results/h100x1-2026-12-07-gpu-hang-
+# signature.json; docs/performance.md, "What tells a spinning hang from work"): a kernel that
+# spins, or polls a flag in device memory, read util.gpu 100 %, util.memory 0 %, 125 W (idle:
+# 124 W) and PCIe at most 2.8 MB/s (idle: up to 10.5 MB/s); work read util.memory 2 % (a
+# host-to-device copy, PCIe-bound: 63,900 MB/s of PCIe) to 100 %, PCIe 27-63,900 MB/s. The host
+# thread behind each used a whole core: the CPU tells nothing. Power does not separate them (the
+# PCIe-bound copy read 133 W, the spin 125 W): it is shown, never judged.
+MEMORY_BUSY_PCT = 1.0  # util.memory at or above this: the GPU moves memory, it works
+PCIE_BUSY_MB_S = 50.0  # PCIe traffic (sent and received) at or above this: it works
+NVLINK_BUSY_MB_S = 0.0  # NVLink traffic above this: it works (not measured: no NVLink there)
 SPIN_GPU_PCT = 90.0  # util.gpu at or above this with no traffic: a kernel that spins
 
 
@@ -235,7 +241,7 @@ def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
     return (
         g.util_memory >= MEMORY_BUSY_PCT
         or g.pcie_mb_s >= PCIE_BUSY_MB_S
-        or (nvlink_mb_s is not None and nvlink_mb_s >= NVLINK_BUSY_MB_S)
+        or (nvlink_mb_s is not None and nvlink_mb_s > NVLINK_BUSY_MB_S)
     )
 
 

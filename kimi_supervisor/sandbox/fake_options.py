@@ -41,7 +41,7 @@ class FakeOptions:
     # While this file exists, the engine begins no step and a thread of it spins a core (as one
     # waits in torch.cuda.synchronize() behind a collective stuck on the GPU: 8.0 s of CPU in
     # 8.2 s, bench/cuda_wait_cpu.py), and the simulated GPUs read a kernel that spins (busy, no
-    # memory traffic, idle power: sandbox/simreader.COUNTERS, as measured on the GPU host).
+    # memory or PCIe traffic, idle power: sandbox/simreader.COUNTERS, measured on an H100).
     stuck_collective_file: str | None = None
     # While this file exists, a thread of the engine spins a core, whatever else it does (steps
     # go on beside it).

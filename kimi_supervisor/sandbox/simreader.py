@@ -45,17 +45,19 @@ H200_UNREAD = ("page retirement: not supported by this GPU",)
 # WORK_HOLD_S ago is over: the GPU reads idle again.
 ACTIVITY = "activity"
 WORK_HOLD_S = 1.0
-# The counters NVML reads for each, as measured on the GPU host (FIGURES_FROM): a kernel that
-# spins on a flag that is never set (a collective stuck on the GPU) keeps the GPU "busy" with
-# no memory traffic at idle power; work moves memory at several times the idle power.
-FIGURES_FROM = "the issue's first look on an H100 (NVML every 0.2 s, medians)"
+# The counters NVML reads for each, as measured on an H100 80GB HBM3, driver 580.159.04 (NVML
+# every 0.2 s for 8 s a shape, medians of two runs: bench/gpu_hang_signature.py,
+# bench/results/h100x1-2026-12-07-gpu-hang-signature.json): "idle" a context and nothing run;
+# "spin" torch.cuda._sleep (a kernel that polls a flag in device memory read the same): busy,
+# no memory traffic, the idle power; "work" the decode-like loop (GEMMs and all-reduce-sized
+# copies). PCIe is sent and received together (NVML's KB/s over 1000).
 COUNTERS: dict[str, dict[str, float]] = {
-    "idle": {"util_gpu": 0.0, "util_memory": 0.0, "power_w": 122.0, "sm_clock_mhz": 1980.0,
-             "pcie_mb_s": 0.1},
-    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 121.0, "sm_clock_mhz": 1980.0,
-             "pcie_mb_s": 0.1},
-    "work": {"util_gpu": 99.0, "util_memory": 94.0, "power_w": 617.0, "sm_clock_mhz": 1980.0,
-             "pcie_mb_s": 20.0},
+    "idle": {"util_gpu": 0.0, "util_memory": 0.0, "power_w": 124.2, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 1.1},
+    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 125.1, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 1.8},
+    "work": {"util_gpu": 88.0, "util_memory": 80.0, "power_w": 421.4, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 198.7},
 }  # fmt: skip
 
 

@@ -337,7 +337,7 @@ class FakeGpu:
     def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
         """An idle H100's counters (sandbox/simreader.COUNTERS)."""
         self.answers.wait()
-        return [GpuActivity(i, 0.0, 0.0, 122.0, 1980.0, 0.1) for i in indices]
+        return [GpuActivity(i, 0.0, 0.0, 124.2, 1980.0, 1.1) for i in indices]
 
     def device_path(self, index: int) -> str:
         return f"/nonexistent/nvidia{index}"

@@ -98,7 +98,7 @@ CASES = {
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin" if t > 60 else "work")),
         (660, 675), "with no sign of real work: vLLM's helpers used 0.00 s of CPU in 120 s; "
-        "GPU 0: busy 100 %, memory 0 %, 121 W, PCIe 0.1 MB/s"),
+        "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
     "the same stuck collective while idle is hung at the bound from its first unanswered canary": (
         Case(pending=lambda t: 0, tokens=lambda t: 5, cpu_s=lambda t: SPIN * max(t - 100, 0),
              gpus=lambda t: gpu("spin" if t > 100 else "idle"), answered=lambda t: t < 100),
@@ -116,7 +116,7 @@ CASES = {
     "a prefill longer than the bound, moving memory on the GPU, is a doubt, never a hang": (
         Case(pending=lambda t: 1, tokens=lambda t: 5 + 10 * max(t - 700, 0),
              cpu_s=lambda t: 0.9 * t, gpus=lambda t: gpu("work"), until=690),
-        None, "past liveness.hang_bound_s, but the GPU works (GPU 0: busy 99 %, memory 94 %"),
+        None, "past liveness.hang_bound_s, but the GPU works (GPU 0: busy 88 %, memory 80 %"),
     "a capture's flush longer than the bound, the engine busy and the GPUs idle, is no verdict": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("idle" if t > 60 else "work"), capturing=lambda t: t > 60),
@@ -149,12 +149,16 @@ CASES = {
     "a busy gpu with no memory traffic but NVLink traffic (an all-reduce at work) is a doubt": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin", nvlink_kib=1e6 * t)),
-        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 121 W, PCIe 0.1 MB/s, "
+        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s, "
         "NVLink 1.024e+06 MB/s)"),
+    "a pcie-bound copy at near the idle power past the bound is a doubt: its pcie is work": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin", util_memory=2.0, power_w=134.5, pcie_mb_s=63_900.0)),
+        None, "but the GPU works (GPU 0: busy 100 %, memory 2 %, 134.5 W, PCIe 63900 MB/s)"),
     "an engine busy on its CPU alone past the bound, the GPUs idle, is hung": (
         Case(pending=lambda t: 2, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("idle")),
-        (600, 615), "GPU 0: busy 0 %, memory 0 %, 122 W"),
+        (600, 615), "GPU 0: busy 0 %, memory 0 %, 124.2 W"),
     "a spinning thread in an engine that steps is never hung": (
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: 1.9 * t,
              gpus=lambda t: gpu("work")),
