@@ -544,8 +544,8 @@ def _nvlink_kib(nv: Any, h: Any, unread: list[str]) -> float | None:
     if None in fields:
         unread.append("NVLink traffic: this pynvml has no such field")
         return None
-    try:
-        values = nv.nvmlDeviceGetFieldValues(h, fields)
+    try:  # scope UINT_MAX: summed over every link (NVML's nvmlFieldValue_t.scopeId)
+        values = nv.nvmlDeviceGetFieldValues(h, [(f, 0xFFFFFFFF) for f in fields])
     except nv.NVMLError_NotSupported:
         return None
     except Exception as e:
