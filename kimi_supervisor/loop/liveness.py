@@ -1,10 +1,13 @@
 """Liveness while vLLM serves (decide/liveness.py judges): on a thread of its own, every
 `liveness.metrics_interval_s`, vLLM's /metrics, the CPU time and state of its processes (MainPID
-and its descendants, from /proc), and, when the metrics say nothing runs or waits (or there are
-no metrics), a one-token canary every `canary_interval_s`. A hung vLLM may take
-`canary_timeout_s` not to answer: the probe never holds the loop; the reading comes back through
-the inbox (LivenessSeen) and the loop judges it. No canary while a capture is under way (it
-would be in the traces), and no verdict at all then: the capture has its own deadline.
+and its descendants, from /proc) and the managed GPUs' own counters (NVML, through the GPU
+port); and, when the metrics say nothing runs or waits (or there are no metrics), a one-token
+canary every `canary_interval_s`, on a thread of its own, the readings going on beside it. A
+hung vLLM may take `canary_timeout_s` not to answer: the probe never holds the loop; each
+reading comes back through the inbox (LivenessSeen) and the loop judges it. No canary while a
+capture is under way (it would be in the traces), and then only what no flush does is a
+verdict (a process stopped on the serving path, a spinning kernel): the capture has its own
+deadline for a flush that works.
 
 A canary that gets an answer, even an error (the model's name refused, HTTP 400), is not a hang:
 it is shown as a warning. Only no answer within the timeout counts, and only with the engine's
