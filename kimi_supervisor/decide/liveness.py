@@ -406,7 +406,7 @@ class Judge:
         if why.startswith("stopped"):
             reason = f"a capture is under way, and the engine: {why}"
         else:
-            said = self._gpus_said(now - self.hang_bound_s, now)
+            said = self._gpus_said()
             evidence["gpus"] = said
             reason = (
                 f"a capture is under way, and every GPU has read a kernel that spins (busy, no "
@@ -417,7 +417,7 @@ class Judge:
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
         return Hang(reason, evidence, self.alive_at)
 
-    def _gpus_said(self, start: float, now: float) -> list[str]:
+    def _gpus_said(self) -> list[str]:
         """The GPUs' newest reading in words."""
         if not self.gpus:
             return ["not read"]
@@ -468,7 +468,7 @@ class Judge:
         work = self._real_work(now)
         cpu = self.samples[-1][1] if self.samples else None
         used, who = helpers_used(self._base(0.0, now), cpu)
-        said = self._gpus_said(now - self.stall_s, now)
+        said = self._gpus_said()
         evidence |= {"doubt_s": round(lasted, 1), "hang_bound_s": self.hang_bound_s,
                      "helpers_cpu_s": round(used, 2), "gpus": said}  # fmt: skip
         if work:
@@ -528,7 +528,11 @@ class Judge:
         if not (stalled or unanswered):
             if self.doubt_since is None or (self.alive_at or 0.0) > self.doubt_since:
                 self.doubt, self.doubt_since, self.unanswered_since = "", None, None
-            elif self.unanswered_since is not None and (work is None or work.pending <= 0):
+            elif (
+                self.unanswered_since is not None
+                and cpu is not None  # the helpers' CPU unread: no verdict
+                and (work is None or work.pending <= 0)
+            ):
                 # An unanswered canary's doubt stands between canaries: the bound counts on.
                 ago = now - self.unanswered_since
                 why = f"a one-token request sent {ago:.0f} s ago got no answer"
