@@ -48,9 +48,19 @@ def _pending(kind: str, record: TeardownReport | dict[str, Any]) -> dict[str, An
 
 
 class Incidents:
-    def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        put: Callable[[Message], None],
+        *,
+        kept: Callable[[], dict[str, str] | None] = lambda: None,
+    ) -> None:
         self.ctx = ctx
         self._put = put
+        # What explains a hang, read before its teardown (loop/liveness.Liveness.take_kept:
+        # vLLM's stacks, the GPUs' counters, the last /metrics, its last output lines), taken
+        # by the next bundle: the hang's restart, or the STUCK or FAILED its teardown ends in.
+        self._kept = kept
         self.worker: IoWorker = ctx.bundle_worker or Worker(
             "bundle-io", BUNDLE_TIMEOUT_S, copy=True
         )
@@ -80,19 +90,12 @@ class Incidents:
 
         threading.Thread(target=run, name="incident-bundle", daemon=True).start()
 
-    def collect(
-        self,
-        trigger: str,
-        reason: str,
-        report: TeardownReport | None,
-        *,
-        kept: dict[str, str] | None = None,
-    ) -> None:
+    def collect(self, trigger: str, reason: str, report: TeardownReport | None) -> None:
         """The loop's thread, at the moment: the data handed to a thread of its own. Never
-        raises, never waits. `kept`: what explains a hang, read before its teardown (loop/
-        liveness.Liveness.kept: vLLM's stacks, the GPUs' counters, the last /metrics)."""
+        raises, never waits."""
         ctx, s = self.ctx, self.ctx.s
         try:
+            kept = self._kept()
             now = utcnow()
             holders: list[Holder] = []
             if report is not None:

@@ -64,7 +64,8 @@ class Lifecycle:
         self._put = put
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
-        self.incidents = Incidents(ctx, put)  # the bundle at a STUCK, FAILED, hang restart
+        # The bundle at a STUCK, FAILED, hang restart; with a hang's evidence, once.
+        self.incidents = Incidents(ctx, put, kept=lambda: self.liveness.take_kept())
         self.liveness = Liveness(
             ctx.config, lambda r: put(LivenessSeen(r)), gpu=ctx.gpu, indices=lambda: ctx.s.indices
         )
@@ -559,9 +560,7 @@ class Lifecycle:
         ctx.log("failed", level="error", message=msg)
         # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
         self.set_state(State.FAILED, msg)
-        # The hang that reached max_hang_restarts: its stacks, as a restart's bundle has them.
-        kept, self.liveness.kept = self.liveness.kept, None
-        self.incidents.collect("failed", msg, s.last_teardown, kept=kept)
+        self.incidents.collect("failed", msg, s.last_teardown)
 
     def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
         """A teardown ended STUCK: the episode begins, or goes on. Its own retries end their
@@ -786,8 +785,7 @@ class Lifecycle:
                 self.failure(job.cause or job.reason, detail)
         if purpose is Purpose.DIED and job.cause.startswith("hung:") and s.state is State.BACKOFF:
             # A hang restart (a STUCK or a FAILED after the hang has its own bundle)
-            kept, self.liveness.kept = self.liveness.kept, None  # this hang's, used once
-            self.incidents.collect("hang", f"vLLM {job.cause}", report, kept=kept)
+            self.incidents.collect("hang", f"vLLM {job.cause}", report)
 
     def job_event(self, job_event: JobEvent) -> None:
         s, ctx, e = self.s, self.ctx, job_event.event

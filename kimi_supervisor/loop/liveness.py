@@ -238,6 +238,11 @@ class Liveness:
         c = self.config.liveness
         return Judge(c.stall_s, c.cpu_idle_fraction, c.hang_bound_s)
 
+    def take_kept(self) -> dict[str, str] | None:
+        """What explains the last verdict handed on, once (the next incident bundle's)."""
+        kept, self.kept = self.kept, None
+        return kept
+
     @property
     def gathering(self) -> bool:
         """A verdict is given, its evidence being read: it comes with the next reading."""
