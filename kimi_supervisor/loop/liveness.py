@@ -231,6 +231,7 @@ class Liveness:
         self._next_canary = 0.0
         self._last_metrics = ""  # the newest /metrics answer (at most KEPT_METRICS_BYTES)
         self._verdict: tuple[Hang, Reading] | None = None  # given, its evidence being read
+        self._verdict_at = 0.0
         self.kept: dict[str, str] | None = None  # what explains the last verdict handed on
         self.judge = self._judge()
 
@@ -367,6 +368,8 @@ class Liveness:
             if verdict is None or reading.pid != self._pid:
                 return None
             self.kept = reading.kept
+            # How long the evidence took to read: the verdict was given that much earlier.
+            verdict[0].evidence["evidence_read_s"] = round(now - self._verdict_at, 2)
             return verdict[0]
         if reading.kind == "canary":
             self._canary_out = False
@@ -390,7 +393,7 @@ class Liveness:
             hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu, canary,
                                    others_s=sent.others_s, gpu=reading.gpu)  # fmt: skip
         if hang is not None:
-            self._verdict = (hang, reading)
+            self._verdict, self._verdict_at = (hang, reading), now
             threading.Thread(
                 target=self._keep_evidence, args=(reading,), name="liveness-evidence",
                 daemon=True,
