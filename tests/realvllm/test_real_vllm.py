@@ -70,11 +70,15 @@ READY_S = 600  # 38-105 s measured here; a loaded CI machine is slower
 
 @contextlib.contextmanager
 def serving_real(
-    model: Path | None = None, room: list[str] | None = None, profile_extra: tuple[str, ...] = ()
+    model: Path | None = None,
+    room: list[str] | None = None,
+    profile_extra: tuple[str, ...] = (),
+    *,
+    liveness: dict[str, float] | None = None,
 ) -> Iterator[DaemonHelper]:
     """The daemon serving real vLLM's production in a sandbox of its own, taken down after:
     the tier's tiny model (or `model`), each mode with `room` (`--max-model-len 256`) and the
-    profile mode with `profile_extra` too."""
+    profile mode with `profile_extra` too, the tier's liveness values changed by `liveness`."""
     room = room or ["--max-model-len", "256"]
     why = env.unavailable() or unavailable_reason()
     if why:
@@ -118,8 +122,12 @@ def serving_real(
         # which must not be called a hang.
         # Four hangs are planted (the frozen engine, the frozen worker, two deadlocks): the
         # sandbox's limit (2) would leave the second FAILED, not restarted.
+        # The bound on a doubt (hang_bound_s) reads the simulated GPUs, which know nothing of
+        # real vLLM's work on the CPU and read idle: far past any step of the tier's, so that
+        # no busy real vLLM meets it (no spinning hang is planted here: the sandbox's are).
         "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
-                     "canary_timeout_s": 30, "max_hang_restarts": 5},
+                     "canary_timeout_s": 30, "max_hang_restarts": 5, "hang_bound_s": 300,
+                     **(liveness or {})},
     }  # fmt: skip
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
