@@ -116,7 +116,9 @@ def serving_real(
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
                      "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
         # The stall's "after" reading 3 s after a flush (shipped: 10 s), scaled like liveness.
-        "profiling": {"keep_captures": 1, "stall_after_s": 3},
+        # /start_profile within 30 s (the sandbox's 2 s: real vLLM under load on a loaded
+        # 2-core machine did not answer within it, twice in a row).
+        "profiling": {"keep_captures": 1, "stall_after_s": 3, "start_timeout_s": 30},
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
