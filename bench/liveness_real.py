@@ -39,27 +39,12 @@ from kimi_supervisor.decide.liveness import parse
 from kimi_supervisor.loop.liveness import engine_cpu
 from kimi_supervisor.ports.http import request
 from tests.realvllm import env
+from tests.realvllm.env import long_model
 
 RESULTS = Path(__file__).parent / "results"
 PORT = 18720
 READY_S = 900
 MAX_LEN = 8448
-
-
-def long_model(venv: Path) -> Path:
-    """The tier's tiny model with room for an 8192-token prompt (its rope takes any length)."""
-    tiny = env.model(venv)
-    done = env.CACHE / f"{tiny.name}-16k"
-    if (done / "config.json").exists():
-        return done
-    tmp = env.CACHE / f".long-building-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(tiny, tmp)
-    config = json.loads((tmp / "config.json").read_text())
-    config["max_position_embeddings"] = 16384
-    (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    tmp.rename(done)
-    return done
 
 
 class Sampler:

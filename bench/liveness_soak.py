@@ -30,10 +30,11 @@ from typing import Any
 
 from bench.common import machine, write_section
 from bench.downtime_bench import stop
-from bench.liveness_real import PORT, complete, long_model, start, tokens
+from bench.liveness_real import PORT, complete, start, tokens
 from kimi_supervisor.config import Config
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from tests.realvllm import env
+from tests.realvllm.env import long_model
 
 RESULTS = Path(__file__).parent / "results"
 VALUES = {

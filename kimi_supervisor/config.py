@@ -374,6 +374,29 @@ class LivenessConfig(_Strict):
     max_hang_restarts: Annotated[int, Field(ge=1, le=1000)] = 3
     # The window max_hang_restarts counts hangs in.
     hang_window_s: PositiveSeconds = 86400.0
+    # A doubt (requests wait, or a canary went unanswered, with no engine step while the
+    # engine's processes stay busy) that lasts this long is a hang, unless vLLM shows real work
+    # no step shows: a helper process of its (a JIT compiler) using CPU, or memory or link
+    # traffic in the GPUs' own counters (any counter unread: no verdict). A collective stuck on
+    # the GPU spins its host thread at a full core for ever, and production stays down until a
+    # person acts. 600 s: twice the 300 s after which SGLang's watchdog and TensorRT-LLM's
+    # HangDetector end a step, as the GPU's counters are there to tell long work apart; a
+    # FlashInfer JIT compile of up to 10 minutes shows its compiler's CPU. At least stall_s.
+    hang_bound_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
+    # After a hang or unhealthy verdict, how long vLLM's unit gets to stop before what is left
+    # is killed (instead of teardown.term_grace_s): a hung engine finishes no request, and an
+    # API server holding a client's open request waits out the whole grace (30.2 s of a
+    # 95-127 s outage on real vLLM 0.16).
+    hang_term_grace_s: PositiveSeconds = 5.0
+
+    @model_validator(mode="after")
+    def _bound_after_stall(self) -> LivenessConfig:
+        if self.hang_bound_s < self.stall_s:
+            raise ValueError(
+                f"hang_bound_s ({self.hang_bound_s:g}) must be at least stall_s "
+                f"({self.stall_s:g}): the bound looks back over the last stall_s"
+            )
+        return self
 
 
 class ControlConfig(_Strict):

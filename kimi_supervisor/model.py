@@ -312,3 +312,22 @@ class GpuHealth:
     # The Xid codes the kernel's log holds for this GPU since boot (NVRM: Xid (PCI:...): N).
     xids: tuple[int, ...] | None = None
     unread: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GpuActivity:
+    """One GPU's own counters at one moment (NVML), read by the liveness probe: what tells a
+    kernel that spins on a flag (a collective stuck on the GPU: busy, no memory traffic, idle
+    power) from work (decide/liveness.py). Each field None where it could not be read
+    (`unread` says why; not supported is said so too): no reading is never "idle"."""
+
+    index: int
+    util_gpu: float | None = None  # % of the last sample period a kernel ran
+    util_memory: float | None = None  # % of it the device memory was read or written
+    power_w: float | None = None
+    sm_clock_mhz: float | None = None
+    pcie_mb_s: float | None = None  # sent and received over PCIe, MB/s (NVML's 20 ms sample)
+    # NVLink data sent and received, KiB since the driver loaded, over every link (a counter:
+    # its rate is taken between two readings); None where the GPU has no NVLink.
+    nvlink_kib: float | None = None
+    unread: tuple[str, ...] = ()

@@ -243,6 +243,13 @@ class Capture:
         # What the capture cost serving (capture/stall.py), once its last reading is in.
         self.stall: Stall | None = None
 
+    # Set by the loop when liveness finds vLLM hung during the capture (a process stopped on
+    # the serving path, a kernel that spins): why; the capture fails with it at once.
+    given_up = ""
+
+    def give_up(self, why: str) -> None:
+        self.given_up = why
+
     def _release(self) -> None:
         if self.released_at is None:
             self.released_at = utcnow()
@@ -358,7 +365,7 @@ class Capture:
         )
         stopper.start()
         last = -1
-        while stopper.is_alive():
+        while stopper.is_alive() and not self.given_up:
             stopper.join(1.0)
             new = self._new_files(traces, before)
             self.bytes_written = sum(f.size for f in new.values())
@@ -370,6 +377,9 @@ class Capture:
                     bytes=self.bytes_written,
                     flushing_s=round(time.monotonic() - t0, 1),
                 )
+        if self.given_up:  # liveness's verdict (loop/lifecycle): the flush is not waited on
+            self._end(False, f"the capture failed: {self.given_up}")
+            return
         flushed = time.monotonic() - t0
         flushed_at = _Reading(self, url, peer)
         if not result[0].ok:

@@ -53,6 +53,11 @@ class Stopwatch:
     """The marks of one switch, set once each as the loop sees them happen."""
 
     at: dict[str, float] = field(default_factory=dict)
+    # What its `earlier` part holds where it is no earlier attempt: a serving vLLM lost (dead or
+    # hung) until it was found, its teardown and the backoff, before the first start after it.
+    earlier_is: str = ""
+    # Set on the window a lost vLLM opens: what the first transition after it calls `earlier`.
+    lost_as: str = ""
 
     def mark(self, name: str, t: float) -> None:
         assert name in MARKS, name
@@ -94,13 +99,17 @@ class Stopwatch:
 
     def record(self) -> dict[str, Any]:
         """What the transition's history record and status keep."""
-        return {"window_s": self.window_s(), "parts": self.parts()}
+        out: dict[str, Any] = {"window_s": self.window_s(), "parts": self.parts()}
+        if self.earlier_is:
+            out["earlier_is"] = self.earlier_is
+        return out
 
 
 def describe(record: dict[str, Any]) -> str:
     """One line: "unavailable 46.1 s: the old vLLM's own exit 2.2 s, ..."."""
     parts = record.get("parts") or {}
-    said = ", ".join(f"{WORDS.get(p, p)} {s:.1f} s" for p, s in parts.items())
+    words = {**WORDS, "earlier": record.get("earlier_is") or WORDS["earlier"]}
+    said = ", ".join(f"{words.get(p, p)} {s:.1f} s" for p, s in parts.items())
     window = record.get("window_s")
     head = f"unavailable {window:.1f} s" if window is not None else "nothing served before"
     return f"{head}: {said}" if said else head

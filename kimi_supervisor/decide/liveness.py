@@ -33,20 +33,36 @@ one of them from outside vLLM's HTTP server:
 
 | readings | verdict |
 |---|---|
-| a capture starts, records or flushes | none; the stall counts again from its end |
+| a capture starts, records or flushes | none (the stall counts again from its end), unless: |
+| ... one of vLLM's processes stopped on the serving path for `stall_s` | hung |
+| ... every GPU reading a kernel that spins for `hang_bound_s` (a flush runs none) | hung |
 | work pending, counters still for `stall_s`, CPU flat or a process stopped | hung |
 | work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
 | canary unanswered, CPU flat or a process stopped | hung |
 | canary unanswered, the engine busy, or its API servers at a quarter core (once) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
+| a doubt for `hang_bound_s`, and over the last `stall_s`: | |
+| ... no helper's CPU, the GPUs read with no memory or link traffic | hung |
+| ... a helper (a JIT compiler) used CPU | a doubt |
+| ... a GPU showed memory or link traffic | a doubt |
+| ... a GPU counter unread (no NVML, an error, not supported) | a doubt |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
 | the engine's processes unreadable | no CPU signal: never hung |
 
 A doubt is no verdict: shown in status, alerted on after 15 minutes, and kept until a proof of
-progress. The last proof of progress (a counter that moved, a canary answered) is when a hang's
-unavailable window starts; "nothing pending" is no proof: a frozen engine's gauges are frozen.
+progress, or until `hang_bound_s` (at most 600 s shipped) bounds it. A collective stuck on the
+GPU spins its host thread at 100 % of a core (bench/cuda_wait_cpu.py) for ever: busy, yet dead.
+The bound's second signal is the GPUs' own counters (model.GpuActivity, measured on an H100:
+a kernel that spins or polls a flag in device memory reads util.gpu 100 %, util.memory 0 %,
+PCIe at the idle level; every shape of work moved memory or PCIe: MEMORY_BUSY_PCT,
+PCIE_BUSY_MB_S), and real work that no step shows holds it off: a
+helper process of vLLM's that has none of its roles using CPU (FlashInfer's JIT compile runs up
+to 10 minutes in ninja and nvcc), or memory or link traffic on a GPU. A counter not read is
+never "idle": no verdict by the bound then. The last proof of progress (a counter that moved, a
+canary answered) is when a hang's unavailable window starts; "nothing pending" is no proof: a
+frozen engine's gauges are frozen.
 """
 
 from __future__ import annotations
@@ -56,6 +72,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from kimi_supervisor.model import GpuActivity
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -132,6 +150,10 @@ class Cpu:
     processes: int
     stopped: tuple[str, ...] = ()
     stopped_cpu: tuple[float, ...] = ()  # each stopped one's own CPU time, in that order
+    # vLLM's helpers: its descendants that have none of its roles (a JIT compiler: ninja, nvcc,
+    # cc; the resource tracker), each (PID, comm, CPU time): real work that no engine step
+    # shows, which the bound on a doubt (`Judge.hang_bound_s`) waits for.
+    helpers: tuple[tuple[int, str, float], ...] = ()
 
 
 def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
@@ -159,6 +181,87 @@ def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
             f"(under {idle_fraction:.0%} of one core)"
         )
     return ""
+
+
+def helpers_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
+    """The CPU seconds vLLM's helpers (`Cpu.helpers`) used from `base` to `cpu`, and the
+    busiest of them named; (0, "") where either is unread. One that started since counts
+    whole; one that ended since takes its time away with it (into its parent's)."""
+    if base is None or cpu is None:
+        return 0.0, ""
+    before = {pid: s for pid, _name, s in base.helpers}
+    used = sorted(
+        ((s - before.get(pid, 0.0), f"PID {pid} ({name})") for pid, name, s in cpu.helpers),
+        reverse=True,
+    )
+    used = [(d, who) for d, who in used if d > 0]
+    named = ", ".join(who for _d, who in used[:3]) + (
+        f" and {len(used) - 3} more" if len(used) > 3 else ""
+    )
+    return sum(d for d, _who in used), named
+
+
+# The GPU's own counters (model.GpuActivity) that tell a kernel spinning on a flag never set (a
+# collective stuck on the GPU) from work, as measured on an H100 (NVML every 0.2 s, 8 s a shape,
+# medians of two runs; bench/gpu_hang_signature.py, bench/results/h100x1-2026-12-07-gpu-hang-
+# signature.json; docs/performance.md, "What tells a spinning hang from work"): a kernel that
+# spins, or polls a flag in device memory, read util.gpu 100 %, util.memory 0 %, 125 W (idle:
+# 124 W) and PCIe at most 2.8 MB/s (idle: up to 10.5 MB/s); work read util.memory 2 % (a
+# host-to-device copy, PCIe-bound: 63,900 MB/s of PCIe) to 100 %, PCIe 27-63,900 MB/s. The host
+# thread behind each used a whole core: the CPU tells nothing. Power does not separate them (the
+# PCIe-bound copy read 133 W, the spin 125 W): it is shown, never judged.
+MEMORY_BUSY_PCT = 1.0  # util.memory at or above this: the GPU moves memory, it works
+PCIE_BUSY_MB_S = 50.0  # PCIe traffic (sent and received) at or above this: it works
+NVLINK_BUSY_MB_S = 0.0  # NVLink traffic above this: it works (not measured: no NVLink there)
+SPIN_GPU_PCT = 90.0  # util.gpu at or above this with no traffic: a kernel that spins
+
+
+def gpu_said(g: GpuActivity, nvlink_mb_s: float | None) -> str:
+    """One GPU's counters in words, for a verdict's evidence."""
+
+    def v(x: float | None, unit: str) -> str:
+        return "unread" if x is None else f"{x:g}{unit}"
+
+    link = "" if g.nvlink_kib is None else f", NVLink {v(nvlink_mb_s, ' MB/s')}"
+    return (
+        f"GPU {g.index}: busy {v(g.util_gpu, ' %')}, memory {v(g.util_memory, ' %')}, "
+        f"{v(g.power_w, ' W')}, PCIe {v(g.pcie_mb_s, ' MB/s')}{link}"
+    )
+
+
+def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
+    """Whether one GPU's counters show work (memory or link traffic); None where they cannot
+    say (a counter unread: no reading is never "idle")."""
+    if g.util_memory is None or g.pcie_mb_s is None:
+        return None
+    if any(u.startswith("NVLink traffic") for u in g.unread):
+        return None  # its links could not be read (not "no NVLink")
+    if g.nvlink_kib is not None and nvlink_mb_s is None:
+        return None  # a link's rate needs two readings
+    return (
+        g.util_memory >= MEMORY_BUSY_PCT
+        or g.pcie_mb_s >= PCIE_BUSY_MB_S
+        or (nvlink_mb_s is not None and nvlink_mb_s > NVLINK_BUSY_MB_S)
+    )
+
+
+GpuReading = tuple[GpuActivity, ...] | str  # the managed GPUs' counters, or why none
+
+
+def nvlink_rates(
+    before: tuple[float, GpuReading] | None, now: tuple[float, GpuReading]
+) -> dict[int, float]:
+    """Each GPU's NVLink traffic (MB/s) between two readings, where both read it."""
+    if before is None or isinstance(before[1], str) or isinstance(now[1], str):
+        return {}
+    took = now[0] - before[0]
+    was = {g.index: g.nvlink_kib for g in before[1]}
+    out = {}
+    for g in now[1]:
+        k0 = was.get(g.index)
+        if took > 0 and g.nvlink_kib is not None and k0 is not None and g.nvlink_kib >= k0:
+            out[g.index] = (g.nvlink_kib - k0) * 1.024 / took
+    return out
 
 
 def health_failure(
@@ -205,6 +308,10 @@ class Judge:
 
     stall_s: float
     cpu_idle_fraction: float
+    # A doubt (work waits, no step, the engine busy) this old, with no sign of real work (no
+    # helper using CPU, the GPUs' own counters read with no memory or link traffic), is a
+    # hang: a collective stuck on the GPU spins its host thread for ever. 0: unbounded.
+    hang_bound_s: float = 0.0
     progress_at: float | None = None  # since when no stall (progress, or nothing pending)
     cpu_at_progress: Cpu | None = None  # the engine's CPU then
     # The last proof of progress (a counter that moved, a canary answered): where a hang's
@@ -218,12 +325,18 @@ class Judge:
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
     # One signal says no progress and the other does not (not hung): why, and since when. It
     # lasts until a proof of progress, so that an engine that spins on a GPU that never
-    # answers (a hung collective: bench/cuda_wait_cpu.py) is shown, and alerted on, for as
-    # long as it lasts; the daemon never restarts on it.
+    # answers (a hung collective: bench/cuda_wait_cpu.py) is shown, and alerted on, until
+    # `hang_bound_s` bounds it.
     doubt: str = ""
     doubt_since: float | None = None
+    # When the canary that left the doubt standing was sent: the readings between canaries go
+    # on counting towards the bound (a canary unanswered is work that waits).
+    unanswered_since: float | None = None
     api_held = 0  # canaries in a row held, it seemed, behind busy API servers (API_HELD_CANARIES)
     samples: list[tuple[float, Cpu]] = field(default_factory=list)  # the engine's CPU, in time
+    gpus: list[tuple[float, GpuReading]] = field(default_factory=list)  # the GPUs', in time
+    # Since when every managed GPU has read a kernel spinning (SPIN_GPU_PCT, no traffic).
+    spin_since: float | None = None
 
     def progress(self, now: float, cpu: Cpu | None) -> None:
         self.progress_at, self.cpu_at_progress = now, cpu
@@ -231,10 +344,147 @@ class Judge:
     def cpu_signal(self, base: Cpu | None, cpu: Cpu | None) -> str:
         return no_progress(base, cpu, self.cpu_idle_fraction)
 
-    def capturing(self, now: float, cpu: Cpu | None) -> None:
-        """A capture starts, records or flushes: no verdict, and the stall starts again."""
+    def _keep(self, now: float, cpu: Cpu | None, gpu: GpuReading | None) -> None:
+        """The readings over the last stall_s and more (the windows look back that far)."""
+        keep = now - 2 * max(self.stall_s, 1.0)
+        if cpu is not None:
+            self.samples.append((now, cpu))
+            self.samples = [(t, c) for t, c in self.samples if t >= keep]
+        if gpu is not None:
+            before = self.gpus[-1] if self.gpus else None
+            self.gpus.append((now, gpu))
+            # and the one before the oldest kept: a link's rate needs it
+            first = next(i for i, (t, _g) in enumerate(self.gpus) if t >= keep)
+            del self.gpus[: max(first - 1, 0)]
+            spin = self._spinning(before, (now, gpu))
+            self.spin_since = (self.spin_since or now) if spin else None
+
+    @staticmethod
+    def _spinning(before: tuple[float, GpuReading] | None, now: tuple[float, GpuReading]) -> bool:
+        """Every managed GPU reads a kernel that spins: busy, no memory or link traffic."""
+        if isinstance(now[1], str) or not now[1]:
+            return False
+        rates = nvlink_rates(before, now)
+        return all(
+            g.util_gpu is not None
+            and g.util_gpu >= SPIN_GPU_PCT
+            and gpu_work(g, rates.get(g.index)) is False
+            for g in now[1]
+        )
+
+    def _base(self, since: float, now: float) -> Cpu | None:
+        """The engine's CPU stall_s ago (or at `since`, if that is nearer)."""
+        base = self.cpu_at_progress
+        for t, c in self.samples:
+            if since <= t <= now - self.stall_s:
+                base = c
+        return base
+
+    def capturing(self, now: float, cpu: Cpu | None, gpu: GpuReading | None = None) -> Hang | None:
+        """A capture starts, records or flushes: its flush may hold the engine, busy, for as
+        long as `profiling.flush_timeout_s`, so the stall starts again. But not what no flush
+        does: one of vLLM's processes stopped on the serving path over the last stall_s, or
+        every GPU reading a kernel that spins for `hang_bound_s` (a flush runs no kernel):
+        the verdict, as without a capture."""
+        self._keep(now, cpu, gpu)
+        if self.alive_at is None:
+            self.alive_at = now
+        base = None
+        for t, c in self.samples:
+            if t <= now - self.stall_s:
+                base = c
+        why = self.cpu_signal(base, cpu)
+        spun = self.spin_since is not None and self.hang_bound_s > 0
+        spun = spun and now - (self.spin_since or now) >= self.hang_bound_s
         self.progress(now, cpu)
         self.counters = None
+        if not why.startswith("stopped") and not spun:
+            return None
+        evidence: dict[str, Any] = {"capturing": True, "metrics": self.metrics}
+        if cpu is not None:
+            evidence |= {"cpu_s": round(cpu.seconds, 2), "stopped": list(cpu.stopped)}
+        if why.startswith("stopped"):
+            reason = f"a capture is under way, and the engine: {why}"
+        else:
+            said = self._gpus_said()
+            evidence["gpus"] = said
+            reason = (
+                f"a capture is under way, and every GPU has read a kernel that spins (busy, no "
+                f"memory or link traffic) for {now - (self.spin_since or now):.0f} s "
+                f"(liveness.hang_bound_s = {self.hang_bound_s:g} s): {'; '.join(said)}"
+            )
+        assert self.alive_at is not None
+        evidence["since_alive_s"] = round(now - self.alive_at, 1)
+        return Hang(reason, evidence, self.alive_at)
+
+    def _gpus_said(self) -> list[str]:
+        """The GPUs' newest reading in words."""
+        if not self.gpus:
+            return ["not read"]
+        before = self.gpus[-2] if len(self.gpus) > 1 else None
+        t, g = self.gpus[-1]
+        if isinstance(g, str):
+            return [f"no reading: {g}"]
+        rates = nvlink_rates(before, (t, g))
+        return [gpu_said(x, rates.get(x.index)) for x in g]
+
+    def _real_work(self, now: float) -> str:
+        """Why vLLM may be at real work that no step shows, over the last stall_s: a helper
+        (a JIT compiler) using CPU, the GPUs' counters showing traffic, or not read at all
+        (no reading is never idle); "" if none."""
+        cpu = self.samples[-1][1] if self.samples else None
+        used, who = helpers_used(self._base(0.0, now), cpu)
+        if used >= self.cpu_idle_fraction * self.stall_s:
+            return (
+                f"vLLM's helper process(es) used {used:.1f} s of CPU in {self.stall_s:g} s ({who})"
+            )
+        window = [(i, r) for i, r in enumerate(self.gpus) if r[0] >= now - self.stall_s]
+        if not window or window[-1][1][0] != now:
+            return "the GPUs' counters were not read with this reading"
+        for i, (t, g) in window:
+            if isinstance(g, str):
+                return f"the GPUs' counters could not be read ({g})"
+            if not g:
+                return "the GPUs' counters could not be read (no managed GPU)"
+            rates = nvlink_rates(self.gpus[i - 1] if i else None, (t, g))
+            for x in g:
+                work = gpu_work(x, rates.get(x.index))
+                if work is None:
+                    return (
+                        f"the GPUs' counters could not be read ({gpu_said(x, rates.get(x.index))})"
+                    )
+                if work:
+                    return f"the GPU works ({gpu_said(x, rates.get(x.index))})"
+        return ""
+
+    def _bounded(self, now: float, why: str, evidence: dict[str, Any]) -> Hang | None:
+        """The doubt standing since `doubt_since` (work waiting, no step, the engine busy):
+        past `hang_bound_s` with no sign of real work, a hang (`why`: what waits)."""
+        if not self.hang_bound_s or self.doubt_since is None:
+            return None
+        lasted = now - self.doubt_since
+        if lasted < self.hang_bound_s:
+            return None
+        work = self._real_work(now)
+        cpu = self.samples[-1][1] if self.samples else None
+        used, who = helpers_used(self._base(0.0, now), cpu)
+        said = self._gpus_said()
+        evidence |= {"doubt_s": round(lasted, 1), "hang_bound_s": self.hang_bound_s,
+                     "helpers_cpu_s": round(used, 2), "gpus": said}  # fmt: skip
+        if work:
+            past = "; past liveness.hang_bound_s, but "
+            self.doubt = f"{self.doubt.split(past)[0]}{past}{work}"
+            return None
+        assert self.alive_at is not None
+        evidence["since_alive_s"] = round(now - self.alive_at, 1)
+        helpers = f"vLLM's helpers used {used:.2f} s of CPU in {self.stall_s:g} s" + (
+            f" ({who})" if who else ""
+        )
+        reason = (
+            f"{why}; the engine busy for {lasted:.0f} s (liveness.hang_bound_s = "
+            f"{self.hang_bound_s:g} s) with no sign of real work: {helpers}; {'; '.join(said)}"
+        )
+        return Hang(reason, evidence, min(self.doubt_since, self.alive_at))
 
     def seen(
         self,
@@ -244,18 +494,18 @@ class Judge:
         cpu: Cpu | None,
         canary: tuple[bool, float, Cpu | None] | None = None,
         others_s: float | None = None,
+        gpu: GpuReading | None = None,
     ) -> Hang | None:
         """One reading: the work counters (None: no reading; `metrics` says why), the engine's
         CPU, and the canary if one was sent (answered, seconds taken, the engine's CPU when it
         was sent); `others_s`: the CPU seconds vLLM's other processes (its API servers) used
-        while the canary waited. Returns the verdict, or None."""
+        while the canary waited; `gpu`: the managed GPUs' counters (None: not read with this
+        reading). Returns the verdict, or None."""
         self.metrics = metrics
         if self.progress_at is None:
             self.progress(now, cpu)
             self.alive_at = now
-        if cpu is not None:
-            self.samples.append((now, cpu))
-            self.samples = [(t, c) for t, c in self.samples if t >= now - 2 * self.stall_s]
+        self._keep(now, cpu, gpu)
         if work is not None:
             # The reading before with counters (one without them says nothing of when they
             # moved: taken from it, the window was one interval short, an outside review).
@@ -277,17 +527,27 @@ class Judge:
         unanswered = canary is not None and not canary[0]
         if not (stalled or unanswered):
             if self.doubt_since is None or (self.alive_at or 0.0) > self.doubt_since:
-                self.doubt, self.doubt_since = "", None
+                self.doubt, self.doubt_since, self.unanswered_since = "", None, None
+            elif (
+                self.unanswered_since is not None
+                and cpu is not None  # the helpers' CPU unread: no verdict
+                and (work is None or work.pending <= 0)
+            ):
+                # An unanswered canary's doubt stands between canaries: the bound counts on.
+                ago = now - self.unanswered_since
+                why = f"a one-token request sent {ago:.0f} s ago got no answer"
+                standing: dict[str, Any] = {
+                    "metrics": metrics,
+                    "since_progress_s": round(now - since, 1),
+                    "cpu": "busy" if cpu is not None else "unreadable",
+                }
+                return self._bounded(now, why, standing)
             return None
         if stalled:
             assert work is not None
             # Over the last stall_s: an engine busy for a while that then deadlocked is
             # noticed stall_s after it stopped, not once its average falls.
-            base = self.cpu_at_progress
-            for t, c in self.samples:
-                if since <= t <= now - self.stall_s:
-                    base = c
-            cpu_why = self.cpu_signal(base, cpu)
+            cpu_why = self.cpu_signal(self._base(since, now), cpu)
             work_why = (
                 f"{work.running:g} running and {work.waiting:g} waiting, and no engine step, "
                 f"prompt or generated token for {now - since:.0f} s"
@@ -339,14 +599,19 @@ class Judge:
             if others_s is not None:
                 evidence["api_cpu_s"] = round(others_s, 2)
         if not cpu_why:
-            # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict.
+            # One signal alone: a slow answer, or a step longer than stall_s. Not a verdict,
+            # until it has lasted hang_bound_s with no sign of real work.
             if not busy:
                 why = "are busy" if cpu is not None else "cannot be read"
                 busy = f"the engine's processes {why}"
             self.doubt = f"{work_why}, but {busy}: not hung"
             if self.doubt_since is None:
                 self.doubt_since = since if stalled else now - canary[1] if canary else now
-            return None
+            if unanswered and not stalled and canary is not None:
+                self.unanswered_since = self.unanswered_since or now - canary[1]
+            if cpu is None or (busy and not busy.startswith("the engine's")):
+                return None  # no CPU reading, or a canary held by busy API servers
+            return self._bounded(now, work_why, evidence)
         assert self.alive_at is not None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
         return Hang(f"{work_why}; the engine: {cpu_why}", evidence, min(since, self.alive_at))

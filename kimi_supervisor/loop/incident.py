@@ -48,9 +48,19 @@ def _pending(kind: str, record: TeardownReport | dict[str, Any]) -> dict[str, An
 
 
 class Incidents:
-    def __init__(self, ctx: Context, put: Callable[[Message], None]) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        put: Callable[[Message], None],
+        *,
+        kept: Callable[[], dict[str, str] | None] = lambda: None,
+    ) -> None:
         self.ctx = ctx
         self._put = put
+        # What explains a hang, read before its teardown (loop/liveness.Liveness.take_kept:
+        # vLLM's stacks, the GPUs' counters, the last /metrics, its last output lines), taken
+        # by the next bundle: the hang's restart, or the STUCK or FAILED its teardown ends in.
+        self._kept = kept
         self.worker: IoWorker = ctx.bundle_worker or Worker(
             "bundle-io", BUNDLE_TIMEOUT_S, copy=True
         )
@@ -85,6 +95,7 @@ class Incidents:
         raises, never waits."""
         ctx, s = self.ctx, self.ctx.s
         try:
+            kept = self._kept()
             now = utcnow()
             holders: list[Holder] = []
             if report is not None:
@@ -100,6 +111,11 @@ class Incidents:
                             named.add(pid)
                             holders.append(Holder(pid, None, f"listed by NVML on GPU {d.index}"))
             body = report.model_dump(mode="json") if report is not None else None
+            if kept and "output" in kept:  # read at the verdict: the last lines before it
+                output = kept["output"].splitlines()
+            else:
+                ctx.output.read_new()  # the lines since the load, if they were not followed
+                output = ctx.output.tail()
             incident = Incident(
                 trigger=trigger,
                 at=now.isoformat(),
@@ -112,8 +128,9 @@ class Incidents:
                 pending=[_pending(p.kind, p.record) for p in ctx.pending if not p.written],
                 holders=tuple(holders),
                 gpu_health=s.gpu_health.model_dump(mode="json") if s.gpu_health else None,
-                output_tail=ctx.output.tail(),
+                output_tail=output,
                 output_where=ctx.output.where,
+                kept={k: v for k, v in (kept or {}).items() if k != "output"},
             )
         except Exception as e:  # a bundle never costs the daemon what it was doing
             ctx.log("incident_bundle_failed", level="error", trigger=trigger, error=repr(e))

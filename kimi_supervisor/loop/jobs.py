@@ -65,8 +65,15 @@ class Jobs:
         s, ctx = self.s, self.ctx
         s.job = job = Job(purpose, reason, detail or {}, attempt, cause)
         put = self._put
+        config = ctx.config
+        if cause.startswith(("hung:", "unhealthy:")):
+            # A hung vLLM finishes no request: its unit's graceful stop is not waited out.
+            grace = min(config.liveness.hang_term_grace_s, config.teardown.term_grace_s)
+            config = config.model_copy(
+                update={"teardown": config.teardown.model_copy(update={"term_grace_s": grace})}
+            )
         td = Teardown(
-            ctx.config,
+            config,
             ctx.systemd,
             ctx.gpu,
             ctx.clock,

@@ -64,8 +64,11 @@ class Lifecycle:
         self._put = put
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
-        self.incidents = Incidents(ctx, put)  # the bundle at a STUCK, FAILED, hang restart
-        self.liveness = Liveness(ctx.config, lambda r: put(LivenessSeen(r)))
+        # The bundle at a STUCK, FAILED, hang restart; with a hang's evidence, once.
+        self.incidents = Incidents(ctx, put, kept=lambda: self.liveness.take_kept())
+        self.liveness = Liveness(
+            ctx.config, lambda r: put(LivenessSeen(r)), gpu=ctx.gpu, indices=lambda: ctx.s.indices
+        )
         self._verdicts: list[str] = []  # when this daemon gave a hang or unhealthy verdict
 
     # ------------------------------------------------------------------ the one door
@@ -644,13 +647,17 @@ class Lifecycle:
         hang = self.liveness.seen(reading, now, capturing)
         c, w, cpu = reading.canary, reading.work, reading.cpu
         judge = self.liveness.judge
+        # A canary's reading (its own thread's) has no counters: the probes' stay shown.
+        counters = {} if reading.kind != "probe" else {
+            "metrics": reading.metrics,
+            "running": w.running if w else None,
+            "waiting": w.waiting if w else None,
+            "tokens": w.tokens if w else None,
+            "steps": w.steps if w else None,
+        }  # fmt: skip
         seen = (s.liveness or LivenessStatus()).model_copy(
             update={
-                "metrics": reading.metrics,
-                "running": w.running if w else None,
-                "waiting": w.waiting if w else None,
-                "tokens": w.tokens if w else None,
-                "steps": w.steps if w else None,
+                **counters,
                 "cpu_s": cpu.seconds if cpu else None,
                 "stopped": list(cpu.stopped) if cpu else [],
                 "doubt": judge.doubt or None,
@@ -687,6 +694,14 @@ class Lifecycle:
             ctx.unwarn("vLLM's /metrics has no vllm:* series")
         serving = s.state is State.SERVING and s.serving and s.serving.pid == reading.pid
         if hang is not None and serving and not s.busy:
+            if s.capture is not None and s.capture.active:
+                # What no flush does (decide/liveness.Judge.capturing): the capture fails now,
+                # saying why, not at profiling.flush_timeout_s.
+                s.capture.give_up(f"vLLM hung: {hang.reason}")
+            # vLLM's last lines before the hang (the bundle's), not its teardown's.
+            ctx.output.read_new()
+            kept = self.liveness.kept or {}
+            self.liveness.kept = {**kept, "output": "\n".join(ctx.output.tail())}
             self.hung(hang, reading)
 
     # ------------------------------------------------------------------ stopping

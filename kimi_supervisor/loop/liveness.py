@@ -1,10 +1,13 @@
 """Liveness while vLLM serves (decide/liveness.py judges): on a thread of its own, every
 `liveness.metrics_interval_s`, vLLM's /metrics, the CPU time and state of its processes (MainPID
-and its descendants, from /proc), and, when the metrics say nothing runs or waits (or there are
-no metrics), a one-token canary every `canary_interval_s`. A hung vLLM may take
-`canary_timeout_s` not to answer: the probe never holds the loop; the reading comes back through
-the inbox (LivenessSeen) and the loop judges it. No canary while a capture is under way (it
-would be in the traces), and no verdict at all then: the capture has its own deadline.
+and its descendants, from /proc) and the managed GPUs' own counters (NVML, through the GPU
+port); and, when the metrics say nothing runs or waits (or there are no metrics), a one-token
+canary every `canary_interval_s`, on a thread of its own, the readings going on beside it. A
+hung vLLM may take `canary_timeout_s` not to answer: the probe never holds the loop; each
+reading comes back through the inbox (LivenessSeen) and the loop judges it. No canary while a
+capture is under way (it would be in the traces), and then only what no flush does is a
+verdict (a process stopped on the serving path, a spinning kernel): the capture has its own
+deadline for a flush that works.
 
 A canary that gets an answer, even an error (the model's name refused, HTTP 400), is not a hang:
 it is shown as a warning. Only no answer within the timeout counts, and only with the engine's
@@ -17,17 +20,32 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import MAX_METRICS_BYTES, Cpu, Hang, Judge, Work, parse
-from kimi_supervisor.model import title
-from kimi_supervisor.ports import processes
+from kimi_supervisor.decide.liveness import (
+    MAX_METRICS_BYTES,
+    Cpu,
+    Hang,
+    Judge,
+    Work,
+    gpu_said,
+    parse,
+)
+from kimi_supervisor.model import GpuActivity, title
+from kimi_supervisor.ports import processes, stacks
+from kimi_supervisor.ports.gpu import GpuPort, reading_error
 from kimi_supervisor.ports.http import request
 
 # vLLM's tree is an API server, an engine core and a worker per GPU: more is not read.
 MAX_PROCESSES = 256
+# A hang's evidence (`Liveness.kept`): the stacks of this many of vLLM's processes (parents
+# first: MainPID, its engine, the workers), read for at most EVIDENCE_S in all; the newest
+# /metrics answer, at most KEPT_METRICS_BYTES (vLLM's is 60-100 KB).
+STACK_PROCESSES = 32
+EVIDENCE_S = 15.0
+KEPT_METRICS_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,13 @@ class Reading:
     cpu: Cpu | None = None
     # When /metrics answered (time.monotonic()), before any canary: the time of `work`.
     metrics_at: float = 0.0
+    # The managed GPUs' own counters with this reading, or why there are none (None: not read,
+    # as in a canary's reading).
+    gpu: tuple[GpuActivity, ...] | str | None = None
+    # What explains a hang, read once the verdict was given and before it is handed on (the
+    # incident bundle's: vLLM's stacks, the GPUs, the last /metrics); None in other readings.
+    kept: dict[str, str] | None = None
+    kind: str = "probe"  # "probe", "canary" (its own thread's), "evidence" (`kept`)
 
 
 # vLLM's processes by role, as it titles them (`set_process_title`: "PREFIX::Role[_suffix]",
@@ -95,6 +120,11 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     tree has an engine's role (vLLM without setproctitle, or a prefix too long for the comm to
     keep the role), every stopped process counts, as the tree cannot be told apart.
 
+    Its helpers (`Cpu.helpers`) are the descendants of none of vLLM's roles (SERVING_ROLES), with
+    their own CPU time: a JIT compiler (ninja, nvcc, cc) is real work that no engine step shows.
+    Where no process has a role, every descendant is one: the bound on a doubt then waits for
+    the whole tree's CPU to fall, never calling a busy unnamed tree hung.
+
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) only of a stopped one on the serving
     path, to name it."""
@@ -107,6 +137,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     engine: set[int] = set()
     seconds, engine_s, n, engine_n = 0.0, 0.0, 0, 0
     stuck: list[tuple[int, str, float, bool]] = []  # pid, state, CPU, on the serving path
+    helpers: list[tuple[int, str, float]] = []  # of none of vLLM's roles: a JIT compiler
     for p in pids:
         got = main if p == pid else processes.cpu_of(p)
         if got is None:
@@ -119,9 +150,19 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
             engine.add(p)
             engine_n += 1
             engine_s += cpu_s
+        if p != pid and not role_of(comm, SERVING_ROLES):
+            helpers.append((p, comm, cpu_s))
         if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness)
             serving = p == pid or p in engine or role_of(comm, SERVING_ROLES)
             stuck.append((p, state, cpu_s, serving))
+    # An engine's ancestors (an API server under a wrapper that is MainPID) feed it: no helper.
+    feeding: set[int] = set()
+    for p in engine:
+        up = processes.ppid_of(p)
+        while up > 1 and up != pid and up not in feeding and up not in engine:
+            feeding.add(up)
+            up = processes.ppid_of(up)
+    helpers = [h for h in helpers if h[0] not in feeding]
     stopped = [
         (f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))}, state {state})", cpu)
         for p, state, cpu, serving in stuck
@@ -135,6 +176,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         n,
         tuple(what for what, _ in stopped),
         tuple(cpu for _, cpu in stopped),
+        tuple(helpers),
     )
 
 
@@ -171,15 +213,35 @@ def canary(url: str, prompt: str, timeout_s: float, *, peer_uid: int | None = No
 
 
 class Liveness:
-    """Owned by the loop thread: when to probe, and what each reading means."""
+    """Owned by the loop thread: when to probe, and what each reading means. A reading of
+    /metrics, the processes and the GPUs every `metrics_interval_s`; a canary on a thread of
+    its own, so that the readings go on while it waits (with vLLM's stats off, the canary's
+    wait was one without any reading). A verdict is handed on only once what explains it is
+    kept (`kept`: the stacks, the GPUs, the last /metrics), read on a thread too, before the
+    teardown that loses it."""
 
-    def __init__(self, config: Config, put: Callable[[Reading], None]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        put: Callable[[Reading], None],
+        *,
+        gpu: GpuPort | None = None,
+        indices: Callable[[], Sequence[int]] = tuple,
+    ) -> None:
         self.config = config
         self._put = put
+        self._gpu = gpu
+        self._indices = indices
         self._pid = 0
         self._probing = False
+        self._canary_out = False
+        self._idle = True  # the last probe's counters said nothing runs or waits (or had none)
         self._next_probe = 0.0
         self._next_canary = 0.0
+        self._last_metrics = ""  # the newest /metrics answer (at most KEPT_METRICS_BYTES)
+        self._verdict: tuple[Hang, Reading] | None = None  # given, its evidence being read
+        self._verdict_at = 0.0
+        self.kept: dict[str, str] | None = None  # what explains the last verdict handed on
         self.judge = self._judge()
         # The unit's User= (the loop sets it from the observer): only that uid's socket is
         # vLLM's; another's answer is no reading at all (ports/http.request's peer_uid).
@@ -187,7 +249,17 @@ class Liveness:
 
     def _judge(self) -> Judge:
         c = self.config.liveness
-        return Judge(c.stall_s, c.cpu_idle_fraction)
+        return Judge(c.stall_s, c.cpu_idle_fraction, c.hang_bound_s)
+
+    def take_kept(self) -> dict[str, str] | None:
+        """What explains the last verdict handed on, once (the next incident bundle's)."""
+        kept, self.kept = self.kept, None
+        return kept
+
+    @property
+    def gathering(self) -> bool:
+        """A verdict is given, its evidence being read: it comes with the next reading."""
+        return self._verdict is not None
 
     @property
     def next_probe(self) -> float:
@@ -195,30 +267,53 @@ class Liveness:
         return self._next_probe
 
     def serving(self, pid: int, now: float, capturing: bool) -> None:
-        """A pass while `pid` serves: a probe, if one is due and none runs."""
+        """A pass while `pid` serves: a probe, if one is due and none runs; a canary, if one
+        is due, none is out, and no capture is under way (it would be in the traces)."""
         c = self.config.liveness
         if not c.enabled:
             return
         if pid != self._pid:  # a new vLLM: judged from its own first reading
-            self._pid, self.judge = pid, self._judge()
+            self._pid, self.judge, self._verdict = pid, self._judge(), None
             self._next_probe, self._next_canary = now, now + c.canary_interval_s
-        if self._probing or now < self._next_probe:
-            return
-        self._probing = True
-        self._next_probe = now + c.metrics_interval_s
-        want_canary = not capturing and now >= self._next_canary
+        if self._verdict is not None:
+            return  # its evidence is being read: the verdict comes with it
         v = self.config.vllm
         url = v.url
-        threading.Thread(
-            target=self._probe,
-            args=(pid, url, want_canary, self.peer_uid),
-            name="liveness",
-            daemon=True,
-        ).start()
+        if not self._probing and now >= self._next_probe:
+            self._probing = True
+            # On the interval's grid, not a pass's lateness after it: late passes add no drift
+            # (a bound of 40 readings came 0.1-0.2 s late in the sandbox); a probe missed by
+            # more than an interval is not made up.
+            self._next_probe = max(self._next_probe + c.metrics_interval_s, now)
+            threading.Thread(
+                target=self._probe,
+                args=(pid, url, False, self.peer_uid),
+                name="liveness",
+                daemon=True,
+            ).start()
+        if not capturing and self._idle and not self._canary_out and now >= self._next_canary:
+            self._canary_out = True
+            threading.Thread(
+                target=self._probe,
+                args=(pid, url, True, self.peer_uid),
+                name="liveness-canary",
+                daemon=True,
+            ).start()
 
-    def _probe(self, pid: int, url: str, want_canary: bool, peer_uid: int | None) -> None:
+    def _gpus(self) -> tuple[GpuActivity, ...] | str | None:
+        """The managed GPUs' own counters (errors as data), None where there is no GPU port."""
+        if self._gpu is None:
+            return None
+        try:
+            return tuple(self._gpu.activity(list(self._indices())))
+        except Exception as e:  # GpuUnavailable, or the port's own bug: no reading
+            return reading_error(e)
+
+    def _probe(self, pid: int, url: str, with_canary: bool, peer_uid: int | None) -> None:
+        """One reading (`with_canary`: the canary's, whose own /metrics read decides whether it
+        is sent: only when nothing runs or waits, or there are no counters)."""
         c = self.config.liveness
-        work, metrics, cpu, probe, metrics_at = None, "unreachable", None, None, 0.0
+        work, metrics, cpu, probe, metrics_at, gpu = None, "unreachable", None, None, 0.0, None
         try:
             r = request(
                 f"{url}/metrics", "GET", c.canary_timeout_s, max_bytes=MAX_METRICS_BYTES,
@@ -229,10 +324,12 @@ class Liveness:
             metrics_at = time.monotonic()
             work = parse(r.body) if r.ok else None
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
+            if r.ok:
+                self._last_metrics = r.body[:KEPT_METRICS_BYTES]
             cpu = engine_cpu(pid, engine_only=True)
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
-            if want_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
+            if with_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
                 tree = engine_cpu(pid)
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s, peer_uid=peer_uid)
                 tree_end, sent = engine_cpu(pid), cpu
@@ -246,26 +343,85 @@ class Liveness:
                 ):
                     others = (tree_end.seconds - tree.seconds) - (cpu.seconds - sent.seconds)
                 probe = dataclasses.replace(probe, cpu=sent, others_s=others)
+            if with_canary:
+                # The readings between judged the counters since: the canary's own read of
+                # them is older than theirs by its wait.
+                work, metrics_at = None, 0.0
+            else:
+                gpu = self._gpus()
         except Exception:  # a reading must always come back, or no probe would run again
             pass
-        self._put(Reading(pid, work, probe, metrics, cpu, metrics_at))
+        kind = "canary" if with_canary else "probe"
+        self._put(Reading(pid, work, probe, metrics, cpu, metrics_at, gpu, kind=kind))
+
+    def _keep_evidence(self, reading: Reading) -> None:
+        """What explains the verdict, read before it is handed on: vLLM's stacks (ports/
+        stacks.py, bounded by EVIDENCE_S), the GPUs' counters and memory, the last /metrics."""
+        kept: dict[str, str] = {}
+        try:
+            pids = [reading.pid, *processes.descendants(reading.pid)][:STACK_PROCESSES]
+            kept["stacks"] = stacks.dump(pids, time.monotonic() + EVIDENCE_S)
+        except Exception as e:  # evidence only: said, never a reason to hold the verdict
+            kept["stacks"] = f"(not read: {e!r})"
+        gpus: list[str] = []
+        got = self._gpus()
+        if got is None:
+            gpus.append("(no GPU port)")
+        elif isinstance(got, str):
+            gpus.append(f"NVML's counters: no reading: {got}")
+        else:
+            gpus += [gpu_said(g, None) + f", SM clock {g.sm_clock_mhz} MHz" + (
+                f"; unread: {', '.join(g.unread)}" if g.unread else "") for g in got]  # fmt: skip
+        if self._gpu is not None:
+            try:
+                for d in self._gpu.sample(list(self._indices())):
+                    procs = ", ".join(f"PID {p.pid} ({p.used_mib} MiB)" for p in d.processes)
+                    gpus.append(f"GPU {d.index}: {d.used_mib} of {d.total_mib} MiB used; "
+                                f"processes: {procs or 'none listed'}")  # fmt: skip
+            except Exception as e:
+                gpus.append(f"NVML's memory and processes: no reading: {reading_error(e)}")
+        kept["gpus"] = "\n".join(gpus)
+        kept["metrics"] = self._last_metrics or "(no /metrics answer was read)"
+        self._put(dataclasses.replace(reading, canary=None, kept=kept, kind="evidence"))
 
     def seen(self, reading: Reading, now: float, capturing: bool = False) -> Hang | None:
-        """The reading applied: the verdict if vLLM is hung, else None. While a capture is
-        under way there is none (its flush may hold the engine for minutes)."""
-        self._probing = False
+        """The reading applied: the verdict if vLLM is hung, else None; the verdict is handed
+        on with the reading that comes back with its evidence (`kept`). While a capture is
+        under way only what no flush does is a verdict (decide/liveness.Judge.capturing)."""
         c = self.config.liveness
-        if reading.pid != self._pid:
+        if reading.kind == "evidence":
+            verdict, self._verdict = self._verdict, None
+            if verdict is None or reading.pid != self._pid:
+                return None
+            self.kept = reading.kept
+            # How long the evidence took to read: the verdict was given that much earlier.
+            verdict[0].evidence["evidence_read_s"] = round(now - self._verdict_at, 2)
+            return verdict[0]
+        if reading.kind == "canary":
+            self._canary_out = False
+            if reading.canary is None:
+                return None  # not sent: work ran or waited (the probes judge it)
+        else:
+            self._probing = False
+            if reading.metrics != "unreachable":  # the canary goes only to an idle engine
+                self._idle = reading.work is None or reading.work.pending <= 0
+        if reading.pid != self._pid or self._verdict is not None:
             return None
         if reading.canary is not None:
             self._next_canary = now + c.canary_interval_s
         if capturing:
-            self.judge.capturing(now, reading.cpu)
-            return None
-        sent = reading.canary
-        if sent is None:
-            return self.judge.seen(now, reading.work, reading.metrics, reading.cpu)
-        canary = (sent.answered, sent.took_s, sent.cpu)
-        return self.judge.seen(
-            now, reading.work, reading.metrics, reading.cpu, canary, others_s=sent.others_s
-        )
+            hang = self.judge.capturing(now, reading.cpu, reading.gpu)
+        elif (sent := reading.canary) is None:
+            hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu,
+                                   gpu=reading.gpu)  # fmt: skip
+        else:
+            canary = (sent.answered, sent.took_s, sent.cpu)
+            hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu, canary,
+                                   others_s=sent.others_s, gpu=reading.gpu)  # fmt: skip
+        if hang is not None:
+            self._verdict, self._verdict_at = (hang, reading), now
+            threading.Thread(
+                target=self._keep_evidence, args=(reading,), name="liveness-evidence",
+                daemon=True,
+            ).start()  # fmt: skip
+        return None

@@ -20,6 +20,9 @@ from kimi_supervisor.loop.context import Context
 from kimi_supervisor.model import Mode, Step, TeardownReport, utcnow
 from kimi_supervisor.status import DowntimeStatus
 
+# The `earlier` part of the first start after a serving vLLM was lost (decide/downtime.py).
+LOST = "the lost vLLM until found, its teardown and the backoff"
+
 
 class Window:
     def __init__(self, ctx: Context) -> None:
@@ -34,7 +37,9 @@ class Window:
         window). A window still open (a rollback, a retry, a take-over) goes on."""
         s, last_ok = self.s, self.ctx.observer.last_ok
         open_since = s.watch.at.get("last_ok") if s.watch is not None else None
-        s.watch = Stopwatch()
+        # The first start after a lost vLLM: its `earlier` is that loss, not earlier attempts.
+        earlier_is = s.watch.lost_as if s.watch is not None else ""
+        s.watch = Stopwatch(earlier_is=earlier_is)
         if open_since is not None:
             s.watch.mark("last_ok", open_since)
             s.watch.mark("resumed", self._now())
@@ -45,7 +50,7 @@ class Window:
         """The serving vLLM died or hung: the window opens at its last 200, or, for a hang
         (whose /health goes on answering), at its last proof of progress (`since`)."""
         last_ok = since if since is not None else self.ctx.observer.last_ok
-        self.s.watch = Stopwatch()
+        self.s.watch = Stopwatch(lost_as=LOST)
         if last_ok is not None:
             self.s.watch.mark("last_ok", last_ok)
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from kimi_supervisor.model import GpuHealth
+from kimi_supervisor.model import GpuActivity, GpuHealth
 
 if TYPE_CHECKING:
     from kimi_supervisor.ports.bounded import IoWorker
@@ -53,6 +53,7 @@ class GpuPort(Protocol):
     def device_count(self) -> int: ...
     def sample(self, indices: Sequence[int]) -> list[DeviceSample]: ...
     def health(self, indices: Sequence[int]) -> list[GpuHealth]: ...
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]: ...
     def device_path(self, index: int) -> str: ...
     def uuid(self, index: int) -> str: ...
     def driver_version(self) -> str: ...
@@ -291,6 +292,42 @@ class NvmlGpu:
                 }
             )
         return {"source": "NVML at capture time", "gpus": gpus}
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        """Each GPU's own counters now (GpuActivity): utilization (kernels, memory), power,
+        the SM clock, PCIe and NVLink traffic. A counter this GPU does not support, or whose
+        read fails, is None and named in `unread`; a GPU NVML cannot find has every counter
+        None. NVML itself not there is GpuUnavailable."""
+        nv = self._lib()
+        out = []
+        for index in indices:
+            unread: list[str] = []
+            try:
+                h = self._handle(index)
+            except Exception as e:  # one GPU's failure is that GPU's
+                out.append(GpuActivity(index, unread=(f"the GPU: {reading_error(e)}",)))
+                continue
+
+            ask = functools.partial(_ask, nv, unread)
+            util = ask("utilization", nv.nvmlDeviceGetUtilizationRates, h)
+            power = ask("power", nv.nvmlDeviceGetPowerUsage, h)
+            clock = ask("SM clock", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
+            tx = ask("PCIe sent", nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_TX_BYTES)
+            rx = ask("PCIe received", nv.nvmlDeviceGetPcieThroughput, h,
+                     nv.NVML_PCIE_UTIL_RX_BYTES)  # fmt: skip
+            out.append(
+                GpuActivity(
+                    index,
+                    util_gpu=float(util.gpu) if util is not None else None,
+                    util_memory=float(util.memory) if util is not None else None,
+                    power_w=power / 1000 if power is not None else None,
+                    sm_clock_mhz=float(clock) if clock is not None else None,
+                    pcie_mb_s=(tx + rx) / 1000 if tx is not None and rx is not None else None,
+                    nvlink_kib=_nvlink_kib(nv, h, unread),
+                    unread=tuple(unread),
+                )
+            )
+        return out
 
     def device_path(self, index: int) -> str:
         h = self._handle(index)
@@ -564,6 +601,32 @@ def fabric_of(gpu: GpuPort | None, indices: Sequence[int] = ()) -> dict[str, Any
         return {"source": "NVML at capture time", "gpus": [], "error": reading_error(e)}
 
 
+def _nvlink_kib(nv: Any, h: Any, unread: list[str]) -> float | None:
+    """NVLink data sent and received so far (KiB, every link together: NVML's scope "all
+    links"), or None where the GPU has no NVLink (not said: a PCIe card has none) or the
+    counters cannot be read (said)."""
+    fields = [getattr(nv, f"NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_{d}", None) for d in ("TX", "RX")]
+    if None in fields:
+        unread.append("NVLink traffic: this pynvml has no such field")
+        return None
+    try:  # scope UINT_MAX: summed over every link (NVML's nvmlFieldValue_t.scopeId)
+        values = nv.nvmlDeviceGetFieldValues(h, [(f, 0xFFFFFFFF) for f in fields])
+    except nv.NVMLError_NotSupported:
+        return None
+    except Exception as e:
+        unread.append(f"NVLink traffic: {type(e).__name__}: {e}")
+        return None
+    total = 0.0
+    for v in values:
+        if v.nvmlReturn == getattr(nv, "NVML_ERROR_NOT_SUPPORTED", 3):
+            return None
+        if v.nvmlReturn != 0:
+            unread.append(f"NVLink traffic: NVML error {v.nvmlReturn}")
+            return None
+        total += float(v.value.ullVal)
+    return total
+
+
 def _mib(value: int | None) -> int | None:
     # NVML reports NVML_VALUE_NOT_AVAILABLE (2**64-1) or None where it cannot account memory.
     if value is None or value >= 2**63:
@@ -642,6 +705,10 @@ class BoundedGpu:
         except GpuUnavailable as e:
             return {"source": "NVML at capture time", "gpus": [], "error": str(e)}
         return dict(got)
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        shown = ", ".join(map(str, indices))
+        return list(self._call(f"the counters of GPU(s) {shown}", "activity", list(indices)))
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         # Asked once per device node while judging a holder, on the caller's thread: NVML's

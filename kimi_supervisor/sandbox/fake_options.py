@@ -38,6 +38,18 @@ class FakeOptions:
     engine_busy_fraction: float = 0.25
     # While this file exists, the engine begins no step and uses no CPU (a deadlock).
     deadlock_file: str | None = None
+    # While this file exists, the engine begins no step and a thread of it spins a core (as one
+    # waits in torch.cuda.synchronize() behind a collective stuck on the GPU: 8.0 s of CPU in
+    # 8.2 s, bench/cuda_wait_cpu.py), and the simulated GPUs read a kernel that spins (busy, no
+    # memory or PCIe traffic, idle power: sandbox/simreader.COUNTERS, measured on an H100).
+    stuck_collective_file: str | None = None
+    # While this file exists, a thread of the engine spins a core, whatever else it does (steps
+    # go on beside it).
+    spinning_thread_file: str | None = None
+    # While this file exists, the engine begins no step and waits for a child of its own that
+    # uses a core, titled as a compiler's (`cc1plus`: FlashInfer's JIT compile of up to 10
+    # minutes, ninja running nvcc and the C++ compiler); the simulated GPUs idle.
+    compile_file: str | None = None
     # While this file exists, the API server is busy (its event loop held by work, as a long
     # tokenization holds real vLLM's): it uses a core, and /health answers only once the
     # file is gone.

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -30,7 +31,7 @@ from typing import Any
 
 from setproctitle import setproctitle
 
-from kimi_supervisor.sandbox import holder
+from kimi_supervisor.sandbox import holder, simgpu
 from kimi_supervisor.sandbox.fake_api import EngineLink, Server, _handler
 from kimi_supervisor.sandbox.fake_options import FakeOptions, log
 
@@ -126,7 +127,85 @@ def _busy(seconds: float) -> None:
         pass
 
 
-def _generate() -> None:
+def _spin(until: threading.Event) -> None:
+    """A core used until `until` is set, with the GIL let go (hashing a large buffer), as a
+    thread in CUDA's synchronize spins outside Python: the engine's other threads go on."""
+    block = bytes(1 << 20)
+    while not until.is_set():
+        hashlib.sha256(block).digest()
+
+
+COMPILER = "import setproctitle, time; setproctitle.setproctitle('cc1plus')\nwhile True: pass"
+
+
+class _Faults:
+    """The engine's faults that come and go with their files (FakeOptions): a stuck collective
+    (no step, a thread spinning, the GPUs reading a spinning kernel), a thread spinning beside
+    the steps, a JIT compile (no step, a compiler child using a core). Its `blocked` says a
+    step may not begin; `worked` marks the GPUs at work after a step (simgpu.set_activity)."""
+
+    def __init__(self, opts: FakeOptions, devices: list[int]) -> None:
+        self.opts = opts
+        self.devices = devices
+        self.root = None if holder.real_cuda() else holder.sim_dir()
+        self.stuck = self.spinning = self.compiling = False
+        self._spinners: dict[str, threading.Event] = {}
+        self._compiler: subprocess.Popen[bytes] | None = None
+        self._worked_at = 0.0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _on(path: str | None) -> bool:
+        return bool(path) and os.path.exists(path)  # type: ignore[arg-type]
+
+    def blocked(self) -> bool:
+        o = self.opts
+        return self._on(o.deadlock_file) or self.stuck or self.compiling
+
+    def _gpus(self, state: str) -> None:
+        if self.root is not None:
+            simgpu.set_activity(self.root, self.devices, state)
+
+    def worked(self) -> None:
+        now = time.monotonic()
+        with self._lock:  # never "work" written over a stuck collective's "spin"
+            if now - self._worked_at >= 0.2 and not self.stuck:
+                self._worked_at = now
+                self._gpus("work")
+
+    def _spinner(self, name: str, on: bool) -> None:
+        if on and name not in self._spinners:
+            until = self._spinners[name] = threading.Event()
+            threading.Thread(target=_spin, args=(until,), daemon=True).start()
+        elif not on and name in self._spinners:
+            self._spinners.pop(name).set()
+
+    def watch(self) -> None:
+        """Follows the fault files, every 50 ms, for the engine's life."""
+        o = self.opts
+        while True:
+            stuck = self._on(o.stuck_collective_file)
+            with self._lock:
+                if stuck != self.stuck:
+                    self._gpus("spin" if stuck else "idle")
+                self.stuck = stuck
+            self._spinner("collective", stuck)
+            self._spinner("thread", self._on(o.spinning_thread_file))
+            compiling = self._on(o.compile_file)
+            if compiling and self._compiler is None:
+                self._compiler = subprocess.Popen(
+                    [sys.executable, "-c", COMPILER],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                )  # fmt: skip
+            elif not compiling and self._compiler is not None:
+                self._compiler.kill()  # our own child, by its handle
+                self._compiler.wait()
+                self._compiler = None
+            self.compiling = compiling
+            time.sleep(0.05)
+
+
+def _generate(faults: _Faults) -> None:
     """The API server's requests, one at a time, as engine steps: `gen P N` -> one prefill step
     (P prompt tokens, `prefill_s_per_token` each, on the CPU) -> N decode steps of 1 ms, each
     `engine_busy_fraction` of it on the CPU -> `step p n` after each -> `done N`. `flush S`:
@@ -138,11 +217,12 @@ def _generate() -> None:
     pending = b""
 
     def step(prompt: int, tokens: int, cpu_s: float, wall_s: float) -> None:
-        while opts.deadlock_file and os.path.exists(opts.deadlock_file):
+        while faults.blocked():
             time.sleep(0.05)
         _busy(cpu_s)
         if wall_s > cpu_s:
             time.sleep(wall_s - cpu_s)
+        faults.worked()
         os.write(1, f"step {prompt} {tokens}\n".encode())
 
     while chunk := os.read(0, 4096):
@@ -172,7 +252,9 @@ def engine_main(tp: int) -> None:
     pids = [_wait_line(w, b"ready") for w in workers]
     sys.stdout.buffer.write(b"ready " + b" ".join(pids) + b"\n")
     sys.stdout.flush()
-    threading.Thread(target=_generate, daemon=True).start()
+    faults = _Faults(opts, opts.devices[:tp] if opts.devices else list(range(tp)))
+    threading.Thread(target=faults.watch, daemon=True).start()
+    threading.Thread(target=_generate, args=(faults,), daemon=True).start()
     stop.wait()
     for w in workers:
         w.terminate()

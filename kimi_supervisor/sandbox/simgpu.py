@@ -60,6 +60,7 @@ import mmap
 import os
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,7 @@ from pathlib import Path
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.gpu import GpuUnavailable
 from kimi_supervisor.sandbox.simreader import (
+    ACTIVITY,
     F_OFD_SETLK,
     FLOCK,
     NODE_MAGIC,
@@ -149,8 +151,17 @@ def set_health(root: Path, index: int, **signals: object) -> None:
     _write_json(path, health)
 
 
+def set_activity(root: Path, indices: Sequence[int], state: str) -> None:
+    """What GPUs `indices` run now, as the fake engine says it: "work" (a step: read as work
+    for simreader.WORK_HOLD_S), "spin" (a kernel spinning on a flag never set, until said
+    otherwise) or "idle"."""
+    (root / ACTIVITY).mkdir(exist_ok=True)
+    for i in indices:
+        _write_json(root / ACTIVITY / str(i), {"state": state, "at": time.monotonic()})
+
+
 def _write_json(path: Path, data: object) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.model import GpuHealth
+from kimi_supervisor.model import GpuActivity, GpuHealth
 from kimi_supervisor.ports.gpu import DeviceSample, GpuProcess, GpuUnavailable
 
 # struct flock: short l_type, short l_whence, off_t l_start, off_t l_len, pid_t l_pid (+ padding)
@@ -51,6 +51,26 @@ SXM_FABRIC: dict[str, Any] = {
     "nvlink": {"links": 18, "active": 18, "version": 4},
     "unread": [],
 }
+
+# In the sim folder: what each GPU runs (activity/N: {"state": "work" or "spin", "at": the
+# monotonic clock}), written by the fake engine (simgpu.set_activity). Work read more than
+# WORK_HOLD_S ago is over: the GPU reads idle again.
+ACTIVITY = "activity"
+WORK_HOLD_S = 1.0
+# The counters NVML reads for each, as measured on an H100 80GB HBM3, driver 580.159.04 (NVML
+# every 0.2 s for 8 s a shape, medians of two runs: bench/gpu_hang_signature.py,
+# bench/results/h100x1-2026-12-07-gpu-hang-signature.json): "idle" a context and nothing run;
+# "spin" torch.cuda._sleep (a kernel that polls a flag in device memory read the same): busy,
+# no memory traffic, the idle power; "work" the decode-like loop (GEMMs and all-reduce-sized
+# copies). PCIe is sent and received together (NVML's KB/s over 1000).
+COUNTERS: dict[str, dict[str, float]] = {
+    "idle": {"util_gpu": 0.0, "util_memory": 0.0, "power_w": 124.2, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 1.1},
+    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 125.1, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 1.8},
+    "work": {"util_gpu": 88.0, "util_memory": 80.0, "power_w": 421.4, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 198.7},
+}  # fmt: skip
 
 
 def device_file(root: Path, index: int) -> Path:
@@ -283,6 +303,29 @@ class SimGpu:
                 continue
             gpus.append({"index": index, **SXM_FABRIC, **changed.get(str(index), {})})
         return {"source": "NVML at capture time", "gpus": gpus}
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        """Each GPU's counters as NVML reads them for what it runs (COUNTERS): what the fake
+        engine last wrote to activity/N, idle once work is WORK_HOLD_S old. The simulated host
+        has no NVLink (as the lent H200s: none)."""
+        self._answer()
+        now = time.monotonic()
+        out = []
+        for index in indices:
+            try:
+                self._device(index)
+            except GpuUnavailable as e:
+                out.append(GpuActivity(index, unread=(f"the GPU: {e}",)))
+                continue
+            try:
+                seen = json.loads((self.root / ACTIVITY / str(index)).read_text())
+                state, at = str(seen["state"]), float(seen["at"])
+            except (OSError, ValueError, KeyError, TypeError):
+                state, at = "idle", now
+            if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
+                state = "idle"
+            out.append(GpuActivity(index, **COUNTERS[state]))  # type: ignore[arg-type]
+        return out
 
     def device_path(self, index: int) -> str:
         self._answer()

@@ -13,7 +13,10 @@ where it was made:
   process (its start time), is said so;
 - NVML's view of the managed GPUs (read by the daemon, through its `nvml` process), the health
   last read before a load, and the kernel's Xid lines (ports/gpu.py's reading of them);
-- vLLM's last output lines, as the daemon followed them.
+- vLLM's last output lines, as the daemon followed them (at a hang: the last before it);
+- at a hang, what was read at its verdict, before the teardown lost it: the stacks of every
+  vLLM process (ports/stacks.py), NVML's counters and memory of the managed GPUs, and vLLM's
+  last /metrics answer.
 
 `make` runs where the daemon's blocking I/O runs (ports/bounded.py: a process of its own, in a
 scope of its own), so it takes data and returns what it did. Each /proc read is waited for at
@@ -51,10 +54,13 @@ NAME = re.compile(r"incident-\d{8}T\d{6}\.\d{6}Z-(?:stuck|failed|hang)\.txt")
 _TMP = re.compile(r"\.incident-.*\.(\d+)\.tmp")
 
 # The whole file, at most: a flood of holders, a history of huge records or a kernel log full
-# of Xids never fills the state folder (10 bundles kept: 10 MiB at most).
-MAX_BYTES = 1 << 20
+# of Xids never fills the state folder (10 bundles kept: 20 MiB at most).
+MAX_BYTES = 2 << 20
 PART_CAPS = {
     "report": 128 << 10,
+    "stacks": 512 << 10,
+    "counters": 32 << 10,
+    "metrics": 128 << 10,
     "history": 256 << 10,
     "holders": 256 << 10,
     "gpus": 32 << 10,
@@ -104,6 +110,10 @@ class Incident:
     # The bundles this daemon wrote before this one, oldest first: a prune keeps them before
     # any other, so that a clock stepped back never makes the newer evidence the one removed.
     recent: tuple[str, ...] = ()
+    # What explains a hang, read at its verdict, before the teardown lost it (loop/liveness.py):
+    # "stacks" (every vLLM process's), "gpus" (NVML's counters and memory), "metrics" (the
+    # last /metrics answer).
+    kept: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -207,6 +217,9 @@ _TRIGGER_SAYS = {
 }
 _PARTS = (
     ("report", "the teardown report (JSON)"),
+    ("stacks", "vLLM's processes: their stacks at the hang's verdict, before the teardown"),
+    ("counters", "the managed GPUs at the hang's verdict: NVML's counters and memory"),
+    ("metrics", "vLLM's last /metrics answer before the hang's verdict"),
     ("history", f"the history: its newest {HISTORY_RECORDS} records, oldest first (JSON lines)"),
     ("holders", "the holders: their /proc entries"),
     ("gpus", "the managed GPUs: NVML's view, and their health as last read before a load"),
@@ -367,8 +380,12 @@ def make(incident: Incident) -> Made:
     else:
         more = f"\n[cut: only the newest {XID_LINES} lines, or some not read]" if xcut else ""
         xid_text = ("\n".join(xids) or "(no Xid line this boot)") + more
+    at_hang = "(read only at a hang's verdict, before its teardown)"
     parts = {
         "report": report_part(i.report),
+        "stacks": i.kept.get("stacks", at_hang),
+        "counters": i.kept.get("gpus", at_hang),
+        "metrics": i.kept.get("metrics", at_hang),
         "history": history_part(hist, i.pending),
         "holders": holders_part(i.holders),
         "gpus": gpus_part(i.gpus, i.gpu_health),

@@ -9,6 +9,7 @@ to it and vLLM serves text without them, so they are left out.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -104,6 +105,23 @@ def model(env: Path) -> Path:
     tmp = CACHE / f".model-building-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     _run([str(env / "bin" / "python"), str(HERE / "make_model.py"), str(tmp)], 600)
+    tmp.rename(done)
+    return done
+
+
+def long_model(venv: Path) -> Path:
+    """The tiny model with room for an 8192-token prompt (its rope takes any length): a copy
+    with 16384 positions."""
+    tiny = model(venv)
+    done = CACHE / f"{tiny.name}-16k"
+    if (done / "config.json").exists():
+        return done
+    tmp = CACHE / f".long-building-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tiny, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["max_position_embeddings"] = 16384
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
     tmp.rename(done)
     return done
 

@@ -5,6 +5,7 @@ simulated memory; this is the seam). One vLLM start is shared by the tests in or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,14 +68,24 @@ HERE = Path(__file__).resolve().parent
 READY_S = 600  # 38-105 s measured here; a loaded CI machine is slower
 
 
-@pytest.fixture(scope="module")
-def real() -> Iterator[DaemonHelper]:
+@contextlib.contextmanager
+def serving_real(
+    model: Path | None = None,
+    room: list[str] | None = None,
+    profile_extra: tuple[str, ...] = (),
+    *,
+    liveness: dict[str, float] | None = None,
+) -> Iterator[DaemonHelper]:
+    """The daemon serving real vLLM's production in a sandbox of its own, taken down after:
+    the tier's tiny model (or `model`), each mode with `room` (`--max-model-len 256`) and the
+    profile mode with `profile_extra` too, the tier's liveness values changed by `liveness`."""
+    room = room or ["--max-model-len", "256"]
     why = env.unavailable() or unavailable_reason()
     if why:
         pytest.skip(f"no real vLLM here: {why}")
     try:
         venv = env.venv()
-        model = env.model(venv)
+        model = model or env.model(venv)
     except env.Unavailable as e:
         pytest.skip(f"no real vLLM here: {e}")
     root = Path(tempfile.mkdtemp(prefix="kimi-real-"))
@@ -92,8 +103,10 @@ def real() -> Iterator[DaemonHelper]:
         "vllm": {"command": [str(venv / "bin" / "vllm"), "serve", str(model),
                              "--tensor-parallel-size", "2", "--dtype", "bfloat16",
                              "--block-size", "16"]},
-        "modes": {"production": {"args": ["--max-model-len", "256"]},
-                  "profile": {"args": ["--max-model-len", "256", "--profiler-config", profiler]}},
+        "modes": {
+            "production": {"args": room},
+            "profile": {"args": [*room, "--profiler-config", profiler, *profile_extra]},
+        },
         # The tier kills, freezes or deadlocks its vLLM five times within the failure window
         # (the SIGKILL of the API server, the frozen engine, the frozen worker, two deadlocks):
         # each is a failure, and the third would be FAILED with the shipped max_failures (3).
@@ -103,14 +116,20 @@ def real() -> Iterator[DaemonHelper]:
         "teardown": {"term_grace_s": 30, "tmp_dir": str(root / "tmp"), "shm_dir": "/dev/shm",
                      "shm_patterns": ["psm_*", "sem.mp-*", "*-cpushm_*"]},
         # The stall's "after" reading 3 s after a flush (shipped: 10 s), scaled like liveness.
-        "profiling": {"keep_captures": 1, "stall_after_s": 3},
+        # /start_profile within 30 s (the sandbox's 2 s: real vLLM under load on a loaded
+        # 2-core machine did not answer within it, twice in a row).
+        "profiling": {"keep_captures": 1, "stall_after_s": 3, "start_timeout_s": 30},
         # A frozen engine found within seconds here (production: 15, 120, 300, 60 s). The stall
         # is shorter than a real capture's flush under load (12.8 s, bench/liveness_real.py),
         # which must not be called a hang.
         # Four hangs are planted (the frozen engine, the frozen worker, two deadlocks): the
         # sandbox's limit (2) would leave the second FAILED, not restarted.
+        # The bound on a doubt (hang_bound_s) reads the simulated GPUs, which know nothing of
+        # real vLLM's work on the CPU and read idle: far past any step of the tier's, so that
+        # no busy real vLLM meets it (no spinning hang is planted here: the sandbox's are).
         "liveness": {"metrics_interval_s": 2, "stall_s": 5, "canary_interval_s": 10,
-                     "canary_timeout_s": 30, "max_hang_restarts": 5},
+                     "canary_timeout_s": 30, "max_hang_restarts": 5, "hang_bound_s": 300,
+                     **(liveness or {})},
     }  # fmt: skip
     vllm_env = {
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -154,6 +173,12 @@ def real() -> Iterator[DaemonHelper]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def real() -> Iterator[DaemonHelper]:
+    with serving_real() as daemon:
+        yield daemon
+
+
 def as_executed(argv: list[str]) -> list[str]:
     """The command line the kernel shows for `argv`: a script (vLLM's console script) runs as
     its #! interpreter with the script's path in front of the arguments."""
@@ -184,6 +209,15 @@ def unit_tree(real: DaemonHelper) -> dict[int, str]:
         for pid in processes.all_pids()
         if processes.cgroup_of(pid) == cgroup
     }
+
+
+def role(real: DaemonHelper, title: str) -> processes.ProcessRef:
+    """The one process of vLLM's unit whose argv[0] begins with `title` (`VLLM::EngineCore`)."""
+    (ref,) = [
+        ref for pid, argv0 in unit_tree(real).items()
+        if argv0.startswith(title) and (ref := processes.ref_of(pid)) is not None
+    ]  # fmt: skip
+    return ref
 
 
 def test_real_vllm_serves_production_byte_exact_with_its_real_tree_and_health(
@@ -557,6 +591,54 @@ def test_a_real_capture_whose_flush_holds_the_engine_under_load_past_the_stall_i
            capture_stall_failed=st["failed"])  # fmt: skip
 
 
+def test_a_real_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_says_why(
+    real: DaemonHelper,
+) -> None:
+    """A capture's flush is bounded by profiling.flush_timeout_s (30 minutes shipped) because
+    a flush works; a worker stopped on the serving path does not. Stopped during the flush
+    under load, it is judged within stall_s and a reading or two, as without a capture, and
+    the capture fails saying why (last round: only at the flush timeout)."""
+    if real.status()["mode"] != "profile":
+        r = real.kimi_mode("profile", timeout=READY_S + 120)
+        assert r.returncode == 0, r.stdout + r.stderr
+    api = real.vllm_pid()
+    worker = role(real, "VLLM::Worker_TP1")
+    before = len(hangs(real))
+    out: list[subprocess.CompletedProcess[str]] = []
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        capture = threading.Thread(target=lambda: out.append(real.kimi_mode(
+            "capture", "--seconds", "3", "--then", "stay", timeout=READY_S)))  # fmt: skip
+        capture.start()
+        real.wait_status(lambda s: (s.get("capture") or {}).get("phase") == "flushing", 120,
+                         "the flush")  # fmt: skip
+        t0 = time.monotonic()
+        processes.send_signal(worker, signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(hangs(real)) > before, 120, "the hang to be recorded")
+            noticed_s = time.monotonic() - t0
+            capture.join(READY_S)
+            wait_new_vllm(real, api)
+            real.wait_serving("profile", READY_S)
+        finally:
+            if processes.is_alive(worker):
+                processes.send_signal(worker, signal.SIGCONT)
+    finally:
+        load.stop()
+    incident = hangs(real)[-1]
+    assert "a capture is under way, and the engine: stopped: PID" in incident["what"], incident
+    assert "VLLM::Worker_TP1" in str(incident["stopped"]), incident
+    c = real.config.liveness
+    assert noticed_s <= c.stall_s + 2 * c.metrics_interval_s + 1, (noticed_s, incident["what"])
+    taken = [e for e in real.history() if e["kind"] == "capture"][-1]
+    assert not taken["ok"] and "the capture failed: vLLM hung: a capture is under way" in str(
+        taken["message"]
+    ), taken
+    assert out and out[0].returncode != 0 and "vLLM hung" in flat(out[0].stdout + out[0].stderr)
+    record(flush_worker_hang_noticed_s=round(noticed_s, 1))
+
+
 def test_back_to_production_tears_the_real_tree_down_and_starts_it_again(
     real: DaemonHelper,
 ) -> None:
@@ -667,10 +749,7 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
     """Before, with VLLM::EngineCore frozen (SIGSTOP, as one stuck in a collective or the driver
     is), the API server answered /health 200 and the daemon said `serving` for 10 minutes."""
     api = real.vllm_pid()
-    (engine,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::EngineCore") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    engine = role(real, "VLLM::EngineCore")
     hung = [e for e in real.history() if "vLLM hung" in e.get("what", "")]
     # First the canary's cost, as real vLLM answers it (one every 10 s here).
     seen = real.wait_status(lambda s: bool((s["liveness"] or {}).get("canary_ok")), 60, "canary")
@@ -701,6 +780,50 @@ def test_a_real_engine_that_freezes_is_found_by_the_canary_recorded_and_served_a
            hang_served_again_s=round(time.monotonic() - t0, 1))  # fmt: skip
 
 
+def test_a_real_engine_frozen_with_a_clients_request_open_is_torn_down_without_its_grace(
+    real: DaemonHelper,
+) -> None:
+    """A hung engine finishes no request, and vLLM's API server holding a client's open
+    request waited out the whole teardown.term_grace_s (30 s here) at each hang's teardown
+    (30.2 s of a 95-127 s outage). A hang's unit gets liveness.hang_term_grace_s (5 s) to
+    stop. The bundle of the restart holds every vLLM process's stacks, read before it."""
+    real.wait_serving(real.status()["mode"] or "production", READY_S)
+    api = real.vllm_pid()
+    tree = [api, *processes.descendants(api)]
+    engine = role(real, "VLLM::EngineCore")
+    before = len(hangs(real))
+    load = Load(real)
+    try:
+        wait_until(lambda: load.answered > 8, 120, "the load to be answered")
+        t0 = time.monotonic()
+        processes.send_signal(engine, signal.SIGSTOP)
+        try:
+            wait_until(lambda: len(hangs(real)) > before, 120, "the hang to be recorded")
+            wait_new_vllm(real, api)
+            status = real.wait_serving(real.status()["mode"] or "production", READY_S)
+        finally:
+            if processes.is_alive(engine):
+                processes.send_signal(engine, signal.SIGCONT)
+        served_again_s = time.monotonic() - t0
+    finally:
+        load.stop()
+    status = real.wait_status(
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "hang", 60, "its bundle"
+    )
+    text = Path(status["incident_bundle"]["path"]).read_text()
+    report = json.loads(text.split("== the teardown report (JSON) ==\n", 1)[1].split("\n==")[0])
+    (stop,) = [x for x in report["steps"] if x["step"] == "stop_unit"]
+    c, t = real.config.liveness, real.config.teardown
+    assert c.hang_term_grace_s < t.term_grace_s
+    assert stop["duration_s"] <= c.hang_term_grace_s + 1, stop
+    for pid in tree:
+        assert f"-- PID {pid} (" in text, f"no stack of PID {pid}"
+    record(hang_stop_unit_s=round(stop["duration_s"], 2), hang_stop_note=stop["note"],
+           hang_grace_window_s=status["downtime"]["window_s"],
+           hang_grace_served_again_s=round(served_again_s, 1),
+           hang_stacks_by="py-spy" if "Python stacks by py-spy" in text else "/proc")  # fmt: skip
+
+
 def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_reading(
     real: DaemonHelper,
 ) -> None:
@@ -709,10 +832,7 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
     metrics interval (5 + 2 s here), recorded with both signals, served again."""
     real.wait_serving("production", READY_S)
     api = real.vllm_pid()
-    (worker,) = [
-        ref for pid, title in unit_tree(real).items()
-        if title.startswith("VLLM::Worker_TP1") and (ref := processes.ref_of(pid)) is not None
-    ]  # fmt: skip
+    worker = role(real, "VLLM::Worker_TP1")
     before = len(hangs(real))
     load = Load(real)
     try:

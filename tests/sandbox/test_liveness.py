@@ -11,11 +11,13 @@ import itertools
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -328,6 +330,12 @@ def test_the_second_hang_within_the_window_is_not_restarted_but_failed_with_its_
     assert second["stopped"] and "VLLM::EngineCore" in str(second["stopped"])
     assert "liveness.max_hang_restarts = 2" in daemon.log()
     assert daemon.unit() == "active" and processes.ref_of(engine) is None
+    # Its bundle keeps what explains the hang that was not restarted: the stacks too.
+    status = daemon.wait_status(
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "failed", 30, "its bundle"
+    )
+    text = Path(status["incident_bundle"]["path"]).read_text()
+    assert f"-- PID {engine} (VLLM::EngineCor), state T" in text, text[:3000]
 
 
 def test_a_health_that_answers_late_from_a_busy_api_server_is_never_restarted(
@@ -409,3 +417,177 @@ def test_an_api_server_frozen_with_health_unanswered_is_restarted_and_bounded_wi
     status = daemon.wait_state("failed", 60)
     assert status["status_line"].startswith("FAILED: production gave up"), status
     assert "liveness.max_hang_restarts = 2" in daemon.log()
+
+
+# The bound on a doubt, with the sandbox's values and with the shipped ones scaled down by one
+# factor (every duration of liveness and the unit's grace over SCALED; the fraction kept).
+SCALED = 30
+
+
+def _scaled() -> dict[str, dict[str, object]]:
+    from kimi_supervisor.config import LivenessConfig, TeardownConfig
+
+    c = LivenessConfig()
+    keys = ("metrics_interval_s", "stall_s", "canary_interval_s", "canary_timeout_s",
+            "hang_bound_s", "hang_term_grace_s")  # fmt: skip
+    return {
+        "liveness": {k: getattr(c, k) / SCALED for k in keys},
+        "teardown": {"term_grace_s": TeardownConfig().term_grace_s / SCALED},
+    }
+
+
+VALUES = {"with the sandbox's values": {}, f"with the shipped values over {SCALED}": _scaled()}
+
+
+def started(sandbox: SandboxHelper, daemon: DaemonHelper, values: dict[str, Any]) -> Any:
+    """The daemon started with `values`, serving; the liveness values it runs with."""
+    from kimi_supervisor.configfile import load_config
+
+    with daemon.configured(**values):
+        config = load_config(sandbox.sb.config_path)
+        daemon.start()
+    daemon.wait_serving("production")
+    return config
+
+
+@pytest.mark.parametrize("values", VALUES.values(), ids=list(VALUES))
+def test_a_collective_stuck_under_load_is_hung_at_the_bound_and_its_stacks_are_kept(
+    sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers, values: dict[str, Any]
+) -> None:
+    """The deadlock that looks busy: no step, a thread of the engine spinning a core, every GPU
+    reading a kernel that spins (busy, no memory traffic, idle power), client requests open.
+    Past hang_bound_s it is a hang: restarted, the verdict naming what it read, the incident
+    bundle holding every vLLM process's stacks from before the teardown, which does not wait
+    out teardown.term_grace_s for an API server that would finish its requests (30 s here)."""
+    stuck = Path(sandbox.sb.root) / "stuck-collective"
+    sandbox.fake(stuck_collective_file=str(stuck), shutdown_delay_s=30)
+    config = started(sandbox, daemon, values)
+    c = config.liveness
+    main = daemon.vllm_pid()
+    tree = [main, *processes.descendants(main)]
+    done, threads = clients(sandbox, answers, 4, 120)
+    try:
+        wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+        stuck.touch()
+        wait_until(lambda: bool(hangs(daemon)), 3 * c.hang_bound_s + 60, "the hang")
+        sandbox.fake()  # the next vLLM starts without the fault
+        served = daemon.wait_serving_anew("production", main)
+    finally:
+        stuck.unlink(missing_ok=True)
+        done.set()
+        for t in threads:
+            t.join(125)
+    (incident,) = hangs(daemon)
+    what = str(incident["what"])
+    assert f"(liveness.hang_bound_s = {c.hang_bound_s:g} s) with no sign of real work" in what
+    assert "GPU 0: busy 100 %, memory 0 %" in what and "vLLM's helpers used" in what
+    assert float(incident["doubt_s"]) >= c.hang_bound_s  # type: ignore[arg-type]
+    assert float(incident["running"]) >= 1  # type: ignore[arg-type]
+    # One attempt: the window's first part is the hang, its teardown and the backoff.
+    text = served["downtime"]["text"]
+    assert "the lost vLLM until found, its teardown and the backoff" in text, text
+    assert "earlier attempts" not in text, text
+    status = daemon.wait_status(
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "hang", 30, "its bundle"
+    )
+    text = Path(status["incident_bundle"]["path"]).read_text()
+    for pid in tree:
+        assert f"-- PID {pid} (" in text, f"no stack of PID {pid}"
+    assert "wchan" in text and "vllm:num_requests_running" in text
+    grace = min(c.hang_term_grace_s, config.teardown.term_grace_s)
+    assert f"unit still active after term_grace_s={grace} s" in text
+
+
+@pytest.mark.parametrize("values", VALUES.values(), ids=list(VALUES))
+def test_a_thread_spinning_in_an_engine_that_steps_is_never_hung(
+    sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers, values: dict[str, Any]
+) -> None:
+    """The same spinning thread, but the engine steps: twice the bound and more, no verdict."""
+    spin = Path(sandbox.sb.root) / "spinning-thread"
+    spin.touch()
+    sandbox.fake(spinning_thread_file=str(spin))
+    c = started(sandbox, daemon, values).liveness
+    pid = daemon.vllm_pid()
+    done, threads = clients(sandbox, answers, 4, 60)
+    try:
+        wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+        n = len(answers.at)
+        time.sleep(2 * (c.hang_bound_s + c.metrics_interval_s))
+    finally:
+        spin.unlink()
+        done.set()
+        for t in threads:
+            t.join(65)
+    assert not hangs(daemon) and daemon.vllm_pid() == pid, hangs(daemon)
+    assert len(answers.at) > n + 20  # it served all along
+
+
+@pytest.mark.parametrize("values", VALUES.values(), ids=list(VALUES))
+def test_a_compile_child_using_a_core_longer_than_the_bound_is_never_hung(
+    sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers, values: dict[str, Any]
+) -> None:
+    """FlashInfer compiles its kernels at their first call, in ninja and nvcc under a worker,
+    for up to 10 minutes with no log and no step: requests wait, the engine is busy, the GPUs
+    idle. The compiler's CPU is real work: a doubt that says so past the bound, never a hang."""
+    jit = Path(sandbox.sb.root) / "compile"
+    sandbox.fake(compile_file=str(jit))
+    c = started(sandbox, daemon, values).liveness
+    pid = daemon.vllm_pid()
+    done, threads = clients(sandbox, answers, 4, 300)
+    try:
+        wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+        jit.touch()
+        status = daemon.wait_status(
+            lambda s: "helper process(es) used" in str((s.get("liveness") or {}).get("doubt")),
+            3 * c.hang_bound_s + 60,
+            "the doubt past the bound to name the compiler",
+        )
+        time.sleep(c.hang_bound_s / 2)  # the compile goes on: 1.5 times the bound and more
+        assert "(cc1plus)" in status["liveness"]["doubt"], status["liveness"]
+        n = len(answers.at)
+    finally:
+        jit.unlink(missing_ok=True)
+    try:
+        wait_until(lambda: len(answers.at) > n + 8, 60, "the load to be answered again")
+    finally:
+        done.set()
+        for t in threads:
+            t.join(305)
+    assert not hangs(daemon) and daemon.vllm_pid() == pid, hangs(daemon)
+
+
+def test_a_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_says_why(
+    sandbox: SandboxHelper, profiling: DaemonHelper, load: threading.Event, answers: Answers
+) -> None:
+    """A flush is bounded by profiling.flush_timeout_s (30 minutes shipped) because it works;
+    a worker stopped on the serving path does not: the verdict comes a stall time after it
+    stopped, as without a capture, and the capture fails saying why."""
+    sandbox.fake(profile_flush_s=120.0)
+    main = profiling.vllm_pid()
+    worker = next(p for p in processes.descendants(main)
+                  if processes.comm_of(p).startswith("VLLM::Worker"))  # fmt: skip
+    wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+    out: list[subprocess.CompletedProcess[str]] = []
+    capture = threading.Thread(
+        target=lambda: out.append(
+            profiling.kimi_mode("capture", "--seconds", "1", "--then", "stay", timeout=150)
+        )
+    )
+    capture.start()
+    try:
+        profiling.wait_status(
+            lambda s: (s.get("capture") or {}).get("phase") == "flushing", 30, "the flush"
+        )
+        os.kill(worker, signal.SIGSTOP)  # a process of the sandbox's own vLLM
+        wait_until(lambda: bool(hangs(profiling)), 60, "the hang")
+    finally:
+        if processes.ref_of(worker) is not None:
+            os.kill(worker, signal.SIGCONT)
+        capture.join(150)
+    (incident,) = hangs(profiling)
+    assert "a capture is under way, and the engine: stopped: PID" in str(incident["what"])
+    (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
+    assert not rec["ok"] and "the capture failed: vLLM hung: a capture is under way" in str(
+        rec["message"]
+    ), rec
+    assert out and out[0].returncode != 0 and "vLLM hung" in out[0].stdout + out[0].stderr

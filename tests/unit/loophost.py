@@ -35,7 +35,7 @@ from typing import Any
 from kimi_supervisor.config import Config
 from kimi_supervisor.configfile import parse_config
 from kimi_supervisor.loop.daemon import Daemon
-from kimi_supervisor.model import GpuHealth, Mode, State
+from kimi_supervisor.model import GpuActivity, GpuHealth, Mode, State
 from kimi_supervisor.ports import launcher
 from kimi_supervisor.ports.gpu import BoundedGpu, DeviceSample
 from kimi_supervisor.ports.notify import Notifier
@@ -341,6 +341,11 @@ class FakeGpu:
         if self.fault is not None:
             raise self.fault
         return [DeviceSample(i, self.baseline_mib + self.extra[i], 143_771) for i in indices]
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        """An idle H100's counters (sandbox/simreader.COUNTERS)."""
+        self.answers.wait()
+        return [GpuActivity(i, 0.0, 0.0, 124.2, 1980.0, 1.1) for i in indices]
 
     def device_path(self, index: int) -> str:
         return f"/nonexistent/nvidia{index}"

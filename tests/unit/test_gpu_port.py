@@ -381,3 +381,42 @@ def test_the_fabric_is_read_per_gpu_with_every_error_as_data(
         "GPU 0: NVLink 4, 1 active links x 25 GB/s: 25.0 GB/s per direction")  # fmt: skip
     monkeypatch.setitem(sys.modules, "pynvml", None)  # no pynvml at all: said, not raised
     assert "pynvml module is missing" in NvmlGpu().fabric()["error"]
+
+
+class Counters(Health):
+    """The GPUs' own counters: the first spins (as measured on an H100), the second is lost,
+    the third cannot say its utilization; no GPU has NVLink."""
+
+    NVML_CLOCK_SM = 1
+    NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
+    NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 138, 139
+
+    def nvmlDeviceGetUtilizationRates(self, h: object) -> Any:
+        if h == ("handle", 2):
+            raise self.NVMLError_NotSupported()
+        return types.SimpleNamespace(gpu=100, memory=0)
+
+    def nvmlDeviceGetPowerUsage(self, h: object) -> int:
+        return 125_072  # mW
+
+    def nvmlDeviceGetClockInfo(self, h: object, clock: int) -> int:
+        return 1980
+
+    def nvmlDeviceGetPcieThroughput(self, h: object, counter: int) -> int:
+        return (1355, 412)[counter]  # KB/s
+
+    def nvmlDeviceGetFieldValues(self, h: object, fields: list[tuple[int, int]]) -> Any:
+        assert all(scope == 0xFFFFFFFF for _f, scope in fields), "every link's sum"
+        raise self.NVMLError_NotSupported()
+
+
+def test_the_gpus_own_counters_are_read_and_what_cannot_be_read_is_said_never_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", Counters())
+    spin, lost, mute = NvmlGpu().activity([0, 1, 2])
+    assert (spin.util_gpu, spin.util_memory, spin.power_w) == (100.0, 0.0, 125.072)
+    assert spin.pcie_mb_s == pytest.approx(1.767) and spin.sm_clock_mhz == 1980
+    assert spin.nvlink_kib is None and spin.unread == (), "no NVLink is not unread"
+    assert lost.util_gpu is None and "GPU is lost" in lost.unread[0]
+    assert mute.util_memory is None and "utilization: not supported by this GPU" in mute.unread

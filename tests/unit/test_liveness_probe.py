@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import Hang
+from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Hang
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.ports import processes
 
@@ -113,6 +113,9 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
         assert api.stdout is not None
         planted.append(processes.ref_of(int(api.stdout.readline())))
         readings: list[Reading] = []
+        # A 3 s wait: a busy API server's share of a core, over it, holds on a loaded host.
+        c = config.liveness.model_copy(update={"canary_timeout_s": 3.0})
+        config = config.model_copy(update={"liveness": c})
         live = Liveness(config, readings.append)
         live.serving(api.pid, 0.0, capturing=False)  # the first reading: no canary yet
         deadline = time.monotonic() + 30  # a loaded host's threads
@@ -121,11 +124,21 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
         assert live.seen(readings.pop(), 0.1) is None
         live.serving(api.pid, config.liveness.canary_interval_s + 1, capturing=False)
         deadline = time.monotonic() + 30  # a loaded host's threads
-        while not readings and time.monotonic() < deadline:
+        # The canary's reading comes on its own thread, beside the probe's.
+        while not any(r.kind == "canary" for r in readings) and time.monotonic() < deadline:
             time.sleep(0.01)
-        reading = readings.pop()
+        (reading,) = [r for r in readings if r.kind == "canary"]
         assert reading.canary is not None and not reading.canary.answered, reading
         hang = live.seen(reading, config.liveness.canary_interval_s + 3)
+        if live.gathering:  # a verdict: handed on once its evidence is read
+            assert hang is None
+            while not any(r.kind == "evidence" for r in readings) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            (kept,) = [r for r in readings if r.kind == "evidence"]
+            hang = live.seen(kept, config.liveness.canary_interval_s + 4)
+            assert hang is not None and live.kept is not None
+            for ref in planted:  # every process of vLLM's tree, by PID
+                assert ref is not None and f"-- PID {ref.pid} (" in live.kept["stacks"]
         return hang, live.judge.doubt, reading
     finally:
         for ref in planted:
@@ -140,10 +153,13 @@ def test_a_canary_held_by_a_busy_api_server_while_the_engine_idles_is_a_doubt_no
 ) -> None:
     hang, doubt, reading = verdict(config, "busy")
     assert hang is None, hang
-    assert doubt.startswith("a one-token request got no answer in 1 s, but vLLM's API"), doubt
+    assert doubt.startswith("a one-token request got no answer in 3 s, but vLLM's API"), doubt
     assert "(the canary may wait behind them): not hung" in doubt
     assert reading.canary is not None and reading.canary.others_s is not None
-    assert reading.canary.others_s >= 0.5, "the busy API server's CPU over the canary's wait"
+    # The busy API server's CPU over the canary's wait (a core it wants; a loaded host gives
+    # it less), past the rule's share.
+    busy = API_BUSY_FRACTION * reading.canary.took_s
+    assert reading.canary.others_s >= busy, reading.canary
     # The engine's own reading is the idle child's alone.
     assert reading.cpu is not None and reading.cpu.processes == 1
 
@@ -153,7 +169,7 @@ def test_a_canary_unanswered_while_the_whole_tree_idles_is_a_hang(
 ) -> None:
     hang, _doubt, _reading = verdict(config, "idle")
     assert hang is not None
-    assert hang.reason.startswith("a one-token request got no answer in 1 s; the engine: 1 proc")
+    assert hang.reason.startswith("a one-token request got no answer in 3 s; the engine: 1 proc")
     assert hang.evidence["api_cpu_s"] < 0.5, hang.evidence
 
 
@@ -300,3 +316,86 @@ def test_a_tree_with_no_engine_role_counts_every_stopped_process(tmp_path: Path)
     finally:
         os.killpg(tree.pid, signal.SIGKILL)  # the group this test made, and nothing else
         tree.wait(10)
+
+
+STACKED = """
+import time
+def waiting_on_a_collective():
+    time.sleep(60)
+print("ready", flush=True)
+waiting_on_a_collective()
+"""
+
+
+@pytest.fixture
+def stacked() -> Iterator[int]:
+    """A Python process blocked in a function of its own, as an engine waits in a collective."""
+    child = subprocess.Popen([sys.executable, "-c", STACKED], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 30  # asleep in its function, on a loaded host too
+        while processes.state_of(child.pid) != "S" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield child.pid
+    finally:
+        child.kill()  # ours, by its handle
+        child.wait(10)
+
+
+@pytest.mark.skipif(
+    __import__("kimi_supervisor.ports.stacks").ports.stacks.py_spy() is None,
+    reason="py-spy is not installed",
+)
+def test_a_hangs_evidence_holds_each_processs_python_stack_where_py_spy_is_installed(
+    stacked: int,
+) -> None:
+    from kimi_supervisor.ports import stacks
+
+    text = stacks.dump([stacked], time.monotonic() + 30)
+    assert f"-- PID {stacked} (python" in text
+    assert "waiting_on_a_collective" in text, text
+
+
+def test_without_py_spy_each_thread_says_its_state_and_where_it_sleeps_in_the_kernel(
+    stacked: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kimi_supervisor.ports import stacks
+
+    monkeypatch.setattr(stacks, "py_spy", lambda: None)
+    text = stacks.dump([stacked, 2**22 + 7], time.monotonic() + 30)
+    assert "Python stacks by nobody (py-spy is not installed)" in text
+    assert f"thread {stacked} (python" in text and ", state S, wchan " in text, text
+    assert f"-- PID {2**22 + 7} (gone), state gone" in text
+    # Bounded: past its deadline, no process is read, and that is said.
+    late = stacks.dump([stacked], time.monotonic() - 1)
+    assert f"the time for stacks ran out: 1 process(es) not read: {stacked}" in late
+
+
+def test_readings_go_on_beside_a_canary_that_waits(config: Config) -> None:
+    """With vLLM's stats off the canary is the only judge of an idle engine, and it may wait
+    `canary_timeout_s`: on a thread of its own, the readings of /metrics and the processes go
+    on meanwhile (before, none was taken while it waited)."""
+    readings: list[Reading] = []
+    # The canary waits until released (its timeout far off): whatever comes first is a probe's.
+    c = config.liveness.model_copy(update={"canary_timeout_s": 60.0})
+    live = Liveness(config.model_copy(update={"liveness": c}), readings.append)
+    live.serving(os.getpid(), 0.0, capturing=False)
+    deadline = time.monotonic() + 30  # a loaded host's threads
+    while not readings and time.monotonic() < deadline:
+        time.sleep(0.01)
+    live.seen(readings.pop(), 0.1)
+    live.serving(os.getpid(), c.canary_interval_s + 1, capturing=False)  # a probe, the canary
+    while len(readings) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (probe,) = readings
+    assert probe.kind == "probe"
+    live.seen(readings.pop(), c.canary_interval_s + 1.1)
+    later = c.canary_interval_s + 1 + c.metrics_interval_s
+    live.serving(os.getpid(), later, capturing=False)  # the canary still waits: a probe
+    while len(readings) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.kind for r in readings] == ["probe"], readings
+    Vllm.released.set()  # the canary's answer (an empty one: an answer all the same)
+    while len(readings) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.kind for r in readings] == ["probe", "canary"], readings

@@ -1,0 +1,189 @@
+"""The liveness rule's table (decide/liveness.py), walked reading by reading at the shipped
+values (a reading every 15 s, stall_s 120, hang_bound_s 600, a canary every 300 s with 60 s to
+answer, 5 % of a core): each row a case an operator meets, its verdict and the signals that
+decide it. The GPUs' counters are the simulated host's (sandbox/simreader.COUNTERS), which copy
+the measurement on the GPU host."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work
+from kimi_supervisor.model import GpuActivity
+from kimi_supervisor.sandbox.simreader import COUNTERS
+
+INTERVAL, STALL, BOUND, CANARY, CANARY_TIMEOUT = 15, 120.0, 600.0, 300, 60.0
+FROZEN = "PID 9 (VLLM::Worker_TP0, state T)"
+
+
+def gpu(state: str, **changed: object) -> tuple[GpuActivity, ...]:
+    """Two GPUs reading as the simulated host reads `state` ("idle", "spin", "work")."""
+    return tuple(GpuActivity(i, **{**COUNTERS[state], **changed}) for i in range(2))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Case:
+    """What vLLM does, as functions of the time (seconds): the pending requests (None: no
+    vllm:* series), the tokens made so far, the engine's CPU seconds so far, a stopped process
+    (from `stopped_at`), its helpers' CPU seconds so far, the GPUs' counters (a reading, or
+    why none, or None: not read), whether a canary sent then is answered (None: none sent,
+    work ran), whether a capture is under way."""
+
+    pending: Callable[[float], float | None]
+    tokens: Callable[[float], float]
+    cpu_s: Callable[[float], float]
+    gpus: Callable[[float], tuple[GpuActivity, ...] | str | None]
+    helpers_s: Callable[[float], float] = lambda t: 0.0
+    stopped_at: float | None = None
+    answered: Callable[[float], bool | None] = lambda t: None
+    capturing: Callable[[float], bool] = lambda t: False
+    bystander: bool = False  # a helper of the tree, stopped, its CPU flat
+    until: float = 1500.0
+
+
+def walk(case: Case) -> tuple[float | None, Hang | None, str]:
+    """The readings of `case` every INTERVAL, with a canary every CANARY s while nothing is
+    pending (its reading comes apart, as the probe's canary thread sends it): when the first
+    verdict came, the verdict, and the doubt standing at the end (or at the verdict)."""
+    judge = Judge(STALL, 0.05, BOUND)
+    next_canary: float = CANARY
+    t = 0.0
+    while t <= case.until:
+        stopped = case.stopped_at is not None and t >= case.stopped_at
+        helpers: tuple[tuple[int, str, float], ...] = ((77, "cc1plus", case.helpers_s(t)),)
+        if case.bystander:
+            helpers += ((78, "resource_tracke", 0.5),)
+
+        def cpu(at: float, stopped: bool = stopped, helpers: tuple = helpers) -> Cpu:  # type: ignore[type-arg]
+            frozen_cpu = case.cpu_s(case.stopped_at or 0.0)
+            return Cpu(at, case.cpu_s(at), 3, (FROZEN,) if stopped else (),
+                       (frozen_cpu,) if stopped else (), helpers)  # fmt: skip
+
+        pending = case.pending(t)
+        work = None if pending is None else Work(pending, case.tokens(t), steps=case.tokens(t))
+        metrics = "ok" if work is not None else "absent"
+        if case.capturing(t):
+            hang = judge.capturing(t, cpu(t), case.gpus(t))
+        else:
+            hang = judge.seen(t, work, metrics, cpu(t), gpu=case.gpus(t))
+            idle = pending is None or pending <= 0
+            if hang is None and idle and t >= next_canary:
+                answered = case.answered(t)
+                if answered is not None:  # sent CANARY_TIMEOUT ago, or answered at once
+                    took = 0.2 if answered else CANARY_TIMEOUT
+                    sent = cpu(t - took)
+                    hang = judge.seen(t, None, metrics, cpu(t), (answered, took, sent))
+                    next_canary = t + CANARY
+        if hang is not None:
+            return t, hang, judge.doubt
+        t += INTERVAL
+    return None, None, judge.doubt
+
+
+def load_then(stop_at: float) -> Callable[[float], float]:
+    """Tokens made every reading until `stop_at`, none after."""
+    return lambda t: 10 * min(t, stop_at)
+
+
+SPIN = 1.0  # a core spinning: a CPU second a second
+
+
+# fmt: off
+CASES = {
+    # case: (its readings, when the verdict comes (None: never), what it or the doubt says)
+    "a collective stuck on the GPU under load, its host thread spinning, is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin" if t > 60 else "work")),
+        (660, 675), "with no sign of real work: vLLM's helpers used 0.00 s of CPU in 120 s; "
+        "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
+    "the same stuck collective while idle is hung at the bound from its first unanswered canary": (
+        Case(pending=lambda t: 0, tokens=lambda t: 5, cpu_s=lambda t: SPIN * max(t - 100, 0),
+             gpus=lambda t: gpu("spin" if t > 100 else "idle"), answered=lambda t: t < 100),
+        (840, 855), "a one-token request sent 600 s ago got no answer; the engine busy for 600 s"),
+    "a jit compile child using a core for 12 minutes is a doubt, never a hang": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5 + 10 * max(t - 720, 0),
+             cpu_s=lambda t: SPIN * t, helpers_s=lambda t: SPIN * min(t, 720),
+             gpus=lambda t: gpu("idle" if t < 720 else "work"), until=700),
+        None, "past liveness.hang_bound_s, but vLLM's helper process(es) used 120.0 s of CPU "
+        "in 120 s (PID 77 (cc1plus))"),
+    "a compile that ended, the engine then spinning with no step, is hung at the bound": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
+             helpers_s=lambda t: SPIN * min(t, 300), gpus=lambda t: gpu("spin")),
+        (600, 615), "no sign of real work"),
+    "a prefill longer than the bound, moving memory on the GPU, is a doubt, never a hang": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5 + 10 * max(t - 700, 0),
+             cpu_s=lambda t: 0.9 * t, gpus=lambda t: gpu("work"), until=690),
+        None, "past liveness.hang_bound_s, but the GPU works (GPU 0: busy 88 %, memory 80 %"),
+    "a capture's flush longer than the bound, the engine busy and the GPUs idle, is no verdict": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("idle" if t > 60 else "work"), capturing=lambda t: t > 60),
+        None, ""),
+    "stats off and saturated, the canary waiting behind the load, is a doubt, never a hang": (
+        Case(pending=lambda t: None, tokens=lambda t: 0, cpu_s=lambda t: 1.5 * t,
+             gpus=lambda t: gpu("work"), answered=lambda t: False),
+        None, "past liveness.hang_bound_s, but the GPU works"),
+    "a frozen engine under load is hung a stall time after it stopped": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.9 * min(t, 60),
+             gpus=lambda t: gpu("idle" if t > 60 else "work"), stopped_at=60),
+        (180, 195), f"and no engine step, prompt or generated token for 120 s; the engine: "
+        f"stopped: {FROZEN}"),
+    "a stopped bystander beside a long prefill is no verdict": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.9 * t,
+             gpus=lambda t: gpu("work"), bystander=True, until=900),
+        None, "but the GPU works"),
+    "a spinning hang whose GPU counters cannot be read is a doubt: no reading is never idle": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: "NVML: the call timed out after 10 s"),
+        None, "but the GPUs' counters could not be read (NVML: the call timed out after 10 s)"),
+    "a spinning hang on a GPU that cannot say its memory utilization is a doubt": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin", util_memory=None, unread=("utilization: not supported",))),
+        None, "could not be read (GPU 0: busy 100 %, memory unread"),
+    "a spinning hang with no GPU port at all is a doubt": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: None),
+        None, "but the GPUs' counters were not read with this reading"),
+    "a busy gpu with no memory traffic but NVLink traffic (an all-reduce at work) is a doubt": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin", nvlink_kib=1e6 * t)),
+        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s, "
+        "NVLink 1.024e+06 MB/s)"),
+    "a pcie-bound copy at near the idle power past the bound is a doubt: its pcie is work": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin", util_memory=2.0, power_w=134.5, pcie_mb_s=63_900.0)),
+        None, "but the GPU works (GPU 0: busy 100 %, memory 2 %, 134.5 W, PCIe 63900 MB/s)"),
+    "an engine busy on its CPU alone past the bound, the GPUs idle, is hung": (
+        Case(pending=lambda t: 2, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("idle")),
+        (600, 615), "GPU 0: busy 0 %, memory 0 %, 124.2 W"),
+    "a spinning thread in an engine that steps is never hung": (
+        Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: 1.9 * t,
+             gpus=lambda t: gpu("work")),
+        None, ""),
+    "a collective stuck on the GPU during a capture is hung at the bound, not the flush's": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin" if t >= 75 else "work"), capturing=lambda t: t > 60),
+        (675, 690), "a capture is under way, and every GPU has read a kernel that spins"),
+    "a worker frozen during a capture's flush is hung a stall time after it stopped": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * min(t, 90),
+             gpus=lambda t: gpu("idle"), capturing=lambda t: t > 60, stopped_at=90),
+        (210, 225), f"a capture is under way, and the engine: stopped: {FROZEN}"),
+}
+# fmt: on
+
+
+@pytest.mark.parametrize(("case", "verdict_at", "said"), CASES.values(), ids=list(CASES))
+def test_liveness_gives_each_case_its_verdict_for_the_signals_that_decide_it(
+    case: Case, verdict_at: tuple[float, float] | None, said: str
+) -> None:
+    at, hang, doubt = walk(case)
+    if verdict_at is None:
+        assert hang is None, (at, hang)
+        assert said in doubt, doubt
+        return
+    assert hang is not None, f"no verdict; the doubt: {doubt}"
+    assert at is not None and verdict_at[0] <= at <= verdict_at[1], (at, hang.reason)
+    assert said in hang.reason, hang.reason
