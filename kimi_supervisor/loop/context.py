@@ -1,5 +1,6 @@
-"""What the loop's parts share: the ports, the one loop state, and the records every part
-keeps (persist the state, append to the history, queue an event for the bus, warn). It changes
+"""What the loop's parts share: the ports, the event bus (what goes out to subscribers), the
+one loop state, and the records every part keeps (persist the state, append to the history,
+queue an event for the bus, warn). It changes
 no state of vLLM's life (loop/lifecycle.py does) and publishes no status (loop/daemon.py does,
 once per pass): it calls nothing back. Owned and used by the loop thread.
 """
@@ -9,6 +10,8 @@ from __future__ import annotations
 import collections
 import functools
 import os
+import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +21,6 @@ from typing import Any
 from kimi_supervisor.config import Config
 from kimi_supervisor.decide.downtime import expected_parts
 from kimi_supervisor.decide.eta import Estimate, argv_key, estimate
-from kimi_supervisor.loop.bus import EventBus
 from kimi_supervisor.loop.loopstate import LoopState
 from kimi_supervisor.loop.observer import Observer
 from kimi_supervisor.messages import End, Event
@@ -51,6 +53,54 @@ MAX_PENDING = 1000
 LOOP_HISTORY_MAX_BYTES = 8 << 20
 # What status says while a call to the state folder is stuck (see Context.disk).
 DISK_STUCK = "the state folder does not answer"
+
+
+# -- the event bus: the loop publishes, connection threads subscribe. A subscriber that falls
+# behind (a stuck client) loses its subscription instead of slowing the loop down.
+
+
+class Subscription:
+    def __init__(self, bus: EventBus, maxsize: int) -> None:
+        self.bus = bus
+        self.queue: queue.Queue[Event | End] = queue.Queue(maxsize)
+        self.overflowed = False
+
+    def get(self, timeout_s: float) -> Event | End | None:
+        try:
+            return self.queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def close(self) -> None:
+        self.bus.unsubscribe(self)
+
+
+class EventBus:
+    def __init__(self, maxsize: int = 10_000) -> None:
+        self._subs: set[Subscription] = set()
+        self._lock = threading.Lock()
+        self.maxsize = maxsize
+
+    def subscribe(self) -> Subscription:
+        sub = Subscription(self, self.maxsize)
+        with self._lock:
+            self._subs.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    def publish(self, msg: Event | End) -> None:
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            try:
+                sub.queue.put_nowait(msg)
+            except queue.Full:
+                # The reader sees this at its next poll (at most a second later) and ends.
+                sub.overflowed = True
+                self.unsubscribe(sub)
 
 
 @dataclass

@@ -35,8 +35,7 @@ from kimi_supervisor.decide.liveness import health_failure
 from kimi_supervisor.decide.reconcile import Observed, decide
 from kimi_supervisor.loop import boot
 from kimi_supervisor.loop.admission import Desk
-from kimi_supervisor.loop.bus import EventBus
-from kimi_supervisor.loop.context import Context, Log
+from kimi_supervisor.loop.context import Context, EventBus, Log
 from kimi_supervisor.loop.inbox import (
     BundleDone,
     CaptureDone,
