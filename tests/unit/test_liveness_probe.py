@@ -151,7 +151,14 @@ def verdict(config: Config, api_server: str) -> tuple[Hang | None, str, Reading]
 def test_a_canary_held_by_a_busy_api_server_while_the_engine_idles_is_a_doubt_not_a_hang(
     config: Config,
 ) -> None:
-    hang, doubt, reading = verdict(config, "busy")
+    # The case needs an API server that got its share of a core during the canary's wait; a
+    # host loaded past what it can give (load 15 on 2 cores) starves it, and the rule then
+    # rightly says hung: that run is not this case, and it is made again (3 tries).
+    for _ in range(3):
+        hang, doubt, reading = verdict(config, "busy")
+        assert reading.canary is not None and reading.canary.others_s is not None
+        if reading.canary.others_s >= API_BUSY_FRACTION * reading.canary.took_s:
+            break
     assert hang is None, hang
     assert doubt.startswith("a one-token request got no answer in 3 s, but vLLM's API"), doubt
     assert "(the canary may wait behind them): not hung" in doubt

@@ -229,7 +229,7 @@ def test_a_silent_metrics_never_lengthens_a_recording_nor_delays_its_stop(
         assert capture is not None
         armed.until(lambda: capture.phase not in ("starting", "recording"), "the flush")
         recorded_s = time.monotonic() - t0
-        armed.until(lambda: not capture.active, "the capture to end", real_s=30)
+        armed.until(lambda: not capture.active, "the capture to end", real_s=90)
         assert recorded_s < 3, recorded_s
         assert capture.ok and "flush took 0." in capture.message, capture.message
         armed.until(lambda: bool(armed.history("capture")), "the capture's record")
