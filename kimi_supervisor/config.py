@@ -382,6 +382,8 @@ class LivenessConfig(_Strict):
     # person acts. 600 s: twice the 300 s after which SGLang's watchdog and TensorRT-LLM's
     # HangDetector end a step, as the GPU's counters are there to tell long work apart; a
     # FlashInfer JIT compile of up to 10 minutes shows its compiler's CPU. At least stall_s.
+    # Counted from the last reading before the counters' last move: the verdict comes within
+    # hang_bound_s + metrics_interval_s of the last step.
     hang_bound_s: Annotated[float, Field(gt=0, le=86400)] = 600.0
     # After a hang or unhealthy verdict, how long vLLM's unit gets to stop before what is left
     # is killed (instead of teardown.term_grace_s): a hung engine finishes no request, and an

@@ -460,9 +460,16 @@ class Judge:
     def _bounded(self, now: float, why: str, evidence: dict[str, Any]) -> Hang | None:
         """The doubt standing since `doubt_since` (work waiting, no step, the engine busy):
         past `hang_bound_s` with no sign of real work, a hang (`why`: what waits)."""
-        if not self.hang_bound_s or self.doubt_since is None:
+        if not self.hang_bound_s or self.doubt_since is None or self.alive_at is None:
             return None
-        lasted = now - self.doubt_since
+        # A stall's doubt counts from the last reading before the counters' last move (the
+        # step came after it): the verdict comes within hang_bound_s and a reading of the last
+        # step, at the cost of one interval's doubt about when that step was. An unanswered
+        # canary's counts from its sending.
+        start = self.doubt_since
+        if self.unanswered_since is None:
+            start = min(start, self.alive_at)
+        lasted = now - start
         if lasted < self.hang_bound_s:
             return None
         work = self._real_work(now)
@@ -475,7 +482,6 @@ class Judge:
             past = "; past liveness.hang_bound_s, but "
             self.doubt = f"{self.doubt.split(past)[0]}{past}{work}"
             return None
-        assert self.alive_at is not None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
         helpers = f"vLLM's helpers used {used:.2f} s of CPU in {self.stall_s:g} s" + (
             f" ({who})" if who else ""
@@ -484,7 +490,7 @@ class Judge:
             f"{why}; the engine busy for {lasted:.0f} s (liveness.hang_bound_s = "
             f"{self.hang_bound_s:g} s) with no sign of real work: {helpers}; {'; '.join(said)}"
         )
-        return Hang(reason, evidence, min(self.doubt_since, self.alive_at))
+        return Hang(reason, evidence, min(start, self.alive_at))
 
     def seen(
         self,

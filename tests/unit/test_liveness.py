@@ -97,7 +97,8 @@ CASES = {
     "a collective stuck on the GPU under load, its host thread spinning, is hung at the bound": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin" if t > 60 else "work")),
-        (660, 675), "with no sign of real work: vLLM's helpers used 0.00 s of CPU in 120 s; "
+        # from the reading before the last step (45 s): within the bound and a reading of it
+        (645, 660), "with no sign of real work: vLLM's helpers used 0.00 s of CPU in 120 s; "
         "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
     "the same stuck collective while idle is hung at the bound from its first unanswered canary": (
         Case(pending=lambda t: 0, tokens=lambda t: 5, cpu_s=lambda t: SPIN * max(t - 100, 0),
