@@ -1,6 +1,6 @@
 """Whether a serving vLLM makes progress. Its engine can hang (a deadlock, a process stuck in the
 driver, a frozen worker) while its API server goes on answering /health with 200: vLLM 0.16's
-health check reads only an "errored" flag (measured, issue 27: VLLM::EngineCore SIGSTOPped,
+health check reads only an "errored" flag (measured: VLLM::EngineCore SIGSTOPped,
 /health 200 for 10 minutes, every request hanging). A "hung" verdict costs a teardown and a
 model load (30 minutes on the real host), so it is as bad as a killed bystander when it is false.
 
@@ -318,7 +318,7 @@ class Judge:
     # window starts. "Nothing pending" is none: a frozen engine's gauges are frozen too. A
     # counter that a reading sees moved moved after the reading before, so that one's time is
     # taken: the window is never shorter than what clients went without (taken at the reading
-    # that saw it, the window was up to one metrics interval short, issue 41's review).
+    # that saw it, the window was up to one metrics interval short, an outside review).
     alive_at: float | None = None
     read_at: float | None = None  # the last reading's time that had the counters
     counters: tuple[float | None, float | None, float] | None = None

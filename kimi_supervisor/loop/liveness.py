@@ -116,7 +116,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     processes of SERVING_ROLES and the engine's descendants. Any other of the tree (the
     multiprocessing resource tracker, a helper stuck on a hung mount, one a debugger holds)
     stops no request: a stopped resource tracker beside a busy engine was called a hang, 3 of 3
-    (issue 41's review). Its CPU still counts in the whole tree's sum. Where no process of the
+    (an outside review). Its CPU still counts in the whole tree's sum. Where no process of the
     tree has an engine's role (vLLM without setproctitle, or a prefix too long for the comm to
     keep the role), every stopped process counts, as the tree cannot be told apart.
 

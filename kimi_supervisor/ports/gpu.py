@@ -342,7 +342,7 @@ class NvmlGpu:
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         """None: the driver finds a GPU by the node's device number (195:minor), which is its
         file identity already, in any /dev (a container's nodes are other inodes, the same
-        numbers: issue 25, measured on an H200)."""
+        numbers: measured on an H200)."""
         return None
 
     def driver_version(self) -> str:

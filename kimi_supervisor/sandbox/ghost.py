@@ -8,7 +8,7 @@ differs from the one started with --detach), then waits to be killed.
 With --fork-helper TITLE it forks a helper after taking the memory, as a CUDA process that
 forks does: the helper inherits the contexts (the open device files) and the mappings, starts
 a session of its own and retitles itself; "ready PID HELPER" names both. Kill the ghost and the
-helper alone holds the memory while NVML keeps listing the dead ghost (issue 13, case 1).
+helper alone holds the memory while NVML keeps listing the dead ghost.
 """
 
 from __future__ import annotations

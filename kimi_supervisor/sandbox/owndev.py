@@ -5,7 +5,7 @@ which a fresh tmpfs covers the device directory and holds new nodes with the sam
 
 Docker and podman with the NVIDIA container toolkit, systemd-nspawn and a chroot with its own
 /dev all give a process `/dev/nvidia*` nodes that are other inodes with the device numbers of the
-host's (issue 25). For each DIR, every character device at its top level is made again with
+host's. For each DIR, every character device at its top level is made again with
 `mknod` (same number, same mode), every stamped simulated node is copied (rule 8 of
 sandbox/simgpu.py), symlinks are copied, and subdirectories become empty tmpfs mounts (a
 container's /dev/shm is its own too). Nothing outside the new namespace changes.

@@ -12,7 +12,7 @@ Layout of the host's directory:
   leak/N.M             memory held with no process at all (a driver leak)
 
 The rules, each copying a measurement on 2x H200, driver 580.159.04
-(`bench/results/h200x2-2026-11-30-cuda-probe.json`, made by `bench/cuda_probe.py`; issue 13):
+(`bench/results/h200x2-2026-11-30-cuda-probe.json`, made by `bench/cuda_probe.py`):
 
 1. Memory belongs to an open device file (the context), not to a PID. A context is an open file
    description of dev/nvidiaN that holds an OFD byte-range lock at its own KEY; memory counts while
@@ -45,7 +45,7 @@ The rules, each copying a measurement on 2x H200, driver 580.159.04
 8. The driver knows a node by its device number, not its path or inode. A container's own /dev
    (Docker's or podman's with the NVIDIA toolkit, systemd-nspawn's, a chroot's) holds other
    inodes with the same numbers, and a process that opens one reaches the same GPU. Measured
-   (issue 25, an H200): a process in its own mount namespace with fresh nodes (mknod 195:0)
+   (an H200): a process in its own mount namespace with fresh nodes (mknod 195:0)
    held a dead parent's 40 GiB, which NVML showed; its maps named the container's node, by the
    container's file system and inode. Here a node is a stamped page at any inode; a context,
    made through any node, is a lock on the GPU's driver file; `owndev.py` builds such a /dev.

@@ -347,7 +347,7 @@ class SimGpu:
 
     def node_key(self, path: str, st: os.stat_result) -> tuple[object, ...] | None:
         """A simulated node is known by its stamp (host and device number), at any inode: a
-        container's own /dev holds copies (issue 25: fresh nodes with the same numbers reach the
+        container's own /dev holds copies (fresh nodes with the same numbers reach the
         same GPU, measured on an H200). Only a one-page regular file is read."""
         if not stat.S_ISREG(st.st_mode) or st.st_size != PAGE:
             return None

@@ -1,8 +1,8 @@
 """A hung vLLM, as an operator would meet it: the engine frozen (SIGSTOP, as one stuck in a
 collective or in the driver is) or deadlocked, its API server still answering /health with 200.
 The daemon must notice it by two signals of no progress, record what each saw, and serve again
-(issue 27); and it must never call a busy vLLM hung: a capture's flush, a long prefill, load with
-vLLM's stats off (issue 41). The sandbox's liveness values are scaled (config/sandbox.toml:
+; and it must never call a busy vLLM hung: a capture's flush, a long prefill, load with
+vLLM's stats off. The sandbox's liveness values are scaled (config/sandbox.toml:
 metrics every 1 s, stall 5 s, canary every 5 s with 5 s to answer)."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def test_an_idle_vllm_whose_engine_froze_is_found_by_its_canary_and_served_again
     sandbox: SandboxHelper, daemon: DaemonHelper, tmp_path: Path
 ) -> None:
     """And a real Prometheus, scraping the daemon with the shipped rules through the hang, a
-    STUCK and a switch, gets data for every query of the shipped dashboard (issue 44: two
+    STUCK and a switch, gets data for every query of the shipped dashboard (two
     counters had no series until their first event, so their panels were empty), and fires the
     hang's alert on the daemon's own series."""
     daemon.start()
@@ -250,7 +250,7 @@ def test_a_prefill_longer_than_the_stall_and_the_canary_timeout_completes_and_is
 ) -> None:
     """vLLM updates /metrics only when a step ends: during one long prefill step it reads idle,
     the canary waits behind it, and no counter moves (real vLLM 0.16, 4096 tokens: judged hung
-    40 s after it was sent, issue 41). 4096 words at 3 ms each: about 12 s, more than the stall
+    40 s after it was sent). 4096 words at 3 ms each: about 12 s, more than the stall
     (5 s) and the canary's timeout (5 s)."""
     sandbox.fake(prefill_s_per_token=0.003)
     daemon.start()

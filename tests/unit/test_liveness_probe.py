@@ -246,7 +246,7 @@ def test_work_done_in_short_lived_children_stays_in_the_trees_sum(tmp_path: Path
 def test_a_stopped_process_counts_only_on_the_serving_path_not_a_bystander_of_the_tree(
     tmp_path: Path,
 ) -> None:
-    """An outside review (issue 41): the multiprocessing resource tracker, a child of vLLM's
+    """An outside review: the multiprocessing resource tracker, a child of vLLM's
     API server, SIGSTOPped while the engine ran a long prefill: "vLLM hung ... stopped: PID N
     (resource_tracker, state T)", 3 of 3, a working vLLM torn down. A stopped worker of the
     engine still counts, and so does MainPID."""
@@ -291,7 +291,7 @@ def test_a_stopped_process_counts_only_on_the_serving_path_not_a_bystander_of_th
 
 
 def test_vllms_roles_are_told_by_comm_whatever_the_prefix_or_the_kernels_cut() -> None:
-    """An outside review (issue 41): a cmdline read takes the process's mmap lock, and an
+    """An outside review: a cmdline read takes the process's mmap lock, and an
     exiting engine has none left, where its comm ("VLLM::EngineCor", cut to 15) remains; vLLM
     0.16 takes the prefix from VLLM_PROCESS_NAME_PREFIX."""
     from kimi_supervisor.loop.liveness import ENGINE_ROLES, SERVING_ROLES, role_of
