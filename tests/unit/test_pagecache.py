@@ -143,8 +143,9 @@ def test_the_reader_process_finds_a_hub_snapshot_reads_it_and_says_what_it_refus
             assert "progress" in msg, msg
         assert msg == {"done": {"read_bytes": 5002, "reading": 0, "refused": []}}
     finally:
-        assert reader.end(5)  # it had ended: nothing is left
-    assert pagecache.stuck_readers() == []
+        assert reader.end(30)  # it had ended: nothing is left
+    # Of this one: a sandbox test's daemon may have left its own elsewhere on the machine.
+    assert reader.pid not in pagecache.stuck_readers()
 
 
 def test_the_cache_dir_is_made_private_and_refused_where_another_user_could_write(
