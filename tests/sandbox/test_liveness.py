@@ -1,7 +1,7 @@
 """A hung vLLM, as an operator would meet it: the engine frozen (SIGSTOP, as one stuck in a
 collective or in the driver is) or deadlocked, its API server still answering /health with 200.
-The daemon must notice it by two signals of no progress, record what each saw, and serve again
-; and it must never call a busy vLLM hung: a capture's flush, a long prefill, load with
+The daemon must notice it by two signals of no progress, record what each saw, and serve
+again; and it must never call a busy vLLM hung: a capture's flush, a long prefill, load with
 vLLM's stats off. The sandbox's liveness values are scaled (config/sandbox.toml:
 metrics every 1 s, stall 5 s, canary every 5 s with 5 s to answer)."""
 
