@@ -26,7 +26,9 @@ def test_a_simulated_gpu_with_rows_waiting_for_a_reset_is_refused_and_loaded_onc
     doctor say which GPU and why; once the GPU is reset, the retry loads."""
     simgpu.set_health(sandbox.sb.gpu_dir, 1, remap_pending=True, xids=[63])
     try:
-        with daemon.configured(gpus={"health_check": "refuse"}):
+        # Refused starts are retried under the failure backoff; a loaded host's doctor may
+        # take as long as three of them, and FAILED would then wait for a person.
+        with daemon.configured(gpus={"health_check": "refuse"}, daemon={"max_failures": 100}):
             daemon.start()
             st = daemon.wait_status(lambda s: s["last_failure"] is not None, 30, "the refusal")
             reason = flat(st["last_failure"]["reason"])

@@ -63,11 +63,14 @@ def _metrics_threads() -> list[threading.Thread]:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="holds the connections as another user (setpriv)")
-def test_root_scrapes_answer_within_a_second_while_another_user_holds_100_idle_and_10_trickling_connections(  # noqa: E501
+def test_root_scrapes_answer_at_once_while_another_user_holds_100_idle_and_10_trickling_connections(
     metrics: Metrics,
 ) -> None:
     before = threading.active_count()
-    port = _serve(metrics)
+    # The held connections' deadline is long: a scrape that waited behind one would take it
+    # whole (10 s), one served at once takes a fraction of that even on a loaded host.
+    deadline_s = 10.0
+    port = _serve(metrics, timeout_s=deadline_s)
     hold = subprocess.Popen(
         [*as_user(*NOBODY), "-c", METRICS_HOLD, "127.0.0.1", str(port), "100", "10", "30", "once"],
         stdout=subprocess.PIPE, text=True,
@@ -85,15 +88,16 @@ def test_root_scrapes_answer_within_a_second_while_another_user_holds_100_idle_a
             hold.kill()
             hold.wait()
     assert all(status == 200 for _took, status, _body in scrapes), scrapes
-    assert max(took for took, _s, _b in scrapes) < 1.0, [round(t, 3) for t, _s, _b in scrapes]
+    assert max(took for took, _s, _b in scrapes) < 5.0, [round(t, 3) for t, _s, _b in scrapes]
     assert 0 < open_then <= CAP  # the rest were closed for newer ones: bounded
-    assert threads_then == before + 1 and len(_metrics_threads()) == 1  # one thread, whatever comes
+    # One thread, whatever comes (another test's thread may still be ending: at most one more).
+    assert threads_then <= before + 1 and len(_metrics_threads()) == 1
     held = json.loads(out)
     assert held["opened"] == 110 and held["still_open"] == 0, held
     closed = held["closed_after_s"]
-    assert len(closed) == 110 and max(closed) < TIMEOUT_S + 1.0, sorted(closed)[-5:]
+    assert len(closed) == 110 and max(closed) < deadline_s + 5.0, sorted(closed)[-5:]
     # The trickling ones (opened last, never evicted) lasted until their deadline, no longer.
-    assert sum(1 for s in closed if s >= TIMEOUT_S - 0.2) >= 10, sorted(closed)
+    assert sum(1 for s in closed if s >= deadline_s - 0.2) >= 10, sorted(closed)
     _took, _status, body = _scrape(port)
     assert _dropped(body, "timeout") >= 10 and _dropped(body, "evicted") >= 110 - CAP, body
 
