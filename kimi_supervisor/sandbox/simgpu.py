@@ -101,7 +101,7 @@ def create_host(
     release_delay_s: float = DRIVER_RELEASE_S,
 ) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    for sub in ("dev", "driver", "alloc", "released", "leak"):
+    for sub in ("dev", "driver", "alloc", "released", "leak", ACTIVITY):
         (root / sub).mkdir(exist_ok=True)
     host_id = secrets.token_hex(8)
     numbers = {f"nvidia{i}": f"{NVIDIA_MAJOR}:{i}" for i in range(gpus)}
@@ -154,10 +154,14 @@ def set_health(root: Path, index: int, **signals: object) -> None:
 def set_activity(root: Path, indices: Sequence[int], state: str) -> None:
     """What GPUs `indices` run now, as the fake engine says it: "work" (a step: read as work
     for simreader.WORK_HOLD_S), "spin" (a kernel spinning on a flag never set, until said
-    otherwise) or "idle"."""
-    (root / ACTIVITY).mkdir(exist_ok=True)
-    for i in indices:
-        _write_json(root / ACTIVITY / str(i), {"state": state, "at": time.monotonic()})
+    otherwise) or "idle". Best effort: a fake engine that may not write there (vLLM's user on
+    a booted host whose sim folder is root's) steps all the same, its GPUs read idle."""
+    try:
+        (root / ACTIVITY).mkdir(exist_ok=True)
+        for i in indices:
+            _write_json(root / ACTIVITY / str(i), {"state": state, "at": time.monotonic()})
+    except OSError:
+        pass
 
 
 def _write_json(path: Path, data: object) -> None:

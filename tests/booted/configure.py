@@ -38,13 +38,16 @@ def gpus(sim: Path) -> None:
     """The simulated GPUs as a host's device files may be: 0660 root:video (Debian's driver
     packaging has used NVreg_DeviceFileGID=44; NVIDIA's default is 0666), so vLLM's user
     reaches them only through its unit's SupplementaryGroups=video. A context is made in the
-    driver's side (driver/N) and recorded in alloc/, both the driver's, so those are too."""
+    driver's side (driver/N) and recorded in alloc/, both the driver's, so those are too; the
+    fake engine marks its GPUs at work in activity/."""
     video = grp.getgrnam("video").gr_gid
     for node in [*(sim / "dev").iterdir(), *(sim / "driver").iterdir()]:
         os.chown(node, 0, video)
         node.chmod(0o660)
-    os.chown(sim / "alloc", 0, video)
-    (sim / "alloc").chmod(0o1770)
+    for shared in ("alloc", "activity"):  # what a context and the fake engine's steps write
+        (sim / shared).mkdir(exist_ok=True)
+        os.chown(sim / shared, 0, video)
+        (sim / shared).chmod(0o1770)
 
 
 def main(src: Path, ports: tuple[int, int] | None = None) -> None:
