@@ -325,7 +325,7 @@ def test_doctor_passes_on_the_healthy_host_and_fails_on_each_broken_precondition
     r = host.sh("kimi-mode doctor", check=False)
     assert r.returncode == 0, r.stdout
     assert r.stdout.splitlines()[-1].startswith("every check passed"), r.stdout
-    assert "runs vLLM as kimi-vllm (uid " in r.stdout, r.stdout
+    assert "runs vLLM as kimi-vllm (uid " in " ".join(r.stdout.split()), r.stdout  # wrapped
 
     def failing(check: str, says: str, options: str = "") -> None:
         r = host.sh(f"kimi-mode doctor -o json {options}", check=False)
