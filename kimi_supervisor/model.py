@@ -146,12 +146,15 @@ def printable(text: str) -> str:
     (a process's comm or argv, a file's name) reaches sd_notify's newline-separated fields, a
     terminal and a log line, where a newline would add a field of its own ("MAINPID=...") and an
     escape sequence would drive the operator's terminal."""
-    if text.isprintable():
+    if not any(_control(c) for c in text):
         return text
-    return "".join(
-        c if c.isprintable() or c == " " else c.encode("unicode_escape").decode("ascii")
-        for c in text
-    )
+    return "".join(c.encode("unicode_escape").decode("ascii") if _control(c) else c for c in text)
+
+
+def _control(c: str) -> bool:
+    """C0 controls, DEL and C1 controls: what a terminal or sd_notify acts on."""
+    o = ord(c)
+    return o < 0x20 or 0x7F <= o < 0xA0
 
 
 # Programs that run another one named in their argv: a line names the one they run.
@@ -160,6 +163,12 @@ _VALUED = frozenset({"-X", "-W", "-Q", "--check-hash-based-pycs"})
 
 
 def program(cmdline: Sequence[str] | str, comm: str) -> str:
+    """The program a process runs, as a person reads it (`_program`), its control characters
+    escaped: its argv is its owner's to choose, and a line showing it goes to a terminal."""
+    return printable(_program(cmdline, comm))
+
+
+def _program(cmdline: Sequence[str] | str, comm: str) -> str:
     """The program a process runs, as a line that names it says it: the module or script an
     interpreter runs (`python3 -m vllm.entrypoints.openai.api_server ...` ->
     `vllm.entrypoints.openai.api_server`; `/opt/vllm/bin/python /opt/vllm/bin/vllm serve ...`

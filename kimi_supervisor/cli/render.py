@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 from kimi_supervisor.cli.summary_text import format_summary
-from kimi_supervisor.model import SUMMARY, Outcome, State, program, title
+from kimi_supervisor.model import SUMMARY, Outcome, State, printable, program, title
 from kimi_supervisor.status import Status
 
 
@@ -291,7 +291,9 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
     import textwrap
 
     out: list[str] = []
-    for line in lines:
+    for raw in lines:
+        # What another user chose (a process's argv, a file's name) never drives the terminal.
+        line = printable(raw)
         if len(line) <= width:
             out.append(line.replace(NBSP, " "))
             continue

@@ -398,6 +398,9 @@ class Judge:
         spun = spun and now - (self.spin_since or now) >= self.hang_bound_s
         self.progress(now, cpu)
         self.counters = None
+        # A doubt's clock starts again after the capture too: its flush may hold the engine,
+        # busy, for as long as it takes (else the bound after it would be stall_s).
+        self.doubt, self.doubt_since, self.unanswered_since = "", None, None
         if not why.startswith("stopped") and not spun:
             return None
         evidence: dict[str, Any] = {"capturing": True, "metrics": self.metrics}

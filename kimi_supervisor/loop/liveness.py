@@ -164,7 +164,9 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
             up = processes.ppid_of(up)
     helpers = [h for h in helpers if h[0] not in feeding]
     stopped = [
-        (f"PID {p} ({title(processes.cmdline_of(p), processes.comm_of(p))}, state {state})", cpu)
+        # Named by its comm alone: a stopped process's cmdline read waits on its memory-map
+        # lock, which it may hold for ever (the probe would never come back).
+        (f"PID {p} ({title([], processes.comm_of(p))}, state {state})", cpu)
         for p, state, cpu, serving in stuck
         if serving or not engine
     ]

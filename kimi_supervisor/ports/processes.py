@@ -215,7 +215,8 @@ def describe(ref: ProcessRef) -> ProcessDescription:
         start_time=start_time_epoch(ref),
         state=state_of(ref.pid),
         comm=comm_of(ref.pid),
-        cmdline=cmdline_of(ref.pid),
+        # Shown (records, status, the followed switch): its owner chose it, escaped.
+        cmdline=[printable(a) for a in cmdline_of(ref.pid)],
         cgroup=cgroup_of(ref.pid),
     )
 

@@ -172,6 +172,7 @@ class Terminal:
             shutil.rmtree(self.cleanup, ignore_errors=True)
 
 
+@pytest.mark.terminal
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -370,6 +371,7 @@ def scripted_switch(tmp_path: Path, *, load_s: float, gpus: int, kills: int) -> 
     return script, sock_dir
 
 
+@pytest.mark.terminal
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
@@ -464,6 +466,7 @@ def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
         assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
 
 
+@pytest.mark.terminal
 @pytest.mark.skipif(
     shutil.which("tmux") is None, reason="tmux is not installed (setup installs it)"
 )
