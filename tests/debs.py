@@ -17,6 +17,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from tests import checkout
+
 ROOT = Path(__file__).resolve().parents[1]
 LIB = "usr/lib/kimi-supervisor"
 # Builds kept by the hash of what they are made from; the booted hosts' root file systems are
@@ -39,12 +41,8 @@ def tree_key() -> str:
     not ignored, as a clone has them), each name and content, and the versions of the build
     tools and of what pystemd is compiled against."""
     h = hashlib.sha256()
-    names = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.split(b"\0")  # fmt: skip
-    for name in sorted(filter(None, names)):
-        path = ROOT / name.decode()
+    for rel in checkout.files(ROOT):
+        path, name = ROOT / rel, rel.encode()
         if path.is_file() and not path.is_symlink():
             h.update(name + b"\0" + hashlib.sha256(path.read_bytes()).digest())
         elif path.is_symlink():

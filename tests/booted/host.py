@@ -28,6 +28,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from tests import checkout
 from tests.debs import CACHE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,12 +120,7 @@ def network() -> tuple[list[str], dict[str, str]]:
 def copy_checkout(dest: Path) -> None:
     """This checkout's files (tracked and not ignored) to `dest`, as a clone or a release tree
     has them (no .git, no virtualenv, no build outputs)."""
-    files = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.split(b"\0")  # fmt: skip
-    for name in filter(None, files):
-        rel = name.decode()
+    for rel in checkout.files(ROOT):
         if not (ROOT / rel).is_file():
             continue
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)

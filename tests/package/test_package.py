@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests import debs
+from tests import checkout, debs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -182,8 +182,7 @@ def test_the_licence_is_apache_2_0_stated_the_same_everywhere_with_its_full_text
     # that states a licence states this one (the module's headers said GPL-3.0+).
     collection = ROOT / "ansible/ansible_collections/kimi/supervisor"
     assert (collection / "LICENSE").read_text() == licence
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.split()  # fmt: skip
+    tracked = checkout.files(ROOT)
     other = re.compile(r"General Public License|\bGPL-?\d|gpl-\d|\bMIT License|\bBSD-\d")
     files = [ROOT / f for f in tracked if f != "tests/package/test_package.py"]
     stated = [f for f in files if f.is_file() and other.search(f.read_text(errors="replace"))]

@@ -159,6 +159,9 @@ def test_a_listener_counts_only_where_vllm_binds(
 
 
 def test_listening_sockets_read_through_netlink_match_proc_net_tcp() -> None:
+    """The same listeners, addresses and owners either way (sock_diag, else /proc/net/tcp*),
+    judged on the sockets this test made: another process may listen on the same port at
+    another address meanwhile (a port is free per address)."""
     import socket as so
 
     from kimi_supervisor.ports import sockets
@@ -167,17 +170,19 @@ def test_listening_sockets_read_through_netlink_match_proc_net_tcp() -> None:
         v4.bind(("127.0.0.2", 0))
         port = v4.getsockname()[1]
         v4.listen()
-        expected = ["127.0.0.2"]
+        ours = {os.fstat(v4.fileno()).st_ino: "127.0.0.2"}
         try:  # where the host has IPv6 loopback
             v6.setsockopt(so.IPPROTO_IPV6, so.IPV6_V6ONLY, 1)
             v6.bind(("::1", port))
             v6.listen()
-            expected.append("::1")
+            ours[os.fstat(v6.fileno()).st_ino] = "::1"
         except OSError:
             pass
-        found = sockets.listening_inodes(port)
-        assert sorted(map(str, found.values())) == expected
-        assert found == sockets._from_proc(port)
+        netlink = {i: s for i, s in sockets.listening(port).items() if i in ours}
+        proc = {i: s for i, s in sockets._from_proc(port).items() if i in ours}
+        assert {i: str(s.address) for i, s in netlink.items()} == ours
+        assert {s.uid for s in netlink.values()} == {os.getuid()}
+        assert netlink == proc
 
 
 # -- the sandbox: real processes on the simulated driver --
