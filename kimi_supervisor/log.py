@@ -135,6 +135,7 @@ def configure(
     level: str = "info",
     stream: Any = None,
     env: Mapping[str, str] | None = None,
+    *,
     send: Callable[[Mapping[str, str]], None] | None = None,
 ) -> None:
     """`send`: where journal entries go (the tests'); by default the native journal protocol."""

@@ -236,7 +236,7 @@ class KillRecord(BaseModel):
     result: str = Field(description="delivered, already gone, or why it was not sent")
 
 
-def at_baseline(used_mib: int, baseline_mib: int, tolerance_mib: int, holders: Sized) -> bool:
+def at_baseline(used_mib: int, baseline_mib: int, tolerance_mib: int, *, holders: Sized) -> bool:
     """What "clean" means for one GPU, everywhere: memory within tolerance of its baseline, and
     no process listed on it."""
     return used_mib <= baseline_mib + tolerance_mib and not len(holders)
@@ -251,7 +251,9 @@ class DeviceReading(BaseModel):
 
     @property
     def clean(self) -> bool:
-        return at_baseline(self.used_mib, self.baseline_mib, self.tolerance_mib, self.processes)
+        return at_baseline(
+            self.used_mib, self.baseline_mib, self.tolerance_mib, holders=self.processes
+        )
 
 
 class StepReport(BaseModel):

@@ -29,7 +29,9 @@ class GpuStatus(BaseModel):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def clean(self) -> bool:
-        return at_baseline(self.used_mib, self.baseline_mib, self.tolerance_mib, self.holders)
+        return at_baseline(
+            self.used_mib, self.baseline_mib, self.tolerance_mib, holders=self.holders
+        )
 
 
 class UnitStatus(BaseModel):

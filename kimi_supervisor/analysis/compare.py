@@ -127,7 +127,7 @@ def malformed(summary: dict[str, Any]) -> str | None:
             _typical(summary, kind)
             for coll in _split_of(summary, kind):  # the late rank, as _late reads it
                 if _late([summary], kind, coll) is not None:
-                    _share_of([summary], kind, coll, 0)
+                    _share_of([summary], kind, coll, rank=0)
             # Each device and rank hashable, as compare() makes sets of them.
             {r["device"] for r in summary["ranks"]}
             errors = summary.get("errors") or []
@@ -275,7 +275,7 @@ def _late(side: list[dict[str, Any]], kind: str, coll: str) -> dict[str, Any] | 
     }
 
 
-def _share_of(side: list[dict[str, Any]], kind: str, coll: str, rank: Any) -> tuple[float, int]:
+def _share_of(side: list[dict[str, Any]], kind: str, coll: str, *, rank: Any) -> tuple[float, int]:
     """`rank`'s pooled share of being last, and the calls, on one side."""
     got, total = 0.0, 0
     for s in side:
@@ -288,7 +288,7 @@ def _share_of(side: list[dict[str, Any]], kind: str, coll: str, rank: Any) -> tu
 
 
 def late_ranks(
-    a: list[dict[str, Any]], b: list[dict[str, Any]], kind: str, colls: list[str]
+    a: list[dict[str, Any]], b: list[dict[str, Any]], kind: str, *, colls: list[str]
 ) -> list[dict[str, Any]]:
     """Per collective: A's and B's late rank, and whether it changed (see the module)."""
     out = []
@@ -296,11 +296,11 @@ def late_ranks(
         la, lb = _late(a, kind, coll), _late(b, kind, coll)
         if la is None or lb is None:
             continue
-        pa, na = _share_of(a, kind, coll, lb["rank"])
+        pa, na = _share_of(a, kind, coll, rank=lb["rank"])
         pb, nb = lb["share"], lb["calls"]
         pooled = (pa * na + pb * nb) / (na + nb)
         noise = Z99 * math.sqrt(max(pooled * (1 - pooled), 0.0) * (1 / na + 1 / nb))
-        ea = [_share_of([s], kind, coll, lb["rank"])[0] for s in a]
+        ea = [_share_of([s], kind, coll, rank=lb["rank"])[0] for s in a]
         eb = lb["each"]
         df = sum(len(x) - 1 for x in (ea, eb) if len(x) >= 2)
         if df:
@@ -459,7 +459,7 @@ def compare(
             f"too few counted steps to measure the step-to-step noise ({', '.join(short)}; "
             f"{MIN_STEPS} needed): no change is judged beyond the noise"
         )
-    late = late_ranks(ca, cb, kind, sorted(colls[0] & colls[1]))
+    late = late_ranks(ca, cb, kind, colls=sorted(colls[0] & colls[1]))
     said = verdict(tests, late, kind, runs=(len(ca), len(cb)))
     if na != nb:
         said = (

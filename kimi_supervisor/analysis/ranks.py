@@ -97,6 +97,7 @@ def summarize(
     dir_fd: int,
     names: list[str],
     open_file: Opener,
+    *,
     timeout_s: float = 900.0,
     memory_mb: int = SUMMARY_MEMORY_MB,
 ) -> dict[str, Any]:
@@ -196,7 +197,7 @@ def _fabric(dir_fd: int, open_file: Opener) -> dict[str, Any] | None:
 
 
 def write(
-    dir_fd: int, summary: dict[str, Any], uid: int = -1, gid: int = -1, *, name: str = SUMMARY
+    dir_fd: int, summary: dict[str, Any], uid: int = -1, *, gid: int = -1, name: str = SUMMARY
 ) -> None:
     """summary.json (or `name`: FABRIC) in the folder, replaced whole (a reader never sees half
     of it)."""
@@ -248,7 +249,7 @@ def summarize_folder(
     was not."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        summary = summarize(fd, os.listdir(fd), open_file, timeout_s)
+        summary = summarize(fd, os.listdir(fd), open_file, timeout_s=timeout_s)
         if not summary["ranks"]:
             return summary, (
                 f"no rank traces to summarize in {folder} (*.pt.trace.json or "

@@ -300,7 +300,7 @@ def split(ranks: list[RankTimeline]) -> dict[str, Any] | None:
     kinds: dict[str, Any] = {}
     for kind, times in step_ms.items():
         per_coll = {
-            coll: _report(a, step_ms[kind], names, coll)
+            coll: _report(a, step_ms[kind], names, coll=coll)
             for (k, coll), a in sorted(acc.items())
             if k == kind and a["steps"]
         }
@@ -354,7 +354,9 @@ def _new(n: int) -> dict[str, Any]:
     }
 
 
-def _report(a: dict[str, Any], step_ms: list[float], names: list[int], coll: str) -> dict[str, Any]:
+def _report(
+    a: dict[str, Any], step_ms: list[float], names: list[int], *, coll: str
+) -> dict[str, Any]:
     """One collective of one step kind, as summary.json carries it (ms per step)."""
     steps = len(step_ms)
     per_rank = []

@@ -116,7 +116,7 @@ def steps_of(r: Reader) -> list[Step]:
     return sorted(r.cpu_steps or r.gpu_steps, key=lambda s: (s.start, s.end, s.name))
 
 
-def calls_of(r: Reader, names: dict[int, str], steps: list[Step], launches: Launches) -> Calls:
+def calls_of(r: Reader, names: dict[int, str], steps: list[Step], *, launches: Launches) -> Calls:
     """Every collective call inside a step, in start order. The key is the collective and, when
     the kernel names it, its process group: the calls of one key follow the same order on every
     rank."""
@@ -301,10 +301,10 @@ def overlap(r: Reader, names: dict[int, str]) -> dict[str, Any] | None:
     }
 
 
-def timeline(r: Reader, names: dict[int, str], launches: Launches, base_ns: int) -> Timeline:
+def timeline(r: Reader, names: dict[int, str], launches: Launches, *, base_ns: int) -> Timeline:
     """This rank's timeline (see Timeline), times rounded to the ns."""
     steps = steps_of(r)
-    calls = calls_of(r, names, steps, launches)
+    calls = calls_of(r, names, steps, launches=launches)
     return Timeline(
         base_ns=base_ns,
         steps=[Step(round(s.start, 3), round(s.end, 3), s.name) for s in steps],

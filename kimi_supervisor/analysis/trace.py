@@ -185,15 +185,15 @@ def summarize(text: IO[str]) -> dict[str, Any]:
             }
             for n, (t, calls) in top
         ],
-        "collectives": _collectives(per_name, names, divide, busy),
+        "collectives": _collectives(per_name, names, divide, busy=busy),
         "step_times": step_times(steps_of(r)),
         "overlap": overlap(r, names),
-        "timeline": timeline(r, names, launches, base_ns).to_json(),
+        "timeline": timeline(r, names, launches, base_ns=base_ns).to_json(),
     }
 
 
 def _collectives(
-    per_name: dict[int, list[float]], names: dict[int, str], divide: int, busy: float
+    per_name: dict[int, list[float]], names: dict[int, str], divide: int, *, busy: float
 ) -> dict[str, Any]:
     """The communication class by collective: time per step, share of the busy time, calls, the
     implementations seen, and for `other`, the names (an unknown kernel is listed, never hidden)."""

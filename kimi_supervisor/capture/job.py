@@ -84,7 +84,7 @@ def check_out(fd: int, uid: int) -> str | None:
 
 
 def _move_into(
-    traces: TraceDir, name: str, listed: safeopen.Identity, dir_fd: int, uid: int, gid: int
+    traces: TraceDir, name: str, listed: safeopen.Identity, *, dir_fd: int, uid: int, gid: int
 ) -> str:
     """`name` in vLLM's trace folder (`traces`, open by descriptor) becomes `name` in the
     capture's folder `dir_fd`, owned by uid:gid. vLLM's user can swap the name at any moment,
@@ -108,7 +108,7 @@ def _move_into(
         except OSError as e:
             if e.errno != errno.EXDEV:
                 raise
-            if why := _copy_pinned(pinned, st, name, dir_fd):
+            if why := _copy_pinned(pinned, st, name, dir_fd=dir_fd):
                 return why
         # The capture's folder is root's until the capture ends: the name made there is ours.
         os.chown(name, uid, gid, dir_fd=dir_fd, follow_symlinks=False)
@@ -121,7 +121,7 @@ def _move_into(
         os.close(pinned)
 
 
-def _copy_pinned(pinned: int, st: os.stat_result, name: str, dir_fd: int) -> str:
+def _copy_pinned(pinned: int, st: os.stat_result, name: str, *, dir_fd: int) -> str:
     """The inode `pinned` copied as `name` into `dir_fd` (another file system); "" when done,
     else why not."""
     if why := _no_room(st, dir_fd):
@@ -217,8 +217,8 @@ class Capture:
         spec: CaptureSpec,
         publish: Callable[[Event | End], None],
         on_done: Callable[[Capture], None],
-        log: Callable[..., None],
         *,
+        log: Callable[..., None],
         gpu: GpuPort | None = None,  # the daemon's: the fabric is read from it (fabric.json)
     ) -> None:
         self.gpu = gpu
@@ -385,7 +385,9 @@ class Capture:
         if not result[0].ok:
             # Whatever readings are in by now: a failed flush is told at once.
             a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
-            self.stall = Stall.of(self.spec.before, a, b, c, "no flush", ceiling=self.spec.ceiling)
+            self.stall = Stall.of(
+                (self.spec.before, a, b, c, "no flush"), ceiling=self.spec.ceiling
+            )
             self._end(
                 False,
                 explain(result[0], "/stop_profile", flush_timeout) + "; " + self.stall.line(),
@@ -402,7 +404,7 @@ class Capture:
         except Untrusted as e:
             a, b, c = (r.get(max_wait_s=1.0) for r in (started, flushing, flushed_at))
             self.stall = Stall.of(
-                self.spec.before, a, b, c, "nothing taken", ceiling=self.spec.ceiling
+                (self.spec.before, a, b, c, "nothing taken"), ceiling=self.spec.ceiling
             )
             self._end(
                 False,
@@ -436,7 +438,7 @@ class Capture:
         summary: dict[str, Any] | None = None
         try:
             for name in sorted(new):
-                why = _move_into(traces, name, new[name], fd, spec.uid, spec.gid)
+                why = _move_into(traces, name, new[name], dir_fd=fd, uid=spec.uid, gid=spec.gid)
                 if why:
                     refused.append({"name": shown(name), "why": why})
                     self.log("capture_file_refused", capture=self.id, name=shown(name), why=why)
@@ -447,7 +449,7 @@ class Capture:
             os.fchown(fd, spec.uid, spec.gid)
             if (fabric := fabric_of(self.gpu, self.config.gpus.managed)) is not None:
                 with contextlib.suppress(OSError):  # the host's links, for the summary
-                    ranks.write(fd, fabric, spec.uid, spec.gid, name=ranks.FABRIC)
+                    ranks.write(fd, fabric, spec.uid, gid=spec.gid, name=ranks.FABRIC)
             if p.summarize and ranks.rank_traces(moved):
                 summary = self._summarize(fd, moved)
         finally:
@@ -462,7 +464,7 @@ class Capture:
         self._release()
         a, b, c = (r.get() for r in (started, flushing, flushed_at))
         end = self._after(after) if after else "profiling.stall_after_s is 0"
-        self.stall = Stall.of(self.spec.before, a, b, c, end, ceiling=self.spec.ceiling)
+        self.stall = Stall.of((self.spec.before, a, b, c, end), ceiling=self.spec.ceiling)
         self._end(
             True,
             f"{len(files)} trace file(s), {total / 1e6:.1f} MB in {folder} "
@@ -494,10 +496,10 @@ class Capture:
         self.phase = CapturePhase.SUMMARIZING
         self._event("capture_summarizing", files=len(names))
         summary = ranks.summarize(
-            fd, names, safeopen.try_open, self.config.profiling.summary_timeout_s
+            fd, names, safeopen.try_open, timeout_s=self.config.profiling.summary_timeout_s
         )
         try:
-            ranks.write(fd, summary, self.spec.uid, self.spec.gid)
+            ranks.write(fd, summary, self.spec.uid, gid=self.spec.gid)
         except OSError as e:
             summary["errors"].append({"rank": None, "file": SUMMARY, "error": f"not written: {e}"})
         self._event("capture_summarized", took_s=summary["took_s"])

@@ -117,7 +117,7 @@ def _size(d: Path, counted: set[tuple[int, int]]) -> int:
     return total
 
 
-def retention(captures_dir: Path, keep: int, max_total_gb: float, newest: str) -> list[str]:
+def retention(captures_dir: Path, keep: int, max_total_gb: float, *, newest: str) -> list[str]:
     """Remove the oldest captures beyond `keep`, then beyond `max_total_gb`, never `newest`
     (the capture just taken); returns what went."""
     folders = oldest_first(captures_dir)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,15 +195,12 @@ class Stall:
     @classmethod
     def of(
         cls,
-        before: Sample | str | None,
-        start: Sample | str | None,
-        flushing: Sample | str | None,
-        flushed: Sample | str | None,
-        after: Sample | str | None,
+        edges: Sequence[Sample | str | None],
         *,
         ceiling: float = MAX_TOKENS_PER_S,
     ) -> Stall:
-        edges = (before, start, flushing, flushed, after)
+        assert len(edges) == len(WINDOWS) + 1, edges  # before, start, flushing, flushed, after
+        start = edges[1]
         windows: list[Window] = []
         broken = ""  # the window whose counters went back or jumped: none after it is believed
         for i, n in enumerate(WINDOWS):
@@ -218,7 +216,7 @@ class Stall:
         aborted: int | None = None
         if isinstance(start, Sample):
             last: Sample | None = None
-            for e in (flushing, flushed, after):
+            for e in edges[2:]:
                 if not isinstance(e, Sample):
                     continue
                 if _broke(last or start, e, ceiling):

@@ -87,7 +87,9 @@ def cmd_teardown(args: argparse.Namespace) -> int:
         return Exit.USAGE
     systemd, gpu = ports(config)
     indices = managed_indices(config, gpu)
-    base, fresh = baseline.resolve(gpu, indices, config.gpus.baseline_mib, config.state.dir)
+    base, fresh = baseline.resolve(
+        gpu, indices, config.gpus.baseline_mib, state_dir=config.state.dir
+    )
     if fresh is not None:
         baseline.save(config.state.dir, fresh)
     log.configure(stream=sys.stderr)

@@ -74,8 +74,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             disk,
             functools.partial(StateStore.check, StateStore(config.state.dir)),
             f"checking {config.state.dir}",
-            notifier.status,
-            emit,
+            say=notifier.status,
+            log=emit,
         )
     except StateError as e:
         print(f"kimi-supervisor run: {e}", file=sys.stderr)
@@ -91,18 +91,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     metrics = Metrics() if config.metrics.enabled else None
     daemon = Daemon(
-        config, systemd, gpu, output, notifier, emit, metrics=metrics, disk=disk, reads=reads,
-        bundles=bundles,
+        config, systemd, gpu, output=output, notifier=notifier, log=emit, metrics=metrics,
+        disk=disk, reads=reads, bundles=bundles,
     )  # fmt: skip
     c = config.control
     server = ControlServer(
         c.socket,
         c.group,
         Handlers(daemon),
-        emit,
-        c.max_clients,
-        c.max_line_bytes,
-        c.idle_timeout_s,
+        log=emit,
+        max_clients=c.max_clients,
+        max_line_bytes=c.max_line_bytes,
+        idle_timeout_s=c.idle_timeout_s,
     )
     try:
         server.listen()  # the lock first: a second daemon touches no state
@@ -197,13 +197,13 @@ def io_worker(
     def adopt(pid: int) -> str:
         scope = f"{SCOPE_PREFIX}{name}-{pid}.scope"
         try:
-            systemd.move_to_scope(scope, pid, f"kimi-supervisor: its {name} I/O", devices)
+            systemd.move_to_scope(scope, pid, f"kimi-supervisor: its {name} I/O", devices=devices)
         except SystemdError as e:
             log("io_scope_failed", level="warning", worker=name, pid=pid, error=str(e))
             return ""
         return scope
 
-    return ProcessWorker(name, timeout_s, adopt, log)
+    return ProcessWorker(name, timeout_s, adopt, log=log)
 
 
 # How long `kimi-supervisor reload` waits for the new image (a teardown in progress finishes

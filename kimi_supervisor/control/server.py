@@ -140,6 +140,7 @@ class ControlServer:
         path: Path,
         group: str,
         handle: Handler,
+        *,
         log: Logger,
         max_clients: int = 128,
         max_line_bytes: int = 64 * 1024,

@@ -81,7 +81,7 @@ class AdmissionView:
     stale: bool = False  # the serving vLLM runs an earlier config's argv
 
 
-def admit(mode: Mode, force: bool, v: AdmissionView, apply: bool = False) -> Admit:
+def admit(mode: Mode, force: bool, v: AdmissionView, *, apply: bool = False) -> Admit:
     """`apply`: restart the serving mode if it runs an earlier config's argv (else ALREADY)."""
     if v.stopping:
         return Admit.REFUSE_STOPPING
@@ -130,6 +130,7 @@ def after_failure(
     earlier: Sequence[float],
     now: float,
     window_s: float,
+    *,
     max_failures: int,
     backoff_initial_s: float,
     backoff_max_s: float,
@@ -172,6 +173,7 @@ def after_teardown(
     purpose: Purpose,
     clean: bool,
     stopping: bool,
+    *,
     intent_pending: bool,
     then: AfterFailedStart = AfterFailedStart.FAILURE,
     attempt: int = 1,
@@ -198,7 +200,7 @@ class Expiry:
 
 
 def profile_until(
-    mode: Mode, for_s: float | None, default_s: float, max_s: float, now: datetime
+    mode: Mode, for_s: float | None, default_s: float, *, max_s: float, now: datetime
 ) -> Expiry:
     if mode is not Mode.PROFILE:
         return Expiry(None)

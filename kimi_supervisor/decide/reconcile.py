@@ -128,6 +128,7 @@ def decide(
     desired: Mode,
     mem: Memory,
     obs: Observed,
+    *,
     now: float,
     health_grace_s: float,
     intent: Intent | None = None,
@@ -135,7 +136,7 @@ def decide(
 ) -> Action:
     """`intent`: a switch an operator asked for, not yet begun; `capture`: a profiler capture
     is recording or flushing its traces."""
-    action = _decide(desired, mem, obs, now, health_grace_s, intent)
+    action = _decide(desired, mem, obs, now=now, health_grace_s=health_grace_s, intent=intent)
     held = (Do.SWITCH, Do.RETRY, Do.UNHEALTHY)
     if action.do in held and capture and not (intent and intent.force):
         return Action(Do.HOLD_FOR_CAPTURE, "a capture is flushing its traces; the switch waits")
@@ -146,6 +147,7 @@ def _decide(
     desired: Mode,
     mem: Memory,
     obs: Observed,
+    *,
     now: float,
     health_grace_s: float,
     intent: Intent | None,

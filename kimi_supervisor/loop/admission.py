@@ -166,8 +166,8 @@ class Desk:
             # connection, one thread); it judges the port itself (--force over a switch).
             return None
         found = port_blockers(
-            ctx.config, ctx.systemd, ctx.gpu, s.baselines, ctx.clock,
-            ctx.observer.first_listed.snapshot(),
+            ctx.config, ctx.systemd, ctx.gpu, baselines=s.baselines, clock=ctx.clock,
+            listed_since=ctx.observer.first_listed.snapshot(),
         )  # fmt: skip
         if not found:
             return None
@@ -186,7 +186,9 @@ class Desk:
     def set_expiry(self, mode: Mode, for_s: float | None, by: str) -> str:
         """Persist when profile mode ends (or that it does not); returns words for the reply."""
         ctx, p = self.ctx, self.ctx.config.profiling
-        e = policy.profile_until(mode, for_s, p.default_duration_s, p.max_duration_s, utcnow())
+        e = policy.profile_until(
+            mode, for_s, p.default_duration_s, max_s=p.max_duration_s, now=utcnow()
+        )
         if e.until == ctx.s.profile_until:
             return ""
         ctx.s.profile_until = until = e.until
@@ -275,7 +277,7 @@ class Desk:
             spec,
             self.ctx.bus.publish,
             lambda done: put(CaptureDone(done)),  # type: ignore[operator]
-            self.ctx.log,
+            log=self.ctx.log,
             gpu=self.ctx.gpu,
         )
         c.start()

@@ -41,6 +41,7 @@ def on_the_state_folder(
     disk: IoWorker,
     call: Callable[[], T],
     what: str,
+    *,
     say: Callable[[str], None],
     log: Callable[..., None],
 ) -> T:
@@ -89,8 +90,8 @@ def load_state(ctx: Context) -> None:
         ctx.disk,
         functools.partial(StateStore.read_settled, ctx.store),
         f"reading {ctx.store.path}",
-        ctx.notifier.status,
-        ctx.log,
+        say=ctx.notifier.status,
+        log=ctx.log,
     )
     ctx.saved, ctx.saved_stamp = st, ctx.stamp()
     if warning:
@@ -143,7 +144,9 @@ def resolve_baseline(ctx: Context) -> None:
         def stored(d: Path) -> Baseline | None:
             return ctx.disk.call(functools.partial(baseline.load, d), "reading the stored baseline")
 
-        s.baselines, fresh = baseline.resolve(ctx.gpu, s.indices, fixed, c.state.dir, stored)
+        s.baselines, fresh = baseline.resolve(
+            ctx.gpu, s.indices, fixed, state_dir=c.state.dir, stored_in=stored
+        )
     except (baseline.BaselineError, GpuUnavailable, OSError) as e:
         s.baselines = {i: fixed.get(str(i), PROVISIONAL_BASELINE_MIB) for i in s.indices}
         s.baseline_provisional = True

@@ -292,9 +292,8 @@ class Context:
                 continue
 
             append = functools.partial(
-                history.append,
-                st.dir, p.kind, p.record, int(st.history_max_mb * 2**20), st.history_keep,
-                p.tried,
+                history.append, st.dir, p.kind, p.record,
+                max_bytes=int(st.history_max_mb * 2**20), keep=st.history_keep, once=p.tried,
             )  # fmt: skip
             try:
                 self.disk.call(

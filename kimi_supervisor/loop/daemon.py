@@ -93,6 +93,7 @@ class Daemon:
         config: Config,
         systemd: SystemdPort,
         gpu: GpuPort,
+        *,
         output: OutputPort,
         notifier: Notifier,
         log: Log,
@@ -416,7 +417,15 @@ class Daemon:
         capture = s.capture is not None and s.capture.phase.holds_switch
         grace = self.config.daemon.health_grace_s
         now = self.ctx.clock.monotonic()
-        action = decide(s.desired, s.memory(), obs, now, grace, s.intent, capture)
+        action = decide(
+            s.desired,
+            s.memory(),
+            obs,
+            now=now,
+            health_grace_s=grace,
+            intent=s.intent,
+            capture=capture,
+        )
         life.act(action, obs)
         life.judge_liveness(obs)
 
@@ -424,7 +433,7 @@ class Daemon:
         s = self.s
         serving = s.serving.pid if s.serving and s.state is State.SERVING else 0
         starting = s.state is State.STARTING
-        obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting)
+        obs = self.ctx.observer.observe(serving, s.indices, s.baselines, starting=starting)
         s.waiting_for = "" if obs is not None else f"waiting for systemd: {self.ctx.observer.error}"
         if obs is not None:
             self._watch_health(obs)

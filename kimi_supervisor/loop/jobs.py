@@ -109,12 +109,12 @@ class Jobs:
                         ctx.config.warm,
                         warm_argv,
                         job.stop_warm,
-                        clock,
-                        lambda w: put(Warmed(w)),
-                        adopt,
-                        lambda: job.stop_warm_why,
-                        {**os.environ, **env} if home is None else env,
-                        home,
+                        clock=clock,
+                        report=lambda w: put(Warmed(w)),
+                        adopt=adopt,
+                        why=lambda: job.stop_warm_why,
+                        env={**os.environ, **env} if home is None else env,
+                        home=home,
                     )
                 except Exception as e:  # a warming never stops the switch
                     end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")

@@ -540,9 +540,9 @@ class Lifecycle:
             s.failures,
             now,
             d.failure_window_s,
-            d.max_failures,
-            d.restart_backoff_initial_s,
-            d.restart_backoff_max_s,
+            max_failures=d.max_failures,
+            backoff_initial_s=d.restart_backoff_initial_s,
+            backoff_max_s=d.restart_backoff_max_s,
         )
         s.failures = v.failures
         n = len(v.failures)
@@ -766,7 +766,12 @@ class Lifecycle:
         if clean:
             self.unstuck("a teardown made them clean")
         match policy.after_teardown(
-            purpose, clean, s.stop_requested, s.intent is not None, then, job.attempt
+            purpose,
+            clean,
+            s.stop_requested,
+            intent_pending=s.intent is not None,
+            then=then,
+            attempt=job.attempt,
         ):
             case Next.EXIT:
                 self.unstuck("the daemon stopped with them still not clean")
@@ -913,7 +918,7 @@ class Lifecycle:
         tr = s.transition
         if tr is None:
             return
-        record = tr.finished(utcnow(), outcome, message, detail or {})
+        record = tr.finished(utcnow(), outcome, message, detail=detail or {})
         # One record per transition, whatever the moment of a kill: a daemon killed between
         # this append and clearing the persisted transition finds it here when it ends it again
         # (only a transition inherited at boot can have been recorded already).

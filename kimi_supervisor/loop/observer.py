@@ -55,6 +55,7 @@ def foreign(
     listed: Mapping[int, Iterable[int]],
     unit_pids: set[int],
     device_paths: Mapping[int, str],
+    *,
     first_listed: FirstListed,
     node_key: NodeKey | None = None,
 ) -> list[Intruder]:
@@ -65,7 +66,7 @@ def foreign(
         for pid in pids:
             if pid in unit_pids:
                 continue
-            if first_listed.holder(gpu, pid, device_paths[gpu], node_key) is None:
+            if first_listed.holder(gpu, pid, device_paths[gpu], node_key=node_key) is None:
                 continue
             argv = processes.cmdline_of(pid)
             out.append(Intruder(pid, gpu, title(argv, processes.comm_of(pid))))
@@ -118,6 +119,7 @@ class Observer:
         serving_pid: int,
         indices: list[int],
         baselines: dict[int, int],
+        *,
         starting: bool = False,
     ) -> Observed | None:
         """The unit, its /health and the GPUs. `serving_pid`: the MainPID the loop serves (0:
@@ -293,7 +295,13 @@ class Observer:
         if main_pid:  # vLLM's own tree is vLLM's, even where a child left the unit's cgroup
             self._unit_pids |= {main_pid, *processes.descendants(main_pid)}
         paths = {i: self.gpu.device_path(i) for i in self._listed}
-        return foreign(self._listed, self._unit_pids, paths, self.first_listed, self.gpu.node_key)
+        return foreign(
+            self._listed,
+            self._unit_pids,
+            paths,
+            first_listed=self.first_listed,
+            node_key=self.gpu.node_key,
+        )
 
 
 def title_of(pid: int) -> str:

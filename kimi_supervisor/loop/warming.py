@@ -42,6 +42,7 @@ def warm(
     config: WarmConfig,
     argv: list[str],
     stop: threading.Event,
+    *,
     clock: Clock,
     report: Callable[[WarmStatus], None],
     adopt: Callable[[int], str] = lambda _pid: "",
@@ -72,7 +73,9 @@ def warm(
         reader = pagecache.Reader.start()
     except OSError as e:
         return WarmStatus(under_way=False, text=f"nothing warmed: the reader did not start: {e}")
-    return _Warden(config, reader, stop, clock, report, why, t0).run(looks, adopt(reader.pid))
+    return _Warden(config, reader, stop, clock=clock, report=report, why=why, t0=t0).run(
+        looks, adopt(reader.pid)
+    )
 
 
 def vllm_env(systemd: SystemdPort, unit: str) -> tuple[dict[str, str], str | None]:
@@ -107,6 +110,7 @@ class _Warden:
         config: WarmConfig,
         reader: pagecache.Reader,
         stop: threading.Event,
+        *,
         clock: Clock,
         report: Callable[[WarmStatus], None],
         why: Callable[[], str],

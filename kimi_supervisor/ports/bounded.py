@@ -71,6 +71,7 @@ class IoWorker(Protocol):
         fn: Callable[[], T],
         what: str,
         timeout_s: float | None = None,
+        *,
         on_late: Callable[[T], None] | None = None,
     ) -> T: ...
 
@@ -145,6 +146,7 @@ class Worker:
         fn: Callable[[], T],
         what: str,
         timeout_s: float | None = None,
+        *,
         on_late: Callable[[T], None] | None = None,
     ) -> T:
         """fn() on the worker, waited for at most `timeout_s` (the worker's by default).
@@ -216,7 +218,7 @@ class _Sent:
     """A call handed to an I/O process and given up on: its answer is still to come."""
 
     def __init__(
-        self, rid: int, what: str, began: float, on_late: Callable[[Any], None] | None
+        self, rid: int, what: str, began: float, *, on_late: Callable[[Any], None] | None
     ) -> None:
         self.rid, self.what, self.began, self.on_late = rid, what, began, on_late
 
@@ -237,6 +239,7 @@ class ProcessWorker:
         name: str,
         timeout_s: float,
         adopt: Callable[[int], str] = lambda _pid: "",
+        *,
         log: Callable[..., None] = lambda *_a, **_k: None,
     ) -> None:
         self.name, self.timeout_s = name, timeout_s
@@ -341,6 +344,7 @@ class ProcessWorker:
         fn: Callable[[], T],
         what: str,
         timeout_s: float | None = None,
+        *,
         on_late: Callable[[T], None] | None = None,
     ) -> T:
         """fn() in the process, waited for at most `timeout_s` (the worker's by default).
@@ -371,7 +375,7 @@ class ProcessWorker:
             while True:
                 got = self._receive(deadline)
                 if got is None:
-                    self._stuck = _Sent(rid, what, began, on_late)
+                    self._stuck = _Sent(rid, what, began, on_late=on_late)
                     self.abandoned += 1
                     raise TimeoutError(_no_answer(what, limit))
                 if isinstance(got, str):

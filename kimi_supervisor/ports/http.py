@@ -56,10 +56,10 @@ def request(
     url: str,
     method: str = "GET",
     timeout_s: float | None = 2.0,
+    *,
     json_body: dict[str, object] | None = None,
     max_bytes: int = 4096,
     headers: dict[str, str] | None = None,
-    *,
     peer_uid: int | None = None,
 ) -> HttpResult:
     """`timeout_s` bounds the whole exchange (the module's docstring); None waits as long as the

@@ -185,7 +185,7 @@ def maps_of(pid: int, wanted: Iterable[str], node_key: NodeKey | None = None) ->
         fields = m.group().split(maxsplit=5)
         if len(fields) < 6 or any(t in m.group() for t in ids.tokens):
             continue
-        hit = _resolve_mapped(pid, fields[3], fields[4], fields[5], ids)
+        hit = _resolve_mapped(pid, fields[3], fields[4], shown=fields[5], ids=ids)
         if hit is not None:
             found.add(hit)
     return found
@@ -225,7 +225,7 @@ def device_maps_lines(pid: int, max_read: int, max_keep: int) -> tuple[list[str]
 
 
 def _resolve_mapped(
-    pid: int, dev: bytes, inode: bytes, shown: bytes, ids: _Identities
+    pid: int, dev: bytes, inode: bytes, *, shown: bytes, ids: _Identities
 ) -> str | None:
     try:
         major, minor = (int(x, 16) for x in dev.split(b":"))

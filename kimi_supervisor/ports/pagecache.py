@@ -180,6 +180,7 @@ def read_through(
     tree_fd: int,
     file: File,
     stopped: Any,
+    *,
     done: Any,
     buffer: bytearray,
 ) -> int:
@@ -248,7 +249,7 @@ class _Reading:
             with self.lock:
                 self.reading += 1
             try:
-                read_through(self.tree_fd, f, lambda: False, self._done, buffer)
+                read_through(self.tree_fd, f, lambda: False, done=self._done, buffer=buffer)
             except safeopen.Refused as e:
                 with self.lock:
                     self.refused.append((f.name, str(e)))

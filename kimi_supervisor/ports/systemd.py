@@ -54,7 +54,7 @@ class SystemdPort(Protocol):
     def daemon_reload(self) -> None: ...
     def jobs(self) -> dict[str, str]: ...
     def move_to_scope(
-        self, name: str, pid: int, description: str, devices: bool = False
+        self, name: str, pid: int, description: str, *, devices: bool = False
     ) -> None: ...
 
 
@@ -240,7 +240,9 @@ class PystemdSystemd:
         rows = self._call("listing jobs", self._manager().Manager.ListJobs)
         return {_s(name): _s(kind) for _id, name, kind, *_rest in rows}
 
-    def move_to_scope(self, name: str, pid: int, description: str, devices: bool = False) -> None:
+    def move_to_scope(
+        self, name: str, pid: int, description: str, *, devices: bool = False
+    ) -> None:
         """Move `pid` into a new transient scope `name` (as `systemd-run --scope` does): its
         own cgroup, outside the caller's unit, so that the unit's stop never waits for it. The
         scope is collected once empty; it allows only the standard pseudo devices, unless

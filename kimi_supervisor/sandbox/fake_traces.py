@@ -25,7 +25,7 @@ def trace(rank: int | None, pid: int, steps: int = 6) -> str:
          "args": {"name": "python" if rank is None else f"VLLM::Worker_TP{rank}"}},
     ]  # fmt: skip
 
-    def op(cat: str, name: str, ts: float, dur: float) -> None:
+    def op(cat: str, name: str, ts: float, *, dur: float) -> None:
         ev.append({"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": pid, "ts": ts,
                    "dur": dur})  # fmt: skip
 
@@ -33,14 +33,14 @@ def trace(rank: int | None, pid: int, steps: int = 6) -> str:
         t = 1000.0 + i * 2000
         prefill = i == 0
         op("user_annotation", f"execute_context_{int(prefill)}({4 * prefill})_generation_"
-           f"{4 * (not prefill)}({4 * (not prefill)})", t, 1500)  # fmt: skip
-        op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, 1500)
-        op("cpu_op", "aten::linear", t + 10, 650)
-        op("cpu_op", "_C::onednn_mm", t + 20, 600)
-        op("cpu_op", "vllm::unified_attention_with_output", t + 660, 200)
+           f"{4 * (not prefill)}({4 * (not prefill)})", t, dur=1500)  # fmt: skip
+        op("python_function", "vllm/v1/worker/gpu_worker.py(603): execute_model", t, dur=1500)
+        op("cpu_op", "aten::linear", t + 10, dur=650)
+        op("cpu_op", "_C::onednn_mm", t + 20, dur=600)
+        op("cpu_op", "vllm::unified_attention_with_output", t + 660, dur=200)
         # Every rank's all-reduce ends at one moment (as on real GPUs; analysis/skew.py), rank r
         # arriving 100 x r us before rank 0: the last to arrive is rank 0, every rank's transfer
         # 300 us, its wait 100 x r.
         late = 100 * rank  # type: ignore[operator]
-        op("cpu_op", "_C::shm_allreduce", t + 1170 - late, 300 + late)
+        op("cpu_op", "_C::shm_allreduce", t + 1170 - late, dur=300 + late)
     return json.dumps({"schemaVersion": 1, "traceEvents": ev, "traceName": "fake"}, indent=1)

@@ -216,7 +216,7 @@ def _generate(faults: _Faults) -> None:
     opts = FakeOptions.load()
     pending = b""
 
-    def step(prompt: int, tokens: int, cpu_s: float, wall_s: float) -> None:
+    def step(prompt: int, tokens: int, cpu_s: float, *, wall_s: float) -> None:
         while faults.blocked():
             time.sleep(0.05)
         _busy(cpu_s)
@@ -236,9 +236,9 @@ def _generate(faults: _Faults) -> None:
                 continue
             prompt, n = int(words[1]), int(words[2])
             prefill = prompt * opts.prefill_s_per_token
-            step(prompt, 1, prefill, prefill)  # the prefill step makes the first token
+            step(prompt, 1, prefill, wall_s=prefill)  # the prefill step makes the first token
             for _ in range(n - 1):
-                step(0, 1, 0.001 * opts.engine_busy_fraction, 0.001)
+                step(0, 1, 0.001 * opts.engine_busy_fraction, wall_s=0.001)
             os.write(1, f"done {n}\n".encode())
 
 

@@ -71,7 +71,7 @@ def _unshare(flags: int) -> None:
         raise OSError(err, f"unshare: {os.strerror(err)}")
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str) -> None:
+def _mount(source: str | None, target: str, fstype: str | None, *, flags: int, data: str) -> None:
     libc = _libc()
     enc = [None if x is None else x.encode() for x in (source, target, fstype)]
     if libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), data.encode() or None) != 0:
@@ -93,12 +93,12 @@ def enter_namespace() -> None:
         ):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, "")
+    _mount(None, "/", None, flags=MS_REC | MS_PRIVATE, data="")
 
 
 def remake(path: str, entries: list[Entry]) -> None:
     """A fresh tmpfs over `path`, holding new nodes for `entries`."""
-    _mount("tmpfs", path, "tmpfs", MS_NOSUID, "mode=0755")
+    _mount("tmpfs", path, "tmpfs", flags=MS_NOSUID, data="mode=0755")
     for e in entries:
         full = os.path.join(path, e.name)
         mode = stat.S_IMODE(e.st.st_mode)
@@ -109,7 +109,7 @@ def remake(path: str, entries: list[Entry]) -> None:
             os.chmod(full, mode)
         elif stat.S_ISDIR(e.st.st_mode):
             os.mkdir(full, mode)
-            _mount("tmpfs", full, "tmpfs", MS_NOSUID, f"mode={mode:o}")
+            _mount("tmpfs", full, "tmpfs", flags=MS_NOSUID, data=f"mode={mode:o}")
         else:
             with open(full, "wb") as f:
                 f.write(e.data)

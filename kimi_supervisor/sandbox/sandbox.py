@@ -121,6 +121,7 @@ class Sandbox:
         root: Path,
         gpus: int = 8,
         release_delay_s: float = simgpu.DRIVER_RELEASE_S,
+        *,
         daemon: bool = True,
         real_gpus: bool = False,
         overrides: dict[str, Any] | None = None,
@@ -174,7 +175,12 @@ class Sandbox:
         self, gpus: int, overrides: dict[str, Any] | None, vllm_env: dict[str, str]
     ) -> None:
         config = render_config(
-            self.root, gpus, free_port(), self.manager.bus_address, self.real_gpus, overrides
+            self.root,
+            gpus,
+            free_port(),
+            bus_address=self.manager.bus_address,
+            real_gpus=self.real_gpus,
+            overrides=overrides,
         )
         # Other users must reach the control socket for the permission tests (the socket itself
         # is 0660 and checked per connection).
@@ -311,6 +317,7 @@ class Sandbox:
         gpu: str = "all",
         mib: int = 1024,
         title: str = "python",
+        *,
         hidden: bool = False,
         ignore_sigterm: bool = False,
         extra_env: dict[str, str] | None = None,
@@ -385,7 +392,7 @@ class Sandbox:
         self._ghosts_file().unlink(missing_ok=True)
 
 
-def hub_snapshot(hub: Path, repo: str, shards: int = 4, shard_mb: int = 4) -> Path:
+def hub_snapshot(hub: Path, repo: str, shards: int = 4, *, shard_mb: int = 4) -> Path:
     """A Hugging Face cache holding `repo` as the hub lays it out: refs/main names a commit,
     snapshots/<commit>/ links each file to ../../blobs/<hash>. Its shards are random bytes."""
     root = hub / ("models--" + repo.replace("/", "--"))

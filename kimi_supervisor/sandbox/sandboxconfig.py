@@ -59,6 +59,7 @@ def render_config(
     root: Path,
     gpus: int,
     port: int,
+    *,
     bus_address: str,
     real_gpus: bool = False,
     overrides: dict[str, Any] | None = None,

@@ -52,6 +52,7 @@ def resolve(
     gpu: GpuPort,
     indices: list[int],
     fixed: dict[str, int],
+    *,
     state_dir: Path,
     stored_in: Callable[[Path], Baseline | None] = load,
 ) -> tuple[dict[int, int], Baseline | None]:

@@ -393,7 +393,7 @@ def make(incident: Incident) -> Made:
         "output": output_part(i.output_tail, i.output_where),
     }
     data = render(i, parts, unread)
-    path, pruned = write(i.state_dir, i.name, data, i.keep, i.recent)
+    path, pruned = write(i.state_dir, i.name, data, keep=i.keep, recent=i.recent)
     return Made(str(path), len(data), cut_parts(data), pruned.says("bundle"), tuple(unread))
 
 
@@ -439,7 +439,7 @@ def _open_dir(state_dir: Path, make_it: bool) -> int:
 
 
 def write(
-    state_dir: Path, name: str, data: bytes, keep: int, recent: Sequence[str] = ()
+    state_dir: Path, name: str, data: bytes, *, keep: int, recent: Sequence[str] = ()
 ) -> tuple[Path, Pruned]:
     """The bundle `name`, whole or not at all (root's alone: 0600), then the older ones pruned
     to the newest `keep`: `recent` (this daemon's own, oldest first) and `name` first, then by
@@ -469,7 +469,7 @@ def write(
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dfd)
             raise StateError(f"cannot write {state_dir / DIR / name}: {e}") from e
-        pruned = prune(dfd, str(state_dir / DIR), NAME, (*recent, name), keep)
+        pruned = prune(dfd, str(state_dir / DIR), NAME, spare=(*recent, name), keep=keep)
     finally:
         os.close(dfd)
     return state_dir / DIR / name, pruned

@@ -23,6 +23,7 @@ def append(
     state_dir: Path,
     kind: str,
     record: TeardownReport | dict[str, Any],
+    *,
     max_bytes: int = 64 << 20,
     keep: int = 5,
     once: bool = False,
@@ -42,7 +43,7 @@ def append(
     fd = open_trusted(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = _repair_tail(fd)
-        if once and _written_last(fd, size, line, path):
+        if once and _written_last(fd, size, line, path=path):
             return
         try:
             if os.write(fd, line) != len(line):
@@ -79,7 +80,7 @@ def _ends_with(fd: int, size: int, line: bytes) -> bool:
     return os.pread(fd, len(line) + 1, size - len(line) - 1) == b"\n" + line
 
 
-def _written_last(fd: int, size: int, line: bytes, path: Path) -> bool:
+def _written_last(fd: int, size: int, line: bytes, *, path: Path) -> bool:
     """`line` is the history's last record: in the file (`fd`, `size` bytes), or, when the
     file is empty (rotated since), in the newest rotated one."""
     if size:

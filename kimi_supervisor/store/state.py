@@ -67,7 +67,7 @@ class TransitionRecord(BaseModel):
     start_deadline_at: datetime | None = None
 
     def finished(
-        self, at: datetime, outcome: str, message: str, detail: dict[str, Any]
+        self, at: datetime, outcome: str, message: str, *, detail: dict[str, Any]
     ) -> dict[str, Any]:
         """The history's record of this transition, ended at `at` with `outcome`."""
         return {
@@ -190,7 +190,7 @@ def older_than_newest(names: list[str], spare: str | Sequence[str], keep: int) -
 
 
 def prune(
-    dfd: int, shown: str, pattern: re.Pattern[str], spare: str | Sequence[str], keep: int
+    dfd: int, shown: str, pattern: re.Pattern[str], *, spare: str | Sequence[str], keep: int
 ) -> Pruned:
     """In the directory open as `dfd` (`shown` is its path), remove the files named by
     `pattern` but the newest `keep` (`older_than_newest`). Only what the daemon made is
@@ -314,7 +314,7 @@ class StateStore:
         except OSError as e:
             return Pruned(error=f"cannot open {self.dir}: {e}")
         try:
-            return prune(dfd, str(self.dir), pattern, spare.name, keep)
+            return prune(dfd, str(self.dir), pattern, spare=spare.name, keep=keep)
         finally:
             os.close(dfd)
 
@@ -407,12 +407,14 @@ class StateStore:
         gone: list[bool] = []
         proceed = None if deadline is None else functools.partial(_before, deadline)
         new, warning = self.update(
-            lambda found: change(self.reconcile(known, found, kept, gone)), known.state, proceed
+            lambda found: change(self.reconcile(known, found, kept, gone=gone)),
+            known.state,
+            proceed,
         )
         return Written(new, warning, kept, bool(gone))
 
     def reconcile(
-        self, known: Known, found: PersistedState, kept: list[Kept], gone: list[bool]
+        self, known: Known, found: PersistedState, kept: list[Kept], *, gone: list[bool]
     ) -> PersistedState:
         """What every write of the daemon first does with the file found (under its lock).
 

@@ -55,8 +55,8 @@ def _holder(scene: Scene, pid: int, unexplained: set[int]) -> RemainingHolder | 
         use,
         scene.files,
         set(scene.listed_alive.get(pid, ())),
-        unexplained,
-        scene.why_protected(pid),
+        unexplained=unexplained,
+        protected=scene.why_protected(pid),
     )
     if not v.gpus and not (use.open | use.mapped) & managed:
         return None  # it touches no managed GPU

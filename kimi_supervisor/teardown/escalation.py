@@ -183,7 +183,11 @@ class Teardown:
         for ref in filter(None, map(processes.ref_of, pids)):
             target = Target(ref, Evidence.UNIT_CGROUP, f"left in {self.unit} after SIGTERM")
             self.kills.killed[ref] = self.kills.record(
-                ref, "SIGKILL", Step.KILL_CGROUP, target, "sent by systemd (KillUnit, whom=all)"
+                ref,
+                "SIGKILL",
+                Step.KILL_CGROUP,
+                target=target,
+                result="sent by systemd (KillUnit, whom=all)",
             )
         self.systemd.kill(self.unit, "all", signal.SIGKILL)
         ok = self._poll_until(
@@ -194,7 +198,11 @@ class Teardown:
 
     def _step_kill_strays(self, snapshot: list[ProcessRef]) -> str:
         targets = stray_targets(
-            snapshot, self._listeners(), self.config.vllm.port, self.view, self.patterns
+            snapshot,
+            self._listeners(),
+            self.config.vllm.port,
+            view=self.view,
+            patterns=self.patterns,
         )
         n = self.kills.kill_set(Step.KILL_STRAYS, targets)
         self._wait_dead_or(self.config.teardown.strays_timeout_s)
@@ -310,7 +318,7 @@ class Teardown:
 
     def _step_host_leftovers(self) -> str:
         return leftovers.remove(
-            self.config.teardown, self.report.shm_removed, self.on_event, self._owner
+            self.config.teardown, self.report.shm_removed, self.on_event, owner=self._owner
         )
 
     # -- the run --
@@ -323,7 +331,7 @@ class Teardown:
             snapshot,
             self._activated_at(),
             self._run_as(),
-            [t.shm_dir] + ([t.tmp_dir] if t.tmp_dir is not None else []),
+            dirs=[t.shm_dir] + ([t.tmp_dir] if t.tmp_dir is not None else []),
         )
         self.view.sample()
         holders: list[tuple[Step, Callable[[], str], bool]] = [

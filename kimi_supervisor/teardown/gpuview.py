@@ -94,7 +94,9 @@ class GpuView:
             for pid in d.processes:
                 if pid in self.alive_listed or pid in self._died_at:
                     continue
-                ref = self.first_listed.holder(d.index, pid, self.paths[d.index], self.node_key)
+                ref = self.first_listed.holder(
+                    d.index, pid, self.paths[d.index], node_key=self.node_key
+                )
                 if ref is not None:
                     self.alive_listed[pid] = ref
         now = self.clock.monotonic()
@@ -140,13 +142,13 @@ class GpuView:
         for s in samples:
             for p in s.processes:
                 path = self.files().others[s.index]
-                if self._others_listed.holder(s.index, p.pid, path, self.node_key):
+                if self._others_listed.holder(s.index, p.pid, path, node_key=self.node_key):
                     out.setdefault(p.pid, set()).add(s.index)
         return out
 
     def use_of(self, pid: int, mapped_too: bool = False) -> DeviceUse:
         """What `pid` has open and mapped of every GPU's files (as `device_users` reads it)."""
-        users = device_users(self.all_files(), None, mapped_too, self.node_key, pids=[pid])
+        users = device_users(self.all_files(), None, mapped_too, node_key=self.node_key, pids=[pid])
         return users.get(pid, DeviceUse(pid))
 
     def holds_managed_gpu(self, pid: int) -> bool:
@@ -156,7 +158,9 @@ class GpuView:
         if pid in self.live_listed():
             return True
         listed = self.listed_anywhere()
-        v = judge(self.use_of(pid), self.files(), listed.get(pid, set()), self.unexplained())
+        v = judge(
+            self.use_of(pid), self.files(), listed.get(pid, set()), unexplained=self.unexplained()
+        )
         return v.evidence is not None
 
     # -- the ladder --
@@ -222,7 +226,7 @@ class GpuView:
             ref = processes.ref_of(pid)
             if ref is None or pid in never:
                 continue
-            v = judge(use, self.files(), listed.get(pid, set()), unexplained)
+            v = judge(use, self.files(), listed.get(pid, set()), unexplained=unexplained)
             if v.evidence is Evidence.OPEN_AND_MAPPED:
                 above = ", ".join(map(str, v.gpus))
                 out[ref] = Target(

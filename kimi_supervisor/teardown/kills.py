@@ -59,6 +59,7 @@ class Kills:
         ref: ProcessRef,
         sig: str,
         step: Step,
+        *,
         target: Target,
         result: str,
         desc: ProcessDescription | None = None,
@@ -91,16 +92,23 @@ class Kills:
             h = PidHandle.open(t.ref)
             if isinstance(h, str):
                 self.record(
-                    t.ref, "SIGKILL", step, t, h, ProcessDescription(pid=t.ref.pid, start_time=0.0)
+                    t.ref,
+                    "SIGKILL",
+                    step,
+                    target=t,
+                    result=h,
+                    desc=ProcessDescription(pid=t.ref.pid, start_time=0.0),
                 )
                 continue
             handles.append((t, h, processes.describe(t.ref)))
         try:
             for t, h, desc in handles:
-                self.record(t.ref, "SIGSTOP", step, t, h.send(signal.SIGSTOP), desc)
+                self.record(
+                    t.ref, "SIGSTOP", step, target=t, result=h.send(signal.SIGSTOP), desc=desc
+                )
             for t, h, desc in handles:
                 self.killed[t.ref] = self.record(
-                    t.ref, "SIGKILL", step, t, h.send(signal.SIGKILL), desc
+                    t.ref, "SIGKILL", step, target=t, result=h.send(signal.SIGKILL), desc=desc
                 )
         finally:
             for _t, h, _d in handles:

@@ -71,6 +71,7 @@ class Owner:
         tree: list[ProcessRef],
         activated_at: float | None = None,
         unit_uid: int | None = None,
+        *,
         dirs: Iterable[Path] = (),
     ) -> Owner:
         """From vLLM's processes when the teardown began (their users, and with root among
@@ -224,7 +225,7 @@ def in_use(paths: set[Path]) -> set[Path]:
     return {Path(p) for p in used}
 
 
-def remove(t: TeardownConfig, removed: list[str], on_event: EventSink, owner: Owner) -> str:
+def remove(t: TeardownConfig, removed: list[str], on_event: EventSink, *, owner: Owner) -> str:
     """Remove the leftovers `t` names that are provably vLLM's and that nothing uses (appending
     each to `removed`); the step's note."""
     found = leftovers(t.shm_dir, t.shm_patterns)

@@ -53,7 +53,7 @@ class FirstListed:
         return dict(self.since)
 
     def holder(
-        self, gpu: int, pid: int, device_file: str, node_key: NodeKey | None = None
+        self, gpu: int, pid: int, device_file: str, *, node_key: NodeKey | None = None
     ) -> ProcessRef | None:
         """The live process that holds what NVML lists as `pid` on `gpu`, or None (see the
         module's rule). Call `saw` with the sample first."""

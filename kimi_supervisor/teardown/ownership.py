@@ -82,6 +82,7 @@ def judge(
     use: DeviceUse,
     files: GpuFiles,
     listed_on: set[int],
+    *,
     unexplained: set[int],
     protected: str | None = None,
 ) -> Verdict:
@@ -92,7 +93,10 @@ def judge(
     guard = protected or ""
     if on_managed:
         return _suspect(
-            Evidence.NVML_LISTED, on_managed, f"NVML lists it on GPU(s) {_gpus(on_managed)}", guard
+            Evidence.NVML_LISTED,
+            on_managed,
+            f"NVML lists it on GPU(s) {_gpus(on_managed)}",
+            protected=guard,
         )
     open_mapped = tuple(sorted(i for i, p in managed.items() if p in use.open and p in use.mapped))
     if listed_on:
@@ -113,7 +117,7 @@ def judge(
     if suspect_gpus:
         held = _names({managed[i] for i in suspect_gpus})
         seen = f"has {held} open and mapped; NVML lists it nowhere"
-        return _suspect(Evidence.OPEN_AND_MAPPED, suspect_gpus, seen, guard)
+        return _suspect(Evidence.OPEN_AND_MAPPED, suspect_gpus, seen, protected=guard)
     if protected:
         return Verdict(Role.BYSTANDER, (), f"protected: {protected}")
     if use.maps_unreadable:
@@ -131,8 +135,10 @@ def judge(
                 use,
                 managed,
                 f"maps {_names(set(use.mapped))} but no GPU's device file",
-                "a CUDA process that has not created a context yet maps only the control files; "
-                "check it again in a few seconds",
+                check=(
+                    "a CUDA process that has not created a context yet maps only the control "
+                    "files; check it again in a few seconds"
+                ),
             )
         return Verdict(
             Role.BYSTANDER,
@@ -156,7 +162,7 @@ def judge(
         managed,
         f"has {_names({p for p in managed.values() if p in use.mapped and p in use.open})} open "
         "and mapped, on a GPU a live listed process explains",
-        "check `nvidia-smi` for the processes that use this GPU",
+        check="check `nvidia-smi` for the processes that use this GPU",
     )
 
 
@@ -164,11 +170,11 @@ def _gpus(indices: tuple[int, ...]) -> str:
     return ", ".join(map(str, indices))
 
 
-def _suspect(evidence: Evidence, gpus: tuple[int, ...], seen: str, protected: str) -> Verdict:
+def _suspect(evidence: Evidence, gpus: tuple[int, ...], seen: str, *, protected: str) -> Verdict:
     # Why it was not killed is its `why`, and what to do the report's next action: said once.
     return Verdict(Role.SUSPECT, gpus, seen, evidence, "", protected)
 
 
-def _candidate(use: DeviceUse, managed: Mapping[int, str], seen: str, check: str) -> Verdict:
+def _candidate(use: DeviceUse, managed: Mapping[int, str], seen: str, *, check: str) -> Verdict:
     gpus = tuple(sorted(i for i, p in managed.items() if p in use.open | use.mapped))
     return Verdict(Role.CANDIDATE, gpus, seen, check=check)

@@ -173,6 +173,7 @@ def device_users(
     files: Iterable[str],
     holding: Iterable[str] | None = None,
     mapped_too: bool = False,
+    *,
     node_key: NodeKey | None = None,
     pids: Iterable[int] | None = None,
 ) -> dict[int, DeviceUse]:

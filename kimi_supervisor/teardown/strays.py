@@ -54,6 +54,7 @@ def stray_targets(
     snapshot: list[ProcessRef],
     found: Mapping[int, set[str]],
     port: int,
+    *,
     view: GpuView,
     patterns: list[re.Pattern[str]],
 ) -> list[Target]:
@@ -107,6 +108,7 @@ def port_blockers(
     config: Config,
     systemd: SystemdPort,
     gpu: GpuPort,
+    *,
     baselines: dict[int, int],
     clock: Clock,
     listed_since: Mapping[Sighting, int] | None = None,
@@ -132,7 +134,7 @@ def port_blockers(
             continue  # rung 1, or the parent of a rung-1 holder: the teardown kills it
         use = view.use_of(pid)
         # Every managed GPU counted as unexplained: open and mapped is left to the teardown.
-        verdict = judge(use, view.files(), listed.get(pid, set()), set(view.paths))
+        verdict = judge(use, view.files(), listed.get(pid, set()), unexplained=set(view.paths))
         if verdict.evidence is not None:
             continue  # rung 2 if the memory turns out unexplained: the teardown judges
         what = (

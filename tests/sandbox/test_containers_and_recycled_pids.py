@@ -8,6 +8,7 @@ GPUs 0-2 are managed here; GPU 3 belongs to "another team". Every test plants by
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -185,12 +186,12 @@ def test_while_vllm_loads_a_recycled_listed_pid_is_no_intruder_and_a_real_one_is
         seen.saw((s.index, p.pid) for s in samples for p in s.processes)
         return {s.index: [p.pid for p in s.processes] for s in samples}
 
-    assert [i.pid for i in foreign(listed(), set(), paths, seen)] == [ghost.pid]
+    assert [i.pid for i in foreign(listed(), set(), paths, first_listed=seen)] == [ghost.pid]
     kill_and_reap(sandbox, ghost)
     monitor = sandbox.ghost(at_pid=ghost.pid, gpu="all", mib=0, title="nvtop")
-    assert foreign(listed(), set(), paths, seen) == []
+    assert foreign(listed(), set(), paths, first_listed=seen) == []
     intruder = sandbox.ghost(gpu="2", mib=1_000, title="python")
-    found = foreign(listed(), set(), paths, seen)
+    found = foreign(listed(), set(), paths, first_listed=seen)
     assert [(i.pid, i.gpu) for i in found] == [(intruder.pid, 2)]
     assert processes.is_alive(monitor)
 
@@ -231,7 +232,7 @@ def test_a_listener_on_the_wildcard_using_only_an_unmanaged_gpu_is_never_killed(
     assert base is not None
     found = port_blockers(
         sandbox.config, sandbox.systemd, simgpu.SimGpu(sandbox.sb.gpu_dir),
-        {i: base.devices[i] for i in MANAGED}, SystemClock(),
+        baselines={i: base.devices[i] for i in MANAGED}, clock=SystemClock(),
     )  # fmt: skip
     assert [b.pid for b in found] == [listener.pid]
     assert "uses no managed GPU" in found[0].what and "GPU(s) 3" in found[0].what
@@ -248,8 +249,11 @@ def test_a_plain_listener_blocks_a_switch_and_a_listener_holding_a_managed_gpu_d
     holder = sandbox.spawn([sys.executable, "-c", code, "python", str(port)], wait_ready=True)
     gpu = simgpu.SimGpu(sandbox.sb.gpu_dir)
     try:
-        args = (sandbox.config, sandbox.systemd, gpu, baselines, SystemClock())
-        assert port_blockers(*args) == [], "a holder of GPU 0 is the teardown's to kill"
+        blockers = functools.partial(
+            port_blockers, sandbox.config, sandbox.systemd, gpu, baselines=baselines,
+            clock=SystemClock(),
+        )  # fmt: skip
+        assert blockers() == [], "a holder of GPU 0 is the teardown's to kill"
         processes.send_signal(holder, signal.SIGKILL)
         wait_until(lambda: not processes.is_alive(holder), 5, "the holder to die")
         plain = sandbox.spawn(
@@ -262,7 +266,7 @@ def test_a_plain_listener_blocks_a_switch_and_a_listener_holding_a_managed_gpu_d
             ],
             wait_ready=True,
         )
-        found = port_blockers(*args)
+        found = blockers()
         assert [(b.pid, b.what) for b in found] == [(plain.pid, "uses no GPU")]
         assert f"PID {plain.pid} (srv)" in found[0].describe(port)
     finally:

@@ -409,9 +409,9 @@ class LoopHost:
             self.config,
             self.systemd,
             BoundedGpu(self.gpu, self.config.gpus.timeout_s),  # as cli/compose.py composes it
-            FileOutput(self.root / "vllm.log"),
-            Notifier(enabled=False),
-            log,
+            output=FileOutput(self.root / "vllm.log"),
+            notifier=Notifier(enabled=False),
+            log=log,
             clock=self.clock,
         )
         d.boot()

@@ -84,7 +84,9 @@ def test_pruning_keeps_the_newest_by_the_time_in_their_names_and_always_the_one_
     assert older_than_newest(names, names[-1], 3) == names[:4][::-1]
     assert set(older_than_newest(names, names[0], 3)) == set(names[1:5])
     for n in range(6):
-        bundle.write(tmp_path, incident(tmp_path, f"2026010{n + 1}T000000.000000Z").name, b"x", 3)
+        bundle.write(
+            tmp_path, incident(tmp_path, f"2026010{n + 1}T000000.000000Z").name, b"x", keep=3
+        )
     kept = sorted(os.listdir(tmp_path / bundle.DIR))
     assert kept == [f"incident-2026010{d}T000000.000000Z-stuck.txt" for d in (4, 5, 6)]
 
@@ -95,11 +97,13 @@ def test_after_the_clock_steps_back_the_bundles_written_since_are_the_ones_kept(
     # Three bundles stamped in December, then the clock steps back to January: each new one
     # used to remove the one written just before it, and keep the December ones.
     for h in (0, 1, 2):
-        bundle.write(tmp_path, incident(tmp_path, f"2026120{h + 1}T000000.000000Z").name, b"x", 3)
+        bundle.write(
+            tmp_path, incident(tmp_path, f"2026120{h + 1}T000000.000000Z").name, b"x", keep=3
+        )
     written: list[str] = []
     for h in (1, 2, 3):
         name = incident(tmp_path, f"2026010{h}T000000.000000Z").name
-        bundle.write(tmp_path, name, b"x", 3, tuple(written))
+        bundle.write(tmp_path, name, b"x", keep=3, recent=tuple(written))
         written.append(name)
     assert sorted(os.listdir(tmp_path / bundle.DIR)) == sorted(written)
 
@@ -118,7 +122,7 @@ def test_a_holders_escape_codes_reach_the_file_escaped_never_as_control_characte
 
 
 def test_only_a_regular_file_of_roots_is_named_as_the_newest_bundle(tmp_path: Path) -> None:
-    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", 3)
+    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", keep=3)
     os.mkfifo(tmp_path / bundle.DIR / incident(tmp_path, "20991231T000000.000000Z").name, 0o600)
     assert bundle.newest(tmp_path) == (str(path), 8)  # a FIFO would block a `cat`
 
@@ -126,7 +130,7 @@ def test_only_a_regular_file_of_roots_is_named_as_the_newest_bundle(tmp_path: Pa
 def test_a_bundle_is_root_only_and_never_written_through_a_link_planted_for_its_folder(
     tmp_path: Path,
 ) -> None:
-    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", 3)
+    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", keep=3)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(tmp_path / bundle.DIR).st_mode) == 0o700
     assert bundle.newest(tmp_path) == (str(path), 8)
@@ -138,16 +142,16 @@ def test_a_bundle_is_root_only_and_never_written_through_a_link_planted_for_its_
     elsewhere.mkdir()
     (other / bundle.DIR).symlink_to(elsewhere)
     with pytest.raises(StateError, match="is a symlink"):
-        bundle.write(other, incident(other).name, b"evidence", 3)
+        bundle.write(other, incident(other).name, b"evidence", keep=3)
     assert os.listdir(elsewhere) == []
     # A folder others may write is refused too; a folder others may only read is made root's.
     loose = tmp_path / "loose"
     (loose / bundle.DIR).mkdir(parents=True)
     os.chmod(loose / bundle.DIR, 0o777)
     with pytest.raises(StateError, match="writable by its group or by others"):
-        bundle.write(loose, incident(loose).name, b"evidence", 3)
+        bundle.write(loose, incident(loose).name, b"evidence", keep=3)
     os.chmod(loose / bundle.DIR, 0o755)
-    bundle.write(loose, incident(loose).name, b"evidence", 3)
+    bundle.write(loose, incident(loose).name, b"evidence", keep=3)
     assert stat.S_IMODE(os.stat(loose / bundle.DIR).st_mode) == 0o700
 
 

@@ -327,10 +327,10 @@ def test_a_trace_vllms_user_swaps_before_the_handover_is_never_read_or_handed_ov
             watch = Watch(trace_dir / "b.pt.trace.json")
             c_fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                assert _move_into(traces, "a.pt.trace.json", listed["a.pt.trace.json"], c_fd,
-                                  65534, 65534) == ""  # fmt: skip
-                why = _move_into(traces, "b.pt.trace.json", listed["b.pt.trace.json"], c_fd,
-                                 65534, 65534)  # fmt: skip
+                assert _move_into(traces, "a.pt.trace.json", listed["a.pt.trace.json"], dir_fd=c_fd,
+                                  uid=65534, gid=65534) == ""  # fmt: skip
+                why = _move_into(traces, "b.pt.trace.json", listed["b.pt.trace.json"], dir_fd=c_fd,
+                                 uid=65534, gid=65534)  # fmt: skip
                 assert watch.opened() == []
             finally:
                 watch.close()
@@ -415,8 +415,8 @@ def test_a_link_in_vllms_trace_folder_is_never_read_out_into_the_askers_folder(
     try:
         uid, gid = os.getuid(), os.getgid()
         # Even handed the link's name with a listed identity, nothing is read through it.
-        assert job._move_into(t, "rank0.pt.trace.json", ident, fd, uid, gid) != ""
-        assert job._move_into(t, "rank1.pt.trace.json", ident, fd, uid, gid) == ""
+        assert job._move_into(t, "rank0.pt.trace.json", ident, dir_fd=fd, uid=uid, gid=gid) != ""
+        assert job._move_into(t, "rank1.pt.trace.json", ident, dir_fd=fd, uid=uid, gid=gid) == ""
     finally:
         os.close(fd)
         t.close()
@@ -446,11 +446,11 @@ def test_a_hard_link_to_another_users_file_in_vllms_trace_folder_is_never_given_
     listed = {n: ident for n, (_s, _m, ident) in t.files().items()}
     c_fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        why = _move_into(t, "rank0.pt.trace.json", listed["rank0.pt.trace.json"], c_fd,
-                         4246, 4246)  # fmt: skip
+        why = _move_into(t, "rank0.pt.trace.json", listed["rank0.pt.trace.json"], dir_fd=c_fd,
+                         uid=4246, gid=4246)  # fmt: skip
         assert why.startswith("a file with 2 names (a hard link"), why
-        why = _move_into(t, "rank1.pt.trace.json", listed["rank1.pt.trace.json"], c_fd,
-                         4246, 4246)  # fmt: skip
+        why = _move_into(t, "rank1.pt.trace.json", listed["rank1.pt.trace.json"], dir_fd=c_fd,
+                         uid=4246, gid=4246)  # fmt: skip
         assert why.startswith("owned by uid 4245, not by vLLM's user"), why
     finally:
         t.close()

@@ -23,7 +23,7 @@ lines = []
 def handle(request, conn):
     conn.send(Reply(ok=True, code="status", message="up"))
 server = ControlServer(Path(sys.argv[1]), "nogroup-kimi-test", handle,
-                       lambda event, **kw: lines.append(event))
+                       log=lambda event, **kw: lines.append(event))
 server.{start}()
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))

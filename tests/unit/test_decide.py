@@ -84,7 +84,7 @@ def obs(
 def test_reconcile_decides_from_desired_and_observed_alone(
     desired: Mode, mem: Memory, seen: Observed, now: float, expect: Do
 ) -> None:
-    assert decide(desired, mem, seen, now, health_grace_s=60).do is expect
+    assert decide(desired, mem, seen, now=now, health_grace_s=60).do is expect
 
 
 def test_the_state_file_round_trips_and_a_corrupt_one_is_moved_aside_loudly(
@@ -400,17 +400,33 @@ def test_a_failed_start_rolls_back_once_or_counts_a_failure(
 def test_failures_back_off_doubling_within_the_window_then_fail() -> None:
     clock, seen, waits = 1000.0, (), []  # a fake clock: seconds, advanced by hand
     for _ in range(3):
-        v = policy.after_failure(seen, clock, 60, 4, 5, 300)
+        v = policy.after_failure(
+            seen, clock, 60, max_failures=4, backoff_initial_s=5, backoff_max_s=300
+        )
         assert not v.failed
         waits.append(v.backoff_s)
         seen, clock = v.failures, clock + 10
     assert waits == [5, 10, 20]
-    assert policy.after_failure(seen, clock, 60, 4, 5, 300).failed
+    assert policy.after_failure(
+        seen, clock, 60, max_failures=4, backoff_initial_s=5, backoff_max_s=300
+    ).failed
     # Failures older than the window are forgotten: the count starts again.
-    fresh = policy.after_failure(seen, clock + 61 + 30, 60, 4, 5, 300)
+    fresh = policy.after_failure(
+        seen, clock + 61 + 30, 60, max_failures=4, backoff_initial_s=5, backoff_max_s=300
+    )
     assert not fresh.failed and fresh.failures == (clock + 91,) and fresh.backoff_s == 5
-    assert policy.after_failure((), 0, 60, 10, 5, 12).backoff_s == 5
-    assert policy.after_failure(tuple(range(5)), 5, 60, 10, 5, 12).backoff_s == 12  # capped
+    assert (
+        policy.after_failure(
+            (), 0, 60, max_failures=10, backoff_initial_s=5, backoff_max_s=12
+        ).backoff_s
+        == 5
+    )
+    assert (
+        policy.after_failure(
+            tuple(range(5)), 5, 60, max_failures=10, backoff_initial_s=5, backoff_max_s=12
+        ).backoff_s
+        == 12
+    )  # capped
 
 
 def test_a_stuck_teardown_is_retried_doubling_up_to_the_cap() -> None:
@@ -439,7 +455,10 @@ def test_reconcile_is_asked_for_an_operators_switch_and_reads_force_as_data(
     case: str, mem: Memory, seen: Observed, intent: Intent | None, capture: bool, expect: Do
 ) -> None:
     desired = intent.mode if intent else R
-    assert decide(desired, mem, seen, 1.0, 60, intent, capture).do is expect, case
+    assert (
+        decide(desired, mem, seen, now=1.0, health_grace_s=60, intent=intent, capture=capture).do
+        is expect
+    ), case
 
 
 _FS = policy.AfterFailedStart
@@ -480,7 +499,12 @@ def test_what_follows_a_teardown_follows_its_table(
     attempt: int,
     next_: policy.Next,
 ) -> None:
-    assert policy.after_teardown(purpose, clean, stopping, intent, then, attempt) is next_, case
+    assert (
+        policy.after_teardown(
+            purpose, clean, stopping, intent_pending=intent, then=then, attempt=attempt
+        )
+        is next_
+    ), case
 
 
 @pytest.mark.parametrize(
@@ -503,7 +527,7 @@ def test_timed_profile_mode_ends_as_its_table_says(
     hours: float | None,
     capped: bool,
 ) -> None:
-    e = policy.profile_until(mode, for_s, default_s, max_s, _T0)
+    e = policy.profile_until(mode, for_s, default_s, max_s=max_s, now=_T0)
     got = (e.until - _T0).total_seconds() / 3600 if e.until else None
     assert (got, e.capped) == (hours, capped), case
     if e.until is not None:
@@ -609,9 +633,9 @@ def test_reading_the_newest_lines_of_a_large_history_costs_only_those_lines(
 def test_a_start_job_queued_behind_the_units_dependencies_is_waited_for_not_failed() -> None:
     queued = Observed("inactive", "dead", 0, None, -1, True, job="start")
     mem = Memory(State.STARTING, start_deadline=100)
-    assert decide(P, mem, queued, 0, 60).do is Do.NOTHING
+    assert decide(P, mem, queued, now=0, health_grace_s=60).do is Do.NOTHING
     gone = Observed("inactive", "dead", 0, None, -1, True)
-    assert decide(P, mem, gone, 0, 60).do is Do.START_FAILED
+    assert decide(P, mem, gone, now=0, health_grace_s=60).do is Do.START_FAILED
 
 
 def test_the_eta_is_the_median_of_the_newest_loads_of_the_same_mode_and_argv() -> None:

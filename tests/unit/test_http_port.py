@@ -96,7 +96,13 @@ def _timed(
     url: str, timeout_s: float | None = TIMEOUT_S, method: str = "GET", max_bytes: int = 4096
 ) -> tuple[float, HttpResult]:
     t0 = time.monotonic()
-    r = request(url, method, timeout_s, {"x": 1} if method == "POST" else None, max_bytes)
+    r = request(
+        url,
+        method,
+        timeout_s,
+        json_body={"x": 1} if method == "POST" else None,
+        max_bytes=max_bytes,
+    )
     return time.monotonic() - t0, r
 
 

@@ -193,7 +193,7 @@ def _remove(config: TeardownConfig, owner: Owner) -> tuple[list[str], dict[str, 
         if isinstance(e, LeftoverKept):
             kept[e.path] = e.error
 
-    note = leftovers.remove(config, removed, on_event, owner)
+    note = leftovers.remove(config, removed, on_event, owner=owner)
     return removed, kept, note
 
 

@@ -83,20 +83,26 @@ def test_a_file_is_read_through_to_its_listed_size_and_a_stop_ends_it_between_re
     buffer = bytearray(1024)
     tree, file = listed(f)
     try:
-        assert pagecache.read_through(tree, file, lambda: False, got.append, buffer) == 3 * 1024 + 7
+        assert (
+            pagecache.read_through(tree, file, lambda: False, done=got.append, buffer=buffer)
+            == 3 * 1024 + 7
+        )
         assert got == [1024, 1024, 1024, 7]
         # Grown after it was listed: read only as far as it was then.
         with open(f, "ab") as out:
             out.write(b"z" * 5000)
         small = pagecache.File(file.name, file.rel, safeopen.Identity(file.listed.dev,
                                file.listed.ino, 100))  # fmt: skip
-        assert pagecache.read_through(tree, small, lambda: False, got.append, buffer) == 100
+        assert (
+            pagecache.read_through(tree, small, lambda: False, done=got.append, buffer=buffer)
+            == 100
+        )
         stop = threading.Event()
 
         def done(k: int) -> None:
             stop.set()  # a --force switch arrives during the first read
 
-        assert pagecache.read_through(tree, file, stop.is_set, done, buffer) == 1024
+        assert pagecache.read_through(tree, file, stop.is_set, done=done, buffer=buffer) == 1024
     finally:
         os.close(tree)
 
@@ -109,7 +115,9 @@ def test_a_fifo_put_where_a_file_was_listed_is_refused_at_once(tmp_path: Path) -
         p.unlink()
         os.mkfifo(p)
         with pytest.raises(safeopen.Refused, match="a FIFO"):
-            pagecache.read_through(tree, file, lambda: False, lambda _n: None, bytearray(16))
+            pagecache.read_through(
+                tree, file, lambda: False, done=lambda _n: None, buffer=bytearray(16)
+            )
     finally:
         os.close(tree)
 

@@ -81,7 +81,7 @@ def test_a_counter_that_is_no_count_is_no_reading_never_a_number_told(
 
 def test_each_window_is_a_rate_and_the_line_says_what_the_clients_lost() -> None:
     stall = Stall.of(
-        Sample(0, 0), Sample(10, 1000), Sample(20, 1500), Sample(32, 1500), Sample(42, 2500)
+        (Sample(0, 0), Sample(10, 1000), Sample(20, 1500), Sample(32, 1500), Sample(42, 2500))
     )
     d = stall.as_dict()
     assert d["before"] == {"seconds": 10.0, "tokens_per_s": 100.0}
@@ -97,8 +97,8 @@ def test_each_window_is_a_rate_and_the_line_says_what_the_clients_lost() -> None
 
 def test_failures_count_from_the_profilers_start_to_the_last_reading_of_the_same_vllm() -> None:
     stall = Stall.of(
-        Sample(0, 0), Sample(10, 100, 1, 0), Sample(20, 200, 1, 0), Sample(30, 200, 4, 2),
-        Sample(40, 300, 5, 2),
+        (Sample(0, 0), Sample(10, 100, 1, 0), Sample(20, 200, 1, 0), Sample(30, 200, 4, 2),
+        Sample(40, 300, 5, 2)),
     )  # fmt: skip
     assert (stall.failed, stall.aborted) == (4, 2)
     assert stall.line().endswith("; 4 request(s) failed, 2 given up by their clients")
@@ -108,8 +108,8 @@ def test_a_vllm_restarted_between_two_readings_is_told_by_its_start_time_not_its
     """The new vLLM's counter already past the old one's: only its start time tells."""
     old, new = 1.0e9, 1.0e9 + 700
     stall = Stall.of(
-        Sample(0, 0, started=old), Sample(10, 100, started=old), Sample(40, 140, started=old),
-        Sample(52, 150, started=old), Sample(652, 5000, started=new),
+        (Sample(0, 0, started=old), Sample(10, 100, started=old), Sample(40, 140, started=old),
+        Sample(52, 150, started=old), Sample(652, 5000, started=new)),
     )  # fmt: skip
     after = stall.as_dict()["after"]
     assert after["tokens_per_s"] is None and "started at another time" in after["not_measured"]
@@ -117,16 +117,16 @@ def test_a_vllm_restarted_between_two_readings_is_told_by_its_start_time_not_its
 
 
 def test_abandoned_requests_going_back_is_another_vllm_never_a_negative_count() -> None:
-    stall = Stall.of(Sample(0, 0), Sample(10, 100, 0, 5), Sample(20, 200, 0, 5),
-                     Sample(30, 300, 0, 1), "x")  # fmt: skip
+    stall = Stall.of((Sample(0, 0), Sample(10, 100, 0, 5), Sample(20, 200, 0, 5),
+                     Sample(30, 300, 0, 1), "x"))  # fmt: skip
     assert stall.as_dict()["flush"]["tokens_per_s"] is None
     assert stall.aborted == 0 and "-" not in stall.line()
 
 
 def test_a_window_whose_counters_went_back_is_not_measured_never_a_negative_rate() -> None:
     """Another vLLM answered (a restart in between: the counters start again at 0)."""
-    stall = Stall.of(Sample(0, 0), Sample(10, 1000), Sample(20, 1500), Sample(32, 1500),
-                     Sample(42, 20))  # fmt: skip
+    stall = Stall.of((Sample(0, 0), Sample(10, 1000), Sample(20, 1500), Sample(32, 1500),
+                     Sample(42, 20)))  # fmt: skip
     after = stall.as_dict()["after"]
     assert after["tokens_per_s"] is None and "went back" in after["not_measured"]
     # The failures still count up to the flush's end, the last reading of this vLLM.
@@ -135,8 +135,8 @@ def test_a_window_whose_counters_went_back_is_not_measured_never_a_negative_rate
 
 def test_a_missing_reading_says_why_in_each_window_it_opens_or_closes() -> None:
     stall = Stall.of(
-        "no liveness reading of this vLLM yet", Sample(10, 1000), "/metrics: timed out",
-        Sample(32, 1500), "profiling.stall_after_s is 0",
+        ("no liveness reading of this vLLM yet", Sample(10, 1000), "/metrics: timed out",
+        Sample(32, 1500), "profiling.stall_after_s is 0"),
     )  # fmt: skip
     d = stall.as_dict()
     assert d["before"]["not_measured"] == "no liveness reading of this vLLM yet"
@@ -150,7 +150,7 @@ def test_a_missing_reading_says_why_in_each_window_it_opens_or_closes() -> None:
 
 
 def test_no_reading_after_the_profilers_start_leaves_the_failures_uncounted() -> None:
-    stall = Stall.of(Sample(0, 0), "/metrics: refused", "x", "y", "z")
+    stall = Stall.of((Sample(0, 0), "/metrics: refused", "x", "y", "z"))
     assert stall.failed is None
     assert stall.line().endswith("failed requests not counted (no reading spans the capture)")
 
@@ -171,7 +171,7 @@ def test_a_counter_is_believed_only_within_what_this_vllm_can_do() -> None:
     assert ceiling_of(seen, 7) == MIN_CEILING  # 100 tokens/s: 1000, raised to the floor
     assert ceiling_of([(0.0, 7, 0.0), (1.0, 7, 20_000.0)], 7) == 200_000
     stall = Stall.of(
-        Sample(0, 100), Sample(10, 1100), Sample(20, 1100 + 9_000_000), "x", "y",
+        (Sample(0, 100), Sample(10, 1100), Sample(20, 1100 + 9_000_000), "x", "y"),
         ceiling=ceiling_of(seen, 7),
     )  # fmt: skip
     assert stall.get("recording").tokens_per_s is None
@@ -212,7 +212,7 @@ def test_a_counter_is_believed_only_within_what_a_host_can_do(
 ) -> None:
     readings: list[Sample | str | None] = [Sample(at, tokens) for at, tokens in edges]
     readings += ["not reached"] * (5 - len(readings))
-    stall = Stall.of(*readings)
+    stall = Stall.of(readings)
     assert [w.tokens_per_s is not None for w in stall.windows] == measured
     assert stall.failed == failed
     for w in stall.windows:

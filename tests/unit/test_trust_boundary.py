@@ -237,7 +237,7 @@ def handed_over(h: Host, name: str) -> str:
             return "not listed"
         fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            why = _move_into(t, name, listed[name][2], fd, ASKER_UID, ASKER_UID)
+            why = _move_into(t, name, listed[name][2], dir_fd=fd, uid=ASKER_UID, gid=ASKER_UID)
         finally:
             os.close(fd)
     return "handed over" if not why else "left where it was"
@@ -279,8 +279,8 @@ def sparse_trace_copied_across_file_systems(h: Host) -> str:
             listed = t.files()
             fd = os.open(capture, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                why = _move_into(t, "rank0.pt.trace.json", listed["rank0.pt.trace.json"][2], fd,
-                                 ASKER_UID, ASKER_UID)  # fmt: skip
+                why = _move_into(t, "rank0.pt.trace.json", listed["rank0.pt.trace.json"][2],
+                                 dir_fd=fd, uid=ASKER_UID, gid=ASKER_UID)  # fmt: skip
             finally:
                 os.close(fd)
         assert why == "", why
@@ -615,7 +615,9 @@ def run_capture(h: Host, swap_to: str, out: Path | None) -> tuple[Capture, Confi
             gid=ASKER_UID, mode=Mode.PROFILE, vllm_uid=VLLM_UID,
         )  # fmt: skip
         done = threading.Event()
-        c = Capture(config, spec, lambda _e: None, lambda _c: done.set(), lambda *_a, **_k: None)
+        c = Capture(
+            config, spec, lambda _e: None, lambda _c: done.set(), log=lambda *_a, **_k: None
+        )
         c.start()
         assert done.wait(120), "the capture's end"
         return c, config

@@ -57,14 +57,14 @@ def test_a_unit_whose_user_cannot_be_said_leaves_the_daemons_own_view() -> None:
 
 
 def test_the_warming_reads_the_snapshot_in_vllms_home_by_its_hub_id(tmp_path: Path) -> None:
-    hub_snapshot(tmp_path / ".cache" / "huggingface" / "hub", "moonshotai/Kimi-K2.5", 2, 1)
+    hub_snapshot(tmp_path / ".cache" / "huggingface" / "hub", "moonshotai/Kimi-K2.5", 2, shard_mb=1)
     env, home = warming.vllm_env(Unit({"HOME": str(tmp_path)}, 0), UNIT)
     end = warming.warm(
         WarmConfig(),
         ["vllm", "serve", "moonshotai/Kimi-K2.5"],
         threading.Event(),
-        SystemClock(),
-        lambda _w: None,
+        clock=SystemClock(),
+        report=lambda _w: None,
         env=env,
         home=home,
     )

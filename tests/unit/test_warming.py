@@ -96,10 +96,10 @@ def warm_now(
         WarmConfig(timeout_s=timeout_s, threads=2),
         ["vllm", "serve", str(folder)],
         stop,
-        clock or SystemClock(),
-        report,
-        adopt,
-        lambda: "the daemon is stopping",
+        clock=clock or SystemClock(),
+        report=report,
+        adopt=adopt,
+        why=lambda: "the daemon is stopping",
     )
     return end, time.monotonic() - t0
 
