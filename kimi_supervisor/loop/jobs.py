@@ -9,10 +9,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.policy import Purpose
 from kimi_supervisor.loop import warming
 from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.inbox import JobDone, JobEvent, Message, Warmed
@@ -47,26 +45,14 @@ class Jobs:
         self.s = ctx.s
         self._put = put
 
-    def run(
-        self,
-        purpose: Purpose,
-        reason: str,
-        detail: dict[str, Any] | None = None,
-        cause: str = "",
-        attempt: int = 1,
-        probe: bool = False,
-        warm_argv: list[str] | None = None,
-    ) -> None:
-        """Start a teardown on the job thread; its JobDone comes back through the inbox.
-        `probe`: a vLLM serves until now; /health is asked once more just before the unit's
-        stop, so that its unavailable window opens at its real last answer. `warm_argv`: the
-        next vLLM's argv, whose model files are read into the page cache first, while the old
-        vLLM still serves (loop/warming.py)."""
+    def run(self, job: Job) -> None:
+        """Start `job`'s teardown on the job thread (its warming first, where it has an argv);
+        its JobDone comes back through the inbox."""
         s, ctx = self.s, self.ctx
-        s.job = job = Job(purpose, reason, detail or {}, attempt, cause)
-        put = self._put
+        s.job = job
+        put, warm_argv = self._put, job.warm_argv
         config = ctx.config
-        if cause.startswith(("hung:", "unhealthy:")):
+        if job.cause.startswith(("hung:", "unhealthy:")):
             # A hung vLLM finishes no request: its unit's graceful stop is not waited out.
             grace = min(config.liveness.hang_term_grace_s, config.teardown.term_grace_s)
             config = config.model_copy(
@@ -120,7 +106,7 @@ class Jobs:
                     end = WarmStatus(under_way=False, text=f"nothing warmed: it failed: {e!r}")
                 put(Warmed(end, done=True))
             ok_at = None
-            if probe and http_request(url, timeout_s=PROBE_S, peer_uid=peer_uid).status == 200:
+            if job.probe and http_request(url, timeout_s=PROBE_S, peer_uid=peer_uid).status == 200:
                 ok_at = clock.monotonic()
             began = clock.monotonic()
             try:

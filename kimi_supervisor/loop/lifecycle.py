@@ -80,20 +80,11 @@ class Lifecycle:
             self.ctx.log("state_changed", previous=s.state.value, state=state.value, why=why)
             s.state, s.state_since = state, utcnow()
 
-    def _teardown(
-        self,
-        purpose: Purpose,
-        reason: str,
-        detail: dict[str, Any] | None = None,
-        cause: str = "",
-        attempt: int = 1,
-        probe: bool = False,
-        warm_argv: list[str] | None = None,
-    ) -> None:
+    def _teardown(self, job: Job) -> None:
         """The teardown job started (loop/jobs.py), against a baseline resolved first."""
         if not self.s.baselines:
             boot.resolve_baseline(self.ctx)
-        self.jobs.run(purpose, reason, detail, cause, attempt, probe, warm_argv)
+        self.jobs.run(job)
 
     def follow_output(self) -> None:
         """vLLM's new output lines, read into the load's progress (an event when it moves),
@@ -256,7 +247,7 @@ class Lifecycle:
         # any but STOPPING -> WARMING | TEARING_DOWN | STUCK: a transition begins
         self.set_state(state, reason)
         argv = ctx.config.launch_argv(target) if warm else None
-        self._teardown(Purpose.SWITCH, reason, probe=served and not force, warm_argv=argv)
+        self._teardown(Job(Purpose.SWITCH, reason, probe=served and not force, warm_argv=argv))
 
     def start(self) -> None:
         s, ctx = self.s, self.ctx
@@ -409,7 +400,7 @@ class Lifecycle:
         self.set_state(State.TEARING_DOWN, reason)
         detail = {"reason": reason, "said": said, "more": more, "output_tail": tail}
         why = f"start of {tr.target.value} failed: {reason}"
-        self._teardown(Purpose.START_FAILED, why, detail, cause=reason)
+        self._teardown(Job(Purpose.START_FAILED, why, detail, cause=reason))
 
     def died(self, reason: str) -> None:
         self._lost("vllm_died", reason, reason, f"vLLM died: {reason}", reason, {})
@@ -502,7 +493,7 @@ class Lifecycle:
         # SERVING -> TEARING_DOWN: the vLLM that served died or hung
         self.set_state(State.TEARING_DOWN, what)
         limit = {"hang_limit": seen["hang_limit"]} if "hang_limit" in seen else {}
-        self._teardown(Purpose.DIED, why, {**limit, "seen": seen} if seen else None, cause=cause)
+        self._teardown(Job(Purpose.DIED, why, {**limit, "seen": seen} if seen else {}, cause=cause))
 
     def _recorded(self, tid: str) -> bool:
         """The history holds transition `tid`'s record. One that cannot be read in time says
@@ -531,7 +522,7 @@ class Lifecycle:
         s.transition = tr.model_copy(update={"step": "teardown"})
         # STARTING -> TEARING_DOWN: an intruder on a managed GPU while loading
         self.set_state(State.TEARING_DOWN, reason)
-        self._teardown(Purpose.INTRUSION, reason, {"intrusion": record}, cause=reason)
+        self._teardown(Job(Purpose.INTRUSION, reason, {"intrusion": record}, cause=reason))
 
     def failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
         s, ctx, d = self.s, self.ctx, self.ctx.config.daemon
@@ -727,7 +718,7 @@ class Lifecycle:
         self.set_state(State.STOPPING, "stop requested")
         ctx.notifier.stopping("stopping: tearing vLLM down")
         self.end_transition(False, "stopped", "the daemon is stopping")
-        self._teardown(Purpose.SHUTDOWN, "the supervisor is stopping")
+        self._teardown(Job(Purpose.SHUTDOWN, "the supervisor is stopping"))
 
     # ------------------------------------------------------------------ the teardown job
     def main_exited(self) -> None:
@@ -779,7 +770,7 @@ class Lifecycle:
                 ctx.log("stopped", clean=clean, desired=s.desired.value)
             case Next.SHUTDOWN_AGAIN:
                 ctx.notifier.extend_timeout(shutdown_budget_s(ctx.config))
-                self._teardown(purpose, job.reason, attempt=job.attempt + 1)
+                self._teardown(Job(purpose, job.reason, attempt=job.attempt + 1))
             case Next.STUCK:
                 self.stuck(report, detail)
             case Next.STOPPED:

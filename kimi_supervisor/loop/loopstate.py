@@ -50,6 +50,12 @@ class Job:
     detail: dict[str, Any] = field(default_factory=dict)
     attempt: int = 1
     cause: str = ""  # what went wrong, for the failure that may follow
+    # A vLLM serves until now: /health is asked once more just before the unit's stop, so that
+    # its unavailable window opens at its real last answer.
+    probe: bool = False
+    # The next vLLM's argv, whose model files are read into the page cache first, while the
+    # old vLLM still serves (loop/warming.py).
+    warm_argv: list[str] | None = None
     # Set to stop the warming before its teardown (a --force switch, a stop, the old vLLM's
     # exit), and what set it (said in the warming's end).
     stop_warm: threading.Event = field(default_factory=threading.Event)
