@@ -216,8 +216,8 @@ class Capture:
         config: Config,
         spec: CaptureSpec,
         publish: Callable[[Event | End], None],
-        on_done: Callable[[Capture], None],
         *,
+        on_done: Callable[[Capture], None],
         log: Callable[..., None],
         gpu: GpuPort | None = None,  # the daemon's: the fabric is read from it (fabric.json)
     ) -> None:

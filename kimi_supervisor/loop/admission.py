@@ -276,7 +276,7 @@ class Desk:
             self.ctx.config,
             spec,
             self.ctx.bus.publish,
-            lambda done: put(CaptureDone(done)),  # type: ignore[operator]
+            on_done=lambda done: put(CaptureDone(done)),  # type: ignore[operator]
             log=self.ctx.log,
             gpu=self.ctx.gpu,
         )

@@ -616,7 +616,7 @@ def run_capture(h: Host, swap_to: str, out: Path | None) -> tuple[Capture, Confi
         )  # fmt: skip
         done = threading.Event()
         c = Capture(
-            config, spec, lambda _e: None, lambda _c: done.set(), log=lambda *_a, **_k: None
+            config, spec, lambda _e: None, on_done=lambda _c: done.set(), log=lambda *_a, **_k: None
         )
         c.start()
         assert done.wait(120), "the capture's end"
