@@ -140,22 +140,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                 message=f"cannot listen on {config.metrics.address}:{config.metrics.port}: {e}",
             )
     install_signal_handlers(daemon)
-    try:
-        daemon.loop()
-        if daemon.s.reexec_requested and not daemon.s.stop_requested:
-            emit("reexec", message="re-executing; vLLM keeps running and is adopted")
-            server.close()
-            if metrics is not None:
-                metrics.close()
-            output.close()
-            # Its I/O processes end with their input (a stuck one is left in its scope): the
-            # new image starts its own and reaps what the old one left (reap_leftovers).
-            gpu.close()
-            disk.close()
-            reads.close()
-            bundles.close()
-            reexec(notifier)
-    finally:
+
+    def close() -> None:
+        """Everything the daemon opened. Its I/O processes end with their input (a stuck one
+        is left in its scope): a re-executed image starts its own and reaps what the old one
+        left (reap_leftovers). Closing twice is harmless."""
         server.close()
         if metrics is not None:
             metrics.close()
@@ -164,6 +153,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         disk.close()
         reads.close()
         bundles.close()
+
+    try:
+        daemon.loop()
+        if daemon.s.reexec_requested and not daemon.s.stop_requested:
+            emit("reexec", message="re-executing; vLLM keeps running and is adopted")
+            close()
+            reexec(notifier)
+    finally:
+        close()
     return Exit.OK if daemon.s.stopped_clean else Exit.FAILED
 
 
