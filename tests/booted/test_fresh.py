@@ -99,8 +99,8 @@ def test_the_readmes_test_command_then_passes_there(
     h, env = fresh
     out = as_root(h, env, f'PYTEST_ADDOPTS="{SAMPLE}" ./dev test', 1200)
     assert "All checks passed" in out  # ruff
-    # The sample's size grows with the suite (9 on 2026-12-03): at least the 8 it began with,
-    # and none failed.
-    passed = re.findall(r"\b(\d+) passed", out)
-    assert passed and int(passed[-1]) >= 8, out[-3000:]
+    # The sample's size grows with the suite (13 on 2026-12-07, in two sessions: the unit tier's
+    # terminal tests, then the rest): at least the 8 it began with, and none failed.
+    passed = sum(int(n) for n in re.findall(r"\b(\d+) passed", out))
+    assert passed >= 8, out[-3000:]
     assert not re.search(r"\b\d+ (failed|errors?)\b", out), out[-3000:]
