@@ -428,16 +428,16 @@ class Judge:
             # and the one before the oldest kept: a link's rate needs it
             first = next(i for i, (t, _g) in enumerate(self.gpus) if t >= keep)
             del self.gpus[: max(first - 1, 0)]
-            said = set(gpu_states(self.gpus).values()) - {"unread"}
-            if "spin" in said and "work" not in said:
+            said = set(gpu_states(self.gpus).values())
+            if "work" in said or (said == {"quiet"}):  # at work, or every GPU read idle
+                self._spin_ended()
+            elif "spin" in said:
                 # A GPU idle beside spinning ones is the hang's shape, not work: the ranks that
                 # entered a collective spin in it, one that never arrived (blocked in its host
                 # code) leaves its GPU idle.
                 self.spin_since = self.spin_since or now
                 self.spin_read += 1
-            elif said:
-                self._spin_ended()
-            elif self.spin_since is not None:
+            elif self.spin_since is not None:  # the spinning GPUs unread: it says nothing
                 self.spin_unread += 1
 
     def _spin_ended(self) -> None:
@@ -630,6 +630,7 @@ class Judge:
         while the canary waited; `gpu`: the managed GPUs' counters (None: not read with this
         reading). Returns the verdict, or None."""
         self.metrics = metrics
+        self.capture_counters = None  # a capture's counters are compared within it alone
         if self.progress_at is None:
             self.progress(now, cpu)
             self.alive_at = now
@@ -643,6 +644,7 @@ class Judge:
                 self.progress(now, cpu)
             if moved:
                 self.alive_at = before if before is not None else now
+                self._spin_ended()  # a step: whatever the GPUs read, the engine works
             self.counters = work.counters()
         if canary is not None and canary[0]:
             self.progress(now, cpu)  # an answer is progress

@@ -272,9 +272,9 @@ CASES = {
     "a collective stuck during a capture, some GPU readings failing, is hung at the bound": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("work") if t < 75 else "NVML: timed out" if int(t // 15) % 8 == 0
-             else gpus("spin", "unread") if int(t // 15) % 2 else gpu("spin"),
+             else gpus("unread", "idle") if int(t // 15) % 4 == 1 else gpus("spin", "idle"),
              capturing=lambda t: t > 60),
-        (675, 705), "read in 36 of 41 readings"),
+        (675, 705), "read in 26 of 41 readings"),
     "a capture's flush whose GPUs spin in fewer than half the readings is no verdict": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
