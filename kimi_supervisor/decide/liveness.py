@@ -410,6 +410,7 @@ class Judge:
     spin_unread: int = 0
     # The work counters during a capture: a step while the GPUs spin ends the spin.
     capture_counters: tuple[float | None, float | None, float] | None = None
+    captured_at: float | None = None  # a capture's last reading
 
     def progress(self, now: float, cpu: Cpu | None) -> None:
         self.progress_at, self.cpu_at_progress = now, cpu
@@ -487,7 +488,7 @@ class Judge:
         why = self.cpu_signal(base, cpu)
         spun = self._spun(now)
         self.progress(now, cpu)
-        self.counters = None
+        self.counters, self.captured_at = None, now
         # A doubt's clock starts again after the capture too: its flush may hold the engine,
         # busy, for as long as it takes (else the bound after it would be stall_s).
         self.doubt, self.doubt_since, self.unanswered_since = "", None, None
@@ -591,7 +592,10 @@ class Judge:
         start = self.doubt_since
         if self.unanswered_since is None:
             start = min(start, self.alive_at)
-        lasted = now - start
+        # ...and never from before a capture's last reading: its flush may have held the engine
+        # busy for as long as it took, a doubt before it (a long prefill) shortening the bound
+        # after it to stall_s (an outside review).
+        lasted = now - max(start, self.captured_at or start)
         if lasted < self.hang_bound_s:
             return None
         work = self._real_work(now)

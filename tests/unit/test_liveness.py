@@ -251,6 +251,12 @@ CASES = {
              if t < 600 else engine(t, (SPIN * t, 0.0)) | {MAIN: (1, "", 300.0, 300.0)},
              gpus=lambda t: gpu("spin")),
         (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
+    "an engine busy on its CPU alone right after a long capture is bounded from the capture": (
+        # a doubt before the capture (a prefill at work) does not shorten the bound after it
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("work") if t < 1000 else gpu("idle"),
+             capturing=lambda t: 200 <= t < 1000, until=2000),
+        (1590, 1605), "the engine busy for 600 s"),
     "one NVML reading in eight failing on a spinning hang is hung at the bound": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: "NVML: timed out" if int(t // 15) % 8 == 0 else gpu("spin")),
