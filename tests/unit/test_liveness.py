@@ -266,6 +266,10 @@ CASES = {
              gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
              until=1485),
         None, "but GPU 0's counters were read in 3 of the 9 readings of the last 120 s"),
+    "a spinning hang whose NVML stopped answering before the bound is a doubt, never idle": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin") if t <= 600 else "NVML: timed out", until=900),
+        None, "but the GPUs' counters could not be read (NVML: timed out)"),
     "a spinning hang whose NVLink counter was reset is hung at the bound": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin", nvlink_kib=5e5 if t < 600 else 0.0)),
