@@ -466,7 +466,12 @@ class Judge:
         return base
 
     def capturing(
-        self, now: float, cpu: Cpu | None, gpu: GpuReading | None = None, work: Work | None = None
+        self,
+        now: float,
+        cpu: Cpu | None,
+        gpu: GpuReading | None = None,
+        *,
+        work: Work | None = None,
     ) -> Hang | None:
         """A capture starts, records or flushes: its flush may hold the engine, busy, for as
         long as `profiling.flush_timeout_s`, so the stall starts again. But not what no flush

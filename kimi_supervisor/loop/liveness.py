@@ -422,7 +422,7 @@ class Liveness:
         if reading.canary is not None:
             self._next_canary = now + c.canary_interval_s
         if capturing:
-            hang = self.judge.capturing(now, reading.cpu, reading.gpu, reading.work)
+            hang = self.judge.capturing(now, reading.cpu, reading.gpu, work=reading.work)
         elif (sent := reading.canary) is None:
             hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu,
                                    gpu=reading.gpu)  # fmt: skip

@@ -128,7 +128,7 @@ def _py_spy(spy: str, pid: int, timeout_s: float) -> str | None:
     return text if proc.returncode == 0 else f"(py-spy failed: {text[-500:]})"
 
 
-def _py_spy_of(spy: str, ref: processes.ProcessRef | None, pid: int, deadline: float) -> str:
+def _py_spy_of(spy: str, pid: int, deadline: float, *, ref: processes.ProcessRef | None) -> str:
     """py-spy's dump of `pid` within PY_SPY_S and `deadline`, if it is still the process
     listed (`ref`), or why not."""
     left = min(PY_SPY_S, deadline - time.monotonic())
@@ -171,7 +171,9 @@ def dump(pids: Sequence[int], deadline: float) -> str:
     python: dict[int, str] = {}
     if spy is not None and kernel:
         with ThreadPoolExecutor(PY_SPY_PARALLEL, thread_name_prefix="stacks-py-spy") as pool:
-            done = {pid: pool.submit(_py_spy_of, spy, listed[pid], pid, deadline) for pid in kernel}
+            done = {
+                pid: pool.submit(_py_spy_of, spy, pid, deadline, ref=listed[pid]) for pid in kernel
+            }
         python = {pid: f.result() for pid, f in done.items()}
     for pid, head in heads.items():
         if pid not in kernel:

@@ -115,7 +115,7 @@ def walk(case: Case) -> tuple[float | None, Hang | None, str]:
         work = None if pending is None else Work(pending, case.tokens(t), steps=case.tokens(t))
         metrics = "ok" if work is not None else "absent"
         if case.capturing(t):
-            hang = judge.capturing(t, cpu(t), case.gpus(t), work)
+            hang = judge.capturing(t, cpu(t), case.gpus(t), work=work)
         else:
             hang = judge.seen(t, work, metrics, cpu(t), gpu=case.gpus(t))
             idle = pending is None or pending <= 0
