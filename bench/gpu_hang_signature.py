@@ -10,7 +10,8 @@ runs, one at a time and each in a process of its own, the shapes that matter:
   host thread in `torch.cuda.synchronize()` behind it;
 - poll_device_flag: a kernel that polls a flag in device memory that is never set (a stuck
   collective's wait on its peer's flag, as NCCL's and vLLM's custom all-reduce do);
-- poll_host_flag: the same, polling a flag in mapped, pinned host memory (a proxy's flag);
+- poll_host_flag: the same, polling a flag in mapped, pinned host memory (a proxy's flag),
+  through its host pointer (unified addressing); skipped, saying why, on a GPU without it;
 - decode_like: small bf16 GEMMs (batch 16, hidden 7168) and all-reduce-sized copies, back to
   back, as a decode step;
 - big_gemm: 8192^3 bf16 products;
@@ -25,7 +26,8 @@ to stdout.
 
     python3 -m bench.gpu_hang_signature --out $OUT/gpu-hang-signature.json   # on the GPU host
 
-Needs torch, cupy and nvidia-ml-py (all on the lent GPU host). Every process it starts is its
+Needs torch and nvidia-ml-py; the polling shapes need cupy too, and are skipped, saying why,
+where it is missing (all three are on the lent GPU host). Every process it starts is its
 own and is ended (by its PID) before the next shape starts; the GPU is never reset.
 """
 
@@ -65,7 +67,11 @@ elif shape == "spin_sleep":
         torch.cuda._sleep(int(20 * 2e9))
         torch.cuda.synchronize()
 elif shape in ("poll_device_flag", "poll_host_flag"):
-    import cupy as cp
+    try:
+        import cupy as cp
+    except ImportError as e:
+        print(f"skip: cupy is not installed ({e}): it compiles the polling kernel", flush=True)
+        sys.exit(0)
     src = r'''
     extern "C" __global__ void poll(volatile int* flag, int* out) {
         while (*flag == 0) { }
@@ -77,12 +83,22 @@ elif shape in ("poll_device_flag", "poll_host_flag"):
         flag = cp.zeros(1, dtype=cp.int32)
         ptr = flag
     else:
-        # cudaHostAllocMapped (2): host memory the kernel reads across PCIe.
-        hptr = cp.cuda.runtime.hostAlloc(4, 2)
+        # Host memory the kernel reads across PCIe, as a proxy's flag. With unified addressing
+        # (every 64-bit Linux host of a Hopper) a pinned host allocation is mapped into every
+        # device at the same address as on the host (CUDA Runtime API, "Unified Addressing"): the
+        # host pointer is the device's, no cudaHostGetDevicePointer (which the GPU image's cupy
+        # lacks) needed. cudaHostAllocMapped (2) asks for the mapping all the same.
+        dev_id = cp.cuda.Device().id
+        unified = getattr(cp.cuda.runtime, "cudaDevAttrUnifiedAddressing", 41)
+        uva = cp.cuda.runtime.deviceGetAttribute(unified, dev_id)
+        if not uva:
+            print("skip: this GPU has no unified addressing: a mapped host pointer is not the "
+                  "device's", flush=True)
+            sys.exit(0)
         import ctypes
+        hptr = cp.cuda.runtime.hostAlloc(4, 2)  # kept until the process is killed
         ctypes.memset(hptr, 0, 4)
-        dptr = cp.cuda.runtime.hostGetDevicePointer(hptr, 0)
-        mem = cp.cuda.UnownedMemory(dptr, 4, None)
+        mem = cp.cuda.UnownedMemory(hptr, 4, None, dev_id)
         ptr = cp.ndarray((1,), dtype=cp.int32, memptr=cp.cuda.MemoryPointer(mem, 0))
     kern((1,), (1,), (ptr, out))
     ready()
@@ -275,6 +291,9 @@ def measure(nvml: Nvml, shape: str, seconds: float, interval_s: float, settle_s:
     try:
         assert p.stdout is not None
         line = p.stdout.readline().strip()
+        if line.startswith("skip: "):  # what this host lacks for the shape, said by the child
+            print(f"{shape}: skipped: {line[6:]}", file=sys.stderr, flush=True)
+            return {"shape": shape, "skipped": line[6:]}
         if line != "ready":
             err = p.stderr.read() if p.stderr else ""
             return {"shape": shape, "error": f"child did not start: {line!r} {err[-2000:]}"}
@@ -305,8 +324,9 @@ def table(results: list[dict[str, Any]]) -> str:
             "gpm_dram_bw_util", "gpm_any_tensor_util"]  # fmt: skip
     lines = ["shape | " + " | ".join(cols) + " | host CPU (cores)"]
     for r in results:
-        if "error" in r:
-            lines.append(f"{r['shape']} | error: {r['error'][:200]}")
+        if "error" in r or "skipped" in r:
+            why = f"error: {r['error'][:200]}" if "error" in r else f"skipped: {r['skipped']}"
+            lines.append(f"{r['shape']} | {why}")
             continue
         cells = []
         for c in cols:

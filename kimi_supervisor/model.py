@@ -326,6 +326,21 @@ class GpuHealth:
 
 
 @dataclass(frozen=True)
+class ProcessTimes:
+    """One process's CPU times at one moment (/proc/PID/stat): seconds, all its threads."""
+
+    pid: int
+    start_ticks: int  # with `pid`, the process's identity (a PID is reused)
+    ppid: int
+    state: str  # R, S, D, T, t, Z...
+    cpu_s: float  # user and system, its own and its reaped children's (utime..cstime)
+    # Its children's that it has waited for (cutime + cstime) alone: a child that ended (a
+    # compiler run per kernel) moves its whole time here when it is reaped. A process that
+    # merely spins never grows it.
+    reaped_s: float
+
+
+@dataclass(frozen=True)
 class GpuActivity:
     """One GPU's own counters at one moment (NVML), read by the liveness probe: what tells a
     kernel that spins on a flag (a collective stuck on the GPU: busy, no memory traffic, idle

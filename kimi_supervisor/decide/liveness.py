@@ -35,7 +35,7 @@ one of them from outside vLLM's HTTP server:
 |---|---|
 | a capture starts, records or flushes | none (the stall counts again from its end), unless: |
 | ... one of vLLM's processes stopped on the serving path for `stall_s` | hung |
-| ... every GPU reading a kernel that spins for `hang_bound_s` (a flush runs none) | hung |
+| ... the GPUs read showing a kernel that spins (others idle) for `hang_bound_s`, no step | hung |
 | work pending, counters still for `stall_s`, CPU flat or a process stopped | hung |
 | work pending, counters still for `stall_s`, CPU busy (a long step, a flush) | a doubt |
 | nothing pending (counters' idle) | not hung (the canary judges) |
@@ -43,10 +43,10 @@ one of them from outside vLLM's HTTP server:
 | canary unanswered, the engine busy, or its API servers at a quarter core (once) | a doubt |
 | canary answered, even with an error | not hung (an error is warned of) |
 | a doubt for `hang_bound_s`, and over the last `stall_s`: | |
-| ... no helper's CPU, the GPUs read with no memory or link traffic | hung |
-| ... a helper (a JIT compiler) used CPU | a doubt |
+| ... no helper's or ended child's CPU, the GPUs read with no memory or link traffic | hung |
+| ... a helper (a JIT compiler, a worker's fork) or a child that ended used CPU | a doubt |
 | ... a GPU showed memory or link traffic | a doubt |
-| ... a GPU counter unread (no NVML, an error, not supported) | a doubt |
+| ... a GPU unread in this reading or in over half the window's (no NVML, an error) | a doubt |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
 | the engine's processes unreadable | no CPU signal: never hung |
@@ -59,10 +59,15 @@ a kernel that spins or polls a flag in device memory reads util.gpu 100 %, util.
 PCIe at the idle level; every shape of work moved memory or PCIe: MEMORY_BUSY_PCT,
 PCIE_BUSY_MB_S), and real work that no step shows holds it off: a
 helper process of vLLM's that has none of its roles using CPU (FlashInfer's JIT compile runs up
-to 10 minutes in ninja and nvcc), or memory or link traffic on a GPU. A counter not read is
-never "idle": no verdict by the bound then. The last proof of progress (a counter that moved, a
-canary answered) is when a hang's unavailable window starts; "nothing pending" is no proof: a
-frozen engine's gauges are frozen.
+to 10 minutes in ninja and nvcc; a fork of a worker keeping its title), children of vLLM's
+processes that ended meanwhile (a compiler run per kernel: their time is in their parent's
+reaped children's, `reaped_used`), or memory or link traffic on a GPU. A counter not read is
+never "idle": the bound judges on the readings that exist, each GPU read in at least half the
+window's readings and in the last one; with none, no verdict by the bound. During a capture,
+the GPUs read are judged: a GPU idle beside spinning ones is a rank that never reached the
+collective (the hang's shape); a flush leaves every GPU idle. The last proof of progress (a
+counter that moved, a canary answered) is when a hang's unavailable window starts; "nothing
+pending" is no proof: a frozen engine's gauges are frozen.
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kimi_supervisor.model import GpuActivity
+from kimi_supervisor.model import GpuActivity, ProcessTimes
 
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
@@ -154,6 +159,9 @@ class Cpu:
     # cc; the resource tracker), each (PID, comm, CPU time): real work that no engine step
     # shows, which the bound on a doubt (`Judge.hang_bound_s`) waits for.
     helpers: tuple[tuple[int, str, float], ...] = ()
+    # Each process's times (its identity, parent, CPU, its reaped children's): what its
+    # children that ended between two readings used (`reaped_used`).
+    tree: tuple[ProcessTimes, ...] = ()
 
 
 def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
@@ -199,6 +207,40 @@ def helpers_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
         f" and {len(used) - 3} more" if len(used) > 3 else ""
     )
     return sum(d for d, _who in used), named
+
+
+def reaped_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
+    """The CPU seconds that children of vLLM's processes used from `base` to `cpu` and that
+    ended meanwhile, their time reaped into their parent's (cutime and cstime): a JIT compile as
+    a compiler run per kernel spawned straight from a worker (Triton's ptxas, a C++ extension
+    built without ninja), each ending between two readings, that no helper reading sees. With
+    the parents that reaped the most named; (0, "") where either is unread.
+
+    Only what was used after `base`: a process of the tree seen at `base` that has ended since
+    (a helper that lived for hours, a worker) brings its whole life's time into its parent's,
+    and what it had used by `base` is taken away again from the nearest of its ancestors seen at
+    both ends. A process that merely spins never grows its reaped time, whatever it spins on."""
+    if base is None or cpu is None:
+        return 0.0, ""
+    was = {(t.pid, t.start_ticks): t for t in base.tree}
+    now = {(t.pid, t.start_ticks): t for t in cpu.tree}
+    by_pid = {t.pid: key for key, t in was.items()}
+    owed: dict[tuple[int, int], float] = {}
+    for key, t in was.items():
+        if key in now:
+            continue
+        up, seen = by_pid.get(t.ppid), 0
+        while up is not None and up not in now and seen < len(was):  # its nearest ancestor kept
+            up, seen = by_pid.get(was[up].ppid), seen + 1
+        if up is not None and up in now:
+            owed[up] = owed.get(up, 0.0) + t.cpu_s
+    used = []
+    for key, t in now.items():
+        grew = t.reaped_s - (was[key].reaped_s if key in was else 0.0) - owed.get(key, 0.0)
+        if grew > 0:
+            used.append((grew, f"PID {t.pid}: {grew:.1f} s"))
+    used.sort(reverse=True)
+    return sum(d for d, _who in used), ", ".join(who for _d, who in used[:3])
 
 
 # The GPU's own counters (model.GpuActivity) that tell a kernel spinning on a flag never set (a
@@ -248,19 +290,44 @@ def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
 GpuReading = tuple[GpuActivity, ...] | str  # the managed GPUs' counters, or why none
 
 
-def nvlink_rates(
-    before: tuple[float, GpuReading] | None, now: tuple[float, GpuReading]
-) -> dict[int, float]:
-    """Each GPU's NVLink traffic (MB/s) between two readings, where both read it."""
-    if before is None or isinstance(before[1], str) or isinstance(now[1], str):
+def nvlink_rates(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, float]:
+    """Each GPU's NVLink traffic (MB/s) at the last of `readings` (oldest first), from the
+    newest one before it that read that GPU's links: a reading that failed between is passed
+    over. None for a GPU whose counter went back (reset, wrapped): that reading is unread."""
+    t, now = readings[-1]
+    if isinstance(now, str):
         return {}
-    took = now[0] - before[0]
-    was = {g.index: g.nvlink_kib for g in before[1]}
     out = {}
-    for g in now[1]:
-        k0 = was.get(g.index)
-        if took > 0 and g.nvlink_kib is not None and k0 is not None and g.nvlink_kib >= k0:
-            out[g.index] = (g.nvlink_kib - k0) * 1.024 / took
+    for g in now:
+        if g.nvlink_kib is None:
+            continue
+        for t0, r in reversed(readings[:-1]):
+            k0 = (
+                None
+                if isinstance(r, str)
+                else next((x.nvlink_kib for x in r if x.index == g.index), None)
+            )
+            if k0 is None:
+                continue
+            if t > t0 and g.nvlink_kib >= k0:
+                out[g.index] = (g.nvlink_kib - k0) * 1.024 / (t - t0)
+            break
+    return out
+
+
+def gpu_states(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, str]:
+    """What each GPU of the last of `readings` shows: "work" (memory or link traffic), "spin"
+    (busy, SPIN_GPU_PCT, no traffic: a kernel polling a flag never set), "quiet" (no traffic,
+    not busy: idle), or "unread" (a counter not read: never "idle"). Empty where it failed."""
+    _t, now = readings[-1]
+    if isinstance(now, str):
+        return {}
+    rates = nvlink_rates(readings)
+    out = {}
+    for g in now:
+        work = gpu_work(g, rates.get(g.index))
+        busy = g.util_gpu is not None and g.util_gpu >= SPIN_GPU_PCT
+        out[g.index] = "unread" if work is None else "work" if work else "spin" if busy else "quiet"
     return out
 
 
@@ -335,8 +402,15 @@ class Judge:
     api_held = 0  # canaries in a row held, it seemed, behind busy API servers (API_HELD_CANARIES)
     samples: list[tuple[float, Cpu]] = field(default_factory=list)  # the engine's CPU, in time
     gpus: list[tuple[float, GpuReading]] = field(default_factory=list)  # the GPUs', in time
-    # Since when every managed GPU has read a kernel spinning (SPIN_GPU_PCT, no traffic).
+    # Since when the GPUs read have shown a kernel spinning (gpu_states: "spin" on one at
+    # least, none at work), and in how many readings since they were read and not (a reading
+    # that failed, or read no GPU, neither starts nor ends it).
     spin_since: float | None = None
+    spin_read: int = 0
+    spin_unread: int = 0
+    # The work counters during a capture: a step while the GPUs spin ends the spin.
+    capture_counters: tuple[float | None, float | None, float] | None = None
+    captured_at: float | None = None  # a capture's last reading
 
     def progress(self, now: float, cpu: Cpu | None) -> None:
         self.progress_at, self.cpu_at_progress = now, cpu
@@ -351,25 +425,36 @@ class Judge:
             self.samples.append((now, cpu))
             self.samples = [(t, c) for t, c in self.samples if t >= keep]
         if gpu is not None:
-            before = self.gpus[-1] if self.gpus else None
             self.gpus.append((now, gpu))
             # and the one before the oldest kept: a link's rate needs it
             first = next(i for i, (t, _g) in enumerate(self.gpus) if t >= keep)
             del self.gpus[: max(first - 1, 0)]
-            spin = self._spinning(before, (now, gpu))
-            self.spin_since = (self.spin_since or now) if spin else None
+            said = set(gpu_states(self.gpus).values())
+            if "work" in said or (said == {"quiet"}):  # at work, or every GPU read idle
+                self._spin_ended()
+            elif "spin" in said:
+                # A GPU idle beside spinning ones is the hang's shape, not work: the ranks that
+                # entered a collective spin in it, one that never arrived (blocked in its host
+                # code) leaves its GPU idle.
+                self.spin_since = self.spin_since or now
+                self.spin_read += 1
+            elif self.spin_since is not None:  # the spinning GPUs unread: it says nothing
+                self.spin_unread += 1
 
-    @staticmethod
-    def _spinning(before: tuple[float, GpuReading] | None, now: tuple[float, GpuReading]) -> bool:
-        """Every managed GPU reads a kernel that spins: busy, no memory or link traffic."""
-        if isinstance(now[1], str) or not now[1]:
-            return False
-        rates = nvlink_rates(before, now)
-        return all(
-            g.util_gpu is not None
-            and g.util_gpu >= SPIN_GPU_PCT
-            and gpu_work(g, rates.get(g.index)) is False
-            for g in now[1]
+    def _spin_ended(self) -> None:
+        self.spin_since, self.spin_read, self.spin_unread = None, 0, 0
+
+    def _spun(self, now: float) -> bool:
+        """The GPUs read have spun for hang_bound_s, read in at least half the readings since
+        and in this one."""
+        return (
+            self.hang_bound_s > 0
+            and self.spin_since is not None
+            and now - self.spin_since >= self.hang_bound_s
+            and self.spin_read >= self.spin_unread
+            and bool(self.gpus)
+            and self.gpus[-1][0] == now
+            and "spin" in gpu_states(self.gpus).values()
         )
 
     def _base(self, since: float, now: float) -> Cpu | None:
@@ -380,12 +465,24 @@ class Judge:
                 base = c
         return base
 
-    def capturing(self, now: float, cpu: Cpu | None, gpu: GpuReading | None = None) -> Hang | None:
+    def capturing(
+        self,
+        now: float,
+        cpu: Cpu | None,
+        gpu: GpuReading | None = None,
+        *,
+        work: Work | None = None,
+    ) -> Hang | None:
         """A capture starts, records or flushes: its flush may hold the engine, busy, for as
         long as `profiling.flush_timeout_s`, so the stall starts again. But not what no flush
         does: one of vLLM's processes stopped on the serving path over the last stall_s, or
-        every GPU reading a kernel that spins for `hang_bound_s` (a flush runs no kernel):
-        the verdict, as without a capture."""
+        the GPUs read showing a kernel that spins for `hang_bound_s` (a flush runs no kernel:
+        its GPUs read idle) with no engine step meanwhile (`work`, where its counters are
+        read): the verdict, as without a capture."""
+        if work is not None:
+            if self.capture_counters not in (None, work.counters()):
+                self._spin_ended()  # a step: whatever the GPUs read, the engine works
+            self.capture_counters = work.counters()
         self._keep(now, cpu, gpu)
         if self.alive_at is None:
             self.alive_at = now
@@ -394,10 +491,9 @@ class Judge:
             if t <= now - self.stall_s:
                 base = c
         why = self.cpu_signal(base, cpu)
-        spun = self.spin_since is not None and self.hang_bound_s > 0
-        spun = spun and now - (self.spin_since or now) >= self.hang_bound_s
+        spun = self._spun(now)
         self.progress(now, cpu)
-        self.counters = None
+        self.counters, self.captured_at = None, now
         # A doubt's clock starts again after the capture too: its flush may hold the engine,
         # busy, for as long as it takes (else the bound after it would be stall_s).
         self.doubt, self.doubt_since, self.unanswered_since = "", None, None
@@ -411,10 +507,13 @@ class Judge:
         else:
             said = self._gpus_said()
             evidence["gpus"] = said
+            readings = self.spin_read + self.spin_unread
             reason = (
-                f"a capture is under way, and every GPU has read a kernel that spins (busy, no "
-                f"memory or link traffic) for {now - (self.spin_since or now):.0f} s "
-                f"(liveness.hang_bound_s = {self.hang_bound_s:g} s): {'; '.join(said)}"
+                f"a capture is under way, and the GPUs read have shown a kernel that spins (busy, "
+                f"no memory or link traffic; any other idle, as a rank that never reached the "
+                f"collective) for {now - (self.spin_since or now):.0f} s, read in "
+                f"{self.spin_read} of {readings} readings, with no engine step (liveness."
+                f"hang_bound_s = {self.hang_bound_s:g} s): {'; '.join(said)}"
             )
         assert self.alive_at is not None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
@@ -424,41 +523,67 @@ class Judge:
         """The GPUs' newest reading in words."""
         if not self.gpus:
             return ["not read"]
-        before = self.gpus[-2] if len(self.gpus) > 1 else None
-        t, g = self.gpus[-1]
+        _t, g = self.gpus[-1]
         if isinstance(g, str):
             return [f"no reading: {g}"]
-        rates = nvlink_rates(before, (t, g))
+        rates = nvlink_rates(self.gpus)
         return [gpu_said(x, rates.get(x.index)) for x in g]
+
+    def _cpu_work(self, now: float) -> tuple[float, str]:
+        """The CPU that vLLM's helpers (a JIT compiler) and its processes' children that ended
+        meanwhile (a compiler run per kernel) used over the last stall_s, and who."""
+        cpu = self.samples[-1][1] if self.samples else None
+        base = self._base(0.0, now)
+        helpers, who = helpers_used(base, cpu)
+        reaped, parents = reaped_used(base, cpu)
+        said = [who] if who else []
+        said += [f"children that ended, reaped by {parents}"] if parents else []
+        return helpers + reaped, "; ".join(said)
 
     def _real_work(self, now: float) -> str:
         """Why vLLM may be at real work that no step shows, over the last stall_s: a helper
-        (a JIT compiler) using CPU, the GPUs' counters showing traffic, or not read at all
-        (no reading is never idle); "" if none."""
-        cpu = self.samples[-1][1] if self.samples else None
-        used, who = helpers_used(self._base(0.0, now), cpu)
+        (a JIT compiler) or a child that ended using CPU, the GPUs' counters showing traffic in
+        a reading, or too few of them read (not in this reading, or a GPU in fewer than half of
+        the window's: no reading is never idle); "" if none."""
+        used, who = self._cpu_work(now)
         if used >= self.cpu_idle_fraction * self.stall_s:
             return (
-                f"vLLM's helper process(es) used {used:.1f} s of CPU in {self.stall_s:g} s ({who})"
+                f"vLLM's helpers and ended children used {used:.1f} s of CPU in "
+                f"{self.stall_s:g} s ({who})"
             )
-        window = [(i, r) for i, r in enumerate(self.gpus) if r[0] >= now - self.stall_s]
-        if not window or window[-1][1][0] != now:
+        window = [i for i, r in enumerate(self.gpus) if r[0] >= now - self.stall_s]
+        if not window or self.gpus[window[-1]][0] != now:
             return "the GPUs' counters were not read with this reading"
-        for i, (t, g) in window:
-            if isinstance(g, str):
-                return f"the GPUs' counters could not be read ({g})"
-            if not g:
-                return "the GPUs' counters could not be read (no managed GPU)"
-            rates = nvlink_rates(self.gpus[i - 1] if i else None, (t, g))
-            for x in g:
-                work = gpu_work(x, rates.get(x.index))
-                if work is None:
-                    return (
-                        f"the GPUs' counters could not be read ({gpu_said(x, rates.get(x.index))})"
-                    )
-                if work:
-                    return f"the GPU works ({gpu_said(x, rates.get(x.index))})"
+        _t, latest = self.gpus[-1]
+        if isinstance(latest, str):
+            return f"the GPUs' counters could not be read ({latest})"
+        if not latest:
+            return "the GPUs' counters could not be read (no managed GPU)"
+        read: dict[int, int] = {}
+        for i in window:
+            for index, state in gpu_states(self.gpus[: i + 1]).items():
+                if state == "work":
+                    return f"the GPU works ({self._said_at(i, index)})"
+                read[index] = read.get(index, 0) + (state != "unread")
+        states = gpu_states(self.gpus)
+        for g in latest:
+            if states[g.index] == "unread":
+                return f"the GPUs' counters could not be read ({self._said_at(-1, g.index)})"
+            if 2 * read[g.index] < len(window):
+                return (
+                    f"GPU {g.index}'s counters were read in {read[g.index]} of the "
+                    f"{len(window)} readings of the last {self.stall_s:g} s (fewer than half)"
+                )
         return ""
+
+    def _said_at(self, i: int, index: int) -> str:
+        """GPU `index` of reading `i` in words."""
+        upto = self.gpus[: i + 1] if i >= 0 else self.gpus
+        _t, g = upto[-1]
+        assert not isinstance(g, str)
+        rates = nvlink_rates(upto)
+        x = next(x for x in g if x.index == index)
+        return gpu_said(x, rates.get(index))
 
     def _bounded(self, now: float, why: str, evidence: dict[str, Any]) -> Hang | None:
         """The doubt standing since `doubt_since` (work waiting, no step, the engine busy):
@@ -472,12 +597,14 @@ class Judge:
         start = self.doubt_since
         if self.unanswered_since is None:
             start = min(start, self.alive_at)
-        lasted = now - start
+        # ...and never from before a capture's last reading: its flush may have held the engine
+        # busy for as long as it took, a doubt before it (a long prefill) shortening the bound
+        # after it to stall_s (an outside review).
+        lasted = now - max(start, self.captured_at or start)
         if lasted < self.hang_bound_s:
             return None
         work = self._real_work(now)
-        cpu = self.samples[-1][1] if self.samples else None
-        used, who = helpers_used(self._base(0.0, now), cpu)
+        used, who = self._cpu_work(now)
         said = self._gpus_said()
         evidence |= {"doubt_s": round(lasted, 1), "hang_bound_s": self.hang_bound_s,
                      "helpers_cpu_s": round(used, 2), "gpus": said}  # fmt: skip
@@ -486,8 +613,9 @@ class Judge:
             self.doubt = f"{self.doubt.split(past)[0]}{past}{work}"
             return None
         evidence["since_alive_s"] = round(now - self.alive_at, 1)
-        helpers = f"vLLM's helpers used {used:.2f} s of CPU in {self.stall_s:g} s" + (
-            f" ({who})" if who else ""
+        helpers = (
+            f"vLLM's helpers and ended children used {used:.2f} s of CPU in {self.stall_s:g} s"
+            + (f" ({who})" if who else "")
         )
         reason = (
             f"{why}; the engine busy for {lasted:.0f} s (liveness.hang_bound_s = "
@@ -511,6 +639,7 @@ class Judge:
         while the canary waited; `gpu`: the managed GPUs' counters (None: not read with this
         reading). Returns the verdict, or None."""
         self.metrics = metrics
+        self.capture_counters = None  # a capture's counters are compared within it alone
         if self.progress_at is None:
             self.progress(now, cpu)
             self.alive_at = now
@@ -524,6 +653,7 @@ class Judge:
                 self.progress(now, cpu)
             if moved:
                 self.alive_at = before if before is not None else now
+                self._spin_ended()  # a step: whatever the GPUs read, the engine works
             self.counters = work.counters()
         if canary is not None and canary[0]:
             self.progress(now, cpu)  # an answer is progress

@@ -33,7 +33,7 @@ from kimi_supervisor.decide.liveness import (
     gpu_said,
     parse,
 )
-from kimi_supervisor.model import GpuActivity, title
+from kimi_supervisor.model import GpuActivity, ProcessTimes, title
 from kimi_supervisor.ports import processes, stacks
 from kimi_supervisor.ports.gpu import GpuPort, reading_error
 from kimi_supervisor.ports.http import request
@@ -105,7 +105,7 @@ def role_of(comm: str, roles: tuple[str, ...]) -> bool:
 
 def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     """vLLM's processes (MainPID and its descendants): their CPU time summed (with each one's
-    reaped children's: processes.cpu_of), and those stopped. None when MainPID is gone. With
+    reaped children's: processes.times_of), and those stopped. None when MainPID is gone. With
     `engine_only` (the stall rule's second signal), the sum counts only the engine's processes
     (ENGINE_ROLES, and their descendants), where there are any: an API server busy taking
     requests in, tokenizing them, answering /health polls, uses the CPU while the engine it
@@ -122,54 +122,63 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
 
     Its helpers (`Cpu.helpers`) are the descendants of none of vLLM's roles (SERVING_ROLES), with
     their own CPU time: a JIT compiler (ninja, nvcc, cc) is real work that no engine step shows.
-    Where no process has a role, every descendant is one: the bound on a doubt then waits for
-    the whole tree's CPU to fall, never calling a busy unnamed tree hung.
+    So is a fork of an engine's process that keeps its title (a compile pool in fork mode, a
+    multiprocessing child): its comm is its parent's, and no role of vLLM's is its parent's own
+    (vLLM titles each role's process apart: a worker's parent is an engine core). Where no
+    process has a role, every descendant is one: the bound on a doubt then waits for the whole
+    tree's CPU to fall, never calling a busy unnamed tree hung. Each process's times
+    (`Cpu.tree`) show what its children that ended used (a compiler run per kernel, spawned
+    straight from a worker, ends between two readings).
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
-    held for as long as a fault on a hung mount lasts) only of a stopped one on the serving
-    path, to name it."""
-    main = processes.cpu_of(pid)
+    held for as long as a fault on a hung mount lasts) is never read."""
+    main = processes.times_of(pid)
     if main is None:
         return None
     # Parents before their children (descendants' order): an engine's own children (a JIT
     # compiler it waits on: FlashInfer's first call compiles for minutes) are the engine's work.
     pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
     engine: set[int] = set()
-    seconds, engine_s, n, engine_n = 0.0, 0.0, 0, 0
+    seconds, engine_s, engine_n = 0.0, 0.0, 0
+    tree: list[ProcessTimes] = []
+    comms: dict[int, str] = {}
     stuck: list[tuple[int, str, float, bool]] = []  # pid, state, CPU, on the serving path
     helpers: list[tuple[int, str, float]] = []  # of none of vLLM's roles: a JIT compiler
     for p in pids:
-        got = main if p == pid else processes.cpu_of(p)
+        got = main if p == pid else processes.times_of(p)
         if got is None:
             continue
-        state, cpu_s = got
-        n += 1
-        seconds += cpu_s
-        comm = processes.comm_of(p) if p != pid else ""
-        if role_of(comm, ENGINE_ROLES) or (engine and processes.ppid_of(p) in engine):
+        tree.append(got)
+        seconds += got.cpu_s
+        comm = comms[p] = processes.comm_of(p) if p != pid else ""
+        if role_of(comm, ENGINE_ROLES) or (engine and got.ppid in engine):
             engine.add(p)
             engine_n += 1
-            engine_s += cpu_s
-        if p != pid and not role_of(comm, SERVING_ROLES):
-            helpers.append((p, comm, cpu_s))
-        if state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness)
+            engine_s += got.cpu_s
+        forked = comms.get(got.ppid) == comm and role_of(comm, ENGINE_ROLES)
+        if p != pid and (forked or not role_of(comm, SERVING_ROLES)):
+            helpers.append((p, comm, got.cpu_s))
+        if got.state in ("T", "t", "D"):  # judged at both ends of a window (decide/liveness)
             serving = p == pid or p in engine or role_of(comm, SERVING_ROLES)
-            stuck.append((p, state, cpu_s, serving))
+            stuck.append((p, got.state, got.cpu_s, serving))
     # An engine's ancestors (an API server under a wrapper that is MainPID) feed it: no helper.
+    parents = {t.pid: t.ppid for t in tree}
     feeding: set[int] = set()
     for p in engine:
-        up = processes.ppid_of(p)
+        up = parents.get(p, 0)
         while up > 1 and up != pid and up not in feeding and up not in engine:
             feeding.add(up)
-            up = processes.ppid_of(up)
+            up = parents.get(up) or processes.ppid_of(up)
     helpers = [h for h in helpers if h[0] not in feeding]
     stopped = [
         # Named by its comm alone: a stopped process's cmdline read waits on its memory-map
         # lock, which it may hold for ever (the probe would never come back).
-        (f"PID {p} ({title([], processes.comm_of(p))}, state {state})", cpu)
+        (f"PID {p} ({title([], comms[p] if p != pid else processes.comm_of(p))}, state {state})",
+         cpu)
         for p, state, cpu, serving in stuck
         if serving or not engine
-    ]
+    ]  # fmt: skip
+    n = len(tree)
     if engine_only and engine_n:
         seconds, n = engine_s, engine_n
     return Cpu(
@@ -179,6 +188,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         tuple(what for what, _ in stopped),
         tuple(cpu for _, cpu in stopped),
         tuple(helpers),
+        tuple(tree),
     )
 
 
@@ -412,7 +422,7 @@ class Liveness:
         if reading.canary is not None:
             self._next_canary = now + c.canary_interval_s
         if capturing:
-            hang = self.judge.capturing(now, reading.cpu, reading.gpu)
+            hang = self.judge.capturing(now, reading.cpu, reading.gpu, work=reading.work)
         elif (sent := reading.canary) is None:
             hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu,
                                    gpu=reading.gpu)  # fmt: skip

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimi_supervisor.model import ProcessDescription, printable
+from kimi_supervisor.model import ProcessDescription, ProcessTimes, printable
 
 PROC = Path("/proc")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -84,6 +84,19 @@ def cpu_of(pid: int) -> tuple[str, float] | None:
     # stat fields 14-17 (utime, stime, cutime, cstime) are indexes 11-14 after the state's
     # position 3.
     return fields[0], sum(int(f) for f in fields[11:15]) / _CLK_TCK
+
+
+def times_of(pid: int) -> ProcessTimes | None:
+    """The process's identity, parent, state and CPU times (as cpu_of, and its reaped
+    children's apart), from one read of /proc/PID/stat; None once it is gone."""
+    fields = _stat_fields(pid)
+    if not fields:
+        return None
+    utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
+    return ProcessTimes(
+        pid, int(fields[19]), int(fields[1]), fields[0],
+        (utime + stime + cutime + cstime) / _CLK_TCK, (cutime + cstime) / _CLK_TCK,
+    )  # fmt: skip
 
 
 def ppid_of(pid: int) -> int:

@@ -1,13 +1,14 @@
 """The stacks of a process tree, as text, for the incident bundle of a hang: what an operator
 and vLLM's developers need to find the cause, and what the restart loses.
 
-Each process's Python stacks from `py-spy dump` where py-spy is installed (it stops the process
-for the moment of the read); else, and for what py-spy cannot read, each thread's state, its
-`wchan` (where in the kernel it sleeps) and its kernel stack (`/proc/PID/task/TID/stack`, root's
-to read). Bounded in time and size: py-spy gets PY_SPY_S a process and is killed past it; each
-/proc read runs on a thread of its own (ports/bounded.py), waited for PROC_READ_S, and after one
-is stuck none is tried again; no read is started past the whole `deadline`; each process's text
-is cut at PROCESS_MAX_BYTES. What was not read is said where it would have been.
+Each thread's state, its `wchan` (where in the kernel it sleeps) and its kernel stack
+(`/proc/PID/task/TID/stack`, root's to read), of every process first; then each process's Python
+stacks from `py-spy dump` where py-spy is installed (it stops the process for the moment of the
+read), the processes at once. Bounded in time and size: py-spy gets PY_SPY_S a process and is
+killed past it; each /proc read runs on a thread of its own (ports/bounded.py), waited for
+PROC_READ_S, and after one is stuck none is tried again; no read is started past the whole
+`deadline`; each process's text is cut at PROCESS_MAX_BYTES. What was not read is said where it
+would have been.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.bounded import Worker
 
 PY_SPY_S = 5.0
+PY_SPY_PARALLEL = 8  # py-spy processes at a time (each some tens of MB)
 PROC_READ_S = 1.0
 PROCESS_MAX_BYTES = 48 << 10
 THREADS_MAX = 256  # threads of one process read from /proc; the rest counted
@@ -125,10 +128,27 @@ def _py_spy(spy: str, pid: int, timeout_s: float) -> str | None:
     return text if proc.returncode == 0 else f"(py-spy failed: {text[-500:]})"
 
 
+def _py_spy_of(spy: str, pid: int, deadline: float, *, ref: processes.ProcessRef | None) -> str:
+    """py-spy's dump of `pid` within PY_SPY_S and `deadline`, if it is still the process
+    listed (`ref`), or why not."""
+    left = min(PY_SPY_S, deadline - time.monotonic())
+    if left <= 0:
+        return "(py-spy: not run, the time for stacks ran out)"
+    if ref is None or processes.ref_of(pid) != ref:
+        return "(py-spy: not run, it exited, or its PID names another process now)"
+    return _py_spy(spy, pid, left) or "(py-spy could not start)"
+
+
 def dump(pids: Sequence[int], deadline: float) -> str:
     """The stacks of `pids` (vLLM's processes, parents first), read until `deadline`
     (time.monotonic()), each process's text at most PROCESS_MAX_BYTES. A PID that names another
-    process by the time its turn comes (its start time) is not read: never a stranger's."""
+    process by the time its turn comes (its start time) is not read: never a stranger's.
+
+    Every process's kernel side (/proc: each thread's state, wchan and stack) first: cheap,
+    bounded, and what a hang in the driver shows. Then py-spy, every process at once (at most
+    PY_SPY_PARALLEL at a time) within what is left: a py-spy that stalls (its ptrace interrupt
+    waits on a process stuck in D) costs no other process its stacks (one after another, PY_SPY_S
+    each, three processes got any of the 15 s, an outside review)."""
     spy = py_spy()
     out = [
         "Python stacks by "
@@ -136,22 +156,30 @@ def dump(pids: Sequence[int], deadline: float) -> str:
         + "; each thread's state, wchan and kernel stack from /proc"
     ]
     listed = {pid: processes.ref_of(pid) for pid in pids}  # each as it was when listed
+    heads: dict[int, str] = {}
+    kernel: dict[int, list[str]] = {}
     for n, pid in enumerate(pids):
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if time.monotonic() >= deadline:
             out.append(f"(the time for stacks ran out: {len(pids) - n} process(es) not read: "
                        f"{', '.join(map(str, pids[n:]))})")  # fmt: skip
             break
         comm = processes.comm_of(pid)
-        part = [f"-- PID {pid} ({comm or 'gone'}), state {processes.state_of(pid) or 'gone'}"]
+        heads[pid] = f"-- PID {pid} ({comm or 'gone'}), state {processes.state_of(pid) or 'gone'}"
         if listed[pid] is None or processes.ref_of(pid) != listed[pid]:
-            out.append(f"{part[0]}\n  (not read: it exited, or its PID names another process now)")
             continue
-        if spy is not None:
-            said = _py_spy(spy, pid, min(PY_SPY_S, left))
-            part += [said] if said else []
-        part += _threads(pid, deadline)
-        text = "\n".join(part)
+        kernel[pid] = _threads(pid, deadline)
+    python: dict[int, str] = {}
+    if spy is not None and kernel:
+        with ThreadPoolExecutor(PY_SPY_PARALLEL, thread_name_prefix="stacks-py-spy") as pool:
+            done = {
+                pid: pool.submit(_py_spy_of, spy, pid, deadline, ref=listed[pid]) for pid in kernel
+            }
+        python = {pid: f.result() for pid, f in done.items()}
+    for pid, head in heads.items():
+        if pid not in kernel:
+            out.append(f"{head}\n  (not read: it exited, or its PID names another process now)")
+            continue
+        text = "\n".join([head, *([python[pid]] if python.get(pid) else []), *kernel[pid]])
         if len(text.encode()) > PROCESS_MAX_BYTES:
             text = text.encode()[:PROCESS_MAX_BYTES].decode(errors="ignore")
             text += f"\n[cut: this process's stacks passed {PROCESS_MAX_BYTES >> 10} KiB]"

@@ -6,13 +6,17 @@ the measurement on the GPU host."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 
 from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work
-from kimi_supervisor.model import GpuActivity
+from kimi_supervisor.loop.liveness import engine_cpu
+from kimi_supervisor.model import GpuActivity, ProcessTimes
+from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox.simreader import COUNTERS
 
 INTERVAL, STALL, BOUND, CANARY, CANARY_TIMEOUT = 15, 120.0, 600.0, 300, 60.0
@@ -22,6 +26,47 @@ FROZEN = "PID 9 (VLLM::Worker_TP0, state T)"
 def gpu(state: str, **changed: object) -> tuple[GpuActivity, ...]:
     """Two GPUs reading as the simulated host reads `state` ("idle", "spin", "work")."""
     return tuple(GpuActivity(i, **{**COUNTERS[state], **changed}) for i in range(2))  # type: ignore[arg-type]
+
+
+def gpus(*states: str, **changed: object) -> tuple[GpuActivity, ...]:
+    """A GPU per state, in order; "unread": its memory utilization could not be read."""
+    unread = {**COUNTERS["spin"], "util_memory": None, "unread": ("utilization: timed out",)}
+    return tuple(
+        GpuActivity(i, **(unread if s == "unread" else {**COUNTERS[s], **changed}))  # type: ignore[arg-type]
+        for i, s in enumerate(states)
+    )
+
+
+# vLLM's processes as /proc shows them at a time: PID -> (parent, comm, CPU seconds with the
+# reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read.
+Tree = dict[int, tuple[int, str, float, float]]
+MAIN = 100
+
+
+def read_tree(tree: Tree, at: float) -> Cpu:
+    """The engine's CPU as the probe reads it (loop/liveness.engine_cpu) from `tree`."""
+
+    def times_of(pid: int) -> ProcessTimes | None:
+        if pid not in tree:
+            return None
+        ppid, _comm, cpu_s, reaped_s = tree[pid]
+        return ProcessTimes(pid, pid * 7, ppid, "R", cpu_s, reaped_s)
+
+    def descendants(root: int) -> list[int]:
+        out, todo = [], [root]
+        while todo:
+            kids = sorted(p for p, row in tree.items() if row[0] == todo[0])
+            out, todo = out + kids, todo[1:] + kids
+        return out
+
+    with (
+        mock.patch.object(processes, "times_of", times_of),
+        mock.patch.object(processes, "comm_of", lambda pid: tree[pid][1] if pid in tree else ""),
+        mock.patch.object(processes, "descendants", descendants),
+    ):
+        cpu = engine_cpu(MAIN, engine_only=True)
+    assert cpu is not None
+    return dataclasses.replace(cpu, at=at)
 
 
 @dataclass(frozen=True)
@@ -42,6 +87,8 @@ class Case:
     capturing: Callable[[float], bool] = lambda t: False
     bystander: bool = False  # a helper of the tree, stopped, its CPU flat
     until: float = 1500.0
+    # vLLM's processes as /proc shows them (then `cpu_s` and `helpers_s` are not used)
+    tree: Callable[[float], Tree] | None = None
 
 
 def walk(case: Case) -> tuple[float | None, Hang | None, str]:
@@ -58,6 +105,8 @@ def walk(case: Case) -> tuple[float | None, Hang | None, str]:
             helpers += ((78, "resource_tracke", 0.5),)
 
         def cpu(at: float, stopped: bool = stopped, helpers: tuple = helpers) -> Cpu:  # type: ignore[type-arg]
+            if case.tree is not None:
+                return read_tree(case.tree(at), at)
             frozen_cpu = case.cpu_s(case.stopped_at or 0.0)
             return Cpu(at, case.cpu_s(at), 3, (FROZEN,) if stopped else (),
                        (frozen_cpu,) if stopped else (), helpers)  # fmt: skip
@@ -66,7 +115,7 @@ def walk(case: Case) -> tuple[float | None, Hang | None, str]:
         work = None if pending is None else Work(pending, case.tokens(t), steps=case.tokens(t))
         metrics = "ok" if work is not None else "absent"
         if case.capturing(t):
-            hang = judge.capturing(t, cpu(t), case.gpus(t))
+            hang = judge.capturing(t, cpu(t), case.gpus(t), work=work)
         else:
             hang = judge.seen(t, work, metrics, cpu(t), gpu=case.gpus(t))
             idle = pending is None or pending <= 0
@@ -91,6 +140,14 @@ def load_then(stop_at: float) -> Callable[[float], float]:
 SPIN = 1.0  # a core spinning: a CPU second a second
 
 
+def engine(t: float, worker: tuple[float, float], **more: tuple[int, str, float, float]) -> Tree:
+    """MainPID, an engine core spinning and a worker of (CPU, reaped children's CPU) at `t`,
+    and `more` processes (named p<PID>)."""
+    tree: Tree = {MAIN: (1, "", 0.05 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", SPIN * t, 0.0),
+                  102: (101, "VLLM::Worker_TP", *worker)}  # fmt: skip
+    return tree | {int(k[1:]): v for k, v in more.items()}
+
+
 # fmt: off
 CASES = {
     # case: (its readings, when the verdict comes (None: never), what it or the doubt says)
@@ -98,8 +155,8 @@ CASES = {
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin" if t > 60 else "work")),
         # from the reading before the last step (45 s): within the bound and a reading of it
-        (645, 660), "with no sign of real work: vLLM's helpers used 0.00 s of CPU in 120 s; "
-        "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s of "
+        "CPU in 120 s; GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
     "the same stuck collective while idle is hung at the bound from its first unanswered canary": (
         Case(pending=lambda t: 0, tokens=lambda t: 5, cpu_s=lambda t: SPIN * max(t - 100, 0),
              gpus=lambda t: gpu("spin" if t > 100 else "idle"), answered=lambda t: t < 100),
@@ -108,8 +165,8 @@ CASES = {
         Case(pending=lambda t: 1, tokens=lambda t: 5 + 10 * max(t - 720, 0),
              cpu_s=lambda t: SPIN * t, helpers_s=lambda t: SPIN * min(t, 720),
              gpus=lambda t: gpu("idle" if t < 720 else "work"), until=700),
-        None, "past liveness.hang_bound_s, but vLLM's helper process(es) used 120.0 s of CPU "
-        "in 120 s (PID 77 (cc1plus))"),
+        None, "past liveness.hang_bound_s, but vLLM's helpers and ended children used 120.0 s of "
+        "CPU in 120 s (PID 77 (cc1plus))"),
     "a compile that ended, the engine then spinning with no step, is hung at the bound": (
         Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
              helpers_s=lambda t: SPIN * min(t, 300), gpus=lambda t: gpu("spin")),
@@ -167,11 +224,76 @@ CASES = {
     "a collective stuck on the GPU during a capture is hung at the bound, not the flush's": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin" if t >= 75 else "work"), capturing=lambda t: t > 60),
-        (675, 690), "a capture is under way, and every GPU has read a kernel that spins"),
+        (675, 690), "a capture is under way, and the GPUs read have shown a kernel that spins"),
     "a worker frozen during a capture's flush is hung a stall time after it stopped": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * min(t, 90),
              gpus=lambda t: gpu("idle"), capturing=lambda t: t > 60, stopped_at=90),
         (210, 225), f"a capture is under way, and the engine: stopped: {FROZEN}"),
+    "a jit compile as compiler runs that end between readings, spawned by a worker, is a doubt": (
+        # Triton's ptxas per kernel: each run reaped into the worker's cutime and cstime
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (t, 0.8 * t)), gpus=lambda t: gpu("idle"), until=700),
+        None, "past liveness.hang_bound_s, but vLLM's helpers and ended children used 96.0 s of "
+        "CPU in 120 s (children that ended, reaped by PID 102: 96.0 s)"),
+    "a jit compile in a fork of a worker that keeps its title is a doubt, never a hang": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (0.01 * t, 0.0), p104=(102, "VLLM::Worker_TP", SPIN * t, 0)),
+             gpus=lambda t: gpu("idle"), until=700),
+        None, "used 120.0 s of CPU in 120 s (PID 104 (VLLM::Worker_TP))"),
+    "a worker spinning in its synchronize reaps no child's time: hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0)), gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
+    "a long-lived helper ending during a spinning hang, its old time reaped, is no sign of work": (
+        # the resource tracker's 300 s of a day's life land in MainPID's reaped time at once
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p105=(MAIN, "python3", 300.0, 0.0))
+             if t < 600 else engine(t, (SPIN * t, 0.0)) | {MAIN: (1, "", 300.0, 300.0)},
+             gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
+    "an engine busy on its CPU alone right after a long capture is bounded from the capture": (
+        # a doubt before the capture (a prefill at work) does not shorten the bound after it
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("work") if t < 1000 else gpu("idle"),
+             capturing=lambda t: 200 <= t < 1000, until=2000),
+        (1590, 1605), "the engine busy for 600 s"),
+    "one NVML reading in eight failing on a spinning hang is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: "NVML: timed out" if int(t // 15) % 8 == 0 else gpu("spin")),
+        (645, 675), "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
+    "a spinning hang whose GPUs were read in fewer than half the readings is a doubt": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
+             until=1485),
+        None, "but GPU 0's counters were read in 3 of the 9 readings of the last 120 s"),
+    "a spinning hang whose NVML stopped answering before the bound is a doubt, never idle": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin") if t <= 600 else "NVML: timed out", until=900),
+        None, "but the GPUs' counters could not be read (NVML: timed out)"),
+    "a spinning hang whose NVLink counter was reset is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin", nvlink_kib=5e5 if t < 600 else 0.0)),
+        (645, 660), "NVLink 0 MB/s"),
+    "a collective stuck during a capture, a rank that never arrived idle, is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpus("spin", "idle") if t >= 75 else gpu("work"),
+             capturing=lambda t: t > 60),
+        (675, 690), "a capture is under way, and the GPUs read have shown a kernel that spins"),
+    "a collective stuck during a capture, some GPU readings failing, is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("work") if t < 75 else "NVML: timed out" if int(t // 15) % 8 == 0
+             else gpus("unread", "idle") if int(t // 15) % 4 == 1 else gpus("spin", "idle"),
+             capturing=lambda t: t > 60),
+        (675, 705), "read in 26 of 41 readings"),
+    "a capture's flush whose GPUs spin in fewer than half the readings is no verdict": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
+             capturing=lambda t: t > 60, until=1800),
+        None, ""),
+    "GPUs busy with no traffic during a capture while the engine steps is no verdict": (
+        Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),
+        None, ""),
 }
 # fmt: on
 

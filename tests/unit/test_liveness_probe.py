@@ -378,6 +378,34 @@ def test_without_py_spy_each_thread_says_its_state_and_where_it_sleeps_in_the_ke
     assert f"the time for stacks ran out: 1 process(es) not read: {stacked}" in late
 
 
+def test_a_py_spy_that_stalls_leaves_every_processs_kernel_stack_and_each_its_own_try(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside review: with py-spy stalled on each process (its ptrace interrupt never
+    completes on a process in D), one after another within 15 s, only the first 3 of 6
+    processes were read at all: the workers, where a D-state hang is, got neither py-spy nor
+    their kernel stacks."""
+    from kimi_supervisor.ports import stacks
+
+    spy = tmp_path / "py-spy"
+    spy.write_text("#!/bin/sh\nexec sleep 60\n")
+    spy.chmod(0o755)
+    monkeypatch.setattr(stacks, "py_spy", lambda: str(spy))
+    monkeypatch.setattr(stacks, "PY_SPY_S", 1.0)
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(6)]
+    try:
+        text = stacks.dump([k.pid for k in kids], time.monotonic() + 20.0)
+    finally:
+        for k in kids:
+            k.kill()  # ours, by their handles
+            k.wait(10)
+    for k in kids:
+        part = text.split(f"-- PID {k.pid} (sleep)")[1].split("-- PID")[0]
+        assert f"thread {k.pid} (sleep), state S, wchan " in part, text
+        assert "(py-spy: out of time)" in part, text
+    assert "the time for stacks ran out" not in text, text
+
+
 def test_readings_go_on_beside_a_canary_that_waits(config: Config) -> None:
     """With vLLM's stats off the canary is the only judge of an idle engine, and it may wait
     `canary_timeout_s`: on a thread of its own, the readings of /metrics and the processes go
