@@ -389,6 +389,9 @@ class Judge:
     alive_at: float | None = None
     read_at: float | None = None  # the last reading's time that had the counters
     counters: tuple[float | None, float | None, float] | None = None
+    # The last reading's counters and gauges, and when: a canary's verdict (its reading has
+    # none of its own) says what they read.
+    last_work: tuple[float, Work] | None = None
     metrics: str = "unknown"  # "ok", "absent" (no vllm:* series), "unreachable"
     # One signal says no progress and the other does not (not hung): why, and since when. It
     # lasts until a proof of progress, so that an engine that spins on a GPU that never
@@ -645,6 +648,7 @@ class Judge:
             self.alive_at = now
         self._keep(now, cpu, gpu)
         if work is not None:
+            self.last_work = (now, work)
             # The reading before with counters (one without them says nothing of when they
             # moved: taken from it, the window was one interval short, an outside review).
             before, self.read_at = self.read_at, now
@@ -723,13 +727,17 @@ class Judge:
             "since_progress_s": round(now - since, 1),
             "cpu": cpu_why or "busy" if cpu is not None else "unreadable",
         }
-        if work is not None:
+        shown = work
+        if work is None and self.last_work is not None:
+            at, shown = self.last_work
+            evidence["work_read_s_ago"] = round(now - at, 1)
+        if shown is not None:
             evidence |= {
-                "running": work.running,
-                "waiting": work.waiting,
-                "steps": work.steps,
-                "prompt_tokens": work.prompt_tokens,
-                "tokens": work.tokens,
+                "running": shown.running,
+                "waiting": shown.waiting,
+                "steps": shown.steps,
+                "prompt_tokens": shown.prompt_tokens,
+                "tokens": shown.tokens,
             }
         if cpu is not None:
             evidence |= {"cpu_s": round(cpu.seconds, 2), "stopped": list(cpu.stopped)}

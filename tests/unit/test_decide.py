@@ -1028,3 +1028,19 @@ def test_a_sparse_terabyte_in_one_capture_removes_no_other_capture(tmp_path: Pat
     assert os.stat(tmp_path / made[1] / "rank1.pt.trace.json").st_blocks == 0
     assert retention(tmp_path, keep=10, max_total_gb=1.0, newest=made[2]) == []
     assert [p.name for p in oldest_first(tmp_path)] == made
+
+
+def test_a_canarys_verdict_says_what_the_last_reading_of_the_gauges_was_and_how_old() -> None:
+    """A canary's reading carries no counters of its own (the readings beside it judged them):
+    its verdict shows the last ones read, with their age, so the operator sees the engine
+    read idle when the request went unanswered."""
+    from kimi_supervisor.decide.liveness import Judge, Work
+
+    judge = Judge(120, 0.02)
+    assert judge.seen(0, Work(0, 5, waiting=0), "ok", cpu(0, 1.0)) is None
+    assert judge.seen(50, Work(0, 5), "ok", cpu(50, 1.0)) is None
+    hang = judge.seen(60, None, "ok", cpu(60, 1.0), (False, 30.0, cpu(30, 1.0)))
+    assert hang is not None and "a one-token request got no answer in 30 s" in hang.reason
+    seen = hang.evidence
+    assert (seen["running"], seen["waiting"], seen["tokens"]) == (0, 0, 5)
+    assert seen["work_read_s_ago"] == 10
