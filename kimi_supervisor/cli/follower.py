@@ -164,6 +164,16 @@ class Follower:
         else:
             print("\n".join(rows), file=self.out, flush=True)
 
+    def seen(self) -> str:
+        """What the display showed last, in a few words (said at Ctrl-C): the switch, its
+        clock, and vLLM's progress, else the teardown's step; "" before an event said one."""
+        now = self.vllm or (f"teardown {self.current}" if self.current else "")
+        now = now or (f"teardown {self.steps[-1]}" if self.steps else "")
+        if not now:
+            return ""
+        clock = duration(time.monotonic() - self.started)
+        return f"switching to {self.target or '...'} ({clock}): {now}"
+
     def tick(self, status: dict[str, Any] | None) -> None:
         """Each second on a terminal, whether events came or not: the clock moves, and the GPU
         bars, vLLM's progress and the ETA follow the status the daemon last published (None:

@@ -313,7 +313,9 @@ def status():
     gpus = [{{"index": i, "used_mib": 615 + int(t * 20_000), "baseline_mib": 615,
              "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(GPUS)]
     return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
-        "state": "starting", "gpus": gpus,
+        "state": "starting", "gpus": gpus, "desired_mode": "profile",
+        "state_since": "2026-01-01T12:00:00+00:00", "status_line": "switching to profile",
+        "unit": {{"name": "vllm.service"}}, "daemon": {{"pid": 1, "started_at": "2026-01-01"}},
         "progress": {{"phase": "weights", "text": "loading weights"}},
         "eta": {{"expected_s": 60, "remaining_s": 60 - t, "elapsed_s": t, "past_loads": 3,
                  "slower_than_past": False, "text": f"about {{60 - t:.0f}} s left"}}}}}}
