@@ -398,7 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"exit {Exit.OK} MODE serves; {Exit.FAILED} the switch to MODE failed and was rolled "
         f"back, or the daemon gave up (FAILED); {Exit.STUCK} still STUCK at --timeout; "
         f"{Exit.TIMEOUT} --timeout ran out otherwise (nobody asked for MODE, or it still "
-        "loads). Without --timeout it waits as long as that takes. Never asks for a switch.",
+        f"loads); {Exit.INTERRUPTED} Ctrl-C, with the status last known. A switch to MODE "
+        "that failed and was rolled back, with no switch asked since, is that verdict even "
+        "for a wait begun after it. --timeout is a deadline for the whole wait; without it, "
+        "it waits as long as that takes. Never asks for a switch.",
     )
     mode_argument(c, "wait until it serves")
     c.add_argument(
