@@ -523,7 +523,7 @@ def test_in_a_real_terminal_the_clock_is_on_screen_every_second_and_no_frame_pil
     looks, with_clock, seconds, most = 0, 0, set(), ""
     with Terminal(script, columns, rows, sock_dir) as t:
         for screen in t.looks():
-            if shrunk == "storm" and time.monotonic() - t.began < 4:
+            if shrunk == "storm" and time.monotonic() - t.began < 2:
                 for i in range(20):  # wider and taller, then back, as a dragged window goes
                     t.run("resize-window", "-x", str(columns + i % 7 * 10),
                           "-y", str(rows + i % 5))  # fmt: skip
