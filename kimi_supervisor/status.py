@@ -164,6 +164,17 @@ class FailureStatus(BaseModel):
     more: str = ""
 
 
+class RolledBackStatus(BaseModel):
+    """The last switch that failed and was rolled back, kept until another switch is asked
+    for: a `kimi-mode wait MODE` that joins after the rollback still learns that the switch to
+    MODE failed, and why (its end, heard by those who followed it)."""
+
+    mode: Mode  # the mode the switch was to
+    at: str
+    reason: str  # the failed switch's end: why, and what it rolls back to
+    transition: str  # the failed switch's id
+
+
 class GpuHealthStatus(BaseModel):
     """The managed GPUs' health as last read before a load (decide/gpuhealth.py)."""
 
@@ -272,6 +283,7 @@ class Status(BaseModel):
     liveness: LivenessStatus | None = None
     gpu_health: GpuHealthStatus | None = None
     last_failure: FailureStatus | None = None
+    rolled_back: RolledBackStatus | None = None
     warnings: list[str] = Field(default_factory=list)
     last_intrusion: IntrusionStatus | None = None
     incident_bundle: BundleStatus | None = None

@@ -361,10 +361,12 @@ def _vllm_user(unit: str, uid: int | str | None) -> CheckOut:
 def check_daemon(sock: Path, status: Callable[[Path], dict[str, Any]]) -> tuple[CheckOut, bool]:
     """The daemon answers, and is neither STUCK nor FAILED: either is a person's to look at,
     named with its cause and where its incident bundle is. With whether it answered."""
-    from kimi_supervisor.control.client import Unreachable
+    from kimi_supervisor.control.client import NotUnderstood, Unreachable
 
     try:
         data = status(sock)
+    except NotUnderstood as e:  # it answers, but as another version does
+        return bad("daemon", str(e), "systemctl restart kimi-supervisor"), False
     except Unreachable as e:
         fix = "systemctl start kimi-supervisor; kimi-mode logs --daemon"
         return bad("daemon", str(e), fix), False

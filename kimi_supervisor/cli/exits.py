@@ -35,7 +35,8 @@ KIMI_MODE: dict[Exit, str] = {
     Exit.FAILED: "the switch or capture failed, the daemon gave up (FAILED) or waits for the "
     "driver or systemd; is-serving: vLLM does not serve (in that mode); doctor: a check failed",
     Exit.USAGE: "the command line is wrong; nothing was asked of the daemon",
-    Exit.UNREACHABLE: "no daemon answers at the socket, or the caller is denied",
+    Exit.UNREACHABLE: "no daemon answers at the socket, its answer is not understood (a daemon "
+    "of another version: restart it after an upgrade), or the caller is denied",
     Exit.TIMEOUT: "--timeout ran out while following or waiting; the switch goes on",
     Exit.REFUSED: "the daemon is busy (another switch, booting, stopping) or refused the request "
     "as it stands (no capture to stop, the port is taken)",

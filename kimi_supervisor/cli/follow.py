@@ -7,6 +7,7 @@ and a connection the daemon closed, each said once with its exit (cli/exits.py).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.cli import ask
+from kimi_supervisor.cli.ask import understood
 from kimi_supervisor.cli.exits import Exit, refusal_exit
 from kimi_supervisor.cli.follower import Follower
 from kimi_supervisor.cli.output import Output
@@ -44,6 +46,10 @@ class Follow:
     # said on stderr only. A command whose reply is not its answer (wait's subscription) prints
     # no reply, and a refusal is an `error` line.
     prints_reply = True
+    # How long before --timeout's deadline the request is asked again (a quarter of --timeout
+    # at most), for an answer fresh at the end that comes before the deadline; 0: never.
+    refresh_s = 0.0
+    deadline: float | None = None  # --timeout's, monotonic
 
     def __init__(self, o: Output, sock: Path, display: Follower | None = None) -> None:
         self.o = o
@@ -57,71 +63,90 @@ class Follow:
         passed, Ctrl-C, or the daemon closes the connection. An `on_end` that says None asks
         again, with the same request, under the same deadline; an `on_reply` that says Again
         asks again after its pause, under that deadline too."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # Asked again once, this long before the deadline, for an answer fresh at the end.
+        refresh = None
+        if self.deadline is not None and self.refresh_s:
+            refresh = self.deadline - min(self.refresh_s, (timeout_s or 0) / 4)
         try:
-            while True:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimedOut()
-                pause = 0.0
-                tick = self.on_tick if self.display is not None and self.display.tty else None
-                try:
-                    for raw, msg in exchange(
-                        self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
-                    ):
-                        kind = msg.get("type")
-                        if self.o.json and (kind != "reply" or self.prints_reply):
-                            self.o.raw(raw)
-                        if kind == "event":
-                            self.on_event(msg)
-                        elif kind == "reply":
-                            code = self.on_reply(msg) if msg["ok"] else self.refused(msg)
+            try:
+                while True:
+                    now = time.monotonic()
+                    if self.deadline is not None and now >= self.deadline:
+                        raise TimedOut()
+                    if refresh is not None and now >= refresh:
+                        refresh = None
+                    until = refresh if refresh is not None else self.deadline
+                    left = None if until is None else until - now
+                    pause = 0.0
+                    tick = self.on_tick if self.display is not None and self.display.tty else None
+                    try:
+                        for raw, msg in exchange(
+                            self.sock, request, timeout_s=left, fds=fds, tick=tick, tick_s=TICK_S
+                        ):
+                            kind = msg["type"]
+                            if self.o.json and (kind != "reply" or self.prints_reply):
+                                self.o.raw(raw)
+                            with understood(f"its {msg.get('event') or kind}"):
+                                code = self._on(kind, msg)
                             if isinstance(code, Again):
                                 pause = code.after_s
                                 break
                             if code is not None:
                                 return code
-                        elif kind == "end":
-                            code = self.on_end(msg)
-                            if code is None:
+                            if kind == "end":
                                 break  # not the end awaited: ask again
-                            return code
-                    else:
-                        closed = self.on_closed()
-                        if not isinstance(closed, Again):
-                            return closed
-                        pause = closed.after_s
-                except Unreachable as e:
-                    pause = self.on_unreachable(e).after_s
-                if pause:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    time.sleep(pause if left is None else max(min(pause, left), 0.0))
-        except TimedOut:
-            self._finish()
-            assert timeout_s is not None
-            return self.on_timeout(timeout_s)
-        except KeyboardInterrupt:
+                        else:
+                            closed = self.on_closed()
+                            if not isinstance(closed, Again):
+                                return closed
+                            pause = closed.after_s
+                    except TimedOut:
+                        if until == self.deadline:
+                            raise
+                        continue  # the refresh: asked again at once
+                    except Unreachable as e:
+                        pause = self.on_unreachable(e).after_s
+                    if pause:
+                        left = None if until is None else until - time.monotonic()
+                        time.sleep(pause if left is None else max(min(pause, left), 0.0))
+            except TimedOut:
+                self._finish()
+                assert timeout_s is not None
+                return self.on_timeout(timeout_s)
+        except KeyboardInterrupt:  # at any point, the end's own lines too: said, never silent
             self._finish()
             return self.on_interrupt()
+
+    def _on(self, kind: str, msg: dict[str, Any]) -> Exit | Again | None:
+        """One message to its hook: an exit to end with, Again, or None to read on."""
+        if kind == "event":
+            self.on_event(msg)
+        elif kind == "reply":
+            return self.on_reply(msg) if msg["ok"] else self.refused(msg)
+        elif kind == "end":
+            return self.on_end(msg)
+        return None
 
     def on_tick(self) -> None:
         """Each second on a terminal, events or not: the live display's clock moves, and its
         bars and vLLM's progress follow the status the daemon published (asked for once; the
         clock moves on without it)."""
         assert self.display is not None
-        try:
-            status = ask.status(self.sock, timeout_s=TICK_S)
-        except (Unreachable, TimedOut):
-            status = None
+        limit = TICK_S if self.deadline is None else min(TICK_S, self.deadline - time.monotonic())
+        status = None
+        if limit > 0:  # a read bounded by what is left of --timeout
+            with contextlib.suppress(Unreachable, TimedOut):
+                status = ask.status(self.sock, timeout_s=limit)
         self.display.tick(status)
 
     def refused(self, msg: dict[str, Any]) -> Exit:
         """The daemon refused the request: why, and what that means as an exit."""
-        code = refusal_exit(msg["code"])
+        code, said = refusal_exit(str(msg.get("code"))), str(msg.get("message", ""))
         if self.prints_reply:
-            print(f"kimi-mode: {msg['message']}", file=sys.stderr)
+            print(f"kimi-mode: {said}", file=sys.stderr)
             return code
-        return self.o.fail(code, msg["message"])
+        return self.o.fail(code, said)
 
     def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
         """A reply that accepts the request: an exit to end here, None to follow on, or Again
@@ -140,7 +165,12 @@ class Follow:
         return self.o.fail(Exit.TIMEOUT, f"timed out after {timeout_s:g} s waiting; {self.goes_on}")
 
     def on_interrupt(self) -> Exit:
-        return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; {self.goes_on}")
+        """Ctrl-C: said, with what goes on and what was seen last."""
+        seen = self.display.seen() if self.display is not None else ""
+        return self.o.fail(
+            Exit.INTERRUPTED,
+            f"{self.stopped}; {self.goes_on}" + (f"; last seen: {seen}" if seen else ""),
+        )
 
     def on_closed(self) -> Exit | Again:
         """The daemon closed the connection before the end: an exit, or Again to ask again."""

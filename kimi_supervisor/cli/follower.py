@@ -3,8 +3,9 @@ otherwise (a pipe, a log, TERM=dumb). Pure formatting of the daemon's events, an
 terminal, of the status it publishes (`tick`, each second: the clock never stands still).
 
 On a terminal the redrawn frame fits the terminal as it is at each draw (its width and its
-height, read again at every draw and at once on SIGWINCH): a frame taller than the screen
-cannot be moved back over, and left a copy of itself in the scrollback at every redraw. What
+height, read again at every draw; after a SIGWINCH, once the size held, at the next tick): a
+frame taller than the screen less the cursor's row cannot be moved back over, and left a copy of
+itself in the scrollback at every redraw. What
 does not fit is folded, never dropped unsaid: the kills to the newest few and "N more", the
 GPU bars to several on a row, then to the first few and "N more"; the clock's row is always the
 frame's first, and vLLM's progress its last."""
@@ -27,6 +28,8 @@ from kimi_supervisor.model import GpuHealth, program
 # The kills a frame shows at most (the newest), with "N more" for the others.
 KILLS_SHOWN = 5
 BAR = 24  # a GPU's bar, on a row of its own
+# A resized terminal is drawn again once its size held this long (at the next tick).
+SETTLE_S = 0.25
 SMALL_BAR = 12  # a GPU's bar where several share a row
 
 
@@ -133,6 +136,7 @@ class Follower:
         self.screen = Redraw(out, self.width, self.height)
         self._drawing = False
         self._last_draw = 0.0
+        self._resized_at = -math.inf  # the last SIGWINCH
         self._last_gpu_line = 0.0
         self._last_pct: int | None = None
         self._last_text = ""
@@ -163,6 +167,16 @@ class Follower:
             self._draw(force=True)
         else:
             print("\n".join(rows), file=self.out, flush=True)
+
+    def seen(self) -> str:
+        """What the display showed last, in a few words (said at Ctrl-C): the switch, its
+        clock, and vLLM's progress, else the teardown's step; "" before an event said one."""
+        now = self.vllm or (f"teardown {self.current}" if self.current else "")
+        now = now or (f"teardown {self.steps[-1]}" if self.steps else "")
+        if not now:
+            return ""
+        clock = duration(time.monotonic() - self.started)
+        return f"switching to {self.target or '...'} ({clock}): {now}"
 
     def tick(self, status: dict[str, Any] | None) -> None:
         """Each second on a terminal, whether events came or not: the clock moves, and the GPU
@@ -272,7 +286,7 @@ class Follower:
     def frame(self, width: int, height: int) -> list[str]:
         """The rows drawn on a terminal of `width` x `height`: wrapped to its width, folded to
         fit its height less the cursor's row (the module's docstring)."""
-        room = max(height - 1, 2)
+        room = max(height - 1, 1)  # the cursor's row below: a taller frame scrolls
         per_cell = max((len(self._gpu_cell(d, SMALL_BAR)) + 2 for d in self.gpus), default=1)
         fits_per_row = max((width - 3) // per_cell, 1)
         most = min(len(self.kills), KILLS_SHOWN)
@@ -359,9 +373,15 @@ class Follower:
     def _clear(self) -> None:
         self.screen.back()
 
-    def _draw(self, force: bool = False) -> None:
+    def _draw(self, force: bool = False, *, resizing_too: bool = False) -> None:
+        """The frame again (events: at most every 0.1 s; `force`: now). Not while the terminal
+        is being resized (a SIGWINCH less than SETTLE_S ago): a frame drawn at one size lands
+        at another, is wrapped or pushed into the scrollback there, and cannot be moved back
+        over; the next tick draws it once the size holds (`resizing_too`: the last frame)."""
         now = time.monotonic()
         if self._drawing or (not force and now - self._last_draw < 0.1):
+            return
+        if now - self._resized_at < SETTLE_S and not resizing_too:
             return
         self._drawing = True
         try:
@@ -371,14 +391,14 @@ class Follower:
             self._drawing = False
 
     def _resized(self, signum: int, frame: FrameType | None) -> None:
-        """SIGWINCH: drawn again at once, to the terminal's new size (between two draws: one
-        under way is not cut into)."""
-        with contextlib.suppress(OSError, ValueError):
-            self._draw(force=True)
+        """SIGWINCH: only noted. A storm of them (a window dragged) is one redraw, at the next
+        tick after the size held for SETTLE_S, never a frame per signal, nor one drawn from
+        the handler into the middle of another write."""
+        self._resized_at = time.monotonic()
 
     def finish(self) -> None:
         if self.tty:
-            self._draw(force=True)
+            self._draw(force=True, resizing_too=True)
             if self._old_winch is not None:
                 with contextlib.suppress(ValueError, OSError):
                     signal.signal(signal.SIGWINCH, self._old_winch)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kimi_supervisor.cli.ask import one_reply as _one_reply
+from kimi_supervisor.cli.ask import history, understood
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.examples import Formatter, epilog, exit_codes, global_options
 from kimi_supervisor.cli.exits import KIMI_MODE, Exit, refusal_exit
@@ -192,15 +192,16 @@ def cmd_is_serving(args: argparse.Namespace, sock: Path) -> int:
 
 def cmd_history(args: argparse.Namespace, sock: Path) -> int:
     o = Output(args.output)
-    _raw, msg = _one_reply(sock, {"cmd": "history", "n": args.n})
+    msg, entries = history(sock, args.n)
     if not msg["ok"]:
-        return o.fail(refusal_exit(msg["code"]), msg["message"])
-    entries = msg["data"]["entries"]
+        return o.fail(refusal_exit(str(msg.get("code"))), str(msg.get("message", "")))
     if o.json:
         for e in entries:
             o.line({"v": 1, "type": "record", **e})
     else:
-        print(format_history(entries, columns(o.out)), file=o.out)
+        with understood("its history"):
+            text = format_history(entries, columns(o.out))
+        print(text, file=o.out)
     return Exit.OK
 
 
@@ -397,7 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"exit {Exit.OK} MODE serves; {Exit.FAILED} the switch to MODE failed and was rolled "
         f"back, or the daemon gave up (FAILED); {Exit.STUCK} still STUCK at --timeout; "
         f"{Exit.TIMEOUT} --timeout ran out otherwise (nobody asked for MODE, or it still "
-        "loads). Without --timeout it waits as long as that takes. Never asks for a switch.",
+        f"loads); {Exit.INTERRUPTED} Ctrl-C, with the status last known. A switch to MODE "
+        "that failed and was rolled back, with no switch asked since, is that verdict even "
+        "for a wait begun after it. --timeout is a deadline for the whole wait; without it, "
+        "it waits as long as that takes. Never asks for a switch.",
     )
     mode_argument(c, "wait until it serves")
     c.add_argument(
@@ -455,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         return o.fail(Exit.USAGE, str(e))
     except Unreachable as e:
         return o.fail(Exit.UNREACHABLE, str(e))
-    except KeyboardInterrupt:
-        return Exit.INTERRUPTED
+    except KeyboardInterrupt:  # before anything was followed (a follow says its own)
+        return o.fail(Exit.INTERRUPTED, "interrupted")
     except BrokenPipeError:
         return Exit.OK
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.cli import ask
+from kimi_supervisor.cli.ask import checked_status
 from kimi_supervisor.cli.ask import status as _status
 from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Again, Follow
@@ -18,7 +17,7 @@ from kimi_supervisor.cli.follower import Follower, Redraw, redraws
 from kimi_supervisor.cli.output import Output, VerdictOut
 from kimi_supervisor.cli.render import columns, format_status, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
-from kimi_supervisor.control.client import TimedOut, Unreachable
+from kimi_supervisor.control.client import Unreachable
 
 
 def status_exit(data: dict[str, Any]) -> Exit:
@@ -117,17 +116,25 @@ class WaitFollow(Follow):
         self.last: dict[str, Any] = {}  # the status judged last
         self.lost_at: float | None = None  # since when the daemon is gone (a restart)
         self._pause_s = STALE_PAUSE_S
+        # Given MODE, asked again before --timeout's deadline: the status the verdict names
+        # is read afresh, and never after the deadline.
+        self.refresh_s = REFRESH_S if self.mode is not None else 0.0
 
     def on_reply(self, msg: dict[str, Any]) -> Exit | Again | None:
         # Subscribed first, the status read from the subscription's own reply: no event between
         # the two is lost; the stream is read until something to judge.
-        data = msg["data"]
+        data = checked_status(msg.get("data"))
         tr = data.get("transition")
         if tr and tr["id"] in self.ended:
             pause, self._pause_s = self._pause_s, min(self._pause_s * 2, STALE_MAX_S)
             return Again(pause)  # older than the end heard: nothing more comes about it
         self._pause_s = STALE_PAUSE_S
         self.last, self.lost_at = data, None
+        failure = data.get("last_failure") or {}
+        if self.mode is not None and failure.get("mode") == self.mode != data["desired_mode"]:
+            # Joined while a failed switch to MODE rolls back: its failure, kept (the rollback
+            # clears it from the status once it is ready).
+            self.failed = self.failed or str(failure.get("reason", ""))
         if tr:
             self.targets[tr["id"]] = tr["target"]
         if tr and tr["id"] != self.following:
@@ -201,11 +208,24 @@ class WaitFollow(Follow):
         return again
 
     def on_timeout(self, timeout_s: float) -> Exit:
+        """--timeout ran out: the verdict on the status read last (asked for afresh before the
+        deadline, REFRESH_S)."""
         if self.mode is None:
             return super().on_timeout(timeout_s)
-        with contextlib.suppress(Unreachable, TimedOut):  # what holds MODE back now
-            self.last = ask.status(self.sock, timeout_s=LAST_STATUS_S)
-        return self.verdict(*timeout_verdict(self.last, self.mode, timeout_s, stuck=self.stuck))
+        said = mode_verdict(self.last, self.mode, failed=self.failed, stuck=self.stuck)
+        return self.verdict(
+            *(said or timeout_verdict(self.last, self.mode, timeout_s, stuck=self.stuck))
+        )
+
+    def on_interrupt(self) -> Exit:
+        """Ctrl-C, at any point: what was known last (the switch followed, else the status),
+        and, given MODE, as its verdict."""
+        known = self.display.seen() or self.last.get("status_line") or "no status yet"
+        if self.mode is None:
+            return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; last known: {known}")
+        return self.verdict(
+            Exit.INTERRUPTED, "interrupted", f"stopped waiting for {self.mode}; last known: {known}"
+        )
 
     def verdict(self, code: Exit, kind: str, message: str) -> Exit:
         """The last line: the verdict about MODE, and its exit (in json mode a verdict that
@@ -224,8 +244,9 @@ class WaitFollow(Follow):
         return code
 
 
-# At --timeout, how long `wait MODE` asks for the status its verdict names.
-LAST_STATUS_S = 2.0
+# How long before --timeout's deadline `wait MODE` subscribes again (a quarter of --timeout at
+# most): the status its verdict names is that fresh, and the verdict comes at the deadline.
+REFRESH_S = 2.0
 # A daemon gone while `wait MODE` waits (a restart) is asked again every RECONNECT_PAUSE_S, for
 # RECONNECT_S at most (a restart takes a second or two).
 RECONNECT_S = 60.0
@@ -252,6 +273,8 @@ def mode_verdict(
     | STUCK                                           | wait: the daemon retries         |
     | FAILED                                          | 1 `failed`: it waits for a person|
     | another mode desired, a switch to MODE failed   | 1 `rolled_back`                  |
+    | (heard, or `rolled_back` in the status: joined  |                                  |
+    | late, and no switch was asked since)            |                                  |
     | another mode desired, none failed               | wait: someone may still ask      |
     | MODE desired, not serving (backoff, a driver)   | wait: the daemon goes on         |
     """
@@ -263,8 +286,10 @@ def mode_verdict(
         return Exit.OK, "serving", f"{mode} serves{after}"
     if state == "failed":
         return Exit.FAILED, "failed", f"{mode} does not serve, and the daemon gave up: {line}"
-    if data.get("desired_mode") != mode and failed:
-        return Exit.FAILED, "rolled_back", f"the switch to {mode} failed: {failed}; now: {line}"
+    back = data.get("rolled_back") or {}
+    if data.get("desired_mode") != mode and (failed or back.get("mode") == mode):
+        why = failed or back.get("reason", "")
+        return Exit.FAILED, "rolled_back", f"the switch to {mode} failed: {why}; now: {line}"
     return None
 
 

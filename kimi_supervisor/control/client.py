@@ -22,6 +22,46 @@ class TimedOut(Exception):
     pass
 
 
+class NotUnderstood(Unreachable):
+    """The daemon answered with what this client cannot read (not JSON, a line past
+    MAX_ANSWER_BYTES, a message or a status of another shape): most likely a daemon of another
+    version, one still running the old code after an upgrade. Said in one line, with what to do;
+    its exit is unreachable's (nothing that was asked can be known)."""
+
+    def __init__(self, what: str, detail: object = "") -> None:
+        said = " ".join(str(detail).split())
+        said = said if len(said) <= 120 else said[:117] + "..."
+        super().__init__(
+            f"the daemon's answer was not understood ({what}{': ' + said if said else ''}): a "
+            "daemon of another version? After an upgrade restart it (`systemctl restart "
+            "kimi-supervisor`); `kimi-mode --version` and `kimi-supervisor --version` say which"
+        )
+
+
+# The longest answer line read (a status, a history of 10,000 records): a longer one is not
+# this protocol's, and is not read into memory whole.
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# The answers' types: anything else is another protocol's.
+ANSWER_TYPES = ("reply", "event", "end")
+
+
+def parse_answer(line: bytes) -> dict[str, Any]:
+    """One answer line as the protocol has it (an object with a known `type`, a reply's and an
+    end's `ok` a boolean), else NotUnderstood."""
+    try:
+        msg = json.loads(line)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise NotUnderstood("not JSON", e) from None
+    if not isinstance(msg, dict) or msg.get("type") not in ANSWER_TYPES:
+        kind = msg.get("type") if isinstance(msg, dict) else type(msg).__name__
+        raise NotUnderstood(f"a message of type {kind!r}") from None
+    if msg["type"] != "event" and not isinstance(msg.get("ok"), bool):
+        raise NotUnderstood(f"a {msg['type']} without `ok`")
+    if not isinstance(msg.get("data", {}), dict):
+        raise NotUnderstood(f"a {msg['type']} whose `data` is not an object")
+    return msg
+
+
 def connect(path: Path, timeout_s: float = 5.0) -> socket.socket:
     """Connect within `timeout_s`. A Unix socket whose listen queue is full refuses a
     non-blocking connect with EAGAIN at once (a flood of other clients): tried again until the
@@ -120,13 +160,20 @@ def exchange(
             sock.sendall(data)
         except OSError as e:
             unsent = e
-        buf, answered = b"", False
+        buf, answered, seen = bytearray(), False, 0  # seen: bytes of buf with no newline
         while True:
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
+            while (end := buf.find(b"\n", seen)) >= 0:
+                if end > MAX_ANSWER_BYTES:
+                    raise NotUnderstood(f"an answer line of more than {MAX_ANSWER_BYTES} bytes")
+                line = bytes(buf[:end])
+                del buf[: end + 1]
+                seen = 0
                 if line.strip():
                     answered = True
-                    yield line, json.loads(line)
+                    yield line, parse_answer(line)
+            seen = len(buf)
+            if seen > MAX_ANSWER_BYTES:  # not read on: a line that long is no answer of ours
+                raise NotUnderstood(f"an answer line of more than {MAX_ANSWER_BYTES} bytes")
             now = time.monotonic()
             if tick is not None and now >= next_tick:
                 tick()

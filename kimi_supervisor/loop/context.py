@@ -332,6 +332,8 @@ class Context:
                 "desired_mode_changed", previous=self.s.desired.value, desired=mode.value, by=by
             )
         self.s.desired = mode
+        if by != "rollback":  # another switch asked for: the last rollback is history
+            self.s.rolled_back = None
 
     def event(self, name: str, data: dict[str, Any] | None = None) -> None:
         tid = self.s.transition.id if self.s.transition else None

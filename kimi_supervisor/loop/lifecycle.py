@@ -45,7 +45,13 @@ from kimi_supervisor.ports import launcher, pagecache, processes
 from kimi_supervisor.ports.gpu import GpuUnavailable, reading_error
 from kimi_supervisor.ports.metrics import evidence_label
 from kimi_supervisor.ports.systemd import SystemdError
-from kimi_supervisor.status import FailureStatus, GpuHealthStatus, IntrusionStatus, LivenessStatus
+from kimi_supervisor.status import (
+    FailureStatus,
+    GpuHealthStatus,
+    IntrusionStatus,
+    LivenessStatus,
+    RolledBackStatus,
+)
 from kimi_supervisor.store.state import TransitionRecord
 from kimi_supervisor.teardown.events import GpusRead, Signalled, Spared, StepStarted
 
@@ -788,10 +794,12 @@ class Lifecycle:
             case Next.ROLLBACK:
                 assert tr is not None and back is not None
                 why = f"{tr.target.value} did not become ready ({job.cause})"
-                self.end_transition(
-                    False, "rolled_back", f"{why}; rolling back to {back.value}", detail
-                )
+                said = f"{why}; rolling back to {back.value}"
+                self.end_transition(False, "rolled_back", said, detail)
                 ctx.desire(back, "rollback")
+                s.rolled_back = RolledBackStatus(
+                    mode=tr.target, at=utcnow().isoformat(), reason=said, transition=tr.id
+                )
                 self.begin_transition(back, "rollback", why, "rollback")
             case Next.FAILURE if purpose is Purpose.START_FAILED and tr is not None:
                 self.failure(f"{tr.target.value} did not become ready: {job.cause}", detail)

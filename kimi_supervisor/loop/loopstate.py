@@ -26,6 +26,7 @@ from kimi_supervisor.status import (
     GpuHealthStatus,
     IntrusionStatus,
     LivenessStatus,
+    RolledBackStatus,
     WarmStatus,
 )
 from kimi_supervisor.store.state import TransitionRecord
@@ -119,6 +120,8 @@ class LoopState:
     last_intrusion: IntrusionStatus | None = None
     bundle: BundleStatus | None = None  # the newest incident bundle (loop/incident.py)
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
+    # The last switch rolled back, until another mode is desired by anyone but the rollback.
+    rolled_back: RolledBackStatus | None = None
     # vLLM's output read since the last start is a failed vLLM's (its start failed, or it died
     # or hung): shown while nothing serves. A switch's old vLLM's lines are not.
     output_failed: bool = False

@@ -146,6 +146,7 @@ def build(
         last_intrusion=s.last_intrusion,
         incident_bundle=s.bundle,
         last_failure=s.last_failure,
+        rolled_back=s.rolled_back,
         gpu_health=s.gpu_health,
         waiting_for=s.waiting_for or None,
         liveness=s.liveness if s.state is State.SERVING else None,

@@ -226,8 +226,10 @@ class Metrics:
             "1 where the GPU's health signal, read before vLLM's last load (gpus.health_check), "
             "says it will fail a load: xid_errors (an Xid that needs a reset, since boot), "
             "row_remap_pending, row_remap_failure, retired_pending, ecc_dbe_vol_total "
-            "(uncorrected ECC since the driver loaded), nvlink_errors; 0 where it does not; NaN "
-            "where not read (before the first load, health_check off, the GPU cannot say)",
+            "(uncorrected ECC since the driver loaded), nvlink_errors; 0 where it does not, and "
+            "from the first reading of the GPU's memory until its health is read (as DCGM's "
+            "fields are 0 until a fault); NaN where a reading could not say (the GPU does not "
+            "keep that signal, the reading failed)",
             ["gpu", "uuid", "signal"],
             registry=r,
         )
@@ -387,10 +389,11 @@ class Metrics:
         self.gpu_used.labels(str(index), uuid).set(used_mib * MIB)
         self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
         self.intrusions.labels(str(index))  # at 0 from the first reading of each managed GPU
-        if (str(index), uuid) not in self._health_gpus:  # not read yet: NaN, never "healthy"
+        if (str(index), uuid) not in self._health_gpus:
+            # Present from the start, at 0 as DCGM's fields are, until a reading says otherwise.
             self._health_gpus.add((str(index), uuid))
             for signal in GPU_HEALTH_SIGNALS:
-                self.gpu_health.labels(str(index), uuid, signal).set(math.nan)
+                self.gpu_health.labels(str(index), uuid, signal).set(0)
 
     def gpu_health_unread(self) -> None:
         for gpu, uuid in self._health_gpus:

@@ -430,6 +430,7 @@ def test_a_load_says_when_it_will_be_ready_from_the_past_loads_of_that_mode_and_
     [
         pytest.param("reached", 0, "serving", id="profile reached: 0, serving"),
         pytest.param("rolled back", 1, "rolled_back", id="profile failed and rolled back: 1"),
+        pytest.param("joined after the rollback", 1, "rolled_back", id="joined after it: 1"),
         pytest.param("stuck then cleared", 0, "serving", id="a STUCK retried then cleared: 0"),
         pytest.param("nobody asked", 4, "not_asked", id="nobody asked for profile: 4 at timeout"),
         pytest.param("daemon restarted", 0, "serving", id="the daemon restarted meanwhile: 0"),
@@ -447,7 +448,7 @@ def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last
         daemon.start()
         daemon.wait_serving("production")
         holder = None
-        if case == "rolled back":
+        if case in ("rolled back", "joined after the rollback"):
             sandbox.fake(crash_during_load_at=40, load_faults_only_when_profiling=True)
         elif case == "daemon restarted":
             sandbox.fake(load_s=4.0)
@@ -456,6 +457,10 @@ def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last
         try:
             if case != "nobody asked":
                 assert daemon.kimi_mode("profile", "--no-wait").returncode == 0
+            if case == "joined after the rollback":  # production serves again, as before
+                daemon.wait_status(lambda st: st["state"] == "serving" and (
+                    st.get("rolled_back") or {}).get("mode") == "profile", 60,
+                    "the rollback to end")  # fmt: skip
             timeout = "4" if case == "nobody asked" else "120"
             waiting = subprocess.Popen(
                 [KIMI_MODE, "-o", "json", "wait", "profile", "--timeout", timeout],
@@ -485,5 +490,5 @@ def test_a_script_waiting_for_profile_gets_the_verdict_about_profile_as_its_last
             assert "STUCK teardown(s), retried until clean" in last["message"], last
         if case == "nobody asked":
             assert "nobody asked for profile" in last["message"], last
-        if case == "rolled back":
+        if case in ("rolled back", "joined after the rollback"):
             assert "rolling back to production" in last["message"], last

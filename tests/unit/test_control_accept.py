@@ -101,7 +101,13 @@ def test_a_refusal_sent_before_the_daemon_read_the_request_is_still_what_the_cli
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(1)
-    refusal = {"ok": False, "code": "forbidden", "message": "uid 65534 may not control it"}
+    refusal = {
+        "v": 1,
+        "type": "reply",
+        "ok": False,
+        "code": "forbidden",
+        "message": "uid 65534 may not control it",
+    }
 
     def refuse() -> None:
         conn, _ = server.accept()
@@ -134,7 +140,13 @@ def test_a_refusal_of_a_short_request_the_daemon_never_read_is_what_the_client_s
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(path))
     server.listen(1)
-    refusal = {"ok": False, "code": "too_many_clients", "message": "too many clients"}
+    refusal = {
+        "v": 1,
+        "type": "reply",
+        "ok": False,
+        "code": "too_many_clients",
+        "message": "too many clients",
+    }
     peeked: list[bytes] = []
 
     def refuse() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import re
 import shutil
 import socket
 import tempfile
@@ -25,17 +26,27 @@ from kimi_supervisor.cli.output import Output
 from kimi_supervisor.cli.switch import SwitchFollow
 from kimi_supervisor.cli.watch import WaitFollow
 
-Lines = list[dict[str, Any]]
+Lines = list[Any]  # the messages, or bytes sent as they are
 TRANSITION = {
     "id": "t-1",
     "previous": "production",
     "target": "profile",
     "started_at": "2026-01-01T12:00:00+00:00",
     "step": "stop_unit",
+    "step_changed_at": "2026-01-01T12:00:00+00:00",
+    "kind": "switch",
+}
+# What every status has beside what a test sets (kimi_supervisor/status.py's Status).
+STATUS = {
+    "state_since": "2026-01-01T12:00:00+00:00",
+    "unit": {"name": "vllm.service"},
+    "daemon": {"pid": 1, "started_at": "2026-01-01T12:00:00+00:00"},
 }
 
 
 def reply(ok: bool = True, code: str = "accepted", message: str = "", **data: Any) -> dict:
+    if "state" in data:  # a status
+        data = {**STATUS, **data}
     return {"v": 1, "type": "reply", "ok": ok, "code": code, "message": message, "data": data}
 
 
@@ -49,8 +60,9 @@ def end(ok: bool, outcome: str, message: str) -> dict:
 
 @contextmanager
 def daemon(*conversations: tuple[Lines, bool]) -> Iterator[tuple[Path, list[dict]]]:
-    """A daemon that answers each connection in turn with its lines, then closes it, or holds
-    it open (True) until the test ends. Yields the socket and the requests it was sent."""
+    """A daemon that answers each connection in turn with its lines (bytes: sent as they are),
+    then closes it, or holds it open (True) until the test ends; a connection past them is
+    never answered. Yields the socket and the requests it was sent."""
     d = Path(tempfile.mkdtemp(prefix="kimi-follow-"))  # short: a socket's path is at most 107
     path = d / "control.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -63,7 +75,8 @@ def daemon(*conversations: tuple[Lines, bool]) -> Iterator[tuple[Path, list[dict
         for lines, hold in conversations:
             conn, _ = server.accept()
             requests.append(json.loads(conn.makefile("rb").readline()))
-            conn.sendall(b"".join(json.dumps(x).encode() + b"\n" for x in lines))
+            conn.sendall(b"".join(x if isinstance(x, bytes) else json.dumps(x).encode() + b"\n"
+                                  for x in lines))  # fmt: skip
             (held.append if hold else lambda c: c.close())(conn)
 
     threading.Thread(target=serve, daemon=True).start()
@@ -170,7 +183,8 @@ def test_wait_for_a_mode_asks_again_after_an_end_and_its_timeout_spans_both_asks
         took = time.monotonic() - began
     assert code == Exit.TIMEOUT
     assert 0.5 <= took < 3.0
-    assert [r["cmd"] for r in requests] == ["subscribe", "subscribe", "status"]
+    # The second subscription's end, then one more before the deadline: the status it names.
+    assert [r["cmd"] for r in requests] == ["subscribe", "subscribe", "subscribe"]
     assert "following t-1: production -> production" in out.getvalue()
     assert "FAILED: rolled back" in out.getvalue()
     last = out.getvalue().splitlines()[-1]
@@ -241,6 +255,13 @@ def status(state: str, mode: str | None, desired: str, tr: dict | None = None, *
 TO_PROFILE = {**TRANSITION, "id": "t-2", "target": "profile"}
 BACK = {**TRANSITION, "id": "t-3", "target": "production", "previous": "profile"}
 RETRY = {**TRANSITION, "id": "t-4", "target": "profile", "previous": None}
+FAILURE = {"mode": "profile", "at": "2026-01-01T12:00:00+00:00", "reason": "vLLM exited 1"}
+ROLLED_BACK = {
+    "mode": "profile",
+    "at": "2026-01-01T12:00:09+00:00",
+    "transition": "t-2",
+    "reason": "profile did not become ready (vLLM exited 1); rolling back to production",
+}
 
 
 def ended(tr: dict, ok: bool, outcome: str, message: str) -> dict:
@@ -272,6 +293,21 @@ def started(tr: dict) -> dict:
             Exit.FAILED, "rolled_back",
             "the switch to profile failed: vLLM exited 1; rolling back; now: serving production",
             id="profile failed and rolled back: 1, not the rollback's done",
+        ),
+        pytest.param(
+            [([status("tearing_down", None, "production", BACK, last_failure=FAILURE),
+               ended(BACK, True, "ready", "production is ready")], False),
+             ([status("serving", "production", "production")], True)],
+            Exit.FAILED, "rolled_back",
+            "the switch to profile failed: vLLM exited 1; now: serving production",
+            id="joined while profile rolls back: 1, the failure it rolls back named",
+        ),
+        pytest.param(
+            [([status("serving", "production", "production", rolled_back=ROLLED_BACK)], True)],
+            Exit.FAILED, "rolled_back",
+            "the switch to profile failed: profile did not become ready (vLLM exited 1); "
+            "rolling back to production; now: serving production",
+            id="joined after the rollback: 1 at once, from the status, nobody asked since",
         ),
         pytest.param(
             [([status("tearing_down", None, "profile", TO_PROFILE),
@@ -344,3 +380,169 @@ def test_wait_for_a_mode_ends_with_one_verdict_about_it_and_the_exit_to_match(
             assert " ".join(out.getvalue().split()).endswith(f"{head}: {said}"), out.getvalue()
         json_failed = fmt == "json" and code != Exit.OK  # said on stderr too, as an error is
         assert err.getvalue() == (f"kimi-mode: {said}\n" if json_failed else ""), err.getvalue()
+
+
+# ------------------------------------------------------------------------------ not understood
+OLD_STATUS = {"v": 1, "type": "reply", "ok": True, "code": "status", "message": "",
+              "data": {"state": "serving", "mode": "production"}}  # fmt: skip
+BOTH = ("json", "text")
+
+
+@pytest.mark.parametrize(
+    ("argv", "lines", "said", "fmts"),
+    [
+        pytest.param(["status"], [b"not json at all\n"], "(not JSON: Expecting value", BOTH,
+                     id="a line that is not JSON"),
+        pytest.param(["history"], [{"v": 1, "type": "reply", "code": "history", "data": {}}],
+                     "(a reply without `ok`)", BOTH, id="a reply without ok"),
+        pytest.param(["wait"], [[1, 2]], "(a message of type 'list')", BOTH,
+                     id="a message that is no object"),
+        pytest.param(["status"], [OLD_STATUS], "(its status: daemon, desired_mode, state_since, "
+                     "status_line, unit missing or of another kind)", BOTH,
+                     id="an older daemon's status, to status"),
+        pytest.param(["wait", "profile"], [OLD_STATUS], "(its status: daemon, desired_mode, ",
+                     BOTH, id="an older daemon's status, to wait MODE"),
+        pytest.param(["is-serving"], [OLD_STATUS], "(its status: ", BOTH,
+                     id="an older daemon's status, to is-serving"),
+        pytest.param(["history"], [reply(code="history", records=[])],
+                     "(its history: KeyError: 'entries')", BOTH, id="a history without entries"),
+        pytest.param(["history"], [reply(code="history", entries=[{"at": "x"}])],
+                     "(its history: KeyError: 'kind')", BOTH, id="a record without a kind"),
+        pytest.param(["profile"], [reply(message="switching"), event("step_finished")],
+                     "(its step_finished: KeyError: 'duration_s')",
+                     ("text",),  # json mode passes the daemon's events on as they are
+                     id="an event of another shape while a switch is followed"),
+        pytest.param(["status"], [reply(code="status", pad="x" * 4096)],
+                     "(an answer line of more than 1024 bytes)", BOTH,
+                     id="a line past the bound"),
+    ],
+)  # fmt: skip
+def test_an_answer_kimi_mode_cannot_read_is_one_line_saying_so_and_what_to_do_exit_3(
+    argv: list[str], lines: Lines, said: str, fmts: tuple[str, ...],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Before, a daemon of another version (or anything else on the socket) gave a Python
+    traceback and exit 1."""
+    from kimi_supervisor.cli import kimi_mode
+    from kimi_supervisor.control import client
+
+    monkeypatch.setattr(client, "MAX_ANSWER_BYTES", 1024)
+    for fmt in fmts:
+        with daemon((lines, False)) as (sock, _):
+            rc = kimi_mode.main(["-o", fmt, "--socket", str(sock), *argv])
+        out, err = capsys.readouterr()
+        assert rc == Exit.UNREACHABLE, (fmt, out, err)
+        (line,) = err.splitlines()  # one line, no traceback
+        assert line.startswith("kimi-mode: the daemon's answer was not understood " + said), line
+        assert "After an upgrade restart it (`systemctl restart kimi-supervisor`)" in line
+        if fmt == "json":
+            (error,) = [json.loads(x) for x in out.splitlines()]  # JSON only on stdout
+            assert (error["type"], error["exit"], error["code"]) == ("error", 3, "unreachable")
+            assert f"kimi-mode: {error['message']}" == line
+        else:
+            assert out == ("switching\n" if argv == ["profile"] else ""), out
+
+
+# ------------------------------------------------------------------------------ the deadline
+def test_wait_for_a_mode_reads_nothing_past_its_timeout_however_slow_the_daemon(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, at --timeout it asked for the status once more, for up to 2 s: a script's
+    `--timeout 120` returned at 122 s. Now every read is bounded by what is left, and the
+    status the verdict names was asked for before the deadline (here, never answered)."""
+    from kimi_supervisor.cli import follow
+
+    real, reads = follow.exchange, []
+
+    def exchange(*args: Any, **kw: Any) -> Iterator[tuple[bytes, dict]]:
+        reads.append((time.monotonic(), kw["timeout_s"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(follow, "exchange", exchange)
+    with daemon(([status("serving", "production", "production")], True)) as (sock, requests):
+        o, out, _err = output("json")
+        w = WaitFollow(argparse.Namespace(mode="profile"), sock, o)
+        code = w.run({"cmd": "subscribe"}, timeout_s=1.0)
+    assert code == Exit.TIMEOUT
+    assert json.loads(out.getvalue().splitlines()[-1])["verdict"] == "not_asked"
+    assert len(reads) == 2 and len(requests) == 1  # the second subscription: no answer
+    assert w.deadline is not None
+    # (each read measured from a moment just after the loop's own: a hair later)
+    assert all(at + limit <= w.deadline + 0.01 for at, limit in reads), (reads, w.deadline)
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
+def ctrl_c_in(monkeypatch: pytest.MonkeyPatch, call: int, after: int) -> None:
+    """Ctrl-C in the `call`-th exchange with the daemon, once `after` of its lines were read
+    (0: before any)."""
+    from kimi_supervisor.cli import follow
+
+    real, calls = follow.exchange, iter(range(1, 100))
+
+    def exchange(*args: Any, **kw: Any) -> Iterator[tuple[bytes, dict]]:
+        n = next(calls)
+        if n == call and after == 0:
+            raise KeyboardInterrupt
+        for i, line in enumerate(real(*args, **kw), 1):
+            yield line
+            if n == call and i == after:
+                raise KeyboardInterrupt
+        raise AssertionError("the daemon closed a conversation the test holds open")
+
+    monkeypatch.setattr(follow, "exchange", exchange)
+
+
+@pytest.mark.parametrize(
+    ("argv", "talks", "call", "after", "said"),
+    [
+        pytest.param(["wait", "profile"],
+                     [([status("starting", None, "profile", TO_PROFILE)], True)], 1, 1,
+                     "stopped waiting for profile; last known: starting",
+                     id="wait MODE: its verdict, interrupted, with the status last known"),
+        pytest.param(["wait", "profile", "--timeout", "0.4"],
+                     [([status("serving", "production", "production")], True)], 2, 0,
+                     "stopped waiting for profile; last known: serving production",
+                     id="wait MODE asking again before its timeout: the same"),
+        pytest.param(["wait", "profile"], [([], True)], 1, 0,
+                     "stopped waiting for profile; last known: no status yet",
+                     id="wait MODE before any answer: no status yet, said"),
+        pytest.param(["wait"], [([status("starting", None, "profile", TO_PROFILE)], True)], 1, 1,
+                     "stopped waiting; last known: starting",
+                     id="wait: the status last known"),
+        pytest.param(["profile"], [([reply(message="switching", transition=TO_PROFILE),
+                                     event("step_started", step="kill_strays")], True)], 1, 2,
+                     "stopped following; the switch to profile goes on (`kimi-mode wait` "
+                     "follows it again; `kimi-mode status` shows where it is)",
+                     id="a followed switch: what the display showed last"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_anywhere_in_a_wait_or_a_switch_says_what_it_knew_last_and_exits_130(
+    argv: list[str], talks: list[tuple[Lines, bool]], call: int, after: int, said: str,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    """Before, a Ctrl-C in the status read after --timeout printed nothing at all."""
+    from kimi_supervisor.cli import kimi_mode
+
+    for fmt in ("json", "text"):
+        ctrl_c_in(monkeypatch, call, after)
+        with daemon(*talks) as (sock, _):
+            rc = kimi_mode.main(["-o", fmt, "--socket", str(sock), *argv])
+        out, err = capsys.readouterr()
+        assert rc == Exit.INTERRUPTED, (fmt, out, err)
+        last = out.splitlines()[-1] if out else ""
+        if "profile" in argv[:2] and argv[0] == "wait":  # the verdict, as its last line
+            if fmt == "json":
+                verdict = json.loads(last)
+                assert (verdict["type"], verdict["verdict"], verdict["exit"]) == (
+                    "verdict", "interrupted", 130)  # fmt: skip
+                assert verdict["message"].startswith(said), verdict
+            else:
+                assert " ".join(out.split()).endswith(f"INTERRUPTED: {said}"), out
+        else:
+            assert f"kimi-mode: {said}" in err, err
+            if argv == ["profile"] and fmt == "text":  # the display's own last words
+                assert re.search(r"; last seen: switching to profile \(.+\): teardown "
+                                 r"kill_strays$", err.strip()), err  # fmt: skip
+            if fmt == "json":
+                assert json.loads(last)["type"] == "error" and json.loads(last)["exit"] == 130

@@ -112,6 +112,27 @@ def test_a_failed_start_rolls_back_once_then_backs_off(host: LoopHost) -> None:
     assert host.systemd.starts[3:] == [Mode.PROFILE] + [Mode.PRODUCTION] * 3
 
 
+def test_after_a_rollback_the_status_names_the_failed_switch_until_another_is_asked(
+    host: LoopHost,
+) -> None:
+    """A `wait profile` that joins once the rollback is over reads why there: the failed
+    start's own `last_failure` is gone as soon as the rolled-back-to mode is ready."""
+    booted(host)
+    host.systemd.fail_modes = {Mode.PROFILE}
+    asked = host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PRODUCTION)
+    st = host.status()
+    back = st["rolled_back"]
+    assert (back["mode"], back["transition"]) == ("profile", asked.data["transition_id"]), back
+    assert back["reason"].startswith("profile did not become ready ("), back
+    assert back["reason"].endswith("; rolling back to production"), back
+    assert st["last_failure"] is None  # cleared by production's ready, as before
+    host.systemd.fail_modes = set()
+    host.ask(Switch(Mode.PROFILE, "op"))
+    assert host.status()["rolled_back"] is None  # another switch asked: history now
+    host.serving(Mode.PROFILE)
+
+
 def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> None:
     booted(host)
     host.gpu.extra[1] = 20_000  # held by nothing the teardown may kill

@@ -341,8 +341,8 @@ HEALTHY = {"index": 3, "remap_pending": False, "remap_failed": False, "retired_p
 @pytest.mark.parametrize(
     ("signals", "expected"),
     [
-        pytest.param(None, dict.fromkeys(GPU_HEALTH_SIGNALS, "NaN"),
-                     id="before the first reading every signal is NaN, never healthy"),
+        pytest.param(None, dict.fromkeys(GPU_HEALTH_SIGNALS, "0.0"),
+                     id="before the first reading every signal is there at 0, as DCGM's are"),
         pytest.param(HEALTHY, {"xid_errors": "0.0", "row_remap_pending": "0.0",
                                "row_remap_failure": "0.0", "retired_pending": "NaN",
                                "ecc_dbe_vol_total": "0.0", "nvlink_errors": "NaN"},

@@ -313,7 +313,9 @@ def status():
     gpus = [{{"index": i, "used_mib": 615 + int(t * 20_000), "baseline_mib": 615,
              "total_mib": 143_771, "tolerance_mib": 64, "holders": []}} for i in range(GPUS)]
     return {{"v": 1, "type": "reply", "ok": True, "code": "status", "message": "", "data": {{
-        "state": "starting", "gpus": gpus,
+        "state": "starting", "gpus": gpus, "desired_mode": "profile",
+        "state_since": "2026-01-01T12:00:00+00:00", "status_line": "switching to profile",
+        "unit": {{"name": "vllm.service"}}, "daemon": {{"pid": 1, "started_at": "2026-01-01"}},
         "progress": {{"phase": "weights", "text": "loading weights"}},
         "eta": {{"expected_s": 60, "remaining_s": 60 - t, "elapsed_s": t, "past_loads": 3,
                  "slower_than_past": False, "text": f"about {{60 - t:.0f}} s left"}}}}}}
@@ -446,6 +448,7 @@ def switch_frame(kills: int, gpus: int) -> Follower:
         pytest.param(80, 24, 2, 1, 2, id="a short switch shows every kill"),
         pytest.param(80, 8, 11, 8, 0, id="at 80x8 what does not fit is counted"),
         pytest.param(40, 5, 11, 8, 0, id="a tiny terminal keeps the clock and a count"),
+        pytest.param(80, 2, 11, 8, 0, id="a terminal of two rows keeps the clock alone"),
     ],
 )
 def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
@@ -458,12 +461,41 @@ def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
     text = "\n".join(frame)
     shown = text.count("killed PID")
     assert shown == kills_shown, frame
-    if shown < kills:
+    if shown < kills and rows > 2:  # two rows: the clock's, and the cursor's
         said = f"{kills - shown} more killed" in text
         assert said or "more rows" in text, frame
     if rows >= 15:
         assert frame[-1].startswith("  vLLM: loading weights 45%"), frame
         assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
+
+
+def test_a_storm_of_resizes_is_drawn_once_the_size_held_never_a_frame_per_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before, each SIGWINCH drew a frame from the signal handler, at a size the terminal no
+    longer had by the time it was shown (and into the middle of another write)."""
+    import types
+
+    from kimi_supervisor.cli import follower
+
+    now = [100.0]
+    monkeypatch.setattr(follower, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    out = io.StringIO()
+    f = Follower(out, tty=True, width=lambda: 80, height=lambda: 15)
+    f.on_event({"event": "starting", "data": {"mode": "profile"}})
+    drawn = out.getvalue().count("\x1b[J")
+    for i in range(200):  # a window dragged for 2 s: signals, events and ticks among them
+        now[0] += 0.01
+        f._resized(28, None)
+        if i % 10 == 0:
+            f.on_event({"event": "progress", "data": {"text": f"loading {i}"}})
+        if i % 100 == 0:
+            f.tick(None)
+    assert out.getvalue().count("\x1b[J") == drawn  # nothing drawn while it moved
+    now[0] += 1.0  # the next tick, the size held since
+    f.tick(None)
+    assert out.getvalue().count("\x1b[J") == drawn + 1  # once, at the size it has now
+    f.finish()
 
 
 @pytest.mark.terminal
@@ -477,18 +509,27 @@ def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
         pytest.param(80, 24, None, id="80x24"),
         pytest.param(200, 50, None, id="200x50"),
         pytest.param(200, 50, (80, 15), id="200x50 shrunk to 80x15 mid-switch"),
+        pytest.param(80, 15, "storm", id="80x15 through storms of resizes (a window dragged)"),
     ],
 )
 def test_in_a_real_terminal_the_clock_is_on_screen_every_second_and_no_frame_piles_up(
-    columns: int, rows: int, shrunk: tuple[int, int] | None, tmp_path: Path
+    columns: int, rows: int, shrunk: tuple[int, int] | str | None, tmp_path: Path
 ) -> None:
     """A frame taller than the screen could not be moved back over: at 80x15 the clock's row
-    was never on screen, and every redraw left a copy in the scrollback (18 for one switch)."""
+    was never on screen, and every redraw left a copy in the scrollback (18 for one switch).
+    A storm of SIGWINCHs drew a frame per signal, each at a size the terminal no longer had:
+    58 rows of copies in the scrollback for one switch."""
     script, sock_dir = scripted_switch(tmp_path, load_s=5, gpus=8, kills=11)
     looks, with_clock, seconds, most = 0, 0, set(), ""
     with Terminal(script, columns, rows, sock_dir) as t:
         for screen in t.looks():
-            if shrunk and time.monotonic() - t.began > 3:
+            if shrunk == "storm" and time.monotonic() - t.began < 2:
+                for i in range(20):  # wider and taller, then back, as a dragged window goes
+                    t.run("resize-window", "-x", str(columns + i % 7 * 10),
+                          "-y", str(rows + i % 5))  # fmt: skip
+                t.run("resize-window", "-x", str(columns), "-y", str(rows))
+                continue
+            if isinstance(shrunk, tuple) and time.monotonic() - t.began > 3:
                 t.run("resize-window", "-x", str(shrunk[0]), "-y", str(shrunk[1]))
                 columns, rows, shrunk = *shrunk, None
                 continue
