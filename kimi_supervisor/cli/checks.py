@@ -72,7 +72,7 @@ def check_group(config: Config) -> CheckOut:
     return ok("control group", f"{g} exists: {who}")
 
 
-def _dir(name: str, key: str, path: Path | None, made_at_start: bool) -> CheckOut | None:
+def _dir(name: str, key: str, path: Path | None, *, made_at_start: bool) -> CheckOut | None:
     if path is None:
         return None
     try:
@@ -98,15 +98,20 @@ def _dir(name: str, key: str, path: Path | None, made_at_start: bool) -> CheckOu
 
 def check_paths(config: Config) -> list[CheckOut]:
     out = [
-        _dir("state directory", "state.dir", config.state.dir, True),
-        _dir("captures directory", "profiling.captures_dir", config.profiling.captures_dir, True),
-        _dir("shared memory", "teardown.shm_dir", config.teardown.shm_dir, False),
-        _dir("temporary files", "teardown.tmp_dir", config.teardown.tmp_dir, False),
+        _dir("state directory", "state.dir", config.state.dir, made_at_start=True),
+        _dir(
+            "captures directory",
+            "profiling.captures_dir",
+            config.profiling.captures_dir,
+            made_at_start=True,
+        ),
+        _dir("shared memory", "teardown.shm_dir", config.teardown.shm_dir, made_at_start=False),
+        _dir("temporary files", "teardown.tmp_dir", config.teardown.tmp_dir, made_at_start=False),
         _dir(
             "simulated GPUs",
             "gpus.sim_dir",
             config.gpus.sim_dir if config.gpus.backend == "sim" else None,
-            False,
+            made_at_start=False,
         ),
     ]
     for key, path in (
@@ -114,7 +119,7 @@ def check_paths(config: Config) -> list[CheckOut]:
         ("daemon.log_file", config.daemon.log_file),
     ):
         if path is not None:
-            out.append(_dir("log directory", f"{key}'s folder", path.parent, False))
+            out.append(_dir("log directory", f"{key}'s folder", path.parent, made_at_start=False))
     return [c for c in out if c is not None]
 
 

@@ -52,7 +52,7 @@ def open_gpu(config: Config, worker: IoWorker | None = None) -> GpuPort:
         inner, made_by = SimGpu(config.gpus.sim_dir), (SimGpu, (str(config.gpus.sim_dir),))
     if worker is None:
         return BoundedGpu(inner, config.gpus.timeout_s)
-    return BoundedGpu(inner, config.gpus.timeout_s, worker, made_by)
+    return BoundedGpu(inner, config.gpus.timeout_s, worker, made_by=made_by)
 
 
 def managed_indices(config: Config, gpu: GpuPort) -> list[int]:

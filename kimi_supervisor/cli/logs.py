@@ -36,12 +36,12 @@ def show_logs(args: argparse.Namespace, config: Any, o: Output) -> int:
     if config is not None:
         log_file = config.daemon.log_file if args.daemon else config.vllm.log_file
     if log_file is not None:
-        return _file(Path(log_file), unit, args, o)
+        return _file(Path(log_file), unit, args, o=o)
     scope = config.systemd.scope if config is not None else "system"
-    return _journal(unit, scope, args, o)
+    return _journal(unit, scope, args, o=o)
 
 
-def _journal(unit: str, scope: str, args: argparse.Namespace, o: Output) -> int:
+def _journal(unit: str, scope: str, args: argparse.Namespace, *, o: Output) -> int:
     exe = shutil.which("journalctl")
     if exe is None:
         return o.fail(Exit.FAILED, "journalctl is not installed here: no journal to read")
@@ -98,7 +98,7 @@ def _journal_entry(unit: str, e: dict[str, Any]) -> LogOut:
     )
 
 
-def _file(path: Path, unit: str, args: argparse.Namespace, o: Output) -> int:
+def _file(path: Path, unit: str, args: argparse.Namespace, *, o: Output) -> int:
     try:
         f = open(path, "rb")  # noqa: SIM115 (followed until Ctrl-C)
     except FileNotFoundError:

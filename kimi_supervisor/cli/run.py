@@ -56,13 +56,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     # process of their own, in a scope of its own (ports/bounded.py): one stuck in the kernel
     # holds neither the loop nor this unit's stop.
     systemd = systemd_port(config)
-    nvml = io_worker(systemd, "nvml", config.gpus.timeout_s, emit, devices=True)
-    disk = io_worker(systemd, "state", config.state.timeout_s, emit)
+    nvml = io_worker(systemd, "nvml", config.gpus.timeout_s, log=emit, devices=True)
+    disk = io_worker(systemd, "state", config.state.timeout_s, log=emit)
     # The clients' reads start their process again from a control thread: on a D-Bus
     # connection of their own (one port is used from one thread), under the worker's lock.
-    reads = io_worker(systemd_port(config), "history", config.state.timeout_s, emit)
+    reads = io_worker(systemd_port(config), "history", config.state.timeout_s, log=emit)
     # The incident bundles' reads (/proc, the journal) and writes, from their own thread.
-    bundles = io_worker(systemd_port(config), "bundle", BUNDLE_TIMEOUT_S, emit)
+    bundles = io_worker(systemd_port(config), "bundle", BUNDLE_TIMEOUT_S, log=emit)
     workers = (nvml, disk, reads, bundles)
     for w in workers:
         w.start()
@@ -132,7 +132,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if metrics is not None:
         try:
             m = config.metrics
-            metrics.serve(m.address, m.port, m.timeout_s, m.max_connections)
+            metrics.serve(m.address, m.port, m.timeout_s, max_connections=m.max_connections)
         except OSError as e:
             emit(
                 "metrics_unavailable",
@@ -183,6 +183,7 @@ def io_worker(
     systemd: SystemdPort,
     name: str,
     timeout_s: float,
+    *,
     log: Callable[..., None],
     devices: bool = False,
 ) -> ProcessWorker:

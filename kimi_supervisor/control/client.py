@@ -133,6 +133,7 @@ def exchange(
     path: Path,
     request: dict[str, Any],
     timeout_s: float | None = None,
+    *,
     fds: Sequence[int] = (),
     tick: Callable[[], None] | None = None,
     tick_s: float = 1.0,

@@ -332,7 +332,7 @@ def gpu_states(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, str]:
 
 
 def health_failure(
-    health: int, slow: bool, tree: Sequence[Cpu], window_s: float, idle_fraction: float
+    health: int, slow: bool, tree: Sequence[Cpu], *, window_s: float, idle_fraction: float
 ) -> str:
     """Why a serving vLLM whose /health fails makes no progress, or "" (a slow answer alone):
     the restart after `daemon.health_grace_s` needs this second signal.
@@ -631,6 +631,7 @@ class Judge:
         now: float,
         work: Work | None,
         metrics: str,
+        *,
         cpu: Cpu | None,
         canary: tuple[bool, float, Cpu | None] | None = None,
         others_s: float | None = None,

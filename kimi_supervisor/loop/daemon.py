@@ -176,14 +176,21 @@ class Daemon:
         ctx, s = self.ctx, self.s
         shown = s.state is State.STARTING or (s.output_failed and s.state is not State.SERVING)
         tail = (ctx.output.tail() if shown else [], ctx.output.where)
-        st = build(s, ctx.unit, ctx.observer.gpus, ctx.clock.monotonic(), self.started_at, tail)
+        st = build(
+            s,
+            ctx.unit,
+            ctx.observer.gpus,
+            now=ctx.clock.monotonic(),
+            started_at=self.started_at,
+            output=tail,
+        )
         with self._status_lock:
             self._status = st
         if st.status_line != self._last_line:
             self._last_line = st.status_line
             ctx.notifier.status(st.status_line)
         if ctx.metrics:
-            export(ctx.metrics, s, st, self._uuid)
+            export(ctx.metrics, s, st, uuid=self._uuid)
         ctx.send_events()
 
     def _uuid(self, index: int) -> str:
@@ -461,7 +468,11 @@ class Daemon:
             s.unhealthy_api.append(cpu)
         fraction = self.config.liveness.cpu_idle_fraction
         s.unhealthy_why = health_failure(
-            obs.health, obs.health_slow, s.unhealthy_api, d.health_grace_s, fraction
+            obs.health,
+            obs.health_slow,
+            s.unhealthy_api,
+            window_s=d.health_grace_s,
+            idle_fraction=fraction,
         )
         failing = now - s.unhealthy_since
         if obs.health_slow and not s.unhealthy_why and failing >= d.health_grace_s:

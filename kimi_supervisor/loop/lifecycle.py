@@ -145,8 +145,8 @@ class Lifecycle:
                     why = f"superseded by a switch to {intent.mode.value}"
                     self.end_transition(False, "preempted", why)
                 self.begin_transition(
-                    intent.mode, "switch", f"asked by {intent.by}", intent.by, intent.id,
-                    intent.force,
+                    intent.mode, "switch", f"asked by {intent.by}", by=intent.by, id=intent.id,
+                    force=intent.force,
                 )  # fmt: skip
             case Do.SWITCH | Do.RETRY:
                 kind, reason = ("retry" if action.do is Do.RETRY else "switch"), action.reason
@@ -159,7 +159,7 @@ class Lifecycle:
                     s.interrupted = None
                 elif s.state is State.BOOTING:
                     kind = "boot"
-                self.begin_transition(s.desired, kind, reason, "daemon")
+                self.begin_transition(s.desired, kind, reason, by="daemon")
 
     def adopt(self, obs: Observed, reason: str) -> None:
         s = self.s
@@ -215,7 +215,7 @@ class Lifecycle:
 
     # ------------------------------------------------------------------ a switch
     def begin_transition(
-        self, target: Mode, kind: str, reason: str, by: str, id: str = "", force: bool = False
+        self, target: Mode, kind: str, reason: str, *, by: str, id: str = "", force: bool = False
     ) -> None:
         """A transition begins: recorded, persisted, announced, and its teardown started. `id`:
         the one made when an operator's switch was accepted (else a new one)."""
@@ -371,7 +371,7 @@ class Lifecycle:
         ctx.event("ready", info | load)
         ctx.log("vllm_ready", **info, **load)
         s.stuck_retries, s.last_failure, s.liveness = 0, None, None
-        self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", load)
+        self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", detail=load)
         # STARTING -> SERVING: /health answered 200
         self.set_state(State.SERVING, "GET /health answered 200")
 
@@ -409,7 +409,7 @@ class Lifecycle:
         self._teardown(Job(Purpose.START_FAILED, why, detail, cause=reason))
 
     def died(self, reason: str) -> None:
-        self._lost("vllm_died", reason, reason, f"vLLM died: {reason}", reason, {})
+        self._lost("vllm_died", reason, reason, why=f"vLLM died: {reason}", cause=reason, seen={})
 
     def unhealthy(self, reason: str, obs: Observed) -> None:
         """/health has failed for `daemon.health_grace_s`, with a second sign of no progress
@@ -420,7 +420,9 @@ class Lifecycle:
         }  # fmt: skip
         at = self._bound_restarts(seen)
         what = f"vLLM unhealthy: {reason}"
-        self._lost("vllm_unhealthy", reason, what, what, f"unhealthy: {reason}", seen, at=at)
+        self._lost(
+            "vllm_unhealthy", reason, what, why=what, cause=f"unhealthy: {reason}", seen=seen, at=at
+        )
 
     def hung(self, hang: Hang, reading: Reading) -> None:
         """vLLM serves but makes no progress, by two signals (decide/liveness.py): what a dead
@@ -434,7 +436,14 @@ class Lifecycle:
         what = f"vLLM hung: {hang.reason}"
         at = self._bound_restarts(seen)
         self._lost(
-            "vllm_hung", hang.reason, what, what, f"hung: {hang.reason}", seen, hang.since, at
+            "vllm_hung",
+            hang.reason,
+            what,
+            why=what,
+            cause=f"hung: {hang.reason}",
+            seen=seen,
+            since=hang.since,
+            at=at,
         )
 
     def _bound_restarts(self, seen: dict[str, Any]) -> str:
@@ -478,6 +487,7 @@ class Lifecycle:
         event: str,
         reason: str,
         what: str,
+        *,
         why: str,
         cause: str,
         seen: dict[str, Any],
@@ -551,7 +561,7 @@ class Lifecycle:
             f"{reason}; starting {s.desired.value} again in {v.backoff_s:g} s (failure {n} "
             f"of {d.max_failures})"
         )
-        self.end_transition(False, outcome, msg, detail)
+        self.end_transition(False, outcome, msg, detail=detail)
         # TEARING_DOWN -> BACKOFF: a failure, retried after the backoff
         self.set_state(State.BACKOFF, msg)
 
@@ -560,7 +570,7 @@ class Lifecycle:
         s, ctx = self.s, self.ctx
         msg = f"{reason}: not retrying. Fix the cause, then `kimi-mode {s.desired.value}`"
         self._failure_is(reason)
-        self.end_transition(False, "failed", msg, detail)
+        self.end_transition(False, "failed", msg, detail=detail)
         ctx.log("failed", level="error", message=msg)
         # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
         self.set_state(State.FAILED, msg)
@@ -584,7 +594,7 @@ class Lifecycle:
             f"Retrying in {wait:g} s; vLLM is not started on occupied GPUs"
         )
         self._failure_is(f"teardown STUCK: {report.diagnosis}")
-        self.end_transition(False, "stuck", msg, detail or {}, recorded=not retry)
+        self.end_transition(False, "stuck", msg, detail=detail or {}, recorded=not retry)
         ctx.log("stuck", level="error", message=msg, retries=s.stuck_retries)
         # TEARING_DOWN | STUCK -> STUCK: the teardown could not make the GPUs clean
         self.set_state(State.STUCK, msg)
@@ -780,27 +790,27 @@ class Lifecycle:
             case Next.STUCK:
                 self.stuck(report, detail)
             case Next.STOPPED:
-                self.end_transition(False, "stopped", "the daemon is stopping", detail)
+                self.end_transition(False, "stopped", "the daemon is stopping", detail=detail)
             case Next.TAKE_OVER:
                 intent, s.intent = s.intent, None
                 assert intent is not None
                 why = f"superseded by a switch to {intent.mode.value}"
-                self.end_transition(False, "preempted", why, detail)
+                self.end_transition(False, "preempted", why, detail=detail)
                 by = intent.by
                 why = f"asked by {by} (took over)"
-                self.begin_transition(intent.mode, "switch", why, by, intent.id)
+                self.begin_transition(intent.mode, "switch", why, by=by, id=intent.id)
             case Next.START:
                 self.start()
             case Next.ROLLBACK:
                 assert tr is not None and back is not None
                 why = f"{tr.target.value} did not become ready ({job.cause})"
                 said = f"{why}; rolling back to {back.value}"
-                self.end_transition(False, "rolled_back", said, detail)
+                self.end_transition(False, "rolled_back", said, detail=detail)
                 ctx.desire(back, "rollback")
                 s.rolled_back = RolledBackStatus(
                     mode=tr.target, at=utcnow().isoformat(), reason=said, transition=tr.id
                 )
-                self.begin_transition(back, "rollback", why, "rollback")
+                self.begin_transition(back, "rollback", why, by="rollback")
             case Next.FAILURE if purpose is Purpose.START_FAILED and tr is not None:
                 self.failure(f"{tr.target.value} did not become ready: {job.cause}", detail)
             case Next.FAILURE if purpose is Purpose.DIED and "hang_limit" in detail:
@@ -910,6 +920,7 @@ class Lifecycle:
         ok: bool,
         outcome: str,
         message: str,
+        *,
         detail: dict[str, Any] | None = None,
         recorded: bool = True,
     ) -> None:

@@ -299,7 +299,8 @@ class Liveness:
             self._next_probe = max(self._next_probe + c.metrics_interval_s, now)
             threading.Thread(
                 target=self._probe,
-                args=(pid, url, False, self.peer_uid),
+                args=(pid, url, False),
+                kwargs={"peer_uid": self.peer_uid},
                 name="liveness",
                 daemon=True,
             ).start()
@@ -307,7 +308,8 @@ class Liveness:
             self._canary_out = True
             threading.Thread(
                 target=self._probe,
-                args=(pid, url, True, self.peer_uid),
+                args=(pid, url, True),
+                kwargs={"peer_uid": self.peer_uid},
                 name="liveness-canary",
                 daemon=True,
             ).start()
@@ -321,7 +323,7 @@ class Liveness:
         except Exception as e:  # GpuUnavailable, or the port's own bug: no reading
             return reading_error(e)
 
-    def _probe(self, pid: int, url: str, with_canary: bool, peer_uid: int | None) -> None:
+    def _probe(self, pid: int, url: str, with_canary: bool, *, peer_uid: int | None) -> None:
         """One reading (`with_canary`: the canary's, whose own /metrics read decides whether it
         is sent: only when nothing runs or waits, or there are no counters)."""
         c = self.config.liveness
@@ -424,12 +426,13 @@ class Liveness:
         if capturing:
             hang = self.judge.capturing(now, reading.cpu, reading.gpu, work=reading.work)
         elif (sent := reading.canary) is None:
-            hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu,
+            hang = self.judge.seen(now, reading.work, reading.metrics, cpu=reading.cpu,
                                    gpu=reading.gpu)  # fmt: skip
         else:
             canary = (sent.answered, sent.took_s, sent.cpu)
-            hang = self.judge.seen(now, reading.work, reading.metrics, reading.cpu, canary,
-                                   others_s=sent.others_s, gpu=reading.gpu)  # fmt: skip
+            hang = self.judge.seen(now, reading.work, reading.metrics, cpu=reading.cpu,
+                                   canary=canary, others_s=sent.others_s,
+                                   gpu=reading.gpu)  # fmt: skip
         if hang is not None:
             self._verdict, self._verdict_at = (hang, reading), now
             threading.Thread(

@@ -77,6 +77,7 @@ def build(
     s: LoopState,
     unit: str,
     gpus: list[GpuStatus],
+    *,
     now: float,
     started_at: datetime,
     output: tuple[list[str], str] = ([], ""),
@@ -267,12 +268,12 @@ def teardown_summary(r: TeardownReport) -> TeardownSummary:
     )
 
 
-def export(m: Metrics, s: LoopState, st: Status, uuid: Callable[[int], str]) -> None:
+def export(m: Metrics, s: LoopState, st: Status, *, uuid: Callable[[int], str]) -> None:
     """The published status, as the metrics say it."""
     m.set_modes(s.desired, s.serving.mode if s.serving else None)
     m.set_state(s.state.value, [x.value for x in State])
     for g in st.gpus:
-        m.set_gpu(g.index, uuid(g.index), g.used_mib, g.baseline_mib)
+        m.set_gpu(g.index, uuid(g.index), g.used_mib, baseline_mib=g.baseline_mib)
     if st.gpu_health and not st.gpu_health.gpus:
         m.gpu_health_unread()  # the last reading failed: what an older one said is not known
     for h in st.gpu_health.gpus if st.gpu_health else []:

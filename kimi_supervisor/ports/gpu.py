@@ -194,8 +194,7 @@ class NvmlGpu:
         """One GPU's NVML signals (GpuHealth's fields but the Xids) and its PCI address."""
         h = self._handle(index)
 
-        def ask(name: str, fn: Any, *args: Any) -> Any:
-            return _ask(nv, unread, name, fn, *args)
+        ask = _asker(nv, unread)
 
         rows = ask("row remapping", nv.nvmlDeviceGetRemappedRows, h)
         pending = ask("page retirement", nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
@@ -260,8 +259,7 @@ class NvmlGpu:
                 gpus.append({"index": index, "unread": [str(e)]})
                 continue
 
-            def ask(name: str, fn: Any, *args: Any, unread: list[str] = unread) -> Any:
-                return _ask(nv, unread, name, fn, *args)
+            ask = _asker(nv, unread)
 
             name = ask("name", nv.nvmlDeviceGetName, h)
             pcie = {
@@ -308,7 +306,7 @@ class NvmlGpu:
                 out.append(GpuActivity(index, unread=(f"the GPU: {reading_error(e)}",)))
                 continue
 
-            ask = functools.partial(_ask, nv, unread)
+            ask = _asker(nv, unread)
             util = ask("utilization", nv.nvmlDeviceGetUtilizationRates, h)
             power = ask("power", nv.nvmlDeviceGetPowerUsage, h)
             clock = ask("SM clock", nv.nvmlDeviceGetClockInfo, h, nv.NVML_CLOCK_SM)
@@ -459,6 +457,7 @@ def journal_xids(
     argv: Sequence[str] = JOURNAL_XIDS,
     timeout_s: float = JOURNAL_TIMEOUT_S,
     probe: Sequence[str] | None = JOURNAL_ANY,
+    *,
     on_line: Callable[[bytes], None] | None = None,
 ) -> tuple[dict[str, list[int]] | None, bool]:
     """kernel_xids' answer from the journal: None where journalctl is missing or `probe`
@@ -577,17 +576,21 @@ def reading_error(e: Exception) -> str:
     return str(e) if isinstance(e, GpuUnavailable) else f"{type(e).__name__}: {e}"
 
 
-def _ask(nv: Any, unread: list[str], name: str, fn: Any, *args: Any) -> Any:
-    """One health read: its value, or None with why in `unread`."""
-    try:
-        return fn(*args)
-    except nv.NVMLError_NotSupported:
-        unread.append(f"{name}: not supported by this GPU")
-    except (nv.NVMLError, OSError) as e:
-        unread.append(f"{name}: {e}")
-    except Exception as e:  # an old pynvml without the call, an odd answer: not read
-        unread.append(f"{name}: {type(e).__name__}: {e}")
-    return None
+def _asker(nv: Any, unread: list[str]) -> Callable[..., Any]:
+    """ask(name, fn, *args): one NVML read, its value, or None with why in `unread`."""
+
+    def ask(name: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except nv.NVMLError_NotSupported:
+            unread.append(f"{name}: not supported by this GPU")
+        except (nv.NVMLError, OSError) as e:
+            unread.append(f"{name}: {e}")
+        except Exception as e:  # an old pynvml without the call, an odd answer: not read
+            unread.append(f"{name}: {type(e).__name__}: {e}")
+        return None
+
+    return ask
 
 
 def fabric_of(gpu: GpuPort | None, indices: Sequence[int] = ()) -> dict[str, Any] | None:
@@ -649,6 +652,7 @@ class BoundedGpu:
         inner: GpuPort,
         timeout_s: float,
         worker: IoWorker | None = None,
+        *,
         made_by: tuple[Callable[..., GpuPort], tuple[Any, ...]] | None = None,
     ) -> None:
         from kimi_supervisor.ports.bounded import Worker

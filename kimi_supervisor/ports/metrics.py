@@ -114,7 +114,7 @@ def evidence_label(e: Evidence) -> str:
 
 
 def _counter_at_0(
-    registry: CollectorRegistry, name: str, doc: str, label: str, values: Iterable[str]
+    registry: CollectorRegistry, name: str, doc: str, *, label: str, values: Iterable[str]
 ) -> Counter:
     """A counter with one label, present at 0 for each of its values from the start."""
     c = Counter(name, doc, [label], registry=registry)
@@ -284,15 +284,15 @@ class Metrics:
             r,
             f"{ns}_persist_failures_total",
             "writes of state.json or history.jsonl that failed (a full disk, a bad state dir)",
-            "file",
-            PERSISTED_FILES,
+            label="file",
+            values=PERSISTED_FILES,
         )
         self.captures = _counter_at_0(
             r,
             f"{ns}_captures_total",
             "captures ended, by outcome: ok (traces flushed and handed over) or failed",
-            "outcome",
-            CAPTURE_OUTCOMES,
+            label="outcome",
+            values=CAPTURE_OUTCOMES,
         )
         # What the last capture cost serving (capture/stall.py): NaN where not measured.
         self.capture_tokens = Gauge(
@@ -333,8 +333,8 @@ class Metrics:
             "connections to this /metrics closed unanswered: `timeout` (the request not whole, "
             "or the answer not taken, within metrics.timeout_s), `evicted` (the oldest, closed "
             "for a new one past metrics.max_connections), `too_large` (a request over 8 KiB)",
-            "reason",
-            DROP_REASONS,
+            label="reason",
+            values=DROP_REASONS,
         )
         self._server: MetricsServer | None = None
 
@@ -343,6 +343,7 @@ class Metrics:
         address: str,
         port: int,
         timeout_s: float = TIMEOUT_S,
+        *,
         max_connections: int = MAX_CONNECTIONS,
     ) -> int:
         """Listen and answer on a thread of its own; the port listened on (`port` 0: any).
@@ -351,9 +352,9 @@ class Metrics:
             make_wsgi_app(self.registry),
             address,
             port,
-            timeout_s,
-            max_connections,
-            lambda reason: self.dropped.labels(reason).inc(),
+            timeout_s=timeout_s,
+            max_connections=max_connections,
+            dropped=lambda reason: self.dropped.labels(reason).inc(),
         )
         self._server = server
         return server.port
@@ -385,7 +386,7 @@ class Metrics:
         for v in LIVENESS_VERDICTS:
             self.liveness.labels(v).set(1 if v == verdict else 0)
 
-    def set_gpu(self, index: int, uuid: str, used_mib: int, baseline_mib: int) -> None:
+    def set_gpu(self, index: int, uuid: str, used_mib: int, *, baseline_mib: int) -> None:
         self.gpu_used.labels(str(index), uuid).set(used_mib * MIB)
         self.gpu_baseline.labels(str(index), uuid).set(baseline_mib * MIB)
         self.intrusions.labels(str(index))  # at 0 from the first reading of each managed GPU
@@ -435,6 +436,7 @@ class MetricsServer:
         app: WsgiApp,
         address: str,
         port: int,
+        *,
         timeout_s: float = TIMEOUT_S,
         max_connections: int = MAX_CONNECTIONS,
         dropped: Callable[[str], None] = lambda reason: None,

@@ -68,5 +68,5 @@ def hold(devices: Sequence[int], mib: int, hidden: bool = False) -> Holding:
     # As a CUDA process does: every device file open, the visible ones mapped, then a context on
     # each device used (simgpu's rules 1-4).
     h.runtime = simgpu.Runtime(root, simgpu.visible_devices(root))
-    h.sim = [simgpu.Context(root, d, mib, hidden) for d in devices]
+    h.sim = [simgpu.Context(root, d, mib, hidden=hidden) for d in devices]
     return h

@@ -97,6 +97,7 @@ def create_host(
     root: Path,
     gpus: int,
     total_mib: int = H200_TOTAL_MIB,
+    *,
     baseline_mib: int = H200_BASELINE_MIB,
     release_delay_s: float = DRIVER_RELEASE_S,
 ) -> Path:
@@ -221,7 +222,7 @@ def visible_devices(root: Path) -> list[int]:
 class Context:
     """Memory on one simulated GPU, owned by an open file of its device file (rules 1-3)."""
 
-    def __init__(self, root: Path, index: int, mib: int, hidden: bool = False) -> None:
+    def __init__(self, root: Path, index: int, mib: int, *, hidden: bool = False) -> None:
         path = device_file(root, index)
         if not path.exists():
             raise GpuUnavailable(f"simulated GPU {index} does not exist under {root}")

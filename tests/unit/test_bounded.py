@@ -199,7 +199,7 @@ def test_a_process_that_dies_fails_its_call_and_the_next_call_starts_another() -
 def test_the_gpu_port_made_in_the_process_keeps_its_object_there_between_calls() -> None:
     w = ProcessWorker("test", 60)
     try:
-        gpu = BoundedGpu(Counter(), 60, w, (Counter, ()))  # type: ignore[arg-type]
+        gpu = BoundedGpu(Counter(), 60, w, made_by=(Counter, ()))  # type: ignore[arg-type]
         assert [gpu.device_count() for _ in range(3)] == [1, 2, 3]
     finally:
         w.close()

@@ -731,8 +731,8 @@ def test_requests_pending_with_no_step_and_an_idle_cpu_for_the_stall_time_is_a_h
 
     judge = Judge(120, 0.02)
     readings = [(0, 100, 10.0), (30, 150, 40.0), (60, 150, 40.1), (149, 150, 40.2)]
-    assert all(judge.seen(t, Work(2, k), "ok", cpu(t, c)) is None for t, k, c in readings)
-    hang = judge.seen(150, Work(2, 150), "ok", cpu(150, 40.3))
+    assert all(judge.seen(t, Work(2, k), "ok", cpu=cpu(t, c)) is None for t, k, c in readings)
+    hang = judge.seen(150, Work(2, 150), "ok", cpu=cpu(150, 40.3))
     # Tokens came between the readings at 0 and 30 s: the window opens at 0, never after the
     # last progress (by the reading that saw them, it was up to one interval short).
     assert hang is not None and hang.since == 0
@@ -748,7 +748,7 @@ def test_a_long_step_that_keeps_the_cpu_busy_is_never_a_hang_however_long() -> N
 
     judge = Judge(120, 0.02)
     for t in range(0, 1200, 15):
-        assert judge.seen(t, Work(1, 7), "ok", cpu(t, t * 0.9)) is None
+        assert judge.seen(t, Work(1, 7), "ok", cpu=cpu(t, t * 0.9)) is None
     assert judge.doubt.endswith("but the engine's processes are busy: not hung")
 
 
@@ -758,7 +758,9 @@ def test_an_engine_busy_for_a_while_then_deadlocked_is_found_a_stall_time_after_
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    hangs = [judge.seen(t, Work(1, 7), "ok", cpu(t, min(t, 300) * 0.9)) for t in range(0, 600, 15)]
+    hangs = [
+        judge.seen(t, Work(1, 7), "ok", cpu=cpu(t, min(t, 300) * 0.9)) for t in range(0, 600, 15)
+    ]
     first = next(t for t, h in zip(range(0, 600, 15), hangs, strict=True) if h is not None)
     assert 420 <= first <= 435  # 300 s busy, then 120 s flat: not once its average falls
 
@@ -768,8 +770,8 @@ def test_a_stopped_process_with_work_pending_is_a_hang_whatever_the_others_burn(
 
     judge = Judge(120, 0.02)
     frozen = ("PID 9 (VLLM::EngineCore, state T)",)
-    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0, frozen)) is None
-    hang = judge.seen(121, Work(1, 7), "ok", cpu(121, 120.0, frozen))
+    assert judge.seen(0, Work(1, 7), "ok", cpu=cpu(0, 0, frozen)) is None
+    hang = judge.seen(121, Work(1, 7), "ok", cpu=cpu(121, 120.0, frozen))
     assert hang is not None and "stopped: PID 9 (VLLM::EngineCore, state T)" in hang.reason
 
 
@@ -780,35 +782,44 @@ def test_a_process_paused_at_one_end_only_during_a_long_busy_step_is_no_hang() -
 
     judge = Judge(120, 0.02)
     paused = ("PID 9 (VLLM::Worker_TP0, state t)",)
-    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
-    assert judge.seen(121, Work(1, 7), "ok", cpu(121, 110.0, paused)) is None
+    assert judge.seen(0, Work(1, 7), "ok", cpu=cpu(0, 0)) is None
+    assert judge.seen(121, Work(1, 7), "ok", cpu=cpu(121, 110.0, paused)) is None
     assert judge.doubt.endswith("but the engine's processes are busy: not hung")
     # The canary's window too: paused when it was sent, running when it timed out.
     sent = cpu(200, 150.0, paused)
-    assert judge.seen(260, Work(0, 7), "ok", cpu(260, 200.0), (False, 60.0, sent)) is None
+    assert (
+        judge.seen(260, Work(0, 7), "ok", cpu=cpu(260, 200.0), canary=(False, 60.0, sent)) is None
+    )
 
 
 def test_nothing_pending_is_never_a_stall_however_long_the_counters_stay() -> None:
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert all(judge.seen(t, Work(0, 500), "ok", cpu(t, 0)) is None for t in range(0, 1000, 100))
-    assert judge.seen(1000, Work(1, 500), "ok", cpu(1000, 0)) is None  # a request has just come
+    assert all(
+        judge.seen(t, Work(0, 500), "ok", cpu=cpu(t, 0)) is None for t in range(0, 1000, 100)
+    )
+    assert judge.seen(1000, Work(1, 500), "ok", cpu=cpu(1000, 0)) is None  # a request has just come
 
 
 def test_an_unanswered_canary_is_a_hang_only_when_the_engine_shows_no_progress_too() -> None:
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    assert judge.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0)) is None
     # Load that /metrics does not show (a long prefill began after the last step): busy.
-    busy = judge.seen(60, Work(0, 5), "ok", cpu(60, 50.0), (False, 60.0, cpu(0, 1.0)))
+    busy = judge.seen(60, Work(0, 5), "ok", cpu=cpu(60, 50.0), canary=(False, 60.0, cpu(0, 1.0)))
     assert busy is None and judge.doubt.startswith("a one-token request got no answer in 60 s")
-    hang = judge.seen(120, Work(0, 5), "ok", cpu(120, 50.1), (False, 60.0, cpu(60, 50.0)))
+    hang = judge.seen(
+        120, Work(0, 5), "ok", cpu=cpu(120, 50.1), canary=(False, 60.0, cpu(60, 50.0))
+    )
     assert hang is not None and hang.reason.startswith("a one-token request got no answer in 60")
     assert hang.evidence["canary_answered"] is False
     # An answer, even an error, is progress; so is nothing pending.
-    assert judge.seen(130, Work(0, 5), "ok", cpu(190, 50.1), (True, 0.2, cpu(189, 50.1))) is None
+    assert (
+        judge.seen(130, Work(0, 5), "ok", cpu=cpu(190, 50.1), canary=(True, 0.2, cpu(189, 50.1)))
+        is None
+    )
     assert judge.progress_at == 130
 
 
@@ -821,32 +832,56 @@ def test_a_canary_waiting_behind_busy_api_servers_is_a_doubt_unless_the_engine_i
 
     assert API_HELD_CANARIES == 2
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
+    assert judge.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0)) is None
     busy = API_BUSY_FRACTION * 60
     sent = cpu(0, 1.0)
-    assert judge.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy) is None
+    assert (
+        judge.seen(
+            60, Work(0, 5), "ok", cpu=cpu(60, 1.0), canary=(False, 60.0, sent), others_s=busy
+        )
+        is None
+    )
     said = "but vLLM's API server(s) used 15.0 s of CPU in 60 s (the canary may wait behind them)"
     assert judge.doubt.endswith(f"{said}: not hung"), judge.doubt
-    hang = judge.seen(360, Work(0, 5), "ok", cpu(360, 1.0), (False, 60.0, cpu(300, 1.0)), busy)
+    hang = judge.seen(
+        360, Work(0, 5), "ok", cpu=cpu(360, 1.0), canary=(False, 60.0, cpu(300, 1.0)), others_s=busy
+    )
     assert hang is not None, "a second canary held behind busy API servers, the engine flat"
     assert "2 canaries in a row waited behind busy API server(s)" in hang.reason
     # An answered canary starts the count again.
     again = Judge(120, 0.02)
-    assert again.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
-    assert again.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy) is None
-    assert again.seen(70, Work(0, 5), "ok", cpu(70, 1.0), (True, 0.1, cpu(70, 1.0))) is None
+    assert again.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0)) is None
     assert (
-        again.seen(130, Work(0, 5), "ok", cpu(130, 1.0), (False, 60.0, cpu(70, 1.0)), busy) is None
+        again.seen(
+            60, Work(0, 5), "ok", cpu=cpu(60, 1.0), canary=(False, 60.0, sent), others_s=busy
+        )
+        is None
+    )
+    assert (
+        again.seen(70, Work(0, 5), "ok", cpu=cpu(70, 1.0), canary=(True, 0.1, cpu(70, 1.0))) is None
+    )
+    assert (
+        again.seen(
+            130,
+            Work(0, 5),
+            "ok",
+            cpu=cpu(130, 1.0),
+            canary=(False, 60.0, cpu(70, 1.0)),
+            others_s=busy,
+        )
+        is None
     )
     frozen = ("PID 9 (VLLM::EngineCore, state T)",)
     other = Judge(120, 0.02)
-    assert other.seen(0, Work(0, 5), "ok", cpu(0, 1.0, frozen)) is None
+    assert other.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0, frozen)) is None
     still = (False, 60.0, cpu(0, 1.0, frozen))
-    hang = other.seen(60, Work(0, 5), "ok", cpu(60, 1.0, frozen), still, busy)
+    hang = other.seen(60, Work(0, 5), "ok", cpu=cpu(60, 1.0, frozen), canary=still, others_s=busy)
     assert hang is not None and "the engine: stopped: PID 9" in hang.reason
     under = Judge(120, 0.02)
-    assert under.seen(0, Work(0, 5), "ok", cpu(0, 1.0)) is None
-    hang = under.seen(60, Work(0, 5), "ok", cpu(60, 1.0), (False, 60.0, sent), busy - 1)
+    assert under.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0)) is None
+    hang = under.seen(
+        60, Work(0, 5), "ok", cpu=cpu(60, 1.0), canary=(False, 60.0, sent), others_s=busy - 1
+    )
     assert hang is not None and hang.evidence["api_cpu_s"] == busy - 1
 
 
@@ -858,9 +893,13 @@ def test_without_vllm_series_the_judge_never_reads_idle_and_needs_the_canary_and
     judge = Judge(120, 0.02)
     for t in range(60, 600, 60):
         sent = cpu(t - 60, (t - 60) * 1.5)
-        assert judge.seen(t, None, "absent", cpu(t, t * 1.5), (False, 60.0, sent)) is None
+        assert (
+            judge.seen(t, None, "absent", cpu=cpu(t, t * 1.5), canary=(False, 60.0, sent)) is None
+        )
     assert judge.metrics == "absent"
-    hang = judge.seen(660, None, "absent", cpu(660, 900.5), (False, 60.0, cpu(600, 900.0)))
+    hang = judge.seen(
+        660, None, "absent", cpu=cpu(660, 900.5), canary=(False, 60.0, cpu(600, 900.0))
+    )
     assert hang is not None and hang.evidence["metrics"] == "absent"
 
 
@@ -870,10 +909,10 @@ def test_an_idle_hangs_window_starts_at_the_last_answer_not_at_the_frozen_idle_g
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(0, 5), "ok", cpu(0, 1.0), (True, 0.1, cpu(0, 1.0))) is None
+    assert judge.seen(0, Work(0, 5), "ok", cpu=cpu(0, 1.0), canary=(True, 0.1, cpu(0, 1.0))) is None
     for t in range(15, 300, 15):  # idle readings, the gauges at 0
-        assert judge.seen(t, Work(0, 5), "ok", cpu(t, 1.0)) is None
-    hang = judge.seen(360, Work(0, 5), "ok", cpu(360, 1.0), (False, 60.0, cpu(300, 1.0)))
+        assert judge.seen(t, Work(0, 5), "ok", cpu=cpu(t, 1.0)) is None
+    hang = judge.seen(360, Work(0, 5), "ok", cpu=cpu(360, 1.0), canary=(False, 60.0, cpu(300, 1.0)))
     assert hang is not None and hang.since == 0 and hang.evidence["since_alive_s"] == 360
 
 
@@ -881,23 +920,25 @@ def test_a_capture_pauses_the_verdict_and_the_stall_counts_again_from_its_end() 
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    assert judge.seen(0, Work(1, 7), "ok", cpu=cpu(0, 0)) is None
     for t in range(15, 300, 15):  # a 285 s flush blocking the engine
         judge.capturing(t, cpu(t, 0))
-    assert judge.seen(300, Work(1, 7), "ok", cpu(300, 0)) is None
-    assert judge.seen(419, Work(1, 7), "ok", cpu(419, 0)) is None
-    assert judge.seen(420, Work(1, 7), "ok", cpu(420, 0)) is not None
+    assert judge.seen(300, Work(1, 7), "ok", cpu=cpu(300, 0)) is None
+    assert judge.seen(419, Work(1, 7), "ok", cpu=cpu(419, 0)) is None
+    assert judge.seen(420, Work(1, 7), "ok", cpu=cpu(420, 0)) is not None
 
 
 def test_unreadable_processes_or_metrics_give_no_verdict() -> None:
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert all(judge.seen(t, Work(1, 7), "ok", None) is None for t in range(0, 600, 15))
+    assert all(judge.seen(t, Work(1, 7), "ok", cpu=None) is None for t in range(0, 600, 15))
     other = Judge(120, 0.02)
-    assert other.seen(0, Work(1, 7), "ok", cpu(0, 0)) is None
+    assert other.seen(0, Work(1, 7), "ok", cpu=cpu(0, 0)) is None
     # /metrics too slow: no reading; the stall neither grows into a verdict nor resets.
-    assert all(other.seen(t, None, "unreachable", cpu(t, 0)) is None for t in range(15, 600, 15))
+    assert all(
+        other.seen(t, None, "unreachable", cpu=cpu(t, 0)) is None for t in range(15, 600, 15)
+    )
     assert other.progress_at == 0
 
 
@@ -943,7 +984,7 @@ def test_a_failing_health_restarts_vllm_only_with_a_second_sign_of_no_progress(
 ) -> None:
     from kimi_supervisor.decide.liveness import health_failure
 
-    why = health_failure(health, slow, [cpu(*a) for a in api], 60, 0.05)
+    why = health_failure(health, slow, [cpu(*a) for a in api], window_s=60, idle_fraction=0.05)
     assert (said in why) if said else why == "", why
 
 
@@ -957,13 +998,13 @@ def test_an_engine_spinning_on_a_gpu_that_never_answers_is_a_doubt_that_lasts_un
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(0, 7), "ok", cpu(0, 0)) is None
+    assert judge.seen(0, Work(0, 7), "ok", cpu=cpu(0, 0)) is None
     for t in range(15, 1200, 15):
         canary = (False, 60.0, cpu(t - 60, t - 60.0)) if t % 300 == 0 else None
-        assert judge.seen(t, Work(0, 7), "ok", cpu(t, float(t)), canary) is None
+        assert judge.seen(t, Work(0, 7), "ok", cpu=cpu(t, float(t)), canary=canary) is None
     assert judge.doubt.startswith("a one-token request got no answer in 60 s")
     assert judge.doubt_since == 240  # the first canary's sending
-    judge.seen(1215, Work(1, 8), "ok", cpu(1215, 1215.0))  # a token: progress
+    judge.seen(1215, Work(1, 8), "ok", cpu=cpu(1215, 1215.0))  # a token: progress
     assert judge.doubt == "" and judge.doubt_since is None
 
 
@@ -977,10 +1018,10 @@ def test_a_profiler_that_stops_a_busy_engine_for_each_sample_is_no_hang() -> Non
     judge = Judge(120, 0.05)
     paused = ("PID 9 (VLLM::EngineCore, state t)",)
     for t in range(0, 600, 15):  # one long step: no counter moves, the engine works
-        assert judge.seen(t, Work(1, 7), "ok", cpu(t, 0.9 * t, paused, own=0.9 * t)) is None
+        assert judge.seen(t, Work(1, 7), "ok", cpu=cpu(t, 0.9 * t, paused, own=0.9 * t)) is None
     frozen = ("PID 9 (VLLM::EngineCore, state T)",)
-    assert judge.seen(600, Work(1, 7), "ok", cpu(600, 540.0, frozen, own=540.0)) is None
-    hang = judge.seen(721, Work(1, 7), "ok", cpu(721, 600.0, frozen, own=540.0))
+    assert judge.seen(600, Work(1, 7), "ok", cpu=cpu(600, 540.0, frozen, own=540.0)) is None
+    hang = judge.seen(721, Work(1, 7), "ok", cpu=cpu(721, 600.0, frozen, own=540.0))
     assert hang is not None and "stopped: PID 9 (VLLM::EngineCore, state T)" in hang.reason
 
 
@@ -1009,9 +1050,9 @@ def test_a_reading_without_counters_between_two_does_not_shorten_a_hangs_window(
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(100, Work(2, 100), "ok", cpu(100, 10.0)) is None
-    assert judge.seen(115, None, "unreachable", cpu(115, 11.0)) is None
-    assert judge.seen(130, Work(2, 150), "ok", cpu(130, 12.0)) is None
+    assert judge.seen(100, Work(2, 100), "ok", cpu=cpu(100, 10.0)) is None
+    assert judge.seen(115, None, "unreachable", cpu=cpu(115, 11.0)) is None
+    assert judge.seen(130, Work(2, 150), "ok", cpu=cpu(130, 12.0)) is None
     assert judge.alive_at == 100
 
 
@@ -1037,9 +1078,9 @@ def test_a_canarys_verdict_says_what_the_last_reading_of_the_gauges_was_and_how_
     from kimi_supervisor.decide.liveness import Judge, Work
 
     judge = Judge(120, 0.02)
-    assert judge.seen(0, Work(0, 5, waiting=0), "ok", cpu(0, 1.0)) is None
-    assert judge.seen(50, Work(0, 5), "ok", cpu(50, 1.0)) is None
-    hang = judge.seen(60, None, "ok", cpu(60, 1.0), (False, 30.0, cpu(30, 1.0)))
+    assert judge.seen(0, Work(0, 5, waiting=0), "ok", cpu=cpu(0, 1.0)) is None
+    assert judge.seen(50, Work(0, 5), "ok", cpu=cpu(50, 1.0)) is None
+    hang = judge.seen(60, None, "ok", cpu=cpu(60, 1.0), canary=(False, 30.0, cpu(30, 1.0)))
     assert hang is not None and "a one-token request got no answer in 30 s" in hang.reason
     seen = hang.evidence
     assert (seen["running"], seen["waiting"], seen["tokens"]) == (0, 0, 5)

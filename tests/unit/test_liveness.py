@@ -117,14 +117,14 @@ def walk(case: Case) -> tuple[float | None, Hang | None, str]:
         if case.capturing(t):
             hang = judge.capturing(t, cpu(t), case.gpus(t), work=work)
         else:
-            hang = judge.seen(t, work, metrics, cpu(t), gpu=case.gpus(t))
+            hang = judge.seen(t, work, metrics, cpu=cpu(t), gpu=case.gpus(t))
             idle = pending is None or pending <= 0
             if hang is None and idle and t >= next_canary:
                 answered = case.answered(t)
                 if answered is not None:  # sent CANARY_TIMEOUT ago, or answered at once
                     took = 0.2 if answered else CANARY_TIMEOUT
                     sent = cpu(t - took)
-                    hang = judge.seen(t, None, metrics, cpu(t), (answered, took, sent))
+                    hang = judge.seen(t, None, metrics, cpu=cpu(t), canary=(answered, took, sent))
                     next_canary = t + CANARY
         if hang is not None:
             return t, hang, judge.doubt

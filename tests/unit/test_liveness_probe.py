@@ -27,6 +27,7 @@ from kimi_supervisor.config import Config
 from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Hang
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.ports import processes
+from tests.conftest import wait_until
 
 from .loophost import config_for
 
@@ -394,6 +395,11 @@ def test_a_py_spy_that_stalls_leaves_every_processs_kernel_stack_and_each_its_ow
     monkeypatch.setattr(stacks, "PY_SPY_S", 1.0)
     kids = [subprocess.Popen(["sleep", "60"]) for _ in range(6)]
     try:
+        # Each asleep in sleep(1) (a loaded host may not have run its exec yet).
+        wait_until(
+            lambda: all(processes.state_of(k.pid) == "S" and processes.comm_of(k.pid) == "sleep"
+                        for k in kids), 60, "the sleeps to sleep",
+        )  # fmt: skip
         text = stacks.dump([k.pid for k in kids], time.monotonic() + 20.0)
     finally:
         for k in kids:

@@ -43,7 +43,7 @@ def metrics() -> Iterator[Metrics]:
 
 
 def _serve(m: Metrics, timeout_s: float = TIMEOUT_S, cap: int = CAP) -> int:
-    return m.serve("127.0.0.1", 0, timeout_s, cap)
+    return m.serve("127.0.0.1", 0, timeout_s, max_connections=cap)
 
 
 def _scrape(port: int, path: str = "/metrics") -> tuple[float, int, str]:
@@ -110,7 +110,9 @@ def test_a_scraper_that_never_reads_is_closed_at_its_deadline_and_holds_back_no_
         return [big if environ["PATH_INFO"] == "/big" else b"small\n"]
 
     dropped: list[str] = []
-    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP, dropped.append)
+    server = MetricsServer(
+        app, "127.0.0.1", 0, timeout_s=TIMEOUT_S, max_connections=CAP, dropped=dropped.append
+    )
     slow = socket.socket()
     try:
         slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -211,7 +213,7 @@ SERVER = """
 import os, resource, sys, time
 from kimi_supervisor.ports.metrics import Metrics
 m = Metrics()
-print(m.serve("127.0.0.1", 0, 30.0, 8), flush=True)
+print(m.serve("127.0.0.1", 0, 30.0, max_connections=8), flush=True)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
 held = []
@@ -271,7 +273,7 @@ def test_a_collector_that_fails_answers_that_scrape_500_and_the_next_one_is_serv
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"fine\n"]
 
-    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP)
+    server = MetricsServer(app, "127.0.0.1", 0, timeout_s=TIMEOUT_S, max_connections=CAP)
     try:
         first = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
         second = request(f"http://127.0.0.1:{server.port}/metrics", timeout_s=5)
@@ -294,7 +296,7 @@ def test_a_flood_of_whole_requests_renders_the_registry_once_per_interval_not_on
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [f"rendered {len(renders)}\n".encode()]
 
-    server = MetricsServer(app, "127.0.0.1", 0, TIMEOUT_S, CAP)
+    server = MetricsServer(app, "127.0.0.1", 0, timeout_s=TIMEOUT_S, max_connections=CAP)
     try:
         t0 = time.monotonic()
         bodies = {_scrape(server.port)[2] for _ in range(200)}
@@ -318,7 +320,7 @@ def test_every_counter_is_present_at_0_from_the_start_with_short_label_values() 
     from kimi_supervisor.ports.metrics import evidence_label
 
     m = Metrics()
-    m.set_gpu(3, "GPU-3", 600, 500)  # a managed GPU's first reading
+    m.set_gpu(3, "GPU-3", 600, baseline_mib=500)  # a managed GPU's first reading
     text = generate_latest(m.registry).decode()
     counters = re.findall(r"^# TYPE (kimi_supervisor_\S+) counter$", text, re.M)
     assert len(counters) >= 8, counters
@@ -369,7 +371,7 @@ def test_each_gpu_health_signal_reads_1_0_or_nan_named_after_dcgms_field(
     from kimi_supervisor.decide.gpuhealth import dcgm_flags
 
     m = Metrics()
-    m.set_gpu(3, "GPU-3", 600, 500)
+    m.set_gpu(3, "GPU-3", 600, baseline_mib=500)
     if signals is not None:
         m.set_gpu_health(3, "GPU-3", dcgm_flags(signals))
     text = generate_latest(m.registry).decode()
