@@ -629,7 +629,7 @@ def test_a_real_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_sa
         load.stop()
     incident = hangs(real)[-1]
     assert "a capture is under way, and the engine: stopped: PID" in incident["what"], incident
-    assert f"PID {worker} (VLLM::Worker_TP" in str(incident["stopped"]), incident  # its comm
+    assert f"PID {worker.pid} (VLLM::Worker_TP" in str(incident["stopped"]), incident  # its comm
     c = real.config.liveness
     assert noticed_s <= c.stall_s + 2 * c.metrics_interval_s + 1, (noticed_s, incident["what"])
     taken = [e for e in real.history() if e["kind"] == "capture"][-1]
@@ -855,7 +855,7 @@ def test_a_real_worker_frozen_under_load_is_found_within_the_stall_and_one_readi
         load.stop()
     incident = hangs(real)[-1]
     assert incident["main_pid"] == api, incident
-    assert f"PID {worker} (VLLM::Worker_TP" in str(incident["stopped"]), incident  # its comm
+    assert f"PID {worker.pid} (VLLM::Worker_TP" in str(incident["stopped"]), incident  # its comm
     c = real.config.liveness
     # vLLM 0.16's gauges move only when a step ends: frozen right after a step that ended every
     # request, it reads idle (seen in CI under load), and the canary finds it, within its own
