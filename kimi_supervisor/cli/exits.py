@@ -23,6 +23,7 @@ class Exit(IntEnum):
     REFUSED = 5
     STUCK = 6
     INTERRUPTED = 130
+    OUTPUT_CLOSED = 141  # 128 + SIGPIPE: as a shell reports a writer whose reader left
 
     @property
     def label(self) -> str:
@@ -42,6 +43,8 @@ KIMI_MODE: dict[Exit, str] = {
     "as it stands (no capture to stop, the port is taken)",
     Exit.STUCK: "the GPUs could not be made clean: STUCK, a person must look",
     Exit.INTERRUPTED: "Ctrl-C while following; the switch goes on",
+    Exit.OUTPUT_CLOSED: "the output was closed before the end (`| head`): nothing was judged "
+    "after it; the switch goes on",
 }
 
 # kimi-supervisor's: its commands are the operator's and the units'. USAGE is the one the unit

@@ -20,7 +20,7 @@ from kimi_supervisor.cli.ask import understood
 from kimi_supervisor.cli.exits import Exit, refusal_exit
 from kimi_supervisor.cli.follower import Follower
 from kimi_supervisor.cli.output import Output
-from kimi_supervisor.control.client import TimedOut, Unreachable, exchange
+from kimi_supervisor.control.client import NotUnderstood, TimedOut, Unreachable, exchange
 
 # How often a live display on a terminal is drawn again when no event comes.
 TICK_S = 1.0
@@ -105,6 +105,8 @@ class Follow:
                         if until == self.deadline:
                             raise
                         continue  # the refresh: asked again at once
+                    except NotUnderstood:
+                        raise  # another version's answers: asking again reads the same
                     except Unreachable as e:
                         pause = self.on_unreachable(e).after_s
                     if pause:

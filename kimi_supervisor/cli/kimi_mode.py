@@ -6,6 +6,7 @@ table of exit codes (cli/exits.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -462,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # before anything was followed (a follow says its own)
         return o.fail(Exit.INTERRUPTED, "interrupted")
     except BrokenPipeError:
-        return Exit.OK
+        # The reader left (`| head`): never "done" for what was not seen to the end. Python
+        # flushes stdout again at exit: into /dev/null, not into the closed pipe.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return Exit.OUTPUT_CLOSED
 
 
 def usage_error(e: UsageError, o: Output) -> int:

@@ -220,7 +220,11 @@ class WaitFollow(Follow):
     def on_interrupt(self) -> Exit:
         """Ctrl-C, at any point: what was known last (the switch followed, else the status),
         and, given MODE, as its verdict."""
-        known = self.display.seen() or self.last.get("status_line") or "no status yet"
+        # The display's switch only while it goes on: once its end was heard, the status read
+        # after it is newer.
+        live = self.following and self.following not in self.ended
+        known = (self.display.seen() if live else "") or self.last.get("status_line")
+        known = known or "no status yet"
         if self.mode is None:
             return self.o.fail(Exit.INTERRUPTED, f"{self.stopped}; last known: {known}")
         return self.verdict(

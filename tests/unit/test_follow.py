@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -442,6 +445,61 @@ def test_an_answer_kimi_mode_cannot_read_is_one_line_saying_so_and_what_to_do_ex
             assert f"kimi-mode: {error['message']}" == line
         else:
             assert out == ("switching\n" if argv == ["profile"] else ""), out
+
+
+@pytest.mark.parametrize(
+    "conversations",
+    [
+        pytest.param([([status("tearing_down", "production", "profile", TO_PROFILE),
+                        b"not json\n"], False)],
+                     id="a line that is not JSON after a good reply"),
+        pytest.param([([status("tearing_down", "production", "profile", TO_PROFILE)], False),
+                      ([b"<html>upgraded</html>\n"], False)],
+                     id="a daemon restarted into another version"),
+    ],
+)  # fmt: skip
+def test_an_unreadable_answer_after_a_good_one_ends_a_wait_at_once_exit_3_in_one_line(
+    conversations: list[tuple[Lines, bool]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An outside review: after one good reply, an answer kimi-mode cannot read was taken for a
+    daemon's restart and asked again, for ever without --timeout (159 connections in 40 s), or
+    ended at --timeout as 4 `timeout`; asking again reads the same."""
+    from kimi_supervisor.cli import kimi_mode
+
+    for fmt in ("text", "json"):
+        with daemon(*conversations) as (sock, requests):
+            argv = ["-o", fmt, "--socket", str(sock), "wait", "profile", "--timeout", "30"]
+            rc = kimi_mode.main(argv)  # (the timeout: a regression ends, as 4)
+        out, err = capsys.readouterr()
+        assert rc == Exit.UNREACHABLE, (fmt, out, err)
+        (line,) = err.splitlines()
+        assert line.startswith("kimi-mode: the daemon's answer was not understood"), line
+        assert len(requests) == len(conversations), requests  # never asked again after it
+        if fmt == "json":
+            last = json.loads(out.splitlines()[-1])
+            assert (last["type"], last["exit"]) == ("error", 3), last
+
+
+def test_a_wait_whose_output_is_closed_never_exits_as_done() -> None:
+    """An outside review: `kimi-mode wait profile | head -c1` exited 0 ("profile serves")
+    while the switch went on: a closed pipe ended it as done. Now 141, as a shell reports a
+    writer whose reader left."""
+    lines = [status("tearing_down", "production", "profile", TO_PROFILE),
+             event("step_started", step="stop_unit")]  # fmt: skip
+    read, write = os.pipe()
+    os.close(read)  # the reader left before kimi-mode wrote
+    try:
+        with daemon((lines, True)) as (sock, _):
+            r = subprocess.run(
+                [sys.executable, "-m", "kimi_supervisor.cli.kimi_mode", "--socket", str(sock),
+                 "-o", "json", "wait", "profile", "--timeout", "60"],
+                stdout=write, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, timeout=120,
+            )  # fmt: skip
+    finally:
+        os.close(write)
+    assert r.returncode == Exit.OUTPUT_CLOSED == 141, (r.returncode, r.stderr)
+    assert b"Traceback" not in r.stderr and b"Exception ignored" not in r.stderr, r.stderr
 
 
 # ------------------------------------------------------------------------------ the deadline

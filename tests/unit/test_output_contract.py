@@ -27,10 +27,11 @@ def test_the_documented_schema_is_the_one_the_code_makes() -> None:
 
 def test_every_exit_code_has_one_meaning_and_the_man_page_and_help_say_them_all() -> None:
     codes = [int(c) for c in exits.KIMI_MODE]
-    assert len(codes) == len(set(codes)) == 8
+    assert len(codes) == len(set(codes)) == 9
     names = [c.label for c in exits.KIMI_MODE]
     assert names == [
-        "ok", "failed", "usage", "unreachable", "timeout", "refused", "stuck", "interrupted"
+        "ok", "failed", "usage", "unreachable", "timeout", "refused", "stuck", "interrupted",
+        "output_closed",
     ]  # fmt: skip
     helptext = kimi_mode.build_parser().format_help()
     for code in exits.KIMI_MODE:
@@ -49,7 +50,7 @@ def test_no_exit_code_changes_its_value_and_each_is_meant_for_kimi_mode() -> Non
     # Scripts, playbooks and the unit act on the numbers.
     assert {c.label: int(c) for c in Exit} == {
         "ok": 0, "failed": 1, "usage": 2, "unreachable": 3, "timeout": 4, "refused": 5,
-        "stuck": 6, "interrupted": 130,
+        "stuck": 6, "interrupted": 130, "output_closed": 141,
     }  # fmt: skip
     assert list(exits.KIMI_MODE) == list(Exit)
     assert set(exits.KIMI_SUPERVISOR) == {Exit.OK, Exit.FAILED, Exit.USAGE}
@@ -74,7 +75,7 @@ def test_the_ansible_module_and_the_unit_read_the_codes_as_the_cli_states_them()
         and any(isinstance(t, ast.Name) and t.id == "EXIT_MEANING" for t in node.targets)
     )
     assert set(meaning) == {int(c) for c in Exit} - {Exit.OK}
-    says = {Exit.TIMEOUT: "timed out"}
+    says = {Exit.TIMEOUT: "timed out", Exit.OUTPUT_CLOSED: "output closed"}
     for code in set(Exit) - {Exit.OK}:
         assert says.get(code, code.label) in meaning[code].lower(), code
     unit = (ROOT / "units" / "kimi-supervisor.service").read_text()

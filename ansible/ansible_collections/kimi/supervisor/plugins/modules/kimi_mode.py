@@ -167,6 +167,7 @@ EXIT_MEANING = {
     5: "refused: the host is busy (another switch) or in the way (wrong mode, port taken)",
     6: "STUCK: the GPUs could not be made clean; a person must look (kimi-mode status)",
     130: "interrupted: the switch goes on on the host",
+    141: "output closed before the end: nothing was judged after it",
 }
 
 
