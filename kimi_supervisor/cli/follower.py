@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from types import FrameType
 from typing import Any, TextIO
 
-from kimi_supervisor.cli.render import duration, whole, wrap
+from kimi_supervisor.cli.render import cut, duration, rows_of, whole, wrap
 from kimi_supervisor.model import GpuHealth, program
 
 # The kills a frame shows at most (the newest), with "N more" for the others.
@@ -79,9 +79,7 @@ class Redraw:
     def rows_on_screen(self) -> int:
         """How many rows the block drawn last takes now: a row wider than the terminal (it
         shrank since) was wrapped onto more by the terminal; never more than the screen holds."""
-        width = max(self.width(), 1)
-        rows = sum(max(math.ceil(len(r) / width), 1) for r in self.drawn)
-        return min(rows, max(self.height() - 1, 1))
+        return min(rows_of(self.drawn, self.width()), max(self.height() - 1, 1))
 
     def back(self) -> None:
         """The cursor back to the block's first row (what is written next goes over it)."""
@@ -303,7 +301,7 @@ class Follower:
         for kills_shown, per_row, gpu_rows in tries:
             parts = self._parts(kills_shown, per_row=per_row, gpu_rows=gpu_rows)
             rows = [r for part in parts for r in wrap(part, max(width - 1, 20))]
-            if len(rows) <= room:
+            if rows_of(rows, width) <= room:  # a row wider than the terminal takes more
                 return rows
         # Still too tall (a terminal of a few rows): the clock's row, as many as fit, and
         # vLLM's progress last, with what was left out counted.
@@ -316,7 +314,11 @@ class Follower:
         more = f"  {len(middle) - keep} more rows (a taller terminal shows them)"
         if len(more) >= width:
             more = f"  {len(middle) - keep} more rows"
-        return [*first, *middle[:keep], more, *last][: max(room, 1)]
+        # Each row cut to the width here: a path kept whole, or wide characters, would take
+        # rows of the terminal's that the count above does not have.
+        return [cut(r, max(width - 1, 1)) for r in [*first, *middle[:keep], more, *last]][
+            : max(room, 1)
+        ]
 
     def _parts(
         self, kills_shown: int, *, per_row: int, gpu_rows: int | None = None

@@ -283,6 +283,39 @@ def columns(out: TextIO) -> int:
     return max(shutil.get_terminal_size((80, 24)).columns, 40) if out.isatty() else 80
 
 
+def cells(text: str) -> int:
+    """The columns `text` takes on a terminal: an East Asian wide or fullwidth character two,
+    a combining mark none (a name another user chose may be any of them)."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
+    return sum(
+        0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1
+        for c in text
+    )
+
+
+def rows_of(lines: list[str], width: int) -> int:
+    """The terminal rows `lines` take at `width` columns: a row wider than that (a path kept
+    whole, wide characters) is wrapped by the terminal onto more."""
+    w = max(width, 1)
+    return sum(max(-(-cells(r) // w), 1) for r in lines)
+
+
+def cut(text: str, width: int) -> str:
+    """`text` cut to at most `width` columns (where a row must fit, whatever it holds)."""
+    if cells(text) <= width:
+        return text
+    out, used = [], 0
+    for c in text:
+        used += cells(c)
+        if used > width:
+            break
+        out.append(c)
+    return "".join(out)
+
+
 def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
     """Each line wrapped at spaces to `width` columns, its continuation rows indented under the
     line's own indent plus two (or `hang` columns): nothing is cut. What whole() joined stays
@@ -294,7 +327,7 @@ def wrap(lines: list[str], width: int, hang: int | None = None) -> list[str]:
     for raw in lines:
         # What another user chose (a process's argv, a file's name) never drives the terminal.
         line = printable(raw)
-        if len(line) <= width:
+        if cells(line) <= width:
             out.append(line.replace(NBSP, " "))
             continue
         own = len(line) - len(line.lstrip(" "))

@@ -15,7 +15,7 @@ from kimi_supervisor.cli.exits import Exit, end_exit
 from kimi_supervisor.cli.follow import Again, Follow
 from kimi_supervisor.cli.follower import Follower, Redraw, redraws
 from kimi_supervisor.cli.output import Output, VerdictOut
-from kimi_supervisor.cli.render import columns, format_status, wrap
+from kimi_supervisor.cli.render import columns, cut, format_status, rows_of, wrap
 from kimi_supervisor.cli.switch import follower_for, print_end
 from kimi_supervisor.control.client import Unreachable
 
@@ -58,11 +58,14 @@ def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
                 lines = format_status(data, max(_columns() - 1, 20)).splitlines()
                 stamp = time.strftime("%H:%M:%S")
                 lines.insert(0, f"every {args.interval:g} s, {stamp} (Ctrl-C ends)")
-                room = max(_lines() - 1, 2)
-                if len(lines) > room:  # a frame taller than the screen piles up: folded
-                    cut = len(lines) - room + 1
-                    lines = [*lines[: room - 1], f"  {cut} more rows (a taller terminal "
-                             "shows them; `kimi-mode status` prints all)"]  # fmt: skip
+                room, width = max(_lines() - 1, 2), max(_columns(), 1)
+                if rows_of(lines, width) > room:  # taller than the screen piles up: folded
+                    # Every row within the width (a path kept whole, wide characters), and
+                    # as many as fit.
+                    lines = [cut(x, width - 1) for x in lines]
+                    n = len(lines) - room + 1
+                    lines = [*lines[: room - 1], cut(f"  {n} more rows (a taller terminal "
+                             "shows them; `kimi-mode status` prints all)", width - 1)]  # fmt: skip
                 screen.draw(lines)
             else:
                 # What changed, not the ages that tick by themselves.

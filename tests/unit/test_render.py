@@ -423,7 +423,7 @@ def test_a_path_wider_than_the_row_is_kept_whole_on_a_row_of_its_own() -> None:
 
 
 # ------------------------------------------------------------------------------ the height
-def switch_frame(kills: int, gpus: int) -> Follower:
+def switch_frame(kills: int, gpus: int, cmdline: list[str] | None = None) -> Follower:
     f = Follower(io.StringIO(), tty=False)
     f.on_event({"event": "transition_started", "data": {"id": "t1", "previous": "profile",
                 "target": "production", "kind": "switch", "reason": "asked"}})  # fmt: skip
@@ -432,7 +432,7 @@ def switch_frame(kills: int, gpus: int) -> Follower:
     for i in range(kills):
         f.on_event({"event": "kill", "data": {"signal": "SIGKILL", "step": "kill_strays",
                     "evidence": "vllm_signature", "process": {"pid": 1000 + i,
-                    "cmdline": PYTHON_HOLDER}}})  # fmt: skip
+                    "cmdline": cmdline or PYTHON_HOLDER}}})  # fmt: skip
     f.on_event({"event": "gpus", "data": {"devices": [
         {"index": i, "used_mib": 80_615, "baseline_mib": 615} for i in range(gpus)]}})  # fmt: skip
     f.vllm = "loading weights 45%; ready in about 3 min (past loads: 5 min)"
@@ -467,6 +467,40 @@ def test_the_redrawn_frame_fits_the_terminal_and_counts_what_it_folds(
     if rows >= 15:
         assert frame[-1].startswith("  vLLM: loading weights 45%"), frame
         assert sum(x.count("GPU ") for x in frame if "[" in x) == gpus, frame  # every GPU
+
+
+WIDE = ["/opt/\u8a13\u7df4/\u30b8\u30e7\u30d6/" + "\u5b66\u7fd2" * 30, "--\u8a2d\u5b9a"]
+LONG_PATH = ["/srv/" + "a-very-long-folder-name/" * 8 + "train.py", "--epochs", "3"]
+
+
+@pytest.mark.parametrize(
+    ("columns", "rows", "cmdline"),
+    [
+        pytest.param(80, 15, WIDE, id="at 80x15 killed processes with CJK names"),
+        pytest.param(80, 24, WIDE, id="at 80x24 killed processes with CJK names"),
+        pytest.param(80, 15, LONG_PATH, id="at 80x15 killed processes run from a long path"),
+        pytest.param(40, 5, WIDE, id="a tiny terminal with CJK names"),
+    ],
+)
+def test_a_frame_with_wide_names_or_long_paths_takes_no_more_rows_than_the_terminal_has(
+    columns: int, rows: int, cmdline: list[str]
+) -> None:
+    """An outside review: a kill's CJK name (two columns a character) or a path kept whole
+    made rows the terminal wrapped onto more, uncounted: the scrollback grew by 45-54 rows a
+    switch and the clock left the screen. The frame is counted in the terminal's rows."""
+    from kimi_supervisor.cli.render import rows_of
+
+    frame = switch_frame(11, 8, cmdline).frame(columns, rows)
+    assert rows_of(frame, columns) <= rows - 1, frame
+    assert frame[0].startswith("kimi-mode: switching to production"), frame  # the clock
+
+
+def test_a_terminal_column_count_knows_wide_and_combining_characters() -> None:
+    from kimi_supervisor.cli.render import cells, cut, rows_of
+
+    assert cells("abc") == 3 and cells("\u5b66\u7fd2") == 4 and cells("e\u0301") == 1
+    assert rows_of(["\u5b66" * 40, "x"], 80) == 2 and rows_of(["\u5b66" * 41], 80) == 2
+    assert cells(cut("\u5b66" * 50, 79)) == 78
 
 
 def test_a_storm_of_resizes_is_drawn_once_the_size_held_never_a_frame_per_signal(
