@@ -162,6 +162,9 @@ class Cpu:
     # Each process's times (its identity, parent, CPU, its reaped children's): what its
     # children that ended between two readings used (`reaped_used`).
     tree: tuple[ProcessTimes, ...] = ()
+    # More processes than were read (MAX_PROCESSES): a helper or a stopped rank may be among
+    # those left out, so the bound gives no verdict on this reading.
+    cut: bool = False
 
 
 def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
@@ -197,7 +200,14 @@ def helpers_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
     whole; one that ended since takes its time away with it (into its parent's)."""
     if base is None or cpu is None:
         return 0.0, ""
-    before = {pid: s for pid, _name, s in base.helpers}
+    # A PID reused since (the next compile in a recycled PID) is a new helper: counted whole.
+    born = {t.pid: t.start_ticks for t in base.tree}
+    now_born = {t.pid: t.start_ticks for t in cpu.tree}
+    before = {
+        pid: s
+        for pid, _name, s in base.helpers
+        if born.get(pid) == now_born.get(pid, born.get(pid))
+    }
     used = sorted(
         ((s - before.get(pid, 0.0), f"PID {pid} ({name})") for pid, name, s in cpu.helpers),
         reverse=True,
@@ -502,6 +512,12 @@ class Judge:
         self.doubt, self.doubt_since, self.unanswered_since = "", None, None
         if not why.startswith("stopped") and not spun:
             return None
+        if not why.startswith("stopped"):
+            # A spin is the bound's verdict: what holds the bound off outside a capture (a
+            # helper compiling, children that ended, a tree not read whole) holds it off here.
+            used, _who = self._cpu_work(now)
+            if used >= self.cpu_idle_fraction * self.stall_s or (cpu is not None and cpu.cut):
+                return None
         evidence: dict[str, Any] = {"capturing": True, "metrics": self.metrics}
         if cpu is not None:
             evidence |= {"cpu_s": round(cpu.seconds, 2), "stopped": list(cpu.stopped)}
@@ -549,6 +565,9 @@ class Judge:
         a reading, or too few of them read (not in this reading, or a GPU in fewer than half of
         the window's: no reading is never idle); "" if none."""
         used, who = self._cpu_work(now)
+        latest_cpu = self.samples[-1][1] if self.samples else None
+        if latest_cpu is not None and latest_cpu.cut:
+            return "vLLM has more processes than a reading takes (a helper may be among the rest)"
         if used >= self.cpu_idle_fraction * self.stall_s:
             return (
                 f"vLLM's helpers and ended children used {used:.1f} s of CPU in "

@@ -137,7 +137,8 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         return None
     # Parents before their children (descendants' order): an engine's own children (a JIT
     # compiler it waits on: FlashInfer's first call compiles for minutes) are the engine's work.
-    pids = [pid, *processes.descendants(pid)[: MAX_PROCESSES - 1]]
+    everyone = processes.descendants(pid)
+    pids = [pid, *everyone[: MAX_PROCESSES - 1]]
     engine: set[int] = set()
     seconds, engine_s, engine_n = 0.0, 0.0, 0
     tree: list[ProcessTimes] = []
@@ -189,6 +190,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         tuple(cpu for _, cpu in stopped),
         tuple(helpers),
         tuple(tree),
+        cut=len(everyone) > MAX_PROCESSES - 1,
     )
 
 

@@ -7,6 +7,7 @@ against the start time, so a recycled PID is never hit.
 
 from __future__ import annotations
 
+import collections
 import errno
 import os
 import signal
@@ -278,9 +279,11 @@ def descendants(root: int, tree: dict[int, list[int]] | None = None) -> list[int
         def kids(pid: int) -> list[int]:
             return full.get(pid, [])
 
-    out, todo = [], kids(root)
+    # Breadth first: where a reader keeps only the first N, it keeps the processes nearest the
+    # root (every rank before a rank's compile pool).
+    out, todo = [], collections.deque(kids(root))
     while todo:
-        pid = todo.pop()
+        pid = todo.popleft()
         out.append(pid)
         todo.extend(kids(pid))
     return out

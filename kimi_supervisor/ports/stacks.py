@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kimi_supervisor.model import printable
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.bounded import Worker
 
@@ -83,9 +84,13 @@ def _threads(pid: int, deadline: float) -> list[str]:
         t = f"{base}/{tid}"
         comm, wchan = _proc_read(f"{t}/comm"), _proc_read(f"{t}/wchan")
         state = processes.state_of(tid) or "?"
-        out.append(f"  thread {tid} ({comm}), state {state}, wchan {wchan or '0'}")
+        # A thread's name is its process's to choose: escaped (a newline in it forged whole
+        # "-- PID" blocks among root's reading, an outside review).
+        out.append(
+            f"  thread {tid} ({printable(comm)}), state {state}, wchan {printable(wchan) or '0'}"
+        )
         stack = _proc_read(f"{t}/stack")
-        out += [f"    {line}" for line in stack.splitlines()]
+        out += [f"    {printable(line)}" for line in stack.splitlines()]
     if len(tids) > THREADS_MAX:
         out.append(f"  ({len(tids) - THREADS_MAX} more thread(s) not read)")
     return out
@@ -179,7 +184,10 @@ def dump(pids: Sequence[int], deadline: float) -> str:
         if pid not in kernel:
             out.append(f"{head}\n  (not read: it exited, or its PID names another process now)")
             continue
-        text = "\n".join([head, *([python[pid]] if python.get(pid) else []), *kernel[pid]])
+        # py-spy's lines name Python threads as the process chose them: each indented and
+        # escaped, so that only the daemon's own headers start a line with "-- PID".
+        spied = [f"  {printable(x)}" for x in (python.get(pid) or "").splitlines()]
+        text = "\n".join([head, *spied, *kernel[pid]])
         if len(text.encode()) > PROCESS_MAX_BYTES:
             text = text.encode()[:PROCESS_MAX_BYTES].decode(errors="ignore")
             text += f"\n[cut: this process's stacks passed {PROCESS_MAX_BYTES >> 10} KiB]"

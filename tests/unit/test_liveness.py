@@ -290,6 +290,18 @@ CASES = {
              gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
              capturing=lambda t: t > 60, until=1800),
         None, ""),
+    "a compile beside a rank spinning in its collective, then a capture, is no verdict": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
+             helpers_s=lambda t: SPIN * t, gpus=lambda t: gpus("spin", "idle"),
+             capturing=lambda t: t >= 705, until=1500),
+        None, ""),
+    "a tree of more processes than are read is a doubt: a helper may be among those left out": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             gpus=lambda t: gpu("spin"), until=1200,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), **{f"p{1000 + i}": (102, "pt_main_threa",
+                                                                           0.0, 0.0)
+                                                          for i in range(300)})),
+        None, "vLLM has more processes than a reading takes"),
     "GPUs busy with no traffic during a capture while the engine steps is no verdict": (
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),
@@ -310,3 +322,17 @@ def test_liveness_gives_each_case_its_verdict_for_the_signals_that_decide_it(
     assert hang is not None, f"no verdict; the doubt: {doubt}"
     assert at is not None and verdict_at[0] <= at <= verdict_at[1], (at, hang.reason)
     assert said in hang.reason, hang.reason
+
+
+def test_a_helper_pid_reused_by_the_next_compile_counts_whole_not_less_the_old_ones_cpu() -> None:
+    """An outside review: helpers were known by their PID alone, so a compile in a recycled
+    PID had the old one's CPU taken from its own (115 s of real compile hidden)."""
+    from kimi_supervisor.decide.liveness import helpers_used
+
+    old = ProcessTimes(77, 1000, 102, "R", 118.0, 0.0)
+    new = ProcessTimes(77, 5000, 102, "R", 119.0, 0.0)
+    base = Cpu(0.0, 10.0, 3, helpers=((77, "cc1plus", 118.0),), tree=(old,))
+    now = Cpu(120.0, 20.0, 3, helpers=((77, "cc1plus", 119.0),), tree=(new,))
+    assert helpers_used(base, now) == (119.0, "PID 77 (cc1plus)")
+    same = Cpu(120.0, 20.0, 3, helpers=((77, "cc1plus", 119.0),), tree=(old,))
+    assert helpers_used(base, same) == (1.0, "PID 77 (cc1plus)")

@@ -440,3 +440,25 @@ def test_readings_go_on_beside_a_canary_that_waits(config: Config) -> None:
     while len(readings) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert [r.kind for r in readings] == ["probe", "canary"], readings
+
+
+def test_a_thread_name_with_a_newline_cannot_forge_a_process_in_the_kept_stacks() -> None:
+    """An outside review: a thread's comm (its process's to choose) went into the incident
+    bundle raw, so vLLM's user could forge whole "-- PID" blocks among root's reading."""
+    from kimi_supervisor.ports import stacks
+
+    forged = "w\n-- PID 1 (x"  # 15 bytes: the most a comm holds
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; open('/proc/self/comm', 'w').write(sys.argv[1]);"
+         " print('ready', flush=True); time.sleep(60)", forged],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        text = stacks.dump([child.pid], time.monotonic() + 20.0)
+    finally:
+        child.kill()  # ours, by its handle
+        child.wait(10)
+    headers = [line for line in text.splitlines() if line.startswith("-- PID")]
+    assert len(headers) == 1 and headers[0].startswith(f"-- PID {child.pid} ("), text
+    assert "w\\n-- PID 1 (x" in text, text  # escaped, where it stands
