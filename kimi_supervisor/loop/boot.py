@@ -6,6 +6,7 @@ baseline is provisional); each returns at once, and the loop retries on its own 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import signal
 import threading
@@ -16,9 +17,10 @@ from typing import TypeVar
 
 from kimi_supervisor.loop.context import Context
 from kimi_supervisor.loop.observer import PROVISIONAL_BASELINE_MIB
-from kimi_supervisor.model import utcnow
+from kimi_supervisor.model import Mode, utcnow
 from kimi_supervisor.ports.bounded import IoWorker, ProcessGone
 from kimi_supervisor.ports.gpu import GpuUnavailable
+from kimi_supervisor.status import RolledBackStatus
 from kimi_supervisor.store import baseline
 from kimi_supervisor.store.state import (
     Baseline,
@@ -101,11 +103,36 @@ def load_state(ctx: Context) -> None:
         # Guarded: a full disk keeps the defaults in memory, says so, and writes at each pass.
         ctx.persist(functools.partial(replaced, st))
     s.desired = st.desired_mode
+    if st.desired_by == "rollback":
+        s.rolled_back = last_rollback(ctx)
     s.profile_until = st.profile_until
     s.interrupted = st.transition
     s.inherited_id = st.transition.id if st.transition else ""
     if st.transition is not None:
         ctx.log("transition_interrupted", transition=st.transition.model_dump(mode="json"))
+
+
+def last_rollback(ctx: Context) -> RolledBackStatus | None:
+    """The switch whose rollback set the desired mode, from the history (a daemon restarted or
+    re-executed since): a late `kimi-mode wait MODE` still learns that MODE failed. None when
+    the history cannot be read in time, or holds none."""
+    try:
+        records = ctx.read_history(200)
+    except (OSError, TimeoutError) as e:
+        ctx.log("rollback_not_read", level="warning", error=str(e))
+        return None
+    for r in reversed(records):
+        if r.get("kind") != "transition" or r.get("trigger") == "rollback":
+            continue  # the rollback's own switch comes after the one it rolled back
+        if r.get("outcome") != "rolled_back":
+            return None  # a later switch ended: the rollback is not the last one
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return RolledBackStatus(
+                mode=Mode(r["target"]), at=str(r.get("finished_at") or r.get("at") or ""),
+                reason=str(r.get("message", "")), transition=str(r.get("id", "")),
+            )  # fmt: skip
+        return None
+    return None
 
 
 def driver_up(ctx: Context) -> bool:

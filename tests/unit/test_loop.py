@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kimi_supervisor.cli.watch import mode_verdict
 from kimi_supervisor.loop.inbox import CaptureStart, Reexec, Switch
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports import processes
@@ -131,6 +132,34 @@ def test_after_a_rollback_the_status_names_the_failed_switch_until_another_is_as
     host.ask(Switch(Mode.PROFILE, "op"))
     assert host.status()["rolled_back"] is None  # another switch asked: history now
     host.serving(Mode.PROFILE)
+
+
+def test_a_rollback_is_still_named_after_the_daemon_re_executes(host: LoopHost) -> None:
+    """An outside review: the rollback was kept in memory alone, so after a `systemctl reload`
+    (or the restart an upgrade asks for) a late `wait profile` read `not_asked`. The history
+    holds it, and the desired mode set by the rollback says it is still the last switch."""
+    booted(host)
+    host.systemd.fail_modes = {Mode.PROFILE}
+    asked = host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PRODUCTION)
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()
+    host.new_daemon()
+    host.serving(Mode.PRODUCTION)
+    back = host.status()["rolled_back"]
+    assert back is not None and back["mode"] == "profile", back
+    assert back["transition"] == asked.data["transition_id"], back
+    assert mode_verdict(host.status(), "profile") is not None  # the verdict: rolled back
+    host.systemd.fail_modes = set()
+    host.ask(Switch(Mode.PROFILE, "op"))
+    host.serving(Mode.PROFILE)
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()
+    host.new_daemon()
+    host.serving(Mode.PROFILE)
+    assert host.status()["rolled_back"] is None  # a later switch: the rollback is history
 
 
 def test_stuck_teardowns_are_retried_at_doubling_intervals(host: LoopHost) -> None:
