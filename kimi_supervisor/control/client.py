@@ -41,6 +41,10 @@ class NotUnderstood(Unreachable):
 # The longest answer line read (a status, a history of 10,000 records): a longer one is not
 # this protocol's, and is not read into memory whole.
 MAX_ANSWER_BYTES = 64 * 1024 * 1024
+# The first answer to any request comes at once (the daemon's loop never waits on I/O): a
+# daemon that accepted the connection and said nothing for this long is wedged, whatever the
+# request's own timeout (none: a wait that never returns, an outside review).
+FIRST_ANSWER_S = 30.0
 # The answers' types: anything else is another protocol's.
 ANSWER_TYPES = ("reply", "event", "end")
 
@@ -148,6 +152,7 @@ def exchange(
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     next_tick = time.monotonic() + tick_s
+    first_by = time.monotonic() + FIRST_ANSWER_S
     sock = connect(path, 5.0 if timeout_s is None else min(5.0, timeout_s))
     with sock:
         data = json.dumps({"v": PROTOCOL_VERSION, **request}).encode() + b"\n"
@@ -181,6 +186,12 @@ def exchange(
                 now = time.monotonic()
                 next_tick = max(next_tick + tick_s, now + tick_s / 2)
             wait_s = min(next_tick - now, 1.0) if tick is not None else 1.0
+            if not answered and not buf and now >= first_by:
+                raise Unreachable(
+                    f"the daemon took the connection but answered nothing in "
+                    f"{FIRST_ANSWER_S:g} s (it answers once its state is read, and at once "
+                    "after): `systemctl status kimi-supervisor` says what it waits for"
+                )
             if deadline is not None:
                 left = deadline - now
                 if left <= 0:

@@ -604,3 +604,20 @@ def test_ctrl_c_anywhere_in_a_wait_or_a_switch_says_what_it_knew_last_and_exits_
                                  r"kill_strays$", err.strip()), err  # fmt: skip
             if fmt == "json":
                 assert json.loads(last)["type"] == "error" and json.loads(last)["exit"] == 130
+
+
+def test_a_daemon_that_takes_the_connection_and_says_nothing_ends_a_wait_with_exit_3(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside review: `kimi-mode wait` without --timeout waited for ever on a daemon that
+    accepted the connection and never answered (a wedged daemon); its first answer is bounded."""
+    from kimi_supervisor.cli import kimi_mode
+    from kimi_supervisor.control import client
+
+    monkeypatch.setattr(client, "FIRST_ANSWER_S", 0.5)
+    with daemon(([], True)) as (sock, requests):
+        rc = kimi_mode.main(["--socket", str(sock), "wait"])
+    _out, err = capsys.readouterr()
+    assert rc == Exit.UNREACHABLE, err
+    assert "the daemon took the connection but answered nothing in 0.5 s" in err, err
+    assert len(requests) == 1, requests
