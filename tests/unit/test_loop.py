@@ -30,6 +30,15 @@ def booted(host: LoopHost) -> LoopHost:
     return host
 
 
+def reexec(host: LoopHost) -> None:
+    """The daemon re-executes (`systemctl reload`, an upgrade): its loop ends with the unit
+    left running, and a new daemon boots over the same state and history."""
+    host.daemon.ask(Reexec())
+    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
+    assert not host.daemon.turn()  # the loop ends for the re-exec, the unit left running
+    host.new_daemon()
+
+
 def transitions(host: LoopHost) -> list[tuple[str, str]]:
     return [(e["target"], e["outcome"]) for e in host.history("transition")]
 
@@ -142,10 +151,7 @@ def test_a_rollback_is_still_named_after_the_daemon_re_executes(host: LoopHost) 
     host.systemd.fail_modes = {Mode.PROFILE}
     asked = host.ask(Switch(Mode.PROFILE, "op"))
     host.serving(Mode.PRODUCTION)
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn()
-    host.new_daemon()
+    reexec(host)
     host.serving(Mode.PRODUCTION)
     back = host.status()["rolled_back"]
     assert back is not None and back["mode"] == "profile", back
@@ -154,10 +160,7 @@ def test_a_rollback_is_still_named_after_the_daemon_re_executes(host: LoopHost) 
     host.systemd.fail_modes = set()
     host.ask(Switch(Mode.PROFILE, "op"))
     host.serving(Mode.PROFILE)
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn()
-    host.new_daemon()
+    reexec(host)
     host.serving(Mode.PROFILE)
     assert host.status()["rolled_back"] is None  # a later switch: the rollback is history
 
@@ -320,10 +323,7 @@ def test_a_reload_during_a_start_is_adopted_by_the_new_image_without_a_second_lo
     assert loading is not None
     record = launch_record_path(host.config.vllm.argv_file)  # launch-vllm has exec'd vLLM
     host.until(lambda: record.exists() and f'"pid": {loading.pid}' in record.read_text(), "exec")
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn()  # the loop ends for the re-exec, the unit left running
-    host.new_daemon()
+    reexec(host)
     host.serving(Mode.PROFILE)
     assert host.systemd.child is loading, host.tail(40)
     assert host.systemd.starts.count(Mode.PROFILE) == 1
@@ -340,10 +340,7 @@ def test_a_reload_before_the_launcher_has_exec_d_vllm_is_adopted_too(host: LoopH
     launching = host.systemd.child
     assert launching is not None
     assert "launch-vllm" in processes.cmdline_of(launching.pid)
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn()
-    host.new_daemon()
+    reexec(host)
     host.serving(Mode.PROFILE)
     assert host.systemd.child is launching, host.tail(40)
     assert host.systemd.starts.count(Mode.PROFILE) == 1
@@ -355,10 +352,7 @@ def reload_with(host: LoopHost, production_args: list[str]) -> None:
 
     modes = host.config.modes.model_copy(update={"production": ModeConfig(args=production_args)})
     host.config = host.config.model_copy(update={"modes": modes})
-    host.daemon.ask(Reexec())
-    host.until(lambda: host.daemon.s.reexec_requested, "the re-exec to be asked")
-    assert not host.daemon.turn()
-    host.new_daemon()
+    reexec(host)
 
 
 def test_a_reload_with_an_edited_argv_keeps_vllm_serving_until_an_operator_applies_it(
