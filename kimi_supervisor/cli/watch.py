@@ -63,9 +63,12 @@ def watch(args: argparse.Namespace, sock: Path, o: Output) -> int:
                     # Every row within the width (a path kept whole, wide characters), and
                     # as many as fit.
                     lines = [cut(x, width - 1) for x in lines]
-                    n = len(lines) - room + 1
-                    lines = [*lines[: room - 1], cut(f"  {n} more rows (a taller terminal "
-                             "shows them; `kimi-mode status` prints all)", width - 1)]  # fmt: skip
+                    if len(lines) > room:  # cut to the width, each takes one row
+                        more = (
+                            f"  {len(lines) - room + 1} more rows (a taller terminal shows "
+                            "them; `kimi-mode status` prints all)"
+                        )
+                        lines = [*lines[: room - 1], cut(more, width - 1)]
                 screen.draw(lines)
             else:
                 # What changed, not the ages that tick by themselves.

@@ -673,3 +673,42 @@ def test_doctor_wraps_every_line_at_80_columns_with_its_message_hung_under_the_m
     assert any(r.strip() == path or r.rstrip().endswith(path) for r in rows), rows  # whole
     assert rows[-1] == "1 check(s) failed"
     assert words(out.getvalue()) >= {"STUCK:", "(root", "only)", "retried"}
+
+
+def test_status_watch_folds_a_status_of_wide_names_and_long_paths_to_the_terminals_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An outside review: `status --watch` counted lines, not the rows the terminal wraps a
+    long path or wide characters onto: 8 rows more of scrollback at every redraw (80x24)."""
+    import argparse
+    import re
+    from pathlib import Path
+
+    from kimi_supervisor.cli import watch as watch_mod
+    from kimi_supervisor.cli.output import Output
+    from kimi_supervisor.cli.render import rows_of
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    holders = [f"  GPU {i}: PID {100 + i} {'/srv/' + 'deep-folder/' * 9}train.py" for i in range(8)]
+    wide = "\u5b66\u7fd2" * 30
+    holders += [f"  GPU {i}: PID {200 + i} {wide}" for i in range(8)]
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.setattr(watch_mod, "_columns", lambda: 80)
+    monkeypatch.setattr(watch_mod, "_lines", lambda: 15)
+    monkeypatch.setattr(watch_mod, "_status", lambda _sock: {"status_line": "serving"})
+    monkeypatch.setattr(watch_mod, "format_status", lambda _d, _w: "\n".join(holders))
+
+    def sleep(_s: float) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(watch_mod.time, "sleep", sleep)
+    out = Tty()
+    args = argparse.Namespace(interval=1.0)
+    assert watch_mod.watch(args, Path("/nonexistent"), Output("text", out, io.StringIO())) == 0
+    shown = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", out.getvalue()).split("\n")
+    shown = [r for r in shown if r]
+    assert rows_of(shown, 80) <= 14, shown
+    assert "more rows (a taller terminal shows them" in shown[-1], shown
