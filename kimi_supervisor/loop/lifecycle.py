@@ -8,7 +8,8 @@
     SERVING -> died | hung: TEARING_DOWN ... ; intrusion while STARTING: TEARING_DOWN
     any -> begin_shutdown: STOPPING -> the teardown job ... exit
 
-`set_state` is the only door for a state change. A teardown runs on the job thread
+`set_state` is the only door for a state change, and sends the event that announces its edge
+(none sends one of its own). A teardown runs on the job thread
 (loop/jobs.py), which changes nothing the loop owns: its progress (`JobEvent`), the warming's
 (`Warmed`) and its end (`JobDone`) come back through the inbox and are applied here: the step
 persisted in the transition, the GPU readings, the events, the log and the metrics, the report
@@ -78,10 +79,15 @@ class Lifecycle:
         self._verdicts: list[str] = []  # when this daemon gave a hang or unhealthy verdict
 
     # ------------------------------------------------------------------ the one door
-    def set_state(self, state: State, why: str = "") -> None:
-        """Every state change goes through here (the daemon publishes the status once per
-        pass, after it)."""
+    def set_state(
+        self, state: State, why: str = "", *, event: str = "", data: dict[str, Any] | None = None
+    ) -> None:
+        """Every state change goes through here, with its edge's event (`event`, `data`: sent
+        even when the state stays, as a STUCK that begins its retry does). The daemon
+        publishes the status once per pass, after it."""
         s = self.s
+        if event:
+            self.ctx.event(event, data)
         if state is not s.state:
             self.ctx.log("state_changed", previous=s.state.value, state=state.value, why=why)
             s.state, s.state_since = state, utcnow()
@@ -246,12 +252,11 @@ class Lifecycle:
             s.serving = None
         ctx.persist_transition()
         ctx.log("transition_started", **tr.model_dump(mode="json"))
-        ctx.event("transition_started", tr.model_dump(mode="json"))
         # STUCK lasts while it is true: the GPUs are not clean until a teardown says so, and
         # neither a retry nor a switch asked for meanwhile makes them so.
         state = State.STUCK if s.stuck_since else State.WARMING if warm else State.TEARING_DOWN
         # any but STOPPING -> WARMING | TEARING_DOWN | STUCK: a transition begins
-        self.set_state(state, reason)
+        self.set_state(state, reason, event="transition_started", data=tr.model_dump(mode="json"))
         argv = ctx.config.launch_argv(target) if warm else None
         self._teardown(Job(Purpose.SWITCH, reason, probe=served and not force, warm_argv=argv))
 
@@ -297,9 +302,13 @@ class Lifecycle:
         s.eta, s.load_key, s.expected_parts = ctx.estimate_load(tr.target, argv)
         expected = {"expected_s": s.eta.expected_s, "past": s.eta.past} if s.eta else {}
         ctx.log("vllm_starting", mode=tr.target.value, argv=argv, argv_file=str(argv_file))
-        ctx.event("starting", {"mode": tr.target.value, "argv": argv, **expected})
         # TEARING_DOWN -> STARTING: clean, the unit started
-        self.set_state(State.STARTING, f"started {ctx.unit} in {tr.target.value}")
+        self.set_state(
+            State.STARTING,
+            f"started {ctx.unit} in {tr.target.value}",
+            event="starting",
+            data={"mode": tr.target.value, "argv": argv, **expected},
+        )
 
     def _health_before_load(self) -> str | None:
         """The managed GPUs' health, read before a load that may take 30 minutes
@@ -368,12 +377,11 @@ class Lifecycle:
             ctx.metrics.start_seconds.labels(mode.value).observe(load["load_s"])
         if window := self.window.ready(mode):
             load["downtime"] = window
-        ctx.event("ready", info | load)
         ctx.log("vllm_ready", **info, **load)
         s.stuck_retries, s.last_failure, s.liveness = 0, None, None
+        # STARTING -> SERVING: /health answered 200 (announced before the transition's end)
+        self.set_state(State.SERVING, "GET /health answered 200", event="ready", data=info | load)
         self.end_transition(True, "ready", f"{mode.value} is ready ({took:.1f} s)", detail=load)
-        # STARTING -> SERVING: /health answered 200
-        self.set_state(State.SERVING, "GET /health answered 200")
 
     # ------------------------------------------------------------------ setbacks
     def start_failed(self, reason: str) -> None:
@@ -397,13 +405,14 @@ class Lifecycle:
             output_tail=tail,
             more=more,
         )
-        ctx.event(
-            "start_failed",
-            {"mode": tr.target.value, "reason": reason, "output_tail": tail, "more": more},
-        )
         s.transition = tr.model_copy(update={"step": "teardown"})
         # STARTING -> TEARING_DOWN: the start failed (died, timed out, refused)
-        self.set_state(State.TEARING_DOWN, reason)
+        self.set_state(
+            State.TEARING_DOWN,
+            reason,
+            event="start_failed",
+            data={"mode": tr.target.value, "reason": reason, "output_tail": tail, "more": more},
+        )
         detail = {"reason": reason, "said": said, "more": more, "output_tail": tail}
         why = f"start of {tr.target.value} failed: {reason}"
         self._teardown(Job(Purpose.START_FAILED, why, detail, cause=reason))
@@ -503,11 +512,10 @@ class Lifecycle:
         s.output_failed = True
         ctx.log(event, level="error", reason=reason, mode=mode, **seen)
         ctx.incident({"at": at or utcnow().isoformat(), "what": what, **seen})
-        ctx.event(event, {"reason": reason, **seen})
         s.serving = None
         self.window.lost(since)
         # SERVING -> TEARING_DOWN: the vLLM that served died or hung
-        self.set_state(State.TEARING_DOWN, what)
+        self.set_state(State.TEARING_DOWN, what, event=event, data={"reason": reason, **seen})
         limit = {"hang_limit": seen["hang_limit"]} if "hang_limit" in seen else {}
         self._teardown(Job(Purpose.DIED, why, {**limit, "seen": seen} if seen else {}, cause=cause))
 
@@ -531,13 +539,12 @@ class Lifecycle:
         s.last_intrusion = IntrusionStatus.model_validate(record)
         ctx.incident(record)
         ctx.log("gpu_intrusion", level="warning", **record)
-        ctx.event("gpu_intrusion", record)
         if ctx.metrics:
             for f in found:
                 ctx.metrics.intrusions.labels(str(f.gpu)).inc()
         s.transition = tr.model_copy(update={"step": "teardown"})
         # STARTING -> TEARING_DOWN: an intruder on a managed GPU while loading
-        self.set_state(State.TEARING_DOWN, reason)
+        self.set_state(State.TEARING_DOWN, reason, event="gpu_intrusion", data=record)
         self._teardown(Job(Purpose.INTRUSION, reason, {"intrusion": record}, cause=reason))
 
     def failure(self, reason: str, detail: dict[str, Any], outcome: str = "failed") -> None:
@@ -846,11 +853,11 @@ class Lifecycle:
         """The warming's progress shown; at its end the teardown begins (on the job thread):
         the old vLLM stops serving now."""
         s, ctx = self.s, self.ctx
-        s.warm = w.status
-        ctx.event("warm", w.status.model_dump(mode="json"))
+        s.warm, warm = w.status, w.status.model_dump(mode="json")
         if not w.done:
+            ctx.event("warm", warm)
             return
-        ctx.log("warmed", **w.status.model_dump(mode="json"))
+        ctx.log("warmed", **warm)
         if w.status.abandoned:
             s.warm_left = w.status.reader_pid
             ctx.warn(
@@ -866,7 +873,7 @@ class Lifecycle:
             ctx.persist_transition()
         s.serving = None
         # WARMING -> TEARING_DOWN: the warming ended, the old vLLM stops serving now
-        self.set_state(State.TEARING_DOWN, w.status.text)
+        self.set_state(State.TEARING_DOWN, w.status.text, event="warm", data=warm)
 
     def warm_left_returned(self) -> None:
         """Each pass while a warming's reader is left: once the kernel has let it end (the
