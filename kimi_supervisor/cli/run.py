@@ -25,13 +25,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from kimi_supervisor.control.handlers import Handlers
     from kimi_supervisor.control.server import ControlError, ControlServer
     from kimi_supervisor.loop.boot import STOPPED, on_the_state_folder
+    from kimi_supervisor.loop.bundles import BUNDLE_TIMEOUT_S
     from kimi_supervisor.loop.daemon import (
         Daemon,
         block_signals,
         install_signal_handlers,
         reexec,
     )
-    from kimi_supervisor.loop.incident import BUNDLE_TIMEOUT_S
     from kimi_supervisor.ports.metrics import Metrics
     from kimi_supervisor.ports.notify import Notifier
     from kimi_supervisor.ports.output import FileOutput, JournalOutput, OutputPort

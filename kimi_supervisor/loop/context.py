@@ -139,7 +139,7 @@ class Context:
     observer: Observer
     s: LoopState = field(default_factory=LoopState)
     disk_worker: IoWorker | None = None  # the daemon's: a process of its own (cli/run.py)
-    bundle_worker: IoWorker | None = None  # the incident bundles' I/O (loop/incident.py)
+    bundle_worker: IoWorker | None = None  # the incident bundles' I/O (loop/bundles.py)
 
     def __post_init__(self) -> None:
         self.unit = self.config.service.unit

@@ -208,7 +208,7 @@ class Daemon:
         and in the unit's status text. `systemctl start`, an install, a provisioning run that
         enables it before the driver is there, never hang on it."""
         boot.load_state(self.ctx)
-        self.life.incidents.find_newest()
+        self.life.bundles.find_newest()
         self.desk.check_expiry()
         self._publish()
         self.ctx.notifier.ready(status_line(self.s, self.ctx.clock.monotonic()))
@@ -363,7 +363,7 @@ class Daemon:
             case LivenessSeen(reading=reading):
                 self.life.liveness_seen(reading)
             case BundleDone():
-                self.life.incidents.done(msg)
+                self.life.bundles.done(msg)
         return ok
 
     def _stuck_in_kernel(self) -> bool:

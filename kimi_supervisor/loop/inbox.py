@@ -129,7 +129,7 @@ class LivenessSeen:
 
 @dataclass
 class BundleDone:
-    """The incident bundle's thread (loop/incident.py) has ended: the bundle written (`made`),
+    """The incident bundle's thread (loop/bundles.py) has ended: the bundle written (`made`),
     or why not (`error`); `found`: the newest one found at the daemon's start."""
 
     trigger: str

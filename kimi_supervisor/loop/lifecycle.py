@@ -32,13 +32,13 @@ from kimi_supervisor.decide.policy import Next, Purpose
 from kimi_supervisor.decide.progress import Progress, advance
 from kimi_supervisor.decide.reconcile import Action, Do, Observed
 from kimi_supervisor.loop import boot
+from kimi_supervisor.loop.bundles import Bundles
 from kimi_supervisor.loop.context import Context, new_id
 from kimi_supervisor.loop.inbox import JobDone, JobEvent, LivenessSeen, Message, Warmed
-from kimi_supervisor.loop.incident import Incidents
 from kimi_supervisor.loop.jobs import Jobs, shutdown_budget_s
 from kimi_supervisor.loop.liveness import Liveness, Reading
 from kimi_supervisor.loop.loopstate import Job, Serving
-from kimi_supervisor.loop.observer import Intruder, incident
+from kimi_supervisor.loop.observer import Intruder, intrusion_record
 from kimi_supervisor.loop.window import Window
 from kimi_supervisor.messages import End
 from kimi_supervisor.model import Mode, Outcome, State, TeardownReport, utcnow
@@ -72,7 +72,7 @@ class Lifecycle:
         self.jobs = Jobs(ctx, put)
         self.window = Window(ctx)
         # The bundle at a STUCK, FAILED, hang restart; with a hang's evidence, once.
-        self.incidents = Incidents(ctx, put, kept=lambda: self.liveness.take_kept())
+        self.bundles = Bundles(ctx, put, kept=lambda: self.liveness.take_kept())
         self.liveness = Liveness(
             ctx.config, lambda r: put(LivenessSeen(r)), gpu=ctx.gpu, indices=lambda: ctx.s.indices
         )
@@ -535,7 +535,7 @@ class Lifecycle:
         s, ctx = self.s, self.ctx
         tr = s.transition
         assert tr is not None
-        reason, record = incident(found, ctx.unit, tr.target)
+        reason, record = intrusion_record(found, ctx.unit, tr.target)
         s.last_intrusion = IntrusionStatus.model_validate(record)
         ctx.incident(record)
         ctx.log("gpu_intrusion", level="warning", **record)
@@ -581,7 +581,7 @@ class Lifecycle:
         ctx.log("failed", level="error", message=msg)
         # TEARING_DOWN -> FAILED: too many failures in the window, or hangs
         self.set_state(State.FAILED, msg)
-        self.incidents.collect("failed", msg, s.last_teardown)
+        self.bundles.collect("failed", msg, s.last_teardown)
 
     def stuck(self, report: TeardownReport, detail: dict[str, Any] | None = None) -> None:
         """A teardown ended STUCK: the episode begins, or goes on. Its own retries end their
@@ -606,7 +606,7 @@ class Lifecycle:
         # TEARING_DOWN | STUCK -> STUCK: the teardown could not make the GPUs clean
         self.set_state(State.STUCK, msg)
         if first:  # the episode's retries find what its first teardown found
-            self.incidents.collect("stuck", msg, report)
+            self.bundles.collect("stuck", msg, report)
 
     def _failure_is(self, reason: str) -> None:
         """`last_failure` for a way into FAILED or STUCK: the cause, and what vLLM said of it
@@ -828,7 +828,7 @@ class Lifecycle:
                 self.failure(job.cause or job.reason, detail)
         if purpose is Purpose.DIED and job.cause.startswith("hung:") and s.state is State.BACKOFF:
             # A hang restart (a STUCK or a FAILED after the hang has its own bundle)
-            self.incidents.collect("hang", f"vLLM {job.cause}", report)
+            self.bundles.collect("hang", f"vLLM {job.cause}", report)
 
     def job_event(self, job_event: JobEvent) -> None:
         s, ctx, e = self.s, self.ctx, job_event.event

@@ -118,7 +118,7 @@ class LoopState:
     baseline_provisional: bool = False
     last_teardown: TeardownReport | None = None
     last_intrusion: IntrusionStatus | None = None
-    bundle: BundleStatus | None = None  # the newest incident bundle (loop/incident.py)
+    bundle: BundleStatus | None = None  # the newest incident bundle (loop/bundles.py)
     last_failure: FailureStatus | None = None  # the last failed start, until one succeeds
     # The last switch rolled back, until another mode is desired by anyone but the rollback.
     rolled_back: RolledBackStatus | None = None

@@ -73,7 +73,7 @@ def foreign(
     return out
 
 
-def incident(found: list[Intruder], unit: str, loading: Mode) -> tuple[str, dict[str, Any]]:
+def intrusion_record(found: list[Intruder], unit: str, loading: Mode) -> tuple[str, dict[str, Any]]:
     """What the operator is told of intruders found while `loading` loads: the reason, and the
     incident recorded in the history (and shown as status's `last_intrusion`)."""
     who = "; ".join(f"PID {f.pid} ({f.name}) on GPU {f.gpu}" for f in found)

@@ -67,7 +67,7 @@ PART_CAPS = {
     "xids": 64 << 10,
     "output": 128 << 10,
 }
-HISTORY_RECORDS = 30  # the newest records of the history, before the incident
+HISTORY_RECORDS = 30  # the newest records of the history, before the bundle's moment
 MAX_HOLDERS = 16  # holders whose /proc is read; the others are named and counted
 STATUS_MAX = 8 << 10  # bytes of /proc/PID/status (about 1.5 KiB on Linux 6)
 CGROUP_MAX = 4 << 10
@@ -90,7 +90,7 @@ class Holder:
 
 
 @dataclass(frozen=True)
-class Incident:
+class Bundle:
     """What the loop hands over (plain data): the moment, and what it knows of it."""
 
     trigger: str  # one of TRIGGERS
@@ -166,10 +166,10 @@ def printable(text: str) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
-def render(incident: Incident, parts: dict[str, str], unread: Sequence[str] = ()) -> bytes:
+def render(bundle: Bundle, parts: dict[str, str], unread: Sequence[str] = ()) -> bytes:
     """The bundle's bytes: a header, then each part under its cap (`PART_CAPS`), newest lines
     kept where a part is a log; at most MAX_BYTES whatever the parts hold."""
-    i = incident
+    i = bundle
     caps = ", ".join(f"{k} {v >> 10} KiB" for k, v in PART_CAPS.items())
     head = [
         "kimi-supervisor incident bundle",
@@ -360,12 +360,12 @@ def holders_part(holders: Sequence[Holder]) -> str:
     return "\n\n".join(out)
 
 
-def make(incident: Incident) -> Made:
+def make(bundle: Bundle) -> Made:
     """Collect what is read here (the history, the holders' /proc, the Xid lines), write the
     bundle, prune the older ones. StateError when it cannot be written (the folder untrusted,
     a link where the folder should be, a full or read-only disk); what cannot be read is said
     in the file, never a reason not to write it."""
-    i = incident
+    i = bundle
     unread: list[str] = []
     try:  # the folder this is written to: one that hangs holds the write all the same
         lines, _ = history.read_lines(i.state_dir, HISTORY_RECORDS, PART_CAPS["history"])
@@ -504,5 +504,5 @@ def newest(state_dir: Path) -> tuple[str, int] | None:
         os.close(dfd)
 
 
-def with_gpus(incident: Incident, gpus: list[dict[str, Any]] | str) -> Incident:
-    return replace(incident, gpus=gpus)
+def with_gpus(bundle: Bundle, gpus: list[dict[str, Any]] | str) -> Bundle:
+    return replace(bundle, gpus=gpus)

@@ -1,4 +1,4 @@
-"""The incident bundle (store/bundle.py, loop/incident.py): what goes in, its caps, where and how
+"""The incident bundle (store/bundle.py, loop/bundles.py): what goes in, its caps, where and how
 it is written, what pruning keeps, and that no failure of it changes what the daemon does."""
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from kimi_supervisor.loop.inbox import BundleDone, Switch
 from kimi_supervisor.model import Mode, State
 from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.store import bundle
-from kimi_supervisor.store.bundle import Holder, Incident
+from kimi_supervisor.store.bundle import Bundle, Holder
 from kimi_supervisor.store.state import StateError, older_than_newest
 
 from .loophost import LoopHost
 from .test_loop import booted
 
 
-def incident(state_dir: Path, stamp: str = "20260101T000000.000000Z", **kw: object) -> Incident:
+def a_bundle(state_dir: Path, stamp: str = "20260101T000000.000000Z", **kw: object) -> Bundle:
     base: dict[str, object] = dict(
         trigger="stuck", at="2026-01-01T00:00:00+00:00", stamp=stamp, reason="a test",
         unit="vllm-kimi-k25.service", state_dir=state_dir, keep=3,
     )  # fmt: skip
-    return Incident(**{**base, **kw})  # type: ignore[arg-type]
+    return Bundle(**{**base, **kw})  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_each_part_stays_under_its_cap_the_file_under_its_own_and_every_cut_is_s
 ) -> None:
     huge = "\n".join(f"line {n} " + "x" * 100 for n in range(100_000))  # about 10 MiB
     parts = {k: huge for k in bundle.PART_CAPS}
-    data = bundle.render(incident(tmp_path), parts)
+    data = bundle.render(a_bundle(tmp_path), parts)
     assert len(data) <= bundle.MAX_BYTES
     text = data.decode()
     assert set(bundle.cut_parts(data)) == set(bundle.PART_CAPS)
@@ -71,7 +71,7 @@ def test_each_part_stays_under_its_cap_the_file_under_its_own_and_every_cut_is_s
     assert text.endswith("== end of the bundle ==\n")
     for part in text.split("\n== ")[1:]:
         assert len(part.encode()) <= max(bundle.PART_CAPS.values()) + 200
-    small = bundle.render(incident(tmp_path), {"report": "{}"})
+    small = bundle.render(a_bundle(tmp_path), {"report": "{}"})
     assert bundle.cut_parts(small) == () and b"[cut:" not in small
 
 
@@ -85,7 +85,7 @@ def test_pruning_keeps_the_newest_by_the_time_in_their_names_and_always_the_one_
     assert set(older_than_newest(names, names[0], 3)) == set(names[1:5])
     for n in range(6):
         bundle.write(
-            tmp_path, incident(tmp_path, f"2026010{n + 1}T000000.000000Z").name, b"x", keep=3
+            tmp_path, a_bundle(tmp_path, f"2026010{n + 1}T000000.000000Z").name, b"x", keep=3
         )
     kept = sorted(os.listdir(tmp_path / bundle.DIR))
     assert kept == [f"incident-2026010{d}T000000.000000Z-stuck.txt" for d in (4, 5, 6)]
@@ -98,11 +98,11 @@ def test_after_the_clock_steps_back_the_bundles_written_since_are_the_ones_kept(
     # used to remove the one written just before it, and keep the December ones.
     for h in (0, 1, 2):
         bundle.write(
-            tmp_path, incident(tmp_path, f"2026120{h + 1}T000000.000000Z").name, b"x", keep=3
+            tmp_path, a_bundle(tmp_path, f"2026120{h + 1}T000000.000000Z").name, b"x", keep=3
         )
     written: list[str] = []
     for h in (1, 2, 3):
-        name = incident(tmp_path, f"2026010{h}T000000.000000Z").name
+        name = a_bundle(tmp_path, f"2026010{h}T000000.000000Z").name
         bundle.write(tmp_path, name, b"x", keep=3, recent=tuple(written))
         written.append(name)
     assert sorted(os.listdir(tmp_path / bundle.DIR)) == sorted(written)
@@ -114,7 +114,7 @@ def test_a_holders_escape_codes_reach_the_file_escaped_never_as_control_characte
     """A process names itself (its comm, a cgroup, a mapped file's name) as it likes; an
     operator who runs `cat` on the bundle gets no escape sequence from it."""
     evil = "\x1b]0;PWNED\x07\x1b[2J\x9b31m\r"
-    data = bundle.render(incident(tmp_path), {"holders": f"-- PID 1: Name:\t{evil}\nnext line"})
+    data = bundle.render(a_bundle(tmp_path), {"holders": f"-- PID 1: Name:\t{evil}\nnext line"})
     text = data.decode()
     assert "\\x1b]0;PWNED\\x07\\x1b[2J\\x9b31m\\x0d" in text
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", text)
@@ -122,15 +122,15 @@ def test_a_holders_escape_codes_reach_the_file_escaped_never_as_control_characte
 
 
 def test_only_a_regular_file_of_roots_is_named_as_the_newest_bundle(tmp_path: Path) -> None:
-    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", keep=3)
-    os.mkfifo(tmp_path / bundle.DIR / incident(tmp_path, "20991231T000000.000000Z").name, 0o600)
+    path, _ = bundle.write(tmp_path, a_bundle(tmp_path).name, b"evidence", keep=3)
+    os.mkfifo(tmp_path / bundle.DIR / a_bundle(tmp_path, "20991231T000000.000000Z").name, 0o600)
     assert bundle.newest(tmp_path) == (str(path), 8)  # a FIFO would block a `cat`
 
 
 def test_a_bundle_is_root_only_and_never_written_through_a_link_planted_for_its_folder(
     tmp_path: Path,
 ) -> None:
-    path, _ = bundle.write(tmp_path, incident(tmp_path).name, b"evidence", keep=3)
+    path, _ = bundle.write(tmp_path, a_bundle(tmp_path).name, b"evidence", keep=3)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(tmp_path / bundle.DIR).st_mode) == 0o700
     assert bundle.newest(tmp_path) == (str(path), 8)
@@ -142,16 +142,16 @@ def test_a_bundle_is_root_only_and_never_written_through_a_link_planted_for_its_
     elsewhere.mkdir()
     (other / bundle.DIR).symlink_to(elsewhere)
     with pytest.raises(StateError, match="is a symlink"):
-        bundle.write(other, incident(other).name, b"evidence", keep=3)
+        bundle.write(other, a_bundle(other).name, b"evidence", keep=3)
     assert os.listdir(elsewhere) == []
     # A folder others may write is refused too; a folder others may only read is made root's.
     loose = tmp_path / "loose"
     (loose / bundle.DIR).mkdir(parents=True)
     os.chmod(loose / bundle.DIR, 0o777)
     with pytest.raises(StateError, match="writable by its group or by others"):
-        bundle.write(loose, incident(loose).name, b"evidence", keep=3)
+        bundle.write(loose, a_bundle(loose).name, b"evidence", keep=3)
     os.chmod(loose / bundle.DIR, 0o755)
-    bundle.write(loose, incident(loose).name, b"evidence", keep=3)
+    bundle.write(loose, a_bundle(loose).name, b"evidence", keep=3)
     assert stat.S_IMODE(os.stat(loose / bundle.DIR).st_mode) == 0o700
 
 
@@ -194,7 +194,7 @@ def test_a_proc_read_that_never_answers_is_said_and_the_bundle_is_written_all_th
     try:
         began = time.monotonic()
         made = bundle.make(
-            incident(tmp_path, holders=(Holder(mapper.pid, None, "listed by NVML on GPU 0"),))
+            a_bundle(tmp_path, holders=(Holder(mapper.pid, None, "listed by NVML on GPU 0"),))
         )
         took = time.monotonic() - began
         text = Path(made.path).read_text()
@@ -253,7 +253,7 @@ def test_a_bundle_that_cannot_be_written_changes_nothing_the_daemon_does(
     assert [e for e in host.lines if e["event"] == "incident_bundle_failed"]
     host.until(lambda: host.daemon.s.stuck_retries >= 2, "the retries, as ever")
     # A bundle's thread that never comes back holds nothing either: the loop goes on.
-    host.daemon.life.incidents.done(BundleDone("stuck", error="no answer in 30 s"))
+    host.daemon.life.bundles.done(BundleDone("stuck", error="no answer in 30 s"))
     host.gpu.extra[1] = 0
     host.serving(Mode.PROFILE)
     assert json.dumps(host.status())  # status stays whole

@@ -11,7 +11,7 @@ which reads the holders' /proc, the history and the kernel's Xid lines and write
 waited for at most `BUNDLE_TIMEOUT_S`. What comes back (`BundleDone`) only changes what status
 and the metrics say of bundles. A failure is logged and said there; nothing else changes. The
 loop never waits for the thread: a read stuck in the kernel holds no pass, no stop, no switch.
-One bundle is made at a time; an incident while one is made waits (the newest one; an older
+One bundle is made at a time; one asked for while one is made waits (the newest one; an older
 one waiting is replaced, and the log says so).
 """
 
@@ -30,7 +30,7 @@ from kimi_supervisor.ports.bounded import IoWorker, Worker
 from kimi_supervisor.ports.gpu import reading_error
 from kimi_supervisor.status import BundleStatus
 from kimi_supervisor.store import bundle
-from kimi_supervisor.store.bundle import Holder, Incident
+from kimi_supervisor.store.bundle import Bundle, Holder
 
 # How long the bundle's I/O process may take to read and write one bundle: its /proc reads
 # (bundle.PROC_READ_S each, then none once one is stuck), the journal's Xid lines (3 s), the
@@ -47,7 +47,7 @@ def _pending(kind: str, record: TeardownReport | dict[str, Any]) -> dict[str, An
     return {"kind": kind, **body}
 
 
-class Incidents:
+class Bundles:
     def __init__(
         self,
         ctx: Context,
@@ -67,7 +67,7 @@ class Incidents:
         self.folder = str(ctx.config.state.dir / bundle.DIR)
         self._lock = threading.Lock()
         self._busy = False
-        self._waiting: Incident | None = None
+        self._waiting: Bundle | None = None
         self._written: list[str] = []  # the bundles this daemon wrote, oldest first
 
     # ------------------------------------------------------------------ the loop's side
@@ -116,7 +116,7 @@ class Incidents:
             else:
                 ctx.output.read_new()  # the lines since the load, if they were not followed
                 output = ctx.output.tail()
-            incident = Incident(
+            due = Bundle(
                 trigger=trigger,
                 at=now.isoformat(),
                 stamp=f"{now:%Y%m%dT%H%M%S.%fZ}",
@@ -141,12 +141,12 @@ class Incidents:
                 if self._waiting is not None:
                     ctx.log("incident_bundle_replaced", level="warning",
                             trigger=self._waiting.trigger, by=trigger)  # fmt: skip
-                self._waiting = incident
+                self._waiting = due
                 return
             self._busy = True
         indices = list(s.indices)
         threading.Thread(
-            target=self._run, args=(incident, indices), name="incident-bundle", daemon=True
+            target=self._run, args=(due, indices), name="incident-bundle", daemon=True
         ).start()
 
     def done(self, msg: BundleDone) -> None:
@@ -175,40 +175,38 @@ class Incidents:
             ctx.metrics.bundle_failures.inc()
 
     # ------------------------------------------------------------------ the bundle's thread
-    def _run(self, incident: Incident | None, indices: list[int]) -> None:
-        while incident is not None:
-            self._put(self._one(incident, indices))
+    def _run(self, due: Bundle | None, indices: list[int]) -> None:
+        while due is not None:
+            self._put(self._one(due, indices))
             with self._lock:
-                incident, self._waiting = self._waiting, None
-                if incident is None:
+                due, self._waiting = self._waiting, None
+                if due is None:
                     self._busy = False
 
-    def _one(self, incident: Incident, indices: list[int]) -> BundleDone:
+    def _one(self, due: Bundle, indices: list[int]) -> BundleDone:
         try:
             samples = self.ctx.gpu.sample(indices)
             gpus: list[dict[str, object]] | str = [asdict(d) for d in samples]
-            named = {h.pid for h in incident.holders}
+            named = {h.pid for h in due.holders}
             more: list[Holder] = []
             for d in samples:
                 for p in d.processes:
                     if p.pid not in named:
                         named.add(p.pid)
                         more.append(Holder(p.pid, None, f"listed by NVML on GPU {d.index}"))
-            incident = replace(
-                bundle.with_gpus(incident, gpus), holders=incident.holders + tuple(more)
-            )
+            due = replace(bundle.with_gpus(due, gpus), holders=due.holders + tuple(more))
         except Exception as e:  # no reading: said in the bundle
-            incident = bundle.with_gpus(incident, reading_error(e))
+            due = bundle.with_gpus(due, reading_error(e))
         with self._lock:  # what it wrote before, kept first by the prune (a stepped clock)
-            incident = replace(incident, recent=tuple(self._written[-incident.keep :]))
+            due = replace(due, recent=tuple(self._written[-due.keep :]))
         try:
             made = self.worker.call(
-                functools.partial(bundle.make, incident),
-                f"writing the incident bundle {incident.name}",
+                functools.partial(bundle.make, due),
+                f"writing the incident bundle {due.name}",
                 BUNDLE_TIMEOUT_S,
             )
         except Exception as e:  # StateError, TimeoutError, the process gone: said, no more
-            return BundleDone(incident.trigger, error=str(e) or repr(e))
+            return BundleDone(due.trigger, error=str(e) or repr(e))
         with self._lock:
-            self._written = [*self._written[-incident.keep :], incident.name]
-        return BundleDone(incident.trigger, made=made)
+            self._written = [*self._written[-due.keep :], due.name]
+        return BundleDone(due.trigger, made=made)
