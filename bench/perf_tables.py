@@ -4,7 +4,7 @@ Every benchmark that is run with `--write docs/performance.md` records its table
 `bench/results/perf-SECTION-DATE.json` (bench/common.write_section: the command that made it,
 the newest date it states, its text and tables as data) and then has this module fill the doc:
 between each pair of markers `<!-- SECTION:begin -->` / `<!-- SECTION:end -->` it writes the
-newest record of that section, headed by its date, its file and the command that made it. A
+newest record of that section, headed by its date and the command that made it. A
 record never changes and is never removed: a newer run supersedes it in the doc, and the older
 one stays in bench/results/ as data.
 
@@ -29,6 +29,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MARKERS = re.compile(r"<!-- (\S+):begin -->\n.*?<!-- \1:end -->", re.S)
 SEPARATOR = re.compile(r"\|[-:| ]+\|")
 DATE = re.compile(r"\b(20\d\d-\d\d-\d\d)\b")
+WRITE = " --write docs/performance.md"  # what a command adds to rewrite its section
 
 
 def parse(body: str) -> list[dict[str, Any]]:
@@ -105,15 +106,16 @@ def records(name: str) -> list[Path]:
 
 
 def section(name: str) -> str:
-    """The text between NAME's markers: its newest record, headed by command, date and file.
+    """The text between NAME's markers: its newest record, headed by its date (unless its text
+    says it) and the command that made it (shown without WRITE, which every such run adds).
     A record's `notes` (what a run said beside its figures) stay in the record, unshown."""
     found = records(name)
     if not found:
-        return "No record yet: run the benchmark with `--write docs/performance.md`.\n"
+        return f"No record yet: run the benchmark with `{WRITE.strip()}`.\n"
     data = json.loads(found[-1].read_text())
-    head = f"*{data['date']}*:\n\n" + "".join(
-        f"    {line}\n" for line in data["command"].splitlines()
-    )
+    said = " ".join(b.get("text", "") for b in data["blocks"])
+    head = "" if data["date"] in said else f"*{data['date']}*:\n\n"
+    head += "".join(f"    {line.replace(WRITE, '')}\n" for line in data["command"].splitlines())
     return head + "\n" + markdown(data["blocks"])
 
 
