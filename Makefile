@@ -36,9 +36,17 @@ typecheck: setup
 
 # The tests: the unit tier on both cores (`make unit`), then every other tier in one session (a
 # session's fixtures are shared: one package build, one sandbox), whatever the first's outcome.
+# The other tiers side by side on TIER_WORKERS workers: what shares a costly start (a real vLLM,
+# the Debian package and its booted hosts) runs as one group on one worker (tests/conftest.py,
+# "the tiers side by side"), in a short temporary folder kept when a test failed.
+TIER_WORKERS ?= 3
+
 pytest: setup
 	rc=0; $(MAKE) --no-print-directory unit || rc=$$?; \
-	  $(BIN)/pytest -q --durations=25 --ignore=tests/unit || rc=$$?; exit $$rc
+	  d="$$(mktemp -d /tmp/kimi-tiers.XXXXXX)" && \
+	  { $(BIN)/pytest -q -n $(TIER_WORKERS) --dist loadgroup --basetemp="$$d" --durations=25 \
+	      --ignore=tests/unit || rc=$$?; } && \
+	  if [ "$$rc" -eq 0 ]; then rm -rf "$$d"; fi; exit $$rc
 
 # The fast layer alone: pure logic per wing, the loop in-process, the import layers, on two
 # workers (pytest-xdist) in a short temporary folder (a socket's path has 108 bytes at most),

@@ -594,6 +594,44 @@ def debian_package_2(debian_package: Path) -> Path:
     return debs.repack(debian_package, "0.1.0-2", debian_package.parent, edit)
 
 
+# -- the tiers side by side: what shares a costly start runs on one worker --------------------
+
+# Tests that share a start too costly to make twice (a real vLLM, the Debian package and the
+# hosts booted from it, a module's own sandbox) run as one group on one pytest-xdist worker
+# (`--dist loadgroup`, the Makefile's `pytest`); every other test goes to whichever worker is
+# free, each worker with a sandbox of its own. The sandbox tier keeps a core 0.6 busy on average
+# (it waits on timers and on the daemon), so two or three workers share two cores.
+SHARED_START = {
+    "realvllm": lambda module: f"real vLLM: {module}",  # one vLLM start per module's fixture
+    "booted": lambda module: "the Debian package",  # one package build, the hosts booted from it
+    "package": lambda module: "the Debian package",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Each test that shares a costly start is marked with its group (`xdist_group`), as is
+    each module with a module-scoped fixture: outside xdist the marks change nothing."""
+    for item in items:
+        parts = Path(str(item.path)).parts
+        if "tests" not in parts or len(parts) - parts.index("tests") < 3:
+            continue
+        tier, module = parts[parts.index("tests") + 1], Path(str(item.path)).stem
+        group = SHARED_START.get(tier)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group(module)))
+        elif any(d.scope == "module" for d in _fixture_defs(item)):
+            item.add_marker(pytest.mark.xdist_group(f"{tier}: {module}"))
+
+
+def _fixture_defs(item: Any) -> list[Any]:
+    """The fixtures a test uses, as pytest defined them (empty where it has none)."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [d for defs in info.name2fixturedefs.values() for d in defs]
+
+
 # -- tiers that did not run: said loudly at the end, never only as skips among the others -----
 
 
