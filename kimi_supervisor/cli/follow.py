@@ -108,7 +108,10 @@ class Follow:
                     except NotUnderstood:
                         raise  # another version's answers: asking again reads the same
                     except Unreachable as e:
-                        pause = self.on_unreachable(e).after_s
+                        lost = self.on_unreachable(e)
+                        if not isinstance(lost, Again):
+                            return lost
+                        pause = lost.after_s
                     if pause:
                         left = None if until is None else until - time.monotonic()
                         time.sleep(pause if left is None else max(min(pause, left), 0.0))
@@ -142,8 +145,9 @@ class Follow:
                 status = ask.status(self.sock, timeout_s=limit)
         self.display.tick(status)
 
-    def refused(self, msg: dict[str, Any]) -> Exit:
-        """The daemon refused the request: why, and what that means as an exit."""
+    def refused(self, msg: dict[str, Any]) -> Exit | Again:
+        """The daemon refused the request: why, and what that means as an exit (Again: a
+        refusal that passes, asked again after its pause)."""
         code, said = refusal_exit(str(msg.get("code"))), str(msg.get("message", ""))
         if self.prints_reply:
             print(f"kimi-mode: {said}", file=sys.stderr)
@@ -178,8 +182,9 @@ class Follow:
         """The daemon closed the connection before the end: an exit, or Again to ask again."""
         return self.o.fail(Exit.UNREACHABLE, self.closed)
 
-    def on_unreachable(self, e: Unreachable) -> Again:
-        """No daemon to ask (any more): Again to ask again after a pause, else raised."""
+    def on_unreachable(self, e: Unreachable) -> Exit | Again:
+        """No daemon to ask (any more): Again to ask again after a pause, an exit to end with
+        (said), else raised."""
         raise e
 
     def _finish(self) -> None:

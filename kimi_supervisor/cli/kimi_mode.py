@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"exit {Exit.OK} MODE serves; {Exit.FAILED} the switch to MODE failed and was rolled "
         f"back, or the daemon gave up (FAILED); {Exit.STUCK} still STUCK at --timeout; "
         f"{Exit.TIMEOUT} --timeout ran out otherwise (nobody asked for MODE, or it still "
-        f"loads); {Exit.INTERRUPTED} Ctrl-C, with the status last known. A switch to MODE "
+        f"loads); {Exit.UNREACHABLE} no daemon answered for 60 s after it had; "
+        f"{Exit.INTERRUPTED} Ctrl-C, with the status last known. A switch to MODE "
         "that failed and was rolled back, with no switch asked since, is that verdict even "
         "for a wait begun after it. --timeout is a deadline for the whole wait; without it, "
         "it waits as long as that takes. Never asks for a switch.",

@@ -110,8 +110,8 @@ class DoctorOut(_Out):
 
 class VerdictOut(_Out):
     """`wait MODE`'s last line: whether MODE serves, and if not what held it back (`verdict`:
-    serving, failed, rolled_back, stuck, not_asked, timeout, interrupted), with the exit it
-    ends with."""
+    serving, failed, rolled_back, stuck, not_asked, timeout, unreachable, interrupted), with the
+    exit it ends with."""
 
     type: Literal["verdict"] = "verdict"
     mode: str

@@ -198,20 +198,41 @@ class WaitFollow(Follow):
 
     def on_closed(self) -> Exit | Again:
         """Given MODE, a daemon that restarts (an upgrade, a reload) is asked again, for
-        RECONNECT_S at most: waiting for MODE goes on through it, as through other events."""
+        RECONNECT_S at most: waiting for MODE goes on through it, as through other events.
+        Past that, the verdict `unreachable` (3) with the status read last."""
         if self.mode is None or not self.last:
             return super().on_closed()
+        return self._lost(self.closed)
+
+    def refused(self, msg: dict[str, Any]) -> Exit | Again:
+        """Given MODE, a subscription asked again that the daemon refuses for want of a slot
+        (`too_many_clients`: control.max_clients connections are open, for as long as other
+        clients hold them) is asked again as a restart is, for RECONNECT_S at most; any other
+        refusal, or a first one, ends the wait as a refusal does."""
+        if self.mode is None or not self.last or msg.get("code") != "too_many_clients":
+            return super().refused(msg)
+        return self._lost(f"the daemon refused to answer again ({msg.get('message', '')})")
+
+    def _lost(self, why: str) -> Exit | Again:
+        """The daemon, answered before, does not answer now: asked again after a pause, for
+        RECONNECT_S at most since it stopped answering, then the verdict `unreachable`."""
         now = time.monotonic()
         self.lost_at = self.lost_at or now
-        if now - self.lost_at > RECONNECT_S:
-            return super().on_closed()
-        return Again(RECONNECT_PAUSE_S)
+        if now - self.lost_at <= RECONNECT_S:
+            return Again(RECONNECT_PAUSE_S)
+        self._finish()
+        known = self.last.get("status_line") or "no status"
+        return self.verdict(
+            Exit.UNREACHABLE,
+            "unreachable",
+            f"no answer from the daemon for {RECONNECT_S:g} s while waiting for {self.mode} "
+            f"({why}); the switch may go on; last known: {known}",
+        )
 
-    def on_unreachable(self, e: Unreachable) -> Again:
-        again = self.on_closed() if self.last else None
-        if not isinstance(again, Again):
+    def on_unreachable(self, e: Unreachable) -> Exit | Again:
+        if self.mode is None or not self.last:
             raise e
-        return again
+        return self._lost(str(e))
 
     def on_timeout(self, timeout_s: float) -> Exit:
         """--timeout ran out: the verdict on the status read last (asked for afresh before the

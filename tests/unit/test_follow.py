@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kimi_supervisor.cli import watch
 from kimi_supervisor.cli.capture import CaptureFollow
 from kimi_supervisor.cli.exits import Exit
 from kimi_supervisor.cli.output import Output
@@ -76,7 +77,10 @@ def daemon(*conversations: tuple[Lines, bool]) -> Iterator[tuple[Path, list[dict
 
     def serve() -> None:
         for lines, hold in conversations:
-            conn, _ = server.accept()
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at the test's end: the conversations left are not had
+                return
             requests.append(json.loads(conn.makefile("rb").readline()))
             conn.sendall(b"".join(x if isinstance(x, bytes) else json.dumps(x).encode() + b"\n"
                                   for x in lines))  # fmt: skip
@@ -267,6 +271,9 @@ ROLLED_BACK = {
 }
 
 
+FULL = reply(ok=False, code="too_many_clients", message="control.max_clients connections are open")
+
+
 def ended(tr: dict, ok: bool, outcome: str, message: str) -> dict:
     return {**end(ok, outcome, message), "data": {"transition": tr["id"]}}
 
@@ -358,11 +365,42 @@ def started(tr: dict) -> dict:
             Exit.OK, "serving", "profile serves",
             id="a daemon that restarts mid-switch is asked again: 0",
         ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE)], False),
+             ([FULL], False), ([FULL], False),  # other clients hold every slot for a while
+             ([status("serving", "profile", "profile")], True)],
+            Exit.OK, "serving", "profile serves",
+            id="asked again while the daemon's client list is full: waited through, 0",
+        ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE)], False),
+             *[([FULL], False)] * 400],
+            Exit.UNREACHABLE, "unreachable",
+            "no answer from the daemon for 0.2 s while waiting for profile (the daemon refused "
+            "to answer again (control.max_clients connections are open)); the switch may go on; "
+            "last known: starting",
+            id="refused for longer than a restart takes: 3, a verdict with the last status",
+        ),
+        pytest.param(
+            [([status("starting", None, "profile", TO_PROFILE)], False),
+             *[([], False)] * 400],  # each connection closed unanswered: a daemon going down
+            Exit.UNREACHABLE, "unreachable",
+            "no answer from the daemon for 0.2 s while waiting for profile (the daemon closed "
+            "the connection); the switch may go on; last known: starting",
+            id="a daemon gone for longer than a restart takes: 3, a verdict with the last status",
+        ),
     ],
 )  # fmt: skip
 def test_wait_for_a_mode_ends_with_one_verdict_about_it_and_the_exit_to_match(
-    talks: list[tuple[Lines, bool]], code: Exit, verdict: str, said: str
+    talks: list[tuple[Lines, bool]],
+    code: Exit,
+    verdict: str,
+    said: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A daemon gone or refusing is asked again for this long (60 s shipped), every 10 ms.
+    monkeypatch.setattr(watch, "RECONNECT_S", 0.2)
+    monkeypatch.setattr(watch, "RECONNECT_PAUSE_S", 0.01)
     for fmt in ("json", "text"):
         with daemon(*talks) as (sock, _requests):
             o, out, err = output(fmt)
