@@ -596,40 +596,42 @@ def debian_package_2(debian_package: Path) -> Path:
 
 # -- the tiers side by side: what shares a costly start runs on one worker --------------------
 
-# Tests that share a start too costly to make twice (a real vLLM, the Debian package and the
-# hosts booted from it, a module's own sandbox) run as one group on one pytest-xdist worker
-# (`--dist loadgroup`, the Makefile's `pytest`); every other test goes to whichever worker is
-# free, each worker with a sandbox of its own. The sandbox tier keeps a core 0.6 busy on average
-# (it waits on timers and on the daemon), so two or three workers share two cores.
-SHARED_START = {
-    "realvllm": lambda module: f"real vLLM: {module}",  # one vLLM start per module's fixture
-    "booted": lambda module: "the Debian package",  # one package build, the hosts booted from it
-    "package": lambda module: "the Debian package",
-}
+# The Makefile runs the tiers past the unit tier on pytest-xdist workers (`-n 3 --dist
+# loadgroup`). Tests that share a start too costly to make twice run as one group, whole and in
+# order, on one worker: a real vLLM per module, the Debian package with the hosts booted from it,
+# a module with a module-scoped start of its own. Every other test goes to whichever worker is
+# free, each worker with a sandbox of its own. The sandbox tier keeps a core 0.67 busy on average
+# (it waits on timers and on the daemon), so three workers share two cores.
+OWN_WORKER = ("tests/sandbox/test_install.py", "tests/sandbox/test_fleet.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
-def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    """Each test that shares a costly start is marked with its group (`xdist_group`), as is
-    each module with a module-scoped fixture: outside xdist the marks change nothing."""
-    for item in items:
-        parts = Path(str(item.path)).parts
-        if "tests" not in parts or len(parts) - parts.index("tests") < 3:
-            continue
-        tier, module = parts[parts.index("tests") + 1], Path(str(item.path)).stem
-        group = SHARED_START.get(tier)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group(module)))
-        elif any(d.scope == "module" for d in _fixture_defs(item)):
-            item.add_marker(pytest.mark.xdist_group(f"{tier}: {module}"))
+def shared_start(nodeid: str) -> str | None:
+    """The group of the test `nodeid` ("tests/TIER/MODULE.py::NAME"), None for a test alone."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if len(parts) < 3 or parts[0] != "tests":
+        return None
+    if parts[1] == "realvllm":
+        return f"real vLLM: {path}"
+    if parts[1] in ("booted", "package"):
+        return "the Debian package and the hosts booted from it"
+    return path if path in OWN_WORKER else None
 
 
-def _fixture_defs(item: Any) -> list[Any]:
-    """The fixtures a test uses, as pytest defined them (empty where it has none)."""
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return []
-    return [d for defs in info.name2fixturedefs.values() for d in defs]
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """`--dist loadgroup` with the groups above, read from each test's path. (xdist's own
+    loadgroup reads `xdist_group` marks through a node ID that pytest 9 no longer lets it
+    change: every test was scheduled alone, and two booted tests shared one host from two
+    workers.)"""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedStarts(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return shared_start(nodeid) or nodeid
+
+    return SharedStarts(config, log)
 
 
 # -- tiers that did not run: said loudly at the end, never only as skips among the others -----
