@@ -20,7 +20,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
@@ -30,6 +30,7 @@ from kimi_supervisor.decide.liveness import (
     Hang,
     Judge,
     Work,
+    foreign_on,
     gpu_said,
     parse,
 )
@@ -316,14 +317,18 @@ class Liveness:
                 daemon=True,
             ).start()
 
-    def _gpus(self) -> tuple[GpuActivity, ...] | str | None:
-        """The managed GPUs' own counters (errors as data), None where there is no GPU port."""
+    def _gpus(self, ours: Set[int] | None = None) -> tuple[GpuActivity, ...] | str | None:
+        """The managed GPUs' own counters (errors as data), None where there is no GPU port;
+        with `ours` (vLLM's PIDs), each GPU's processes that are not among them named
+        (decide/liveness.foreign_on): another user's process on a GPU makes its counters no
+        evidence of vLLM's."""
         if self._gpu is None:
             return None
         try:
-            return tuple(self._gpu.activity(list(self._indices())))
+            got = tuple(self._gpu.activity(list(self._indices())))
         except Exception as e:  # GpuUnavailable, or the port's own bug: no reading
             return reading_error(e)
+        return got if ours is None else tuple(foreign_on(g, ours) for g in got)
 
     def _probe(self, pid: int, url: str, with_canary: bool, *, peer_uid: int | None) -> None:
         """One reading (`with_canary`: the canary's, whose own /metrics read decides whether it
@@ -364,7 +369,10 @@ class Liveness:
                 # them is older than theirs by its wait.
                 work, metrics_at = None, 0.0
             else:
-                gpu = self._gpus()
+                # vLLM's processes: its tree (none if MainPID is gone: every process listed
+                # on a GPU is then another's).
+                ours = {pid, *(t.pid for t in cpu.tree)} if cpu is not None else set()
+                gpu = self._gpus(ours)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
         kind = "canary" if with_canary else "probe"

@@ -37,6 +37,15 @@ def gpus(*states: str, **changed: object) -> tuple[GpuActivity, ...]:
     )
 
 
+def shared(reading: tuple[GpuActivity, ...], index: int, pid: int) -> tuple[GpuActivity, ...]:
+    """`reading` with GPU `index` shared with `pid`, a process not vLLM's (NVML lists it, as the
+    probe finds: loop/liveness.Liveness._gpus)."""
+    return tuple(
+        dataclasses.replace(g, pids=(102, pid), foreign=(pid,)) if g.index == index else g
+        for g in reading
+    )
+
+
 # vLLM's processes as /proc shows them at a time: PID -> (parent, comm, CPU seconds with the
 # reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read.
 Tree = dict[int, tuple[int, str, float, float]]
@@ -302,6 +311,28 @@ CASES = {
                                                                            0.0, 0.0)
                                                           for i in range(300)})),
         None, "vLLM has more processes than a reading takes"),
+    "another user's kernel beside an idle GPU during a capture's flush is no verdict": (
+        # any user may open the device nodes (0666): its spin is not vLLM's rank in a collective
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(gpus("spin", "idle"), 0, 4242) if t > 60 else gpu("work"),
+             capturing=lambda t: t > 60, until=1800),
+        None, ""),
+    "another user's copies on a GPU of a spinning hang hold no doubt: hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(gpus("work", "spin"), 0, 4242) if t > 60 else gpu("work")),
+        (645, 660), "GPU 0: busy 88 %, memory 80 %, 421.4 W, PCIe 198.7 MB/s, shared with PID "
+        "4242 (not vLLM's: not judged); GPU 1: busy 100 %, memory 0 %"),
+    "a spinning hang on GPUs all shared with another namespace's process is hung on its cpu": (
+        # a process in another PID namespace reads PID 0: not vLLM's either
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(shared(gpu("work"), 0, 0), 1, 0)),
+        (645, 660), "no sign of real work: vLLM's helpers and ended children used 0.00 s of CPU "
+        "in 120 s; GPU 0: busy 88 %, memory 80 %, 421.4 W, PCIe 198.7 MB/s, shared with PID 0"),
+    "a jit compile on GPUs all shared with another user's process is a doubt, never a hang": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
+             helpers_s=lambda t: SPIN * t, gpus=lambda t: shared(shared(gpu("idle"), 0, 1), 1, 1),
+             until=900),
+        None, "but vLLM's helpers and ended children used 120.0 s of CPU in 120 s"),
     "GPUs busy with no traffic during a capture while the engine steps is no verdict": (
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),
