@@ -61,7 +61,8 @@ a kernel that spins or polls a flag in device memory reads util.gpu 100 %, util.
 PCIe at the idle level; every shape of work moved memory or PCIe: MEMORY_BUSY_PCT,
 PCIE_BUSY_MB_S), and real work that no step shows holds it off: a
 helper process of vLLM's that has none of its roles using CPU (FlashInfer's JIT compile runs up
-to 10 minutes in ninja and nvcc; a fork of a worker keeping its title), children of vLLM's
+to 10 minutes in ninja and nvcc; a fork of a worker keeping its title; a compiler's daemon that
+left vLLM's tree, sccache's, and is still in its unit's cgroup), children of vLLM's
 processes that ended meanwhile (a compiler run per kernel: their time is in their parent's
 reaped children's, `reaped_used`), or memory or link traffic on a GPU. A counter not read is
 never "idle": the bound judges on the readings that exist, each GPU read in at least half the

@@ -1,10 +1,11 @@
 """Liveness while vLLM serves (decide/liveness.py judges): on a thread of its own, every
 `liveness.metrics_interval_s`, vLLM's /metrics, the CPU time and state of its processes (MainPID
-and its descendants, from /proc) and the managed GPUs' own counters (NVML, through the GPU
-port); and, when the metrics say nothing runs or waits (or there are no metrics), a one-token
-canary every `canary_interval_s`, on a thread of its own, the readings going on beside it. A
-hung vLLM may take `canary_timeout_s` not to answer: the probe never holds the loop; each
-reading comes back through the inbox (LivenessSeen) and the loop judges it. No canary while a
+and its descendants, from /proc, and the rest of its unit's cgroup) and the managed GPUs' own
+counters and processes (NVML, through the GPU port); and, when the metrics say nothing runs
+or waits (or there are no metrics), a one-token canary every `canary_interval_s`, on a thread
+of its own, the readings going on beside it. A hung vLLM may take `canary_timeout_s` not to
+answer: the probe never holds the loop; each reading comes back through the inbox
+(LivenessSeen) and the loop judges it. No canary while a
 capture is under way (it would be in the traces), and then only what no flush does is a
 verdict (a process stopped on the serving path, a spinning kernel): the capture has its own
 deadline for a flush that works.
@@ -104,7 +105,7 @@ def role_of(comm: str, roles: tuple[str, ...]) -> bool:
     return any(role.startswith(r) or (cut and r.startswith(role)) for r in roles)
 
 
-def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
+def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | None:
     """vLLM's processes (MainPID and its descendants): their CPU time summed (with each one's
     reaped children's: processes.times_of), and those stopped. None when MainPID is gone. With
     `engine_only` (the stall rule's second signal), the sum counts only the engine's processes
@@ -130,6 +131,13 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     tree's CPU to fall, never calling a busy unnamed tree hung. Each process's times
     (`Cpu.tree`) show what its children that ended used (a compiler run per kernel, spawned
     straight from a worker, ends between two readings).
+
+    With `unit` (the unit's name), the processes of its cgroup (v2: MainPID's, from the unit's
+    folder down) that the parent links do not reach are read too: a compiler that left the tree
+    (an sccache daemon, a double fork) and is still the unit's is a helper, with its reaped
+    children's time, unless it has one of vLLM's roles. They count in no sum and are never
+    "stopped": they serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the
+    tree alone is read.
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) is never read."""
@@ -183,6 +191,20 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     n = len(tree)
     if engine_only and engine_n:
         seconds, n = engine_s, engine_n
+    cut = len(everyone) > MAX_PROCESSES - 1
+    members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
+    if members is not None:
+        known = {pid, *everyone}
+        apart = [p for p in members[0] if p not in known]
+        cut = cut or members[1] or len(pids) + len(apart) > MAX_PROCESSES
+        for p in apart[: max(MAX_PROCESSES - len(pids), 0)]:
+            got = processes.times_of(p)
+            if got is None:
+                continue
+            tree.append(got)
+            comm = processes.comm_of(p)
+            if not role_of(comm, SERVING_ROLES):
+                helpers.append((p, comm, got.cpu_s))
     return Cpu(
         time.monotonic(),
         round(seconds, 3),
@@ -191,7 +213,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         tuple(cpu for _, cpu in stopped),
         tuple(helpers),
         tuple(tree),
-        cut=len(everyone) > MAX_PROCESSES - 1,
+        cut=cut,
     )
 
 
@@ -347,14 +369,15 @@ class Liveness:
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
             if r.ok:
                 self._last_metrics = r.body[:KEPT_METRICS_BYTES]
-            cpu = engine_cpu(pid, engine_only=True)
+            unit = self.config.service.unit
+            cpu = engine_cpu(pid, engine_only=True, unit=unit)
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
             if with_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
                 tree = engine_cpu(pid)
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s, peer_uid=peer_uid)
                 tree_end, sent = engine_cpu(pid), cpu
-                cpu = engine_cpu(pid, engine_only=True)
+                cpu = engine_cpu(pid, engine_only=True, unit=unit)
                 others = None  # what the rest of the tree (the API servers) used meanwhile
                 if (
                     sent is not None
@@ -369,8 +392,8 @@ class Liveness:
                 # them is older than theirs by its wait.
                 work, metrics_at = None, 0.0
             else:
-                # vLLM's processes: its tree (none if MainPID is gone: every process listed
-                # on a GPU is then another's).
+                # vLLM's processes: its tree and its unit's cgroup (none if MainPID is gone:
+                # every process listed on a GPU is then another's).
                 ours = {pid, *(t.pid for t in cpu.tree)} if cpu is not None else set()
                 gpu = self._gpus(ours)
         except Exception:  # a reading must always come back, or no probe would run again

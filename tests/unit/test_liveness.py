@@ -47,9 +47,11 @@ def shared(reading: tuple[GpuActivity, ...], index: int, pid: int) -> tuple[GpuA
 
 
 # vLLM's processes as /proc shows them at a time: PID -> (parent, comm, CPU seconds with the
-# reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read.
+# reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read. Every
+# process of it is in the unit's cgroup, whoever its parent is.
 Tree = dict[int, tuple[int, str, float, float]]
 MAIN = 100
+UNIT = "vllm-kimi-k25.service"
 
 
 def read_tree(tree: Tree, at: float) -> Cpu:
@@ -72,8 +74,9 @@ def read_tree(tree: Tree, at: float) -> Cpu:
         mock.patch.object(processes, "times_of", times_of),
         mock.patch.object(processes, "comm_of", lambda pid: tree[pid][1] if pid in tree else ""),
         mock.patch.object(processes, "descendants", descendants),
+        mock.patch.object(processes, "unit_pids", lambda pid, unit, limit: (sorted(tree), False)),
     ):
-        cpu = engine_cpu(MAIN, engine_only=True)
+        cpu = engine_cpu(MAIN, engine_only=True, unit=UNIT)
     assert cpu is not None
     return dataclasses.replace(cpu, at=at)
 
@@ -333,6 +336,24 @@ CASES = {
              helpers_s=lambda t: SPIN * t, gpus=lambda t: shared(shared(gpu("idle"), 0, 1), 1, 1),
              until=900),
         None, "but vLLM's helpers and ended children used 120.0 s of CPU in 120 s"),
+    "a compiler reparented out of vLLM's tree but in its unit's cgroup is a doubt, never a hang": (
+        # an sccache daemon, or a double fork: its parent is PID 1, its cgroup the unit's
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (0.01 * t, 0.0), p300=(1, "sccache", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "used 120.0 s of CPU in 120 s (PID 300 (sccache))"),
+    "compiles that end under a reparented daemon in the unit's cgroup are a doubt": (
+        # its compiler runs reaped into the daemon's own children's time
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (0.01 * t, 0.0), p300=(1, "sccache", t, 0.9 * t)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "children that ended, reaped by PID 300: 108.0 s"),
+    "an engine orphaned out of the tree, spinning in the unit's cgroup, is no helper: hung": (
+        # its parent gone, reparented to PID 1: vLLM's role, not a compiler's
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p300=(1, "VLLM::EngineCor", SPIN * t, 0)),
+             gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
     "GPUs busy with no traffic during a capture while the engine steps is no verdict": (
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),
