@@ -8,7 +8,8 @@ Busy is not dead and slow is not hung: a verdict needs two independent signals o
 one of them from outside vLLM's HTTP server:
 
 - **the engine's processes** (`VLLM::EngineCore` and its workers, with their own children, a
-  JIT compiler's; each process with its reaped children's time; the whole tree where vLLM
+  JIT compiler's, and the processes of vLLM's unit's cgroup that left its tree, a compiler's
+  server; each process with its reaped children's time; the whole tree where vLLM
   names none so: an API server busy taking requests in and answering /health polls uses the
   CPU while the engine it feeds is deadlocked): one of vLLM's processes stopped (state T or
   t, SIGSTOP or a tracer; D, stuck in the kernel or the driver) at both ends of the window

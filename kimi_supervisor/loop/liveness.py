@@ -134,10 +134,12 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
 
     With `unit` (the unit's name), the processes of its cgroup (v2: MainPID's, from the unit's
     folder down) that the parent links do not reach are read too: a compiler that left the tree
-    (an sccache daemon, a double fork) and is still the unit's is a helper, with its reaped
-    children's time, unless it has one of vLLM's roles. They count in no sum and are never
-    "stopped": they serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the
-    tree alone is read.
+    (an sccache server, a double fork) and is still the unit's is a helper, with its reaped
+    children's time, unless it has one of vLLM's roles, and its CPU counts in the engine's sum
+    as a compiler under a worker does (the worker and ninja wait on it, flat: without it, a
+    compile through sccache was a stall with the CPU flat). They are never "stopped": they
+    serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the tree alone is
+    read.
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) is never read."""
@@ -188,10 +190,7 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
         for p, state, cpu, serving in stuck
         if serving or not engine
     ]  # fmt: skip
-    n = len(tree)
-    if engine_only and engine_n:
-        seconds, n = engine_s, engine_n
-    cut = len(everyone) > MAX_PROCESSES - 1
+    n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
     members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
     if members is not None:
         known = {pid, *everyone}
@@ -205,6 +204,12 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
             comm = processes.comm_of(p)
             if not role_of(comm, SERVING_ROLES):
                 helpers.append((p, comm, got.cpu_s))
+                # The engine's work, as a compiler under a worker (where no process has an
+                # engine's role, the whole tree's sum is the engine's and takes it alike).
+                seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
+                engine_n += 1 if engine_n else 0
+    if engine_only and engine_n:
+        seconds, n = engine_s, engine_n
     return Cpu(
         time.monotonic(),
         round(seconds, 3),

@@ -313,7 +313,12 @@ class SimGpu:
         now = time.monotonic()
         out = []
         known = [i for i in indices if any(d.index == i for d in self._devices)]
-        listed = {d.index: tuple(p.pid for p in d.processes) for d in self.sample(known)}
+        listed: dict[int, tuple[int, ...] | None] = dict.fromkeys(known)
+        unread: tuple[str, ...] = ()
+        try:
+            listed |= {d.index: tuple(p.pid for p in d.processes) for d in self.sample(known)}
+        except (GpuUnavailable, OSError) as e:  # as NVML's: the list unread, the counters read
+            unread = (f"processes: {e}",)
         for index in indices:
             try:
                 self._device(index)
@@ -327,7 +332,7 @@ class SimGpu:
                 state, at = "idle", now
             if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
                 state = "idle"
-            out.append(GpuActivity(index, **COUNTERS[state], pids=listed[index]))  # type: ignore[arg-type]
+            out.append(GpuActivity(index, **COUNTERS[state], pids=listed[index], unread=unread))  # type: ignore[arg-type]
         return out
 
     def device_path(self, index: int) -> str:

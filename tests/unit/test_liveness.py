@@ -160,6 +160,14 @@ def engine(t: float, worker: tuple[float, float], **more: tuple[int, str, float,
     return tree | {int(k[1:]): v for k, v in more.items()}
 
 
+def waiting(t: float, **more: tuple[int, str, float, float]) -> Tree:
+    """MainPID, an engine core and a worker that wait (on a compile: ninja's, nvcc's, sccache's
+    client), and `more` processes."""
+    tree: Tree = {MAIN: (1, "", 0.01 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
+                  102: (101, "VLLM::Worker_TP", 0.01 * t, 0.0)}  # fmt: skip
+    return tree | {int(k[1:]): v for k, v in more.items()}
+
+
 # fmt: off
 CASES = {
     # case: (its readings, when the verdict comes (None: never), what it or the doubt says)
@@ -336,18 +344,26 @@ CASES = {
              helpers_s=lambda t: SPIN * t, gpus=lambda t: shared(shared(gpu("idle"), 0, 1), 1, 1),
              until=900),
         None, "but vLLM's helpers and ended children used 120.0 s of CPU in 120 s"),
-    "a compiler reparented out of vLLM's tree but in its unit's cgroup is a doubt, never a hang": (
-        # an sccache daemon, or a double fork: its parent is PID 1, its cgroup the unit's
+    "a compile in a server out of vLLM's tree but in its unit's cgroup is a doubt, never a hang": (
+        # sccache's server, double forked: its parent is PID 1, its cgroup the unit's; the
+        # worker and ninja wait on it, their CPU flat
         Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
-             tree=lambda t: engine(t, (0.01 * t, 0.0), p300=(1, "sccache", SPIN * t, 0.0)),
+             tree=lambda t: waiting(t, p300=(1, "sccache", SPIN * t, 0.0)),
              gpus=lambda t: gpu("idle"), until=900),
         None, "used 120.0 s of CPU in 120 s (PID 300 (sccache))"),
-    "compiles that end under a reparented daemon in the unit's cgroup are a doubt": (
-        # its compiler runs reaped into the daemon's own children's time
+    "compiles that end under a server in the unit's cgroup, out of the tree, are a doubt": (
+        # its compiler runs reaped into the server's own children's time
         Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
-             tree=lambda t: engine(t, (0.01 * t, 0.0), p300=(1, "sccache", t, 0.9 * t)),
+             tree=lambda t: waiting(t, p300=(1, "sccache", t, 0.9 * t)),
              gpus=lambda t: gpu("idle"), until=900),
         None, "children that ended, reaped by PID 300: 108.0 s"),
+    "a deadlock beside a busy process of the unit's cgroup out of the tree is a doubt": (
+        # what a process of the unit does out of the tree is taken for the engine's work, as
+        # a compiler's under a worker is: only vLLM's own user can put one there
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p300=(1, "python3", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "used 120.0 s of CPU in 120 s (PID 300 (python3))"),
     "an engine orphaned out of the tree, spinning in the unit's cgroup, is no helper: hung": (
         # its parent gone, reparented to PID 1: vLLM's role, not a compiler's
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
