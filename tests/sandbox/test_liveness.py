@@ -531,15 +531,27 @@ def test_a_thread_spinning_in_an_engine_that_steps_is_never_hung(
     assert len(answers.at) > n + 20  # it served all along
 
 
-@pytest.mark.parametrize("values", VALUES.values(), ids=list(VALUES))
-def test_a_compile_child_using_a_core_longer_than_the_bound_is_never_hung(
-    sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers, values: dict[str, Any]
+COMPILES = {
+    **{f"a compile child {k}": (v, False) for k, v in VALUES.items()},
+    # sccache's server, double forked: out of the tree, in the unit's cgroup
+    "a compile server out of vLLM's tree with the sandbox's values": ({}, True),
+}
+
+
+@pytest.mark.parametrize(("values", "server"), COMPILES.values(), ids=list(COMPILES))
+def test_a_compile_using_a_core_longer_than_the_bound_is_never_hung(
+    sandbox: SandboxHelper,
+    daemon: DaemonHelper,
+    answers: Answers,
+    values: dict[str, Any],
+    server: bool,
 ) -> None:
     """FlashInfer compiles its kernels at their first call, in ninja and nvcc under a worker,
     for up to 10 minutes with no log and no step: requests wait, the engine is busy, the GPUs
-    idle. The compiler's CPU is real work: a doubt that says so past the bound, never a hang."""
+    idle. The compiler's CPU is real work: a doubt that says so past the bound, never a hang.
+    So is a compiler's server that left the tree (sccache's), found in the unit's cgroup."""
     jit = Path(sandbox.sb.root) / "compile"
-    sandbox.fake(compile_file=str(jit))
+    sandbox.fake(compile_file=str(jit), compile_server=server)
     c = started(sandbox, daemon, values).liveness
     pid = daemon.vllm_pid()
     done, threads = clients(sandbox, answers, 4, 300)
