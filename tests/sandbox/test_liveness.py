@@ -215,6 +215,32 @@ def test_a_capture_whose_flush_blocks_the_engine_under_load_past_the_stall_is_sa
     assert profiling.status()["state"] == "serving"
 
 
+def test_another_users_kernel_on_a_gpu_during_a_flush_past_the_bound_is_no_hang(
+    sandbox: SandboxHelper, profiling: DaemonHelper, load: threading.Event, answers: Answers
+) -> None:
+    """Any user may open the GPUs' device nodes (0666): a process of theirs spinning a kernel on
+    one managed GPU reads, while a capture's flush leaves vLLM's GPUs idle, as a rank stuck in
+    a collective beside ranks that never reached it. NVML lists that process on the GPU: the
+    GPU is set aside, and the flush, longer than hang_bound_s (15 s), is no verdict."""
+    from kimi_supervisor.sandbox import simgpu
+
+    sandbox.fake(profile_flush_s=25.0)
+    pid = profiling.vllm_pid()
+    ghost = sandbox.ghost(gpu="1", mib=100, title="python", spin=True)
+    try:
+        wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+        r = profiling.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
+        assert rec["ok"] and rec["stall"]["flush"]["seconds"] >= 25, rec
+        assert not hangs(profiling) and profiling.vllm_pid() == pid, hangs(profiling)
+    finally:
+        processes.send_signal(ghost, signal.SIGKILL)  # the ghost this test planted, ended
+        sandbox.started.remove(ghost)  # here, so that its spin is undone after it
+        wait_until(lambda: not processes.is_alive(ghost), 10, "the ghost to end")
+        simgpu.set_activity(Path(sandbox.sb.gpu_dir), [1], "idle")
+
+
 def test_a_vllm_saturated_with_its_stats_off_is_never_called_hung_and_status_says_no_metrics(
     sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers
 ) -> None:
