@@ -411,7 +411,11 @@ class Liveness:
         stacks.py, bounded by EVIDENCE_S), the GPUs' counters and memory, the last /metrics."""
         kept: dict[str, str] = {}
         try:
-            pids = [reading.pid, *processes.descendants(reading.pid)][:STACK_PROCESSES]
+            pids = [reading.pid, *processes.descendants(reading.pid)]
+            # and those of its unit's cgroup out of the tree, as the reading found them
+            read = [t.pid for t in reading.cpu.tree] if reading.cpu is not None else []
+            known = set(pids)
+            pids = [*pids, *(p for p in read if p not in known)][:STACK_PROCESSES]
             kept["stacks"] = stacks.dump(pids, time.monotonic() + EVIDENCE_S)
         except Exception as e:  # evidence only: said, never a reason to hold the verdict
             kept["stacks"] = f"(not read: {e!r})"
