@@ -376,8 +376,10 @@ class LivenessConfig(_Strict):
     hang_window_s: PositiveSeconds = 86400.0
     # A doubt (requests wait, or a canary went unanswered, with no engine step while the
     # engine's processes stay busy) that lasts this long is a hang, unless vLLM shows real work
-    # no step shows: a helper process of its (a JIT compiler) using CPU, or memory or link
-    # traffic in the GPUs' own counters (any counter unread: no verdict). A collective stuck on
+    # no step shows: a helper process of its (a JIT compiler, in its tree or its unit's cgroup)
+    # using CPU, or memory or link traffic in the GPUs' own counters (any counter unread: no
+    # verdict; a GPU on which NVML lists another's process is set aside, its counters no one's:
+    # with every GPU so, the helpers' CPU alone judges). A collective stuck on
     # the GPU spins its host thread at a full core for ever, and production stays down until a
     # person acts. 600 s: twice the 300 s after which SGLang's watchdog and TensorRT-LLM's
     # HangDetector end a step, as the GPU's counters are there to tell long work apart; a

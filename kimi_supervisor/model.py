@@ -357,3 +357,10 @@ class GpuActivity:
     # its rate is taken between two readings); None where the GPU has no NVLink.
     nvlink_kib: float | None = None
     unread: tuple[str, ...] = ()
+    # The processes NVML lists on this GPU (compute and graphics contexts), host PIDs as NVML
+    # gives them (one in another PID namespace may read 0, or a PID that is nobody here); None
+    # where the list could not be read (said in `unread`).
+    pids: tuple[int, ...] | None = None
+    # Those of `pids` that are not vLLM's (the probe knows its processes: loop/liveness.py): a
+    # GPU shared with another's process has counters that say nothing of vLLM's work.
+    foreign: tuple[int, ...] = ()

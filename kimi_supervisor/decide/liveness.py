@@ -8,7 +8,8 @@ Busy is not dead and slow is not hung: a verdict needs two independent signals o
 one of them from outside vLLM's HTTP server:
 
 - **the engine's processes** (`VLLM::EngineCore` and its workers, with their own children, a
-  JIT compiler's; each process with its reaped children's time; the whole tree where vLLM
+  JIT compiler's, and the processes of vLLM's unit's cgroup that left its tree, a compiler's
+  server; each process with its reaped children's time; the whole tree where vLLM
   names none so: an API server busy taking requests in and answering /health polls uses the
   CPU while the engine it feeds is deadlocked): one of vLLM's processes stopped (state T or
   t, SIGSTOP or a tracer; D, stuck in the kernel or the driver) at both ends of the window
@@ -47,6 +48,8 @@ one of them from outside vLLM's HTTP server:
 | ... a helper (a JIT compiler, a worker's fork) or a child that ended used CPU | a doubt |
 | ... a GPU showed memory or link traffic | a doubt |
 | ... a GPU unread in this reading or in over half the window's (no NVML, an error) | a doubt |
+| ... a GPU shared: NVML lists a process not vLLM's on it (the nodes are 0666) | GPU set aside |
+| ... every GPU shared (another's kernel no spin, its copies no work) | CPU signals alone |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
 | the engine's processes unreadable | no CPU signal: never hung |
@@ -59,21 +62,28 @@ a kernel that spins or polls a flag in device memory reads util.gpu 100 %, util.
 PCIe at the idle level; every shape of work moved memory or PCIe: MEMORY_BUSY_PCT,
 PCIE_BUSY_MB_S), and real work that no step shows holds it off: a
 helper process of vLLM's that has none of its roles using CPU (FlashInfer's JIT compile runs up
-to 10 minutes in ninja and nvcc; a fork of a worker keeping its title), children of vLLM's
+to 10 minutes in ninja and nvcc; a fork of a worker keeping its title; a compiler's daemon that
+left vLLM's tree, sccache's, and is still in its unit's cgroup), children of vLLM's
 processes that ended meanwhile (a compiler run per kernel: their time is in their parent's
 reaped children's, `reaped_used`), or memory or link traffic on a GPU. A counter not read is
 never "idle": the bound judges on the readings that exist, each GPU read in at least half the
 window's readings and in the last one; with none, no verdict by the bound. During a capture,
 the GPUs read are judged: a GPU idle beside spinning ones is a rank that never reached the
-collective (the hang's shape); a flush leaves every GPU idle. The last proof of progress (a
-counter that moved, a canary answered) is when a hang's unavailable window starts; "nothing
-pending" is no proof: a frozen engine's gauges are frozen.
+collective (the hang's shape); a flush leaves every GPU idle. A GPU on which NVML lists a
+process that is not vLLM's (any user may open the device nodes) is "shared": its counters are
+that process's as much as vLLM's, so it shows neither work, nor a spin, nor idle, and the
+verdict names it and the PID (`gpus_shared`); the bound is judged on the other GPUs, and with
+every GPU shared on the helpers' and ended children's CPU alone: a doubt that another's process
+held would be a hang that any user could keep for ever (a doubt longer than `hang_bound_s` that
+only the GPUs' traffic explains is a prefill of ten minutes with no step). The last proof of
+progress (a counter that moved, a canary answered) is when a hang's unavailable window starts;
+"nothing pending" is no proof: a frozen engine's gauges are frozen.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -275,10 +285,25 @@ def gpu_said(g: GpuActivity, nvlink_mb_s: float | None) -> str:
         return "unread" if x is None else f"{x:g}{unit}"
 
     link = "" if g.nvlink_kib is None else f", NVLink {v(nvlink_mb_s, ' MB/s')}"
+    shared = (
+        f", shared with PID {', '.join(map(str, g.foreign))} (not vLLM's: not judged)"
+        if g.foreign
+        else ""
+    )
     return (
         f"GPU {g.index}: busy {v(g.util_gpu, ' %')}, memory {v(g.util_memory, ' %')}, "
-        f"{v(g.power_w, ' W')}, PCIe {v(g.pcie_mb_s, ' MB/s')}{link}"
+        f"{v(g.power_w, ' W')}, PCIe {v(g.pcie_mb_s, ' MB/s')}{link}{shared}"
     )
+
+
+def foreign_on(g: GpuActivity, ours: Set[int]) -> GpuActivity:
+    """`g` with the processes it lists that are not vLLM's (`ours`: its PIDs as read by the
+    probe) named in `foreign`. Any PID not in `ours` is another's: NVML's PIDs are the host's,
+    and a process in another PID namespace may read 0, or a PID that is nobody here. A list
+    that could not be read names none (the counters are judged as before)."""
+    if g.pids is None:
+        return g
+    return replace(g, foreign=tuple(p for p in g.pids if p not in ours))
 
 
 def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
@@ -328,13 +353,18 @@ def nvlink_rates(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, floa
 def gpu_states(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, str]:
     """What each GPU of the last of `readings` shows: "work" (memory or link traffic), "spin"
     (busy, SPIN_GPU_PCT, no traffic: a kernel polling a flag never set), "quiet" (no traffic,
-    not busy: idle), or "unread" (a counter not read: never "idle"). Empty where it failed."""
+    not busy: idle), "unread" (a counter not read: never "idle"), or "shared" (a process not
+    vLLM's holds a context on it: its counters are that process's as much as vLLM's, and say
+    nothing of either). Empty where it failed."""
     _t, now = readings[-1]
     if isinstance(now, str):
         return {}
     rates = nvlink_rates(readings)
     out = {}
     for g in now:
+        if g.foreign:
+            out[g.index] = "shared"
+            continue
         work = gpu_work(g, rates.get(g.index))
         busy = g.util_gpu is not None and g.util_gpu >= SPIN_GPU_PCT
         out[g.index] = "unread" if work is None else "work" if work else "spin" if busy else "quiet"
@@ -525,7 +555,7 @@ class Judge:
             reason = f"a capture is under way, and the engine: {why}"
         else:
             said = self._gpus_said()
-            evidence["gpus"] = said
+            evidence |= {"gpus": said, **self._foreign()}
             readings = self.spin_read + self.spin_unread
             reason = (
                 f"a capture is under way, and the GPUs read have shown a kernel that spins (busy, "
@@ -548,6 +578,14 @@ class Judge:
         rates = nvlink_rates(self.gpus)
         return [gpu_said(x, rates.get(x.index)) for x in g]
 
+    def _foreign(self) -> dict[str, dict[str, list[int]]]:
+        """The newest reading's GPUs shared with another's process, and its PIDs, by index
+        (evidence: {"gpus_shared": {"1": [4242]}}); {} where there are none."""
+        if not self.gpus or isinstance(self.gpus[-1][1], str):
+            return {}
+        shared = {str(g.index): list(g.foreign) for g in self.gpus[-1][1] if g.foreign}
+        return {"gpus_shared": shared} if shared else {}
+
     def _cpu_work(self, now: float) -> tuple[float, str]:
         """The CPU that vLLM's helpers (a JIT compiler) and its processes' children that ended
         meanwhile (a compiler run per kernel) used over the last stall_s, and who."""
@@ -563,7 +601,10 @@ class Judge:
         """Why vLLM may be at real work that no step shows, over the last stall_s: a helper
         (a JIT compiler) or a child that ended using CPU, the GPUs' counters showing traffic in
         a reading, or too few of them read (not in this reading, or a GPU in fewer than half of
-        the window's: no reading is never idle); "" if none."""
+        the window's: no reading is never idle); "" if none. A GPU shared with another's process
+        (gpu_states' "shared") is set aside: neither work nor unread. Were it a doubt, any user
+        who can open the device nodes (0666 by default) would hold a hung vLLM's doubt for
+        ever; so with every GPU shared, the helpers' and ended children's CPU alone judge."""
         used, who = self._cpu_work(now)
         latest_cpu = self.samples[-1][1] if self.samples else None
         if latest_cpu is not None and latest_cpu.cut:
@@ -582,19 +623,24 @@ class Judge:
         if not latest:
             return "the GPUs' counters could not be read (no managed GPU)"
         read: dict[int, int] = {}
+        shared: dict[int, int] = {}  # the readings in which a GPU was shared: none of vLLM's
         for i in window:
             for index, state in gpu_states(self.gpus[: i + 1]).items():
                 if state == "work":
                     return f"the GPU works ({self._said_at(i, index)})"
-                read[index] = read.get(index, 0) + (state != "unread")
+                read[index] = read.get(index, 0) + (state not in ("unread", "shared"))
+                shared[index] = shared.get(index, 0) + (state == "shared")
         states = gpu_states(self.gpus)
         for g in latest:
+            if states[g.index] == "shared":
+                continue  # another's process on it: the others and the CPU judge
             if states[g.index] == "unread":
                 return f"the GPUs' counters could not be read ({self._said_at(-1, g.index)})"
-            if 2 * read[g.index] < len(window):
+            of = len(window) - shared[g.index]
+            if 2 * read[g.index] < of:
                 return (
                     f"GPU {g.index}'s counters were read in {read[g.index]} of the "
-                    f"{len(window)} readings of the last {self.stall_s:g} s (fewer than half)"
+                    f"{of} readings of the last {self.stall_s:g} s (fewer than half)"
                 )
         return ""
 
@@ -629,7 +675,7 @@ class Judge:
         used, who = self._cpu_work(now)
         said = self._gpus_said()
         evidence |= {"doubt_s": round(lasted, 1), "hang_bound_s": self.hang_bound_s,
-                     "helpers_cpu_s": round(used, 2), "gpus": said}  # fmt: skip
+                     "helpers_cpu_s": round(used, 2), "gpus": said, **self._foreign()}  # fmt: skip
         if work:
             past = "; past liveness.hang_bound_s, but "
             self.doubt = f"{self.doubt.split(past)[0]}{past}{work}"

@@ -1,10 +1,11 @@
 """Liveness while vLLM serves (decide/liveness.py judges): on a thread of its own, every
 `liveness.metrics_interval_s`, vLLM's /metrics, the CPU time and state of its processes (MainPID
-and its descendants, from /proc) and the managed GPUs' own counters (NVML, through the GPU
-port); and, when the metrics say nothing runs or waits (or there are no metrics), a one-token
-canary every `canary_interval_s`, on a thread of its own, the readings going on beside it. A
-hung vLLM may take `canary_timeout_s` not to answer: the probe never holds the loop; each
-reading comes back through the inbox (LivenessSeen) and the loop judges it. No canary while a
+and its descendants, from /proc, and the rest of its unit's cgroup) and the managed GPUs' own
+counters and processes (NVML, through the GPU port); and, when the metrics say nothing runs
+or waits (or there are no metrics), a one-token canary every `canary_interval_s`, on a thread
+of its own, the readings going on beside it. A hung vLLM may take `canary_timeout_s` not to
+answer: the probe never holds the loop; each reading comes back through the inbox
+(LivenessSeen) and the loop judges it. No canary while a
 capture is under way (it would be in the traces), and then only what no flush does is a
 verdict (a process stopped on the serving path, a spinning kernel): the capture has its own
 deadline for a flush that works.
@@ -20,7 +21,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 
 from kimi_supervisor.config import Config
@@ -30,6 +31,7 @@ from kimi_supervisor.decide.liveness import (
     Hang,
     Judge,
     Work,
+    foreign_on,
     gpu_said,
     parse,
 )
@@ -103,7 +105,7 @@ def role_of(comm: str, roles: tuple[str, ...]) -> bool:
     return any(role.startswith(r) or (cut and r.startswith(role)) for r in roles)
 
 
-def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
+def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | None:
     """vLLM's processes (MainPID and its descendants): their CPU time summed (with each one's
     reaped children's: processes.times_of), and those stopped. None when MainPID is gone. With
     `engine_only` (the stall rule's second signal), the sum counts only the engine's processes
@@ -129,6 +131,15 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
     tree's CPU to fall, never calling a busy unnamed tree hung. Each process's times
     (`Cpu.tree`) show what its children that ended used (a compiler run per kernel, spawned
     straight from a worker, ends between two readings).
+
+    With `unit` (the unit's name), the processes of its cgroup (v2: MainPID's, from the unit's
+    folder down) that the parent links do not reach are read too: a compiler that left the tree
+    (an sccache server, a double fork) and is still the unit's is a helper, with its reaped
+    children's time, unless it has one of vLLM's roles, and its CPU counts in the engine's sum
+    as a compiler under a worker does (the worker and ninja wait on it, flat: without it, a
+    compile through sccache was a stall with the CPU flat). They are never "stopped": they
+    serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the tree alone is
+    read.
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) is never read."""
@@ -179,7 +190,24 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         for p, state, cpu, serving in stuck
         if serving or not engine
     ]  # fmt: skip
-    n = len(tree)
+    n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
+    members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
+    if members is not None:
+        known = {pid, *everyone}
+        apart = [p for p in members[0] if p not in known]
+        cut = cut or members[1] or len(pids) + len(apart) > MAX_PROCESSES
+        for p in apart[: max(MAX_PROCESSES - len(pids), 0)]:
+            got = processes.times_of(p)
+            if got is None:
+                continue
+            tree.append(got)
+            comm = processes.comm_of(p)
+            if not role_of(comm, SERVING_ROLES):
+                helpers.append((p, comm, got.cpu_s))
+                # The engine's work, as a compiler under a worker (where no process has an
+                # engine's role, the whole tree's sum is the engine's and takes it alike).
+                seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
+                engine_n += 1 if engine_n else 0
     if engine_only and engine_n:
         seconds, n = engine_s, engine_n
     return Cpu(
@@ -190,7 +218,7 @@ def engine_cpu(pid: int, engine_only: bool = False) -> Cpu | None:
         tuple(cpu for _, cpu in stopped),
         tuple(helpers),
         tuple(tree),
-        cut=len(everyone) > MAX_PROCESSES - 1,
+        cut=cut,
     )
 
 
@@ -316,14 +344,18 @@ class Liveness:
                 daemon=True,
             ).start()
 
-    def _gpus(self) -> tuple[GpuActivity, ...] | str | None:
-        """The managed GPUs' own counters (errors as data), None where there is no GPU port."""
+    def _gpus(self, ours: Set[int] | None = None) -> tuple[GpuActivity, ...] | str | None:
+        """The managed GPUs' own counters (errors as data), None where there is no GPU port;
+        with `ours` (vLLM's PIDs), each GPU's processes that are not among them named
+        (decide/liveness.foreign_on): another user's process on a GPU makes its counters no
+        evidence of vLLM's."""
         if self._gpu is None:
             return None
         try:
-            return tuple(self._gpu.activity(list(self._indices())))
+            got = tuple(self._gpu.activity(list(self._indices())))
         except Exception as e:  # GpuUnavailable, or the port's own bug: no reading
             return reading_error(e)
+        return got if ours is None else tuple(foreign_on(g, ours) for g in got)
 
     def _probe(self, pid: int, url: str, with_canary: bool, *, peer_uid: int | None) -> None:
         """One reading (`with_canary`: the canary's, whose own /metrics read decides whether it
@@ -342,14 +374,15 @@ class Liveness:
             metrics = "ok" if work is not None else "absent" if r.ok else "unreachable"
             if r.ok:
                 self._last_metrics = r.body[:KEPT_METRICS_BYTES]
-            cpu = engine_cpu(pid, engine_only=True)
+            unit = self.config.service.unit
+            cpu = engine_cpu(pid, engine_only=True, unit=unit)
             # Only when the counters say the engine is idle (or there are none): under load a
             # one-token request waits behind the others, and its slowness says nothing.
             if with_canary and metrics != "unreachable" and (work is None or work.pending <= 0):
                 tree = engine_cpu(pid)
                 probe = canary(url, c.canary_prompt, c.canary_timeout_s, peer_uid=peer_uid)
                 tree_end, sent = engine_cpu(pid), cpu
-                cpu = engine_cpu(pid, engine_only=True)
+                cpu = engine_cpu(pid, engine_only=True, unit=unit)
                 others = None  # what the rest of the tree (the API servers) used meanwhile
                 if (
                     sent is not None
@@ -364,7 +397,10 @@ class Liveness:
                 # them is older than theirs by its wait.
                 work, metrics_at = None, 0.0
             else:
-                gpu = self._gpus()
+                # vLLM's processes: its tree and its unit's cgroup (none if MainPID is gone:
+                # every process listed on a GPU is then another's).
+                ours = {pid, *(t.pid for t in cpu.tree)} if cpu is not None else set()
+                gpu = self._gpus(ours)
         except Exception:  # a reading must always come back, or no probe would run again
             pass
         kind = "canary" if with_canary else "probe"
@@ -375,7 +411,11 @@ class Liveness:
         stacks.py, bounded by EVIDENCE_S), the GPUs' counters and memory, the last /metrics."""
         kept: dict[str, str] = {}
         try:
-            pids = [reading.pid, *processes.descendants(reading.pid)][:STACK_PROCESSES]
+            pids = [reading.pid, *processes.descendants(reading.pid)]
+            # and those of its unit's cgroup out of the tree, as the reading found them
+            read = [t.pid for t in reading.cpu.tree] if reading.cpu is not None else []
+            known = set(pids)
+            pids = [*pids, *(p for p in read if p not in known)][:STACK_PROCESSES]
             kept["stacks"] = stacks.dump(pids, time.monotonic() + EVIDENCE_S)
         except Exception as e:  # evidence only: said, never a reason to hold the verdict
             kept["stacks"] = f"(not read: {e!r})"

@@ -293,9 +293,10 @@ class NvmlGpu:
 
     def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
         """Each GPU's own counters now (GpuActivity): utilization (kernels, memory), power,
-        the SM clock, PCIe and NVLink traffic. A counter this GPU does not support, or whose
-        read fails, is None and named in `unread`; a GPU NVML cannot find has every counter
-        None. NVML itself not there is GpuUnavailable."""
+        the SM clock, PCIe and NVLink traffic, and the processes it lists (another user's
+        process on the GPU makes its counters no one's). A counter this GPU does not support,
+        or whose read fails, is None and named in `unread`; a GPU NVML cannot find has every
+        counter None. NVML itself not there is GpuUnavailable."""
         nv = self._lib()
         out = []
         for index in indices:
@@ -313,6 +314,8 @@ class NvmlGpu:
             tx = ask("PCIe sent", nv.nvmlDeviceGetPcieThroughput, h, nv.NVML_PCIE_UTIL_TX_BYTES)
             rx = ask("PCIe received", nv.nvmlDeviceGetPcieThroughput, h,
                      nv.NVML_PCIE_UTIL_RX_BYTES)  # fmt: skip
+            compute = ask("processes", nv.nvmlDeviceGetComputeRunningProcesses, h)
+            graphics = ask("processes", nv.nvmlDeviceGetGraphicsRunningProcesses, h)
             out.append(
                 GpuActivity(
                     index,
@@ -323,6 +326,7 @@ class NvmlGpu:
                     pcie_mb_s=(tx + rx) / 1000 if tx is not None and rx is not None else None,
                     nvlink_kib=_nvlink_kib(nv, h, unread),
                     unread=tuple(unread),
+                    pids=_pids(compute, graphics),
                 )
             )
         return out
@@ -628,6 +632,14 @@ def _nvlink_kib(nv: Any, h: Any, unread: list[str]) -> float | None:
             return None
         total += float(v.value.ullVal)
     return total
+
+
+def _pids(compute: Any, graphics: Any) -> tuple[int, ...] | None:
+    """The PIDs of a GPU's compute and graphics processes, None where the compute list could
+    not be read (a graphics list unread is taken for none: a compute GPU may not say it)."""
+    if compute is None:
+        return None
+    return tuple(sorted({int(p.pid) for p in [*compute, *(graphics or ())]}))
 
 
 def _mib(value: int | None) -> int | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimi_supervisor.model import ProcessDescription, ProcessTimes, printable
+from kimi_supervisor.ports import safeopen
 
 PROC = Path("/proc")
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -175,6 +176,133 @@ def cgroup_of(pid: int) -> str:
         if controllers == "name=systemd":
             v1 = path
     return v1
+
+
+def cgroup2_of(pid: int) -> str:
+    """The process's cgroup v2 path (its "0::" line: "/system.slice/x.service"); "" where it
+    has none (no cgroup v2) or it cannot be read. Ends " (deleted)" for a removed cgroup."""
+    try:
+        text = (PROC / str(pid) / "cgroup").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    return ""
+
+
+CGROUP_FS = Path("/sys/fs/cgroup")
+PROCS_LINE_BYTES = 12  # a PID of /proc/sys/kernel/pid_max (at most 2**22) and its newline
+
+
+def cgroup2_root(fs: Path = CGROUP_FS) -> Path | None:
+    """Where cgroup v2 is mounted: /sys/fs/cgroup (unified), /sys/fs/cgroup/unified (hybrid),
+    or None (v1 alone)."""
+    for root in (fs, fs / "unified"):
+        if (root / "cgroup.controllers").is_file():
+            return root
+    return None
+
+
+def unit_cgroup(path: str, unit: str) -> str:
+    """The folder of the unit `unit` in a cgroup v2 `path` (a process of the unit may sit in a
+    folder below it, as a delegated unit arranges): the path up to its first component named
+    `unit`; "" where there is none (the process is not in the unit), or the cgroup was
+    removed."""
+    if path.endswith(" (deleted)"):
+        return ""
+    parts = path.split("/")
+    if unit not in parts:
+        return ""
+    return "/".join(parts[: parts.index(unit) + 1])
+
+
+def cgroup_pids(
+    path: str, *, limit: int, root: Path | str | None = None
+) -> tuple[list[int], bool] | None:
+    """The PIDs in the cgroup v2 folder `path` ("/system.slice/x.service") and every folder
+    below it (its `cgroup.procs`), breadth first: at most `limit` PIDs and `limit` folders, and
+    whether some were left out. None where there is none to read: no cgroup v2, the root
+    cgroup, or the folder cannot be opened. Read as root from folders that a delegated unit's
+    user may change: every folder and file is reached from the mount's descriptor through no
+    link and opened only as what it is (ports/safeopen.py); one that is anything else is
+    passed over."""
+    base = root if root is not None else cgroup2_root()
+    rel = path.strip("/")
+    if base is None or not rel:
+        return None
+    try:
+        top = safeopen.open_root(base)
+    except (safeopen.Refused, OSError):
+        return None
+    try:
+        first = safeopen.open_dir(top, rel)
+    except (safeopen.Refused, OSError):
+        return None
+    finally:
+        os.close(top)
+    pids: list[int] = []
+    todo, folders, cut = collections.deque([first]), 1, False
+    try:
+        while todo:
+            fd = todo.popleft()
+            try:
+                pids += _procs(fd, limit + 1 - len(pids))
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        if not entry.is_dir(follow_symlinks=False):
+                            continue
+                        if folders >= limit:
+                            cut = True
+                            break
+                        try:
+                            todo.append(safeopen.open_dir(fd, entry.name))
+                            folders += 1
+                        except (safeopen.Refused, OSError):
+                            continue  # removed meanwhile, or not a folder by now
+            finally:
+                os.close(fd)
+            if len(pids) > limit:
+                cut = True
+                break
+    finally:
+        for fd in todo:
+            os.close(fd)
+    return pids[:limit], cut
+
+
+def _procs(dir_fd: int, most: int) -> list[int]:
+    """The PIDs of the folder's cgroup.procs (at most `most`); none where it cannot be read."""
+    try:
+        fd = safeopen.open_file(dir_fd, "cgroup.procs")
+    except (safeopen.Refused, OSError):
+        return []
+    want = most * PROCS_LINE_BYTES
+    chunks: list[bytes] = []
+    try:
+        while want > 0:
+            chunk = os.read(fd, min(want, 1 << 16))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            want -= len(chunk)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    out = []
+    for word in b"".join(chunks).split()[:most]:
+        if word.isdigit():
+            out.append(int(word))
+    return out
+
+
+def unit_pids(pid: int, unit: str, *, limit: int) -> tuple[list[int], bool] | None:
+    """The PIDs of the unit `unit`'s cgroup (v2) that `pid` (its MainPID) is in, with its
+    folders below; None where it has none to read (no cgroup v2, `pid` not in the unit's
+    folder, the folder unreadable): cgroup_pids."""
+    folder = unit_cgroup(cgroup2_of(pid), unit)
+    return cgroup_pids(folder, limit=limit) if folder else None
 
 
 def unit_of(pid: int) -> str:

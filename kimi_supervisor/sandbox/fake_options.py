@@ -50,6 +50,9 @@ class FakeOptions:
     # uses a core, titled as a compiler's (`cc1plus`: FlashInfer's JIT compile of up to 10
     # minutes, ninja running nvcc and the C++ compiler); the simulated GPUs idle.
     compile_file: str | None = None
+    # The compiler runs as a server out of the engine's tree (sccache's, started by a double
+    # fork: its parent is the user manager, a subreaper, or PID 1), still in the unit's cgroup.
+    compile_server: bool = False
     # While this file exists, the API server is busy (its event loop held by work, as a long
     # tokenization holds real vLLM's): it uses a core, and /health answers only once the
     # file is gone.

@@ -31,6 +31,7 @@ from typing import Any
 
 from setproctitle import setproctitle
 
+from kimi_supervisor.ports import processes
 from kimi_supervisor.sandbox import holder, simgpu
 from kimi_supervisor.sandbox.fake_api import EngineLink, Server, _handler
 from kimi_supervisor.sandbox.fake_options import FakeOptions, log
@@ -136,6 +137,14 @@ def _spin(until: threading.Event) -> None:
 
 
 COMPILER = "import setproctitle, time; setproctitle.setproctitle('cc1plus')\nwhile True: pass"
+# The compiler as a server out of the tree: started by a child that says its PID and exits.
+SERVER = (
+    "import subprocess, sys\n"
+    "p = subprocess.Popen([sys.executable, '-c', sys.argv[1]], start_new_session=True,\n"
+    "                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,\n"
+    "                     stderr=subprocess.DEVNULL)\n"
+    "print(p.pid, flush=True)\n"
+)
 
 
 class _Faults:
@@ -151,6 +160,7 @@ class _Faults:
         self.stuck = self.spinning = self.compiling = False
         self._spinners: dict[str, threading.Event] = {}
         self._compiler: subprocess.Popen[bytes] | None = None
+        self._server: processes.ProcessRef | None = None  # the compiler out of the tree
         self._worked_at = 0.0
         self._lock = threading.Lock()
 
@@ -180,6 +190,15 @@ class _Faults:
         elif not on and name in self._spinners:
             self._spinners.pop(name).set()
 
+    @staticmethod
+    def _serve() -> processes.ProcessRef | None:
+        """The compiler as a server out of the engine's tree, by its identity."""
+        starter = subprocess.run(
+            [sys.executable, "-c", SERVER, COMPILER], stdin=subprocess.DEVNULL,
+            capture_output=True, timeout=30, check=True,
+        )  # fmt: skip
+        return processes.ref_of(int(starter.stdout))
+
     def watch(self) -> None:
         """Follows the fault files, every 50 ms, for the engine's life."""
         o = self.opts
@@ -192,11 +211,16 @@ class _Faults:
             self._spinner("collective", stuck)
             self._spinner("thread", self._on(o.spinning_thread_file))
             compiling = self._on(o.compile_file)
-            if compiling and self._compiler is None:
+            if compiling and o.compile_server and self._server is None:
+                self._server = self._serve()
+            elif compiling and not o.compile_server and self._compiler is None:
                 self._compiler = subprocess.Popen(
                     [sys.executable, "-c", COMPILER],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 )  # fmt: skip
+            elif not compiling and self._server is not None:
+                processes.send_signal(self._server, signal.SIGKILL)  # the server we started
+                self._server = None
             elif not compiling and self._compiler is not None:
                 self._compiler.kill()  # our own child, by its handle
                 self._compiler.wait()

@@ -9,6 +9,10 @@ With --fork-helper TITLE it forks a helper after taking the memory, as a CUDA pr
 forks does: the helper inherits the contexts (the open device files) and the mappings, starts
 a session of its own and retitles itself; "ready PID HELPER" names both. Kill the ghost and the
 helper alone holds the memory while NVML keeps listing the dead ghost.
+
+With --spin its GPUs read a kernel that spins (busy, no memory traffic: simgpu.set_activity,
+written again every SPIN_EVERY_S over what vLLM's fake engine writes), as another user's
+process on a managed GPU may run one: the simulated host only.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from setproctitle import setproctitle
 
 from kimi_supervisor.sandbox import holder
+
+SPIN_EVERY_S = 0.1
 
 
 def parse_gpus(spec: str) -> list[int]:
@@ -48,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mib", type=int, default=1024)
     p.add_argument("--hidden", action="store_true", help="hide from the GPU's process lists")
     p.add_argument("--ignore-sigterm", action="store_true")
+    p.add_argument("--spin", action="store_true", help="its GPUs read a kernel that spins")
     p.add_argument(
         "--detach", action="store_true", help="leave the starter: fork, and let the parent exit"
     )
@@ -74,7 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    held = holder.hold(parse_gpus(args.gpu), args.mib, hidden=args.hidden)
+    gpus = parse_gpus(args.gpu)
+    held = holder.hold(gpus, args.mib, hidden=args.hidden)
+    if args.spin:
+        threading.Thread(target=_spin, args=(gpus,), daemon=True).start()
     helper = _fork_helper(args.fork_helper, args.helper_closes_fds) if args.fork_helper else 0
     sys.stdout.write(f"ready {os.getpid()}" + (f" {helper}" if helper else "") + "\n")
     sys.stdout.flush()
@@ -84,6 +95,15 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(devnull, fd)
     threading.Event().wait()
     held.release()
+
+
+def _spin(gpus: list[int]) -> None:
+    from kimi_supervisor.sandbox import simgpu
+
+    root = holder.sim_dir()
+    while True:
+        simgpu.set_activity(root, gpus, "spin")
+        time.sleep(SPIN_EVERY_S)
 
 
 def _fork_helper(title: str, close_fds: bool) -> int:

@@ -325,10 +325,12 @@ class Sandbox:
         helper_closes_fds: bool = False,
         own_dev: bool = False,
         at_pid: int | None = None,
+        spin: bool = False,
     ) -> list[ProcessRef]:
         """start_ghost, and with `fork_helper` the helper it forked: [ghost, helper]. With
         `own_dev`, it runs behind a /dev of its own, as in a container (sandbox/owndev.py); with
-        `at_pid`, as that PID, as a recycled one (sandbox/atpid.py, root only)."""
+        `at_pid`, as that PID, as a recycled one (sandbox/atpid.py, root only); with `spin`, its
+        GPUs read a kernel that spins (ghost.py's --spin)."""
         prefix: list[str] = []
         if at_pid is not None:
             prefix += [sys.executable, "-m", "kimi_supervisor.sandbox.atpid", str(at_pid), "--"]
@@ -338,7 +340,7 @@ class Sandbox:
         args = [*prefix, sys.executable, "-m", "kimi_supervisor.sandbox.ghost"]
         args += [] if at_pid is not None else ["--detach"]  # atpid detaches it already
         args += ["--gpu", gpu, "--mib", str(mib), "--title", title]
-        flags = {"--hidden": hidden, "--ignore-sigterm": ignore_sigterm}
+        flags = {"--hidden": hidden, "--ignore-sigterm": ignore_sigterm, "--spin": spin}
         flags["--helper-closes-fds"] = helper_closes_fds
         args += [flag for flag, on in flags.items() if on]
         if fork_helper:

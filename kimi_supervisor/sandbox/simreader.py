@@ -306,11 +306,19 @@ class SimGpu:
 
     def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
         """Each GPU's counters as NVML reads them for what it runs (COUNTERS): what the fake
-        engine last wrote to activity/N, idle once work is WORK_HOLD_S old. The simulated host
-        has no NVLink (as the lent H200s: none)."""
+        engine last wrote to activity/N, idle once work is WORK_HOLD_S old; and the processes
+        `sample` lists on it (a ghost's among them, unless hidden), as NVML lists them. The
+        simulated host has no NVLink (as the lent H200s: none)."""
         self._answer()
         now = time.monotonic()
         out = []
+        known = [i for i in indices if any(d.index == i for d in self._devices)]
+        listed: dict[int, tuple[int, ...] | None] = dict.fromkeys(known)
+        unread: tuple[str, ...] = ()
+        try:
+            listed |= {d.index: tuple(p.pid for p in d.processes) for d in self.sample(known)}
+        except (GpuUnavailable, OSError) as e:  # as NVML's: the list unread, the counters read
+            unread = (f"processes: {e}",)
         for index in indices:
             try:
                 self._device(index)
@@ -324,7 +332,7 @@ class SimGpu:
                 state, at = "idle", now
             if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
                 state = "idle"
-            out.append(GpuActivity(index, **COUNTERS[state]))  # type: ignore[arg-type]
+            out.append(GpuActivity(index, **COUNTERS[state], pids=listed[index], unread=unread))  # type: ignore[arg-type]
         return out
 
     def device_path(self, index: int) -> str:

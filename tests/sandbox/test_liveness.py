@@ -215,6 +215,32 @@ def test_a_capture_whose_flush_blocks_the_engine_under_load_past_the_stall_is_sa
     assert profiling.status()["state"] == "serving"
 
 
+def test_another_users_kernel_on_a_gpu_during_a_flush_past_the_bound_is_no_hang(
+    sandbox: SandboxHelper, profiling: DaemonHelper, load: threading.Event, answers: Answers
+) -> None:
+    """Any user may open the GPUs' device nodes (0666): a process of theirs spinning a kernel on
+    one managed GPU reads, while a capture's flush leaves vLLM's GPUs idle, as a rank stuck in
+    a collective beside ranks that never reached it. NVML lists that process on the GPU: the
+    GPU is set aside, and the flush, longer than hang_bound_s (15 s), is no verdict."""
+    from kimi_supervisor.sandbox import simgpu
+
+    sandbox.fake(profile_flush_s=25.0)
+    pid = profiling.vllm_pid()
+    ghost = sandbox.ghost(gpu="1", mib=100, title="python", spin=True)
+    try:
+        wait_until(lambda: len(answers.at) > 8, 30, "the load to be answered")
+        r = profiling.kimi_mode("capture", "--seconds", "2", "--then", "stay", timeout=180)
+        assert r.returncode == 0, r.stdout + r.stderr
+        (rec,) = [e for e in profiling.history() if e["kind"] == "capture"]
+        assert rec["ok"] and rec["stall"]["flush"]["seconds"] >= 25, rec
+        assert not hangs(profiling) and profiling.vllm_pid() == pid, hangs(profiling)
+    finally:
+        processes.send_signal(ghost, signal.SIGKILL)  # the ghost this test planted, ended
+        sandbox.started.remove(ghost)  # here, so that its spin is undone after it
+        wait_until(lambda: not processes.is_alive(ghost), 10, "the ghost to end")
+        simgpu.set_activity(Path(sandbox.sb.gpu_dir), [1], "idle")
+
+
 def test_a_vllm_saturated_with_its_stats_off_is_never_called_hung_and_status_says_no_metrics(
     sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers
 ) -> None:
@@ -531,15 +557,27 @@ def test_a_thread_spinning_in_an_engine_that_steps_is_never_hung(
     assert len(answers.at) > n + 20  # it served all along
 
 
-@pytest.mark.parametrize("values", VALUES.values(), ids=list(VALUES))
-def test_a_compile_child_using_a_core_longer_than_the_bound_is_never_hung(
-    sandbox: SandboxHelper, daemon: DaemonHelper, answers: Answers, values: dict[str, Any]
+COMPILES = {
+    **{f"a compile child {k}": (v, False) for k, v in VALUES.items()},
+    # sccache's server, double forked: out of the tree, in the unit's cgroup
+    "a compile server out of vLLM's tree with the sandbox's values": ({}, True),
+}
+
+
+@pytest.mark.parametrize(("values", "server"), COMPILES.values(), ids=list(COMPILES))
+def test_a_compile_using_a_core_longer_than_the_bound_is_never_hung(
+    sandbox: SandboxHelper,
+    daemon: DaemonHelper,
+    answers: Answers,
+    values: dict[str, Any],
+    server: bool,
 ) -> None:
     """FlashInfer compiles its kernels at their first call, in ninja and nvcc under a worker,
     for up to 10 minutes with no log and no step: requests wait, the engine is busy, the GPUs
-    idle. The compiler's CPU is real work: a doubt that says so past the bound, never a hang."""
+    idle. The compiler's CPU is real work: a doubt that says so past the bound, never a hang.
+    So is a compiler's server that left the tree (sccache's), found in the unit's cgroup."""
     jit = Path(sandbox.sb.root) / "compile"
-    sandbox.fake(compile_file=str(jit))
+    sandbox.fake(compile_file=str(jit), compile_server=server)
     c = started(sandbox, daemon, values).liveness
     pid = daemon.vllm_pid()
     done, threads = clients(sandbox, answers, 4, 300)

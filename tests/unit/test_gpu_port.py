@@ -4,6 +4,7 @@ the loop, never an exception that ends it), and a driver that comes back is pick
 from __future__ import annotations
 
 import errno
+import os
 import sys
 import types
 from collections.abc import Iterator
@@ -384,8 +385,17 @@ def test_the_fabric_is_read_per_gpu_with_every_error_as_data(
 
 
 class Counters(Health):
-    """The GPUs' own counters: the first spins (as measured on an H100), the second is lost,
-    the third cannot say its utilization; no GPU has NVLink."""
+    """The GPUs' own counters: the first spins (as measured on an H100) beside another user's
+    process and one of another PID namespace (PID 0), the second is lost, the third cannot say
+    its utilization nor its processes; no GPU has NVLink."""
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: object) -> list[Any]:
+        if h == ("handle", 2):
+            raise NVMLError("Unknown Error")
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=1 << 30) for p in (4242, 0)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, h: object) -> list[Any]:
+        return [types.SimpleNamespace(pid=4242, usedGpuMemory=None)]
 
     NVML_CLOCK_SM = 1
     NVML_PCIE_UTIL_TX_BYTES, NVML_PCIE_UTIL_RX_BYTES = 0, 1
@@ -420,3 +430,24 @@ def test_the_gpus_own_counters_are_read_and_what_cannot_be_read_is_said_never_ze
     assert spin.nvlink_kib is None and spin.unread == (), "no NVLink is not unread"
     assert lost.util_gpu is None and "GPU is lost" in lost.unread[0]
     assert mute.util_memory is None and "utilization: not supported by this GPU" in mute.unread
+    assert spin.pids == (0, 4242), "every process NVML lists, once"
+    assert mute.pids is None and "processes: Unknown Error" in mute.unread, "unread, not none"
+
+
+def test_the_simulated_host_lists_each_gpus_processes_with_its_counters_as_nvml_does(
+    tmp_path: Path,
+) -> None:
+    from kimi_supervisor.sandbox import simgpu
+    from kimi_supervisor.sandbox.simreader import SimGpu
+
+    root = simgpu.create_host(tmp_path / "sim", 2)
+    context = simgpu.Context(root, 1, 100)  # another's process, as `sandbox ghost` plants one
+    gpu = SimGpu(root)
+    try:
+        idle, held = gpu.activity([0, 1])
+        assert (idle.pids, held.pids) == ((), (os.getpid(),))
+        (sample,) = gpu.sample([1])
+        assert [p.pid for p in sample.processes] == [os.getpid()], "as the reading lists"
+    finally:
+        context.free()
+        gpu.close()

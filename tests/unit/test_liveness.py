@@ -37,10 +37,21 @@ def gpus(*states: str, **changed: object) -> tuple[GpuActivity, ...]:
     )
 
 
+def shared(reading: tuple[GpuActivity, ...], index: int, pid: int) -> tuple[GpuActivity, ...]:
+    """`reading` with GPU `index` shared with `pid`, a process not vLLM's (NVML lists it, as the
+    probe finds: loop/liveness.Liveness._gpus)."""
+    return tuple(
+        dataclasses.replace(g, pids=(102, pid), foreign=(pid,)) if g.index == index else g
+        for g in reading
+    )
+
+
 # vLLM's processes as /proc shows them at a time: PID -> (parent, comm, CPU seconds with the
-# reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read.
+# reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read. Every
+# process of it is in the unit's cgroup, whoever its parent is.
 Tree = dict[int, tuple[int, str, float, float]]
 MAIN = 100
+UNIT = "vllm-kimi-k25.service"
 
 
 def read_tree(tree: Tree, at: float) -> Cpu:
@@ -63,8 +74,9 @@ def read_tree(tree: Tree, at: float) -> Cpu:
         mock.patch.object(processes, "times_of", times_of),
         mock.patch.object(processes, "comm_of", lambda pid: tree[pid][1] if pid in tree else ""),
         mock.patch.object(processes, "descendants", descendants),
+        mock.patch.object(processes, "unit_pids", lambda pid, unit, limit: (sorted(tree), False)),
     ):
-        cpu = engine_cpu(MAIN, engine_only=True)
+        cpu = engine_cpu(MAIN, engine_only=True, unit=UNIT)
     assert cpu is not None
     return dataclasses.replace(cpu, at=at)
 
@@ -145,6 +157,14 @@ def engine(t: float, worker: tuple[float, float], **more: tuple[int, str, float,
     and `more` processes (named p<PID>)."""
     tree: Tree = {MAIN: (1, "", 0.05 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", SPIN * t, 0.0),
                   102: (101, "VLLM::Worker_TP", *worker)}  # fmt: skip
+    return tree | {int(k[1:]): v for k, v in more.items()}
+
+
+def waiting(t: float, **more: tuple[int, str, float, float]) -> Tree:
+    """MainPID, an engine core and a worker that wait (on a compile: ninja's, nvcc's, sccache's
+    client), and `more` processes."""
+    tree: Tree = {MAIN: (1, "", 0.01 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
+                  102: (101, "VLLM::Worker_TP", 0.01 * t, 0.0)}  # fmt: skip
     return tree | {int(k[1:]): v for k, v in more.items()}
 
 
@@ -302,6 +322,54 @@ CASES = {
                                                                            0.0, 0.0)
                                                           for i in range(300)})),
         None, "vLLM has more processes than a reading takes"),
+    "another user's kernel beside an idle GPU during a capture's flush is no verdict": (
+        # any user may open the device nodes (0666): its spin is not vLLM's rank in a collective
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(gpus("spin", "idle"), 0, 4242) if t > 60 else gpu("work"),
+             capturing=lambda t: t > 60, until=1800),
+        None, ""),
+    "another user's copies on a GPU of a spinning hang hold no doubt: hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(gpus("work", "spin"), 0, 4242) if t > 60 else gpu("work")),
+        (645, 660), "GPU 0: busy 88 %, memory 80 %, 421.4 W, PCIe 198.7 MB/s, shared with PID "
+        "4242 (not vLLM's: not judged); GPU 1: busy 100 %, memory 0 %"),
+    "a spinning hang on GPUs all shared with another namespace's process is hung on its cpu": (
+        # a process in another PID namespace reads PID 0: not vLLM's either
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(shared(gpu("work"), 0, 0), 1, 0)),
+        (645, 660), "no sign of real work: vLLM's helpers and ended children used 0.00 s of CPU "
+        "in 120 s; GPU 0: busy 88 %, memory 80 %, 421.4 W, PCIe 198.7 MB/s, shared with PID 0"),
+    "a jit compile on GPUs all shared with another user's process is a doubt, never a hang": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: SPIN * t,
+             helpers_s=lambda t: SPIN * t, gpus=lambda t: shared(shared(gpu("idle"), 0, 1), 1, 1),
+             until=900),
+        None, "but vLLM's helpers and ended children used 120.0 s of CPU in 120 s"),
+    "a compile in a server out of vLLM's tree but in its unit's cgroup is a doubt, never a hang": (
+        # sccache's server, double forked: its parent is PID 1, its cgroup the unit's; the
+        # worker and ninja wait on it, their CPU flat
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p300=(1, "sccache", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "used 120.0 s of CPU in 120 s (PID 300 (sccache))"),
+    "compiles that end under a server in the unit's cgroup, out of the tree, are a doubt": (
+        # its compiler runs reaped into the server's own children's time
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p300=(1, "sccache", t, 0.9 * t)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "children that ended, reaped by PID 300: 108.0 s"),
+    "a deadlock beside a busy process of the unit's cgroup out of the tree is a doubt": (
+        # what a process of the unit does out of the tree is taken for the engine's work, as
+        # a compiler's under a worker is: only vLLM's own user can put one there
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p300=(1, "python3", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "used 120.0 s of CPU in 120 s (PID 300 (python3))"),
+    "an engine orphaned out of the tree, spinning in the unit's cgroup, is no helper: hung": (
+        # its parent gone, reparented to PID 1: vLLM's role, not a compiler's
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p300=(1, "VLLM::EngineCor", SPIN * t, 0)),
+             gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
     "GPUs busy with no traffic during a capture while the engine steps is no verdict": (
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),

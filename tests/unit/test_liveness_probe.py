@@ -18,15 +18,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from kimi_supervisor.config import Config
-from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Hang
+from kimi_supervisor.decide.liveness import API_BUSY_FRACTION, Hang, gpu_said
 from kimi_supervisor.loop.liveness import Liveness, Reading
+from kimi_supervisor.model import GpuActivity
 from kimi_supervisor.ports import processes
+from kimi_supervisor.ports.gpu import GpuPort
+from kimi_supervisor.sandbox.simreader import COUNTERS
 from tests.conftest import wait_until
 
 from .loophost import config_for
@@ -462,3 +466,31 @@ def test_a_thread_name_with_a_newline_cannot_forge_a_process_in_the_kept_stacks(
     headers = [line for line in text.splitlines() if line.startswith("-- PID")]
     assert len(headers) == 1 and headers[0].startswith(f"-- PID {child.pid} ("), text
     assert "w\\n-- PID 1 (x" in text, text  # escaped, where it stands
+
+
+class Listing:
+    """GPUs that spin, GPU 0 held by vLLM alone, GPU 1 beside it by another user's process (a
+    PID of nobody here, as one of another PID namespace may read) and one that reads PID 0."""
+
+    def __init__(self, ours: int, nobody: int) -> None:
+        self.lists = {0: (ours,), 1: (0, ours, nobody)}
+
+    def activity(self, indices: Sequence[int]) -> list[GpuActivity]:
+        return [GpuActivity(i, **COUNTERS["spin"], pids=self.lists[i]) for i in indices]  # type: ignore[arg-type]
+
+
+def test_a_process_on_a_gpu_that_is_not_vllms_is_named_with_its_reading(config: Config) -> None:
+    """Any user may open the GPUs' device nodes (0666): a process of theirs makes the GPU's
+    counters its own as much as vLLM's. Whatever is not vLLM's tree is another's."""
+    nobody = int(Path("/proc/sys/kernel/pid_max").read_text())  # PIDs are below it
+    readings: list[Reading] = []
+    port = cast(GpuPort, Listing(os.getpid(), nobody))
+    live = Liveness(config, readings.append, gpu=port, indices=lambda: [0, 1])
+    live.serving(os.getpid(), 0.0, capturing=False)
+    wait_until(lambda: bool(readings), 30, "a reading")  # a loaded host's threads
+    (reading,) = readings
+    assert isinstance(reading.gpu, tuple), reading
+    alone, beside = reading.gpu
+    assert alone.foreign == () and beside.foreign == (0, nobody), reading.gpu
+    assert "GPU 1: busy 100 %" in gpu_said(beside, None)
+    assert f"shared with PID 0, {nobody} (not vLLM's: not judged)" in gpu_said(beside, None)

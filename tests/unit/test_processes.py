@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from kimi_supervisor.ports import processes
@@ -58,3 +60,53 @@ def test_a_zombie_is_not_alive_because_it_has_closed_its_files() -> None:
     assert processes.state_of(proc.pid) == "Z"
     assert not processes.is_alive(ref)
     proc.wait()
+
+
+def test_a_units_cgroup_is_read_with_its_folders_below_and_no_link_is_followed(
+    tmp_path: Path,
+) -> None:
+    """The unit's cgroup (v2) holds what its parent links lose (a compiler's daemon, a double
+    fork). Read as root from folders a delegated unit's user may change: a link is never
+    followed, nothing but a regular cgroup.procs is opened, and the PIDs and folders are
+    bounded."""
+    fs = tmp_path / "cgroup"
+    unit = fs / "system.slice" / "vllm.service"
+    (unit / "payload" / "deeper").mkdir(parents=True)
+    (unit / "cgroup.procs").write_text("100\n101\n")
+    (unit / "payload" / "cgroup.procs").write_text("300\n")
+    (unit / "payload" / "deeper" / "cgroup.procs").write_text("301\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "cgroup.procs").write_text("999\n")
+    (unit / "linked").symlink_to(elsewhere)  # a folder that is a link: never entered
+    (unit / "procs-link").mkdir()
+    (unit / "procs-link" / "cgroup.procs").symlink_to(elsewhere / "cgroup.procs")
+    (unit / "fifo").mkdir()
+    os.mkfifo(unit / "fifo" / "cgroup.procs")  # never opened: its open alone would block
+
+    got = processes.cgroup_pids("/system.slice/vllm.service", limit=256, root=fs)
+    assert got is not None and sorted(got[0]) == [100, 101, 300, 301] and not got[1]
+    cut = processes.cgroup_pids("/system.slice/vllm.service", limit=2, root=fs)
+    assert cut is not None and len(cut[0]) <= 2 and cut[1], "more than the bound is said"
+    assert processes.cgroup_pids("/", limit=256, root=fs) is None, "the root cgroup: no unit"
+    assert processes.cgroup_pids("/system.slice/gone.service", limit=256, root=fs) is None
+    assert processes.cgroup_pids("/system.slice/../elsewhere", limit=256, root=fs) is None
+
+
+def test_a_units_folder_is_found_in_its_mainpids_cgroup_path_or_there_is_none() -> None:
+    nested = "/user.slice/user@0.service/app.slice/vllm.service/payload"
+    assert processes.unit_cgroup(nested, "vllm.service") == (
+        "/user.slice/user@0.service/app.slice/vllm.service"
+    )
+    assert processes.unit_cgroup("/system.slice/other.service", "vllm.service") == ""
+    assert processes.unit_cgroup("/", "vllm.service") == ""
+    assert processes.unit_cgroup("/system.slice/vllm.service (deleted)", "vllm.service") == ""
+
+
+def test_cgroup_v2_is_found_where_it_is_mounted_unified_or_hybrid(tmp_path: Path) -> None:
+    assert processes.cgroup2_root(tmp_path) is None, "cgroup v1 alone"
+    (tmp_path / "unified").mkdir()
+    (tmp_path / "unified" / "cgroup.controllers").write_text("")
+    assert processes.cgroup2_root(tmp_path) == tmp_path / "unified"
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
+    assert processes.cgroup2_root(tmp_path) == tmp_path
