@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import perf_tables
+from kimi_supervisor.decide import liveness
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,8 +49,10 @@ def gpu_hang_signature(path: Path) -> tuple[str, str, list[str], list[list[str]]
             _median(runs, "gpm_dram_bw_util"), f"{statistics.median(cpu):.1f}" if cpu else "n/a",
         ])  # fmt: skip
     text = (
-        f"{d['gpu']}, NVML every {d['interval_s']} s, medians. A spin moves no memory and no "
-        "PCIe; all work does. Work: util.mem >= 1 % or PCIe >= 50 MB/s or NVLink traffic."
+        f"{d['gpu']}, NVML every {d['interval_s']} s, medians. A spin moves no memory (a flag "
+        "polled in host memory moves some PCIe); all work moves memory. Work: util.mem >= "
+        f"{liveness.MEMORY_BUSY_PCT:g} % or PCIe >= {liveness.PCIE_BUSY_MB_S:,.0f} MB/s or "
+        "NVLink traffic."
     )
     cols = ["shape", "util.gpu %", "util.mem %", "power W", "PCIe MB/s", "DRAM BW %", "host CPU"]
     return d["date"], text, cols, rows
@@ -87,8 +90,10 @@ def compare_bench(path: Path) -> tuple[str, str, list[str], list[list[str]]]:
 
 
 SOURCES = {
-    "gpu-hang-signature": ("h100x1-2026-12-07-gpu-hang-signature.json", gpu_hang_signature,
-                           "python3 -m bench.gpu_hang_signature --repeat 2 --out F  # GPU host"),
+    "gpu-hang-signature": ("h100x1-2026-12-07-gpu-hang-signature-host-flag.json",
+                           gpu_hang_signature,
+                           "python3 -m bench.gpu_hang_signature --seconds 5 --settle-s 1.5 "
+                           "--out F  # GPU host"),
     "liveness-bound": ("liveness-bound-2026-12-07.json", liveness_bound,
                        ".venv/bin/python -m bench.liveness_bound 2"),
     "compare-bench": ("compare-bench-gloo-2cpu-2026-12-07.json", compare_bench,

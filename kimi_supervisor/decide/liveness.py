@@ -264,16 +264,19 @@ def reaped_used(base: Cpu | None, cpu: Cpu | None) -> tuple[float, str]:
 
 
 # The GPU's own counters (model.GpuActivity) that tell a kernel spinning on a flag never set (a
-# collective stuck on the GPU) from work, as measured on an H100 (NVML every 0.2 s, 8 s a shape,
-# medians of two runs; bench/gpu_hang_signature.py, bench/results/h100x1-2026-12-07-gpu-hang-
-# signature.json; docs/performance.md, "What tells a spinning hang from work"): a kernel that
-# spins, or polls a flag in device memory, read util.gpu 100 %, util.memory 0 %, 125 W (idle:
-# 124 W) and PCIe at most 2.8 MB/s (idle: up to 10.5 MB/s); work read util.memory 2 % (a
-# host-to-device copy, PCIe-bound: 63,900 MB/s of PCIe) to 100 %, PCIe 27-63,900 MB/s. The host
-# thread behind each used a whole core: the CPU tells nothing. Power does not separate them (the
-# PCIe-bound copy read 133 W, the spin 125 W): it is shown, never judged.
+# collective stuck on the GPU) from work, as measured on an H100 (NVML every 0.2 s; bench/
+# gpu_hang_signature.py, bench/results/h100x1-2026-12-07-gpu-hang-signature*.json; docs/
+# performance.md, "A spinning hang on the GPU"): a kernel that spins, or polls a flag in device
+# memory, read util.gpu 100 %, util.memory 0 %, the idle power and PCIe at most 2.8 MB/s; one that
+# polls a flag in mapped host memory (a proxy's flag: a stuck collective on a PCIe host without
+# NVLink) read util.memory 0 % and PCIe 59 MB/s (58.8-60.4: its polls cross the bus). Every
+# shape of work read util.memory 2 % (a host-to-device copy, PCIe-bound at 62,000 MB/s) to 100 %.
+# So memory traffic decides; PCIe counts as work only far above what polling moves (34 times the
+# one polling kernel measured: a stuck collective polls one flag per channel, NCCL's default at
+# most 32) and far below a copy (31 times under). The host thread behind each used a whole core:
+# the CPU tells nothing. Power does not separate them: it is shown, never judged.
 MEMORY_BUSY_PCT = 1.0  # util.memory at or above this: the GPU moves memory, it works
-PCIE_BUSY_MB_S = 50.0  # PCIe traffic (sent and received) at or above this: it works
+PCIE_BUSY_MB_S = 2000.0  # PCIe traffic (sent and received) at or above this: it works
 NVLINK_BUSY_MB_S = 0.0  # NVLink traffic above this: it works (not measured: no NVLink there)
 SPIN_GPU_PCT = 90.0  # util.gpu at or above this with no traffic: a kernel that spins
 

@@ -58,16 +58,17 @@ SXM_FABRIC: dict[str, Any] = {
 ACTIVITY = "activity"
 WORK_HOLD_S = 1.0
 # The counters NVML reads for each, as measured on an H100 80GB HBM3, driver 580.159.04 (NVML
-# every 0.2 s for 8 s a shape, medians of two runs: bench/gpu_hang_signature.py,
-# bench/results/h100x1-2026-12-07-gpu-hang-signature.json): "idle" a context and nothing run;
-# "spin" torch.cuda._sleep (a kernel that polls a flag in device memory read the same): busy,
-# no memory traffic, the idle power; "work" the decode-like loop (GEMMs and all-reduce-sized
-# copies). PCIe is sent and received together (NVML's KB/s over 1000).
+# every 0.2 s, medians: bench/gpu_hang_signature.py, bench/results/h100x1-2026-12-07-gpu-hang-
+# signature*.json): "idle" a context and nothing run; "spin" a kernel polling a flag in mapped
+# host memory that is never set (a stuck collective on a PCIe host: busy, no memory traffic, the
+# idle power, and its polls' PCIe traffic, the most a spin was seen to move); "work" the
+# decode-like loop (GEMMs and all-reduce-sized copies). PCIe is sent and received together
+# (NVML's KB/s over 1000).
 COUNTERS: dict[str, dict[str, float]] = {
     "idle": {"util_gpu": 0.0, "util_memory": 0.0, "power_w": 124.2, "sm_clock_mhz": 1980.0,
              "pcie_mb_s": 1.1},
-    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 125.1, "sm_clock_mhz": 1980.0,
-             "pcie_mb_s": 1.8},
+    "spin": {"util_gpu": 100.0, "util_memory": 0.0, "power_w": 118.5, "sm_clock_mhz": 1980.0,
+             "pcie_mb_s": 59.4},
     "work": {"util_gpu": 88.0, "util_memory": 80.0, "power_w": 421.4, "sm_clock_mhz": 1980.0,
              "pcie_mb_s": 198.7},
 }  # fmt: skip

@@ -176,7 +176,7 @@ CASES = {
              gpus=lambda t: gpu("spin" if t > 60 else "work")),
         # from the reading before the last step (45 s): within the bound and a reading of it
         (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s of "
-        "CPU in 120 s; GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
+        "CPU in 120 s; GPU 0: busy 100 %, memory 0 %, 118.5 W, PCIe 59.4 MB/s"),
     "the same stuck collective while idle is hung at the bound from its first unanswered canary": (
         Case(pending=lambda t: 0, tokens=lambda t: 5, cpu_s=lambda t: SPIN * max(t - 100, 0),
              gpus=lambda t: gpu("spin" if t > 100 else "idle"), answered=lambda t: t < 100),
@@ -227,7 +227,7 @@ CASES = {
     "a busy gpu with no memory traffic but NVLink traffic (an all-reduce at work) is a doubt": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin", nvlink_kib=1e6 * t)),
-        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s, "
+        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 118.5 W, PCIe 59.4 MB/s, "
         "NVLink 1.024e+06 MB/s)"),
     "a pcie-bound copy at near the idle power past the bound is a doubt: its pcie is work": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
@@ -280,7 +280,7 @@ CASES = {
     "one NVML reading in eight failing on a spinning hang is hung at the bound": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: "NVML: timed out" if int(t // 15) % 8 == 0 else gpu("spin")),
-        (645, 675), "GPU 0: busy 100 %, memory 0 %, 125.1 W, PCIe 1.8 MB/s"),
+        (645, 675), "GPU 0: busy 100 %, memory 0 %, 118.5 W, PCIe 59.4 MB/s"),
     "a spinning hang whose GPUs were read in fewer than half the readings is a doubt": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin") if int(t // 15) % 3 == 0 else "NVML: timed out",
