@@ -191,7 +191,10 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
         if serving or not engine
     ]  # fmt: skip
     n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
-    members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
+    try:  # a cgroup that cannot be read leaves the tree's reading as it is
+        members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
+    except (OSError, ValueError):
+        members = None
     if members is not None:
         known = {pid, *everyone}
         apart = [p for p in members[0] if p not in known]

@@ -161,11 +161,27 @@ def environ_of(pid: int) -> dict[str, str]:
     return out
 
 
-def cgroup_of(pid: int) -> str:
-    """The process's cgroup path: the unified (v2) one, else the name=systemd (v1) one."""
+def _cgroup_text(pid: int) -> str | None:
+    """/proc/PID/cgroup, its bytes kept whole (surrogateescape): a cgroup's name is any bytes
+    its creator chose (a user's own delegated cgroup, `x` and the byte 0xff), which a strict
+    decoding turned into an exception where a holder was described. None where unreadable."""
     try:
-        text = (PROC / str(pid) / "cgroup").read_text()
+        return (PROC / str(pid) / "cgroup").read_bytes().decode("utf-8", "surrogateescape")
     except OSError:
+        return None
+
+
+def shown_path(path: str) -> str:
+    """A path read with its bytes kept whole (surrogateescape), as text to show: bytes that are
+    no UTF-8 as a backslash, x and two hex digits, controls escaped (model.printable)."""
+    return printable(path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
+
+
+def cgroup_of(pid: int) -> str:
+    """The process's cgroup path: the unified (v2) one, else the name=systemd (v1) one (bytes
+    that are no UTF-8 kept as surrogates: shown_path shows it)."""
+    text = _cgroup_text(pid)
+    if text is None:
         return ""
     v1 = ""
     for line in text.splitlines():
@@ -179,11 +195,11 @@ def cgroup_of(pid: int) -> str:
 
 
 def cgroup2_of(pid: int) -> str:
-    """The process's cgroup v2 path (its "0::" line: "/system.slice/x.service"); "" where it
-    has none (no cgroup v2) or it cannot be read. Ends " (deleted)" for a removed cgroup."""
-    try:
-        text = (PROC / str(pid) / "cgroup").read_text()
-    except OSError:
+    """The process's cgroup v2 path (its "0::" line: "/system.slice/x.service", bytes kept
+    whole); "" where it has none (no cgroup v2) or it cannot be read. Ends " (deleted)" for a
+    removed cgroup (then no folder of that name opens)."""
+    text = _cgroup_text(pid)
+    if text is None:
         return ""
     for line in text.splitlines():
         if line.startswith("0::"):
@@ -207,10 +223,8 @@ def cgroup2_root(fs: Path = CGROUP_FS) -> Path | None:
 def unit_cgroup(path: str, unit: str) -> str:
     """The folder of the unit `unit` in a cgroup v2 `path` (a process of the unit may sit in a
     folder below it, as a delegated unit arranges): the path up to its first component named
-    `unit`; "" where there is none (the process is not in the unit), or the cgroup was
-    removed."""
-    if path.endswith(" (deleted)"):
-        return ""
+    `unit`; "" where there is none (the process is not in the unit, or the unit's folder was
+    removed: "x.service (deleted)"). A folder below named " (deleted)" is only a name."""
     parts = path.split("/")
     if unit not in parts:
         return ""
@@ -235,17 +249,20 @@ def cgroup_pids(
         top = safeopen.open_root(base)
     except (safeopen.Refused, OSError):
         return None
-    try:
-        first = safeopen.open_dir(top, rel)
-    except (safeopen.Refused, OSError):
-        return None
-    finally:
-        os.close(top)
+    # Folders are queued by name and opened from the mount's descriptor one at a time when
+    # read: a wide tree holds two descriptors, not one per folder queued.
     pids: list[int] = []
-    todo, folders, cut = collections.deque([first]), 1, False
+    todo, folders, cut, first = collections.deque([rel]), 1, False, True
     try:
         while todo:
-            fd = todo.popleft()
+            at = todo.popleft()
+            try:
+                fd = safeopen.open_dir(top, at)
+            except (safeopen.Refused, OSError):
+                if first:
+                    return None
+                continue  # removed meanwhile, or not a folder by now
+            first = False
             try:
                 pids += _procs(fd, limit + 1 - len(pids))
                 with os.scandir(fd) as entries:
@@ -255,19 +272,15 @@ def cgroup_pids(
                         if folders >= limit:
                             cut = True
                             break
-                        try:
-                            todo.append(safeopen.open_dir(fd, entry.name))
-                            folders += 1
-                        except (safeopen.Refused, OSError):
-                            continue  # removed meanwhile, or not a folder by now
+                        todo.append(f"{at}/{entry.name}")
+                        folders += 1
             finally:
                 os.close(fd)
             if len(pids) > limit:
                 cut = True
                 break
     finally:
-        for fd in todo:
-            os.close(fd)
+        os.close(top)
     return pids[:limit], cut
 
 
@@ -359,7 +372,7 @@ def describe(ref: ProcessRef) -> ProcessDescription:
         comm=comm_of(ref.pid),
         # Shown (records, status, the followed switch): its owner chose it, escaped.
         cmdline=[printable(a) for a in cmdline_of(ref.pid)],
-        cgroup=cgroup_of(ref.pid),
+        cgroup=shown_path(cgroup_of(ref.pid)),
     )
 
 

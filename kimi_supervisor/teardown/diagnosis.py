@@ -77,7 +77,7 @@ def _holder(scene: Scene, pid: int, unexplained: set[int]) -> RemainingHolder | 
         why = f"not signalled: {v.protected}"
     return RemainingHolder(
         process=processes.describe(ref),
-        unit=processes.cgroup_of(pid).rsplit("/", 1)[-1],
+        unit=processes.shown_path(processes.cgroup_of(pid).rsplit("/", 1)[-1]),
         devices=list(v.gpus),
         not_cleared_by=step,
         why=why,

@@ -101,6 +101,52 @@ def test_a_units_folder_is_found_in_its_mainpids_cgroup_path_or_there_is_none() 
     assert processes.unit_cgroup("/system.slice/other.service", "vllm.service") == ""
     assert processes.unit_cgroup("/", "vllm.service") == ""
     assert processes.unit_cgroup("/system.slice/vllm.service (deleted)", "vllm.service") == ""
+    # A folder below may be named so by whoever may make it: only a name, the unit still found.
+    assert processes.unit_cgroup("/system.slice/vllm.service/x (deleted)", "vllm.service") == (
+        "/system.slice/vllm.service"
+    )
+
+
+def test_a_cgroup_whose_name_is_no_utf8_is_read_whole_and_shown_escaped(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A local user names their own delegated cgroup `x\xff` and puts a GPU holder there: a
+    strict decoding raised where the teardown described that holder (an internal error instead
+    of its name), and dropped the liveness reading of a unit whose process sat in one."""
+    (tmp_path / "4242").mkdir()
+    (tmp_path / "4242" / "cgroup").write_bytes(
+        b"1:name=systemd:/user.slice/x\xff\n0::/user.slice/user@1000.service/x\xff/vllm.service\n"
+    )
+    monkeypatch.setattr(processes, "PROC", tmp_path)
+    path = processes.cgroup_of(4242)
+    assert path.encode("utf-8", "surrogateescape").endswith(b"/x\xff/vllm.service")
+    assert processes.shown_path(path) == "/user.slice/user@1000.service/x\\xff/vllm.service"
+    assert processes.unit_cgroup(processes.cgroup2_of(4242), "vllm.service") == path
+
+
+def test_a_wide_cgroup_tree_is_read_holding_a_few_descriptors(tmp_path: Path) -> None:
+    """300 folders below the unit's: each is opened when read, not all held while queued (256
+    descriptors at once before, against a soft limit of 1024)."""
+    unit = tmp_path / "system.slice" / "vllm.service"
+    for i in range(300):
+        (unit / f"c{i}").mkdir(parents=True)
+        (unit / f"c{i}" / "cgroup.procs").write_text(f"{1000 + i}\n")
+    (unit / "cgroup.procs").write_text("7\n")
+    most, opened = 0, processes.safeopen.open_dir
+
+    def counting(dir_fd: int, rel: str) -> int:
+        nonlocal most
+        most = max(most, len(os.listdir("/proc/self/fd")))
+        return opened(dir_fd, rel)
+
+    before = len(os.listdir("/proc/self/fd"))
+    processes.safeopen.open_dir = counting  # type: ignore[assignment]
+    try:
+        got = processes.cgroup_pids("/system.slice/vllm.service", limit=512, root=tmp_path)
+    finally:
+        processes.safeopen.open_dir = opened  # type: ignore[assignment]
+    assert got is not None and sorted(got[0]) == [7, *range(1000, 1300)] and not got[1]
+    assert most - before <= 4, (before, most)
 
 
 def test_cgroup_v2_is_found_where_it_is_mounted_unified_or_hybrid(tmp_path: Path) -> None:
