@@ -36,10 +36,10 @@ typecheck: setup
 
 # The tests: the unit tier on both cores (`make unit`), then every other tier in one session (a
 # session's fixtures are shared: one package build, one sandbox), whatever the first's outcome.
-# The other tiers side by side on TIER_WORKERS workers: what shares a costly start (a real vLLM,
-# the Debian package and its booted hosts) runs as one group on one worker (tests/conftest.py,
+# The other tiers on TIER_WORKERS workers: the heavy ones (a real vLLM, the Debian package and its
+# booted hosts) one after the other on one worker, the sandbox tier beside them (tests/conftest.py,
 # "the tiers side by side"), in a short temporary folder kept when a test failed.
-TIER_WORKERS ?= 3
+TIER_WORKERS ?= 2
 
 pytest: setup
 	rc=0; $(MAKE) --no-print-directory unit || rc=$$?; \

@@ -596,12 +596,14 @@ def debian_package_2(debian_package: Path) -> Path:
 
 # -- the tiers side by side: what shares a costly start runs on one worker --------------------
 
-# The Makefile runs the tiers past the unit tier on pytest-xdist workers (`-n 3 --dist
-# loadgroup`). Tests that share a start too costly to make twice run as one group, whole and in
-# order, on one worker: a real vLLM per module, the Debian package with the hosts booted from it,
-# a module with a module-scoped start of its own. Every other test goes to whichever worker is
-# free, each worker with a sandbox of its own. The sandbox tier keeps a core 0.67 busy on average
-# (it waits on timers and on the daemon), so three workers share two cores.
+# The Makefile runs the tiers past the unit tier on two pytest-xdist workers (`-n 2 --dist
+# loadgroup`). The heavy tiers (a real vLLM, the Debian package and the hosts booted from it:
+# each a core or more while it starts) run as one group, whole and in order, on one worker, as
+# they ran alone before: never two of them at once. A module with a module-scoped start of its
+# own is a group too. Every other test goes to whichever worker is free, each worker with a
+# sandbox of its own: the sandbox tier keeps a core 0.67 busy on average (it waits on timers
+# and on the daemon), so it runs beside the heavy group.
+HEAVY = ("realvllm", "booted", "package")
 OWN_WORKER = ("tests/sandbox/test_install.py", "tests/sandbox/test_fleet.py")
 
 
@@ -611,10 +613,8 @@ def shared_start(nodeid: str) -> str | None:
     parts = path.split("/")
     if len(parts) < 3 or parts[0] != "tests":
         return None
-    if parts[1] == "realvllm":
-        return f"real vLLM: {path}"
-    if parts[1] in ("booted", "package"):
-        return "the Debian package and the hosts booted from it"
+    if parts[1] in HEAVY:
+        return "the heavy tiers: a real vLLM, the Debian package, the booted hosts"
     return path if path in OWN_WORKER else None
 
 
@@ -665,6 +665,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in lines:
             terminalreporter.write_line(line, red=True, bold=True)
     # Appended to: `make test` runs the unit tier and the others as two sessions.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # said once, by the session that gathers the workers' reports
     out = os.environ.get("KIMI_TIER_REPORT")
     if out:
         with open(out, "a") as f:
