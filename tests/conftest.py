@@ -665,8 +665,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in lines:
             terminalreporter.write_line(line, red=True, bold=True)
     # Appended to: `make test` runs the unit tier and the others as two sessions.
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # said once, by the session that gathers the workers' reports
+    if hasattr(terminalreporter.config, "workerinput"):
+        return  # an xdist worker: said once, by the session that gathers the workers' reports
     out = os.environ.get("KIMI_TIER_REPORT")
     if out:
         with open(out, "a") as f:
