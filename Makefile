@@ -35,17 +35,19 @@ typecheck: setup
 	$(BIN)/mypy kimi_supervisor
 
 # The tests: the unit tier on both cores (`make unit`), then every other tier in one session (a
-# session's fixtures are shared: one package build, one sandbox), whatever the first's outcome.
-# The other tiers on TIER_WORKERS workers: the heavy ones (a real vLLM, the Debian package and its
-# booted hosts) one after the other on one worker, the sandbox tier beside them (tests/conftest.py,
-# "the tiers side by side"), in a short temporary folder kept when a test failed.
-TIER_WORKERS ?= 2
+# session's fixtures are shared: one package build, one sandbox), whatever the first's outcome,
+# one test at a time. TIER_WORKERS=2 runs them on two pytest-xdist workers instead, the heavy
+# tiers (a real vLLM, the Debian package and its booted hosts) one after the other on one
+# worker and the sandbox tier beside them (tests/conftest.py, "the tiers side by side"): 40 min
+# where one at a time took 71 in CI. Not yet seen to pass whole (docs/development.md, "The
+# test tiers"), so CI runs them one at a time. A short temporary folder, kept when one failed.
+TIER_WORKERS ?= 0
 
 pytest: setup
 	rc=0; $(MAKE) --no-print-directory unit || rc=$$?; \
 	  d="$$(mktemp -d /tmp/kimi-tiers.XXXXXX)" && \
-	  { $(BIN)/pytest -q -n $(TIER_WORKERS) --dist loadgroup --basetemp="$$d" --durations=25 \
-	      --ignore=tests/unit || rc=$$?; } && \
+	  { $(BIN)/pytest -q $(if $(filter-out 0,$(TIER_WORKERS)),-n $(TIER_WORKERS) --dist loadgroup) \
+	      --basetemp="$$d" --durations=25 --ignore=tests/unit || rc=$$?; } && \
 	  if [ "$$rc" -eq 0 ]; then rm -rf "$$d"; fi; exit $$rc
 
 # The fast layer alone: pure logic per wing, the loop in-process, the import layers, on two

@@ -596,13 +596,13 @@ def debian_package_2(debian_package: Path) -> Path:
 
 # -- the tiers side by side: what shares a costly start runs on one worker --------------------
 
-# The Makefile runs the tiers past the unit tier on two pytest-xdist workers (`-n 2 --dist
-# loadgroup`). The heavy tiers (a real vLLM, the Debian package and the hosts booted from it:
-# each a core or more while it starts) run as one group, whole and in order, on one worker, as
-# they ran alone before: never two of them at once. A module with a module-scoped start of its
-# own is a group too. Every other test goes to whichever worker is free, each worker with a
-# sandbox of its own: the sandbox tier keeps a core 0.67 busy on average (it waits on timers
-# and on the daemon), so it runs beside the heavy group.
+# `make test TIER_WORKERS=2` runs the tiers past the unit tier on two pytest-xdist workers
+# (`--dist loadgroup`; CI runs them one at a time: the Makefile says why). The heavy tiers (a
+# real vLLM, the Debian package and the hosts booted from it: each a core or more while it
+# starts) run as one group, whole and in order, on one worker: never two of them at once. A
+# module with a module-scoped start of its own is a group too. Every other test goes to
+# whichever worker is free, each worker with a sandbox of its own: the sandbox tier keeps a core
+# 0.67 busy on average (it waits on timers and on the daemon), so it runs beside the heavy group.
 HEAVY = ("realvllm", "booted", "package")
 OWN_WORKER = ("tests/sandbox/test_install.py", "tests/sandbox/test_fleet.py")
 
