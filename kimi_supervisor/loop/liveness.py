@@ -132,14 +132,15 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
     (`Cpu.tree`) show what its children that ended used (a compiler run per kernel, spawned
     straight from a worker, ends between two readings).
 
-    With `unit` (the unit's name), the processes of its cgroup (v2: MainPID's, from the unit's
-    folder down) that the parent links do not reach are read too: a compiler that left the tree
-    (an sccache server, a double fork) and is still the unit's is a helper, with its reaped
+    With `unit` (the unit's name), while a helper under the engine runs (a compile's client:
+    ninja, nvcc, sccache's), the processes of its cgroup (v2: MainPID's, from the unit's folder
+    down) that the parent links do not reach are read too: a compiler that left the tree (an
+    sccache server, a double fork) and is still the unit's is a helper, with its reaped
     children's time, unless it has one of vLLM's roles, and its CPU counts in the engine's sum
     as a compiler under a worker does (the worker and ninja wait on it, flat: without it, a
     compile through sccache was a stall with the CPU flat). They are never "stopped": they
-    serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the tree alone is
-    read.
+    serve nothing. With no such client they are not read: a sidecar's CPU is no engine's work.
+    Without cgroup v2, or MainPID outside the unit's folder, the tree alone is read.
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) is never read."""
@@ -182,6 +183,12 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
             feeding.add(up)
             up = parents.get(up) or processes.ppid_of(up)
     helpers = [h for h in helpers if h[0] not in feeding]
+    # A compile's client under the engine (ninja, nvcc, sccache's client: a helper the engine's
+    # processes started): only then is a process of the unit out of the tree a compiler's
+    # server doing their work. Without one it is a sidecar, or a double fork of vLLM's user,
+    # and its CPU says nothing of the engine (counted, a spinning sidecar held a deadlock as a
+    # doubt for ever). Where no process has a role, none can be told apart: counted.
+    compiling = not engine or any(h[0] in engine for h in helpers)
     stopped = [
         # Named by its comm alone: a stopped process's cmdline read waits on its memory-map
         # lock, which it may hold for ever (the probe would never come back).
@@ -192,7 +199,9 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
     ]  # fmt: skip
     n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
     try:  # a cgroup that cannot be read leaves the tree's reading as it is
-        members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
+        members = (
+            processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit and compiling else None
+        )
     except (OSError, ValueError):
         members = None
     if members is not None:

@@ -53,6 +53,9 @@ class FakeOptions:
     # The compiler runs as a server out of the engine's tree (sccache's, started by a double
     # fork: its parent is the user manager, a subreaper, or PID 1), still in the unit's cgroup.
     compile_server: bool = False
+    # From its start, the engine has a process of vLLM's user out of its tree (double forked) in
+    # the unit's cgroup, using a core: a sidecar, no compiler's server (no client waits on it).
+    sidecar: bool = False
     # While this file exists, the API server is busy (its event loop held by work, as a long
     # tokenization holds real vLLM's): it uses a core, and /health answers only once the
     # file is gone.

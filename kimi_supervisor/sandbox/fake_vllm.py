@@ -137,6 +137,10 @@ def _spin(until: threading.Event) -> None:
 
 
 COMPILER = "import setproctitle, time; setproctitle.setproctitle('cc1plus')\nwhile True: pass"
+# A compile's client, as sccache's: under the engine, waiting on the server for the result.
+CLIENT = "import setproctitle, time; setproctitle.setproctitle('sccache')\nwhile 1: time.sleep(1)"
+# A sidecar of vLLM's user, double forked out of the tree, spinning a core in the unit's cgroup.
+SIDECAR = "import setproctitle; setproctitle.setproctitle('python3')\nwhile True: pass"
 # The compiler as a server out of the tree: started by a child that says its PID and exits.
 SERVER = (
     "import subprocess, sys\n"
@@ -161,6 +165,8 @@ class _Faults:
         self._spinners: dict[str, threading.Event] = {}
         self._compiler: subprocess.Popen[bytes] | None = None
         self._server: processes.ProcessRef | None = None  # the compiler out of the tree
+        self._client: subprocess.Popen[bytes] | None = None  # and its client, in the tree
+        self._sidecar = False
         self._worked_at = 0.0
         self._lock = threading.Lock()
 
@@ -191,10 +197,10 @@ class _Faults:
             self._spinners.pop(name).set()
 
     @staticmethod
-    def _serve() -> processes.ProcessRef | None:
-        """The compiler as a server out of the engine's tree, by its identity."""
+    def _serve(script: str = COMPILER) -> processes.ProcessRef | None:
+        """`script` (the compiler) as a server out of the engine's tree, by its identity."""
         starter = subprocess.run(
-            [sys.executable, "-c", SERVER, COMPILER], stdin=subprocess.DEVNULL,
+            [sys.executable, "-c", SERVER, script], stdin=subprocess.DEVNULL,
             capture_output=True, timeout=30, check=True,
         )  # fmt: skip
         return processes.ref_of(int(starter.stdout))
@@ -210,9 +216,16 @@ class _Faults:
                 self.stuck = stuck
             self._spinner("collective", stuck)
             self._spinner("thread", self._on(o.spinning_thread_file))
+            if o.sidecar and not self._sidecar:
+                self._sidecar = True  # once: it ends with the unit's cgroup
+                self._serve(SIDECAR)
             compiling = self._on(o.compile_file)
             if compiling and o.compile_server and self._server is None:
                 self._server = self._serve()
+                self._client = subprocess.Popen(
+                    [sys.executable, "-c", CLIENT],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                )  # fmt: skip
             elif compiling and not o.compile_server and self._compiler is None:
                 self._compiler = subprocess.Popen(
                     [sys.executable, "-c", COMPILER],
@@ -221,7 +234,8 @@ class _Faults:
             elif not compiling and self._server is not None:
                 processes.send_signal(self._server, signal.SIGKILL)  # the server we started
                 self._server = None
-            elif not compiling and self._compiler is not None:
+                self._compiler, self._client = self._client, None  # ended as the compiler is
+            if not compiling and self._compiler is not None:
                 self._compiler.kill()  # our own child, by its handle
                 self._compiler.wait()
                 self._compiler = None
@@ -361,7 +375,10 @@ def serve_main(argv: list[str]) -> None:
         except SystemExit as e:
             with contextlib.suppress(ProcessLookupError):
                 engine.kill()
-            os._exit(int(e.code or 1))
+            # SystemExit carries a status or, from _wait_line, what went wrong: said, then 1.
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr, flush=True)
+            os._exit(e.code if isinstance(e.code, int) and e.code else 1)
 
     threading.Thread(target=boot, daemon=True).start()
     stop.wait()

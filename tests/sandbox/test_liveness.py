@@ -329,6 +329,27 @@ def test_a_deadlocked_engine_under_load_is_found_and_its_window_is_what_clients_
     assert status["unit"]["main_pid"] != main
 
 
+def test_a_deadlock_beside_a_sidecar_busy_in_the_units_cgroup_is_found_at_the_stall(
+    sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event, answers: Answers
+) -> None:
+    """A process of vLLM's user out of its tree, in the unit's cgroup, spinning a core (a
+    sidecar, a double fork): no compile's client waits on it, so its CPU is not the engine's,
+    and a deadlock beside it is found at the stall as without it (not held as a doubt)."""
+    stuck = Path(sandbox.sb.root) / "deadlock"
+    sandbox.fake(deadlock_file=str(stuck), sidecar=True)
+    daemon.start()
+    daemon.wait_serving("production")
+    c = sandbox.sb.config().liveness
+    wait_until(lambda: len(answers.at) > 20, 30, "the load to be answered")
+    stuck.touch()
+    try:
+        wait_until(lambda: bool(hangs(daemon)), c.stall_s + 30, "the hang")
+    finally:
+        stuck.unlink()
+    (incident,) = hangs(daemon)
+    assert "of CPU in" in str(incident["what"]), incident
+
+
 def test_the_second_hang_within_the_window_is_not_restarted_but_failed_with_its_evidence(
     sandbox: SandboxHelper, daemon: DaemonHelper, load: threading.Event, answers: Answers
 ) -> None:
