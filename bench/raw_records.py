@@ -5,7 +5,8 @@ typed, then the page refilled (bench/perf_tables.py).
     .venv/bin/python -m bench.raw_records --write docs/performance.md
 
 - gpu-hang-signature: bench/gpu_hang_signature.py's NVML readings per workload shape (on the GPU
-  host: `python3 -m bench.gpu_hang_signature --out $OUT/gpu-hang-signature.json --repeat 2`);
+  host: `python3 -m bench.gpu_hang_signature --out $OUT/gpu-hang-signature.json --repeat 2`),
+  with what bench/process_samples_probe.py found of NVML's per-process samples;
 - liveness-bound: bench/liveness_bound.py's bound on a doubt and a hang's grace;
 - compare-bench: bench/compare_bench.py's scores of the compare on real gloo traces.
 """
@@ -50,12 +51,25 @@ def gpu_hang_signature(path: Path) -> tuple[str, str, list[str], list[list[str]]
         ])  # fmt: skip
     text = (
         f"{d['gpu']}, NVML every {d['interval_s']} s, medians. A spin moves no memory (a flag "
-        "polled in host memory moves some PCIe); all work moves memory. Work: util.mem >= "
+        "in host memory: some PCIe); all work moves memory. Work: util.mem >= "
         f"{liveness.MEMORY_BUSY_PCT:g} % or PCIe >= {liveness.PCIE_BUSY_MB_S:,.0f} MB/s or "
-        "NVLink traffic."
+        "NVLink traffic." + process_samples(RESULTS / "h100x1-2026-12-07-process-samples.json")
     )
     cols = ["shape", "util.gpu %", "util.mem %", "power W", "PCIe MB/s", "DRAM BW %", "host CPU"]
     return d["date"], text, cols, rows
+
+
+def process_samples(path: Path) -> str:
+    """What NVML's per-process samples keep of short jobs, in a sentence."""
+    runs = json.loads(path.read_text())["runs"]
+    during = sum(r["during"]["child_in_samples"] for r in runs)
+    after = sum(r["after"]["child_in_samples"] for r in runs)
+    late = max(r["read_after_end_s"] for r in runs)
+    return (
+        f" A short job is in NVML's per-process samples while it runs ({during} of {len(runs)}),"
+        f" in none once it ended ({after} of {len(runs)}, read 0-{late:g} s after): where"
+        " vLLM's are sampled, theirs judge."
+    )
 
 
 def liveness_bound(path: Path) -> tuple[str, str, list[str], list[list[str]]]:
@@ -93,7 +107,8 @@ SOURCES = {
     "gpu-hang-signature": ("h100x1-2026-12-07-gpu-hang-signature-host-flag.json",
                            gpu_hang_signature,
                            "python3 -m bench.gpu_hang_signature --seconds 5 --settle-s 1.5 "
-                           "--out F  # GPU host"),
+                           "--out F  # GPU host\n"
+                           "python3 -m bench.process_samples_probe --out F  # GPU host"),
     "liveness-bound": ("liveness-bound-2026-12-07.json", liveness_bound,
                        ".venv/bin/python -m bench.liveness_bound 2"),
     "compare-bench": ("compare-bench-gloo-2cpu-2026-12-07.json", compare_bench,

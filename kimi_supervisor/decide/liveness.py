@@ -49,6 +49,7 @@ one of them from outside vLLM's HTTP server:
 | ... a GPU showed memory or link traffic | a doubt |
 | ... a GPU unread in this reading or in over half the window's (no NVML, an error) | a doubt |
 | ... a GPU shared: NVML lists a process not vLLM's on it (the nodes are 0666) | GPU set aside |
+| ... a GPU whose samples of vLLM's processes NVML has | their memory % alone judges it |
 | ... every GPU shared (another's kernel no spin, its copies no work) | CPU signals alone |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
@@ -74,7 +75,11 @@ process that is not vLLM's (any user may open the device nodes) is "shared": its
 that process's as much as vLLM's, so it shows neither work, nor a spin, nor idle, and the
 verdict names it and the PID (`gpus_shared`); the bound is judged on the other GPUs, and with
 every GPU shared on the helpers' and ended children's CPU alone: a doubt that another's process
-held would be a hang that any user could keep for ever (a doubt longer than `hang_bound_s` that
+held would be a hang that any user could keep for ever. A job that starts and ends between two
+readings is listed nowhere (NVML lists and samples a process only while it lives: measured on an
+H100, bench/process_samples_probe.py), yet its traffic is in the GPU's counters; so where NVML
+samples vLLM's own processes (`GpuActivity.own`), their memory traffic alone tells work, and
+the GPU's counters only where it does not (a doubt longer than `hang_bound_s` that
 only the GPUs' traffic explains is a prefill of ten minutes with no step). The last proof of
 progress (a counter that moved, a canary answered) is when a hang's unavailable window starts;
 "nothing pending" is no proof: a frozen engine's gauges are frozen.
@@ -293,25 +298,34 @@ def gpu_said(g: GpuActivity, nvlink_mb_s: float | None) -> str:
         if g.foreign
         else ""
     )
+    own = "" if g.own is None else f"; vLLM's: busy {g.own[0]:g} %, memory {g.own[1]:g} %"
     return (
         f"GPU {g.index}: busy {v(g.util_gpu, ' %')}, memory {v(g.util_memory, ' %')}, "
-        f"{v(g.power_w, ' W')}, PCIe {v(g.pcie_mb_s, ' MB/s')}{link}{shared}"
+        f"{v(g.power_w, ' W')}, PCIe {v(g.pcie_mb_s, ' MB/s')}{link}{own}{shared}"
     )
 
 
 def foreign_on(g: GpuActivity, ours: Set[int]) -> GpuActivity:
     """`g` with the processes it lists that are not vLLM's (`ours`: its PIDs as read by the
-    probe) named in `foreign`. Any PID not in `ours` is another's: NVML's PIDs are the host's,
-    and a process in another PID namespace may read 0, or a PID that is nobody here. A list
-    that could not be read names none (the counters are judged as before)."""
+    probe) named in `foreign`, and vLLM's own per-process samples (`own`). Any PID not in
+    `ours` is another's: NVML's PIDs are the host's, and a process in another PID namespace may
+    read 0, or a PID that is nobody here. A list that could not be read names none (the
+    counters are judged as before)."""
+    mine = [(sm, mem) for pid, sm, mem in g.samples or () if pid in ours]
+    own = (max(m[0] for m in mine), max(m[1] for m in mine)) if mine else None
     if g.pids is None:
-        return g
-    return replace(g, foreign=tuple(p for p in g.pids if p not in ours))
+        return replace(g, own=own)
+    return replace(g, foreign=tuple(p for p in g.pids if p not in ours), own=own)
 
 
 def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:
     """Whether one GPU's counters show work (memory or link traffic); None where they cannot
-    say (a counter unread: no reading is never "idle")."""
+    say (a counter unread: no reading is never "idle"). Where NVML sampled vLLM's own
+    processes (`own`), their memory traffic alone decides: the GPU's counters also hold what
+    another user's job moved between two readings and ended before the second (NVML then
+    lists it nowhere), and a kernel polling a flag moves no memory in any shape measured."""
+    if g.own is not None:
+        return g.own[1] >= MEMORY_BUSY_PCT
     if g.util_memory is None or g.pcie_mb_s is None:
         return None
     if any(u.startswith("NVLink traffic") for u in g.unread):
@@ -369,7 +383,8 @@ def gpu_states(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, str]:
             out[g.index] = "shared"
             continue
         work = gpu_work(g, rates.get(g.index))
-        busy = g.util_gpu is not None and g.util_gpu >= SPIN_GPU_PCT
+        util = g.own[0] if g.own is not None else g.util_gpu
+        busy = util is not None and util >= SPIN_GPU_PCT
         out[g.index] = "unread" if work is None else "work" if work else "spin" if busy else "quiet"
     return out
 

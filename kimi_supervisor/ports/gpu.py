@@ -72,6 +72,9 @@ class NvmlGpu:
     def __init__(self) -> None:
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
+        # Each GPU's newest per-process sample read (NVML's CPU timestamp, µs): the next
+        # activity() asks for those after it.
+        self._sampled: dict[int, int] = {}
 
     def _lib(self) -> Any:
         if self._nvml is not None:
@@ -316,6 +319,7 @@ class NvmlGpu:
                      nv.NVML_PCIE_UTIL_RX_BYTES)  # fmt: skip
             compute = ask("processes", nv.nvmlDeviceGetComputeRunningProcesses, h)
             graphics = ask("processes", nv.nvmlDeviceGetGraphicsRunningProcesses, h)
+            samples = self._samples(nv, h, index)
             out.append(
                 GpuActivity(
                     index,
@@ -327,9 +331,28 @@ class NvmlGpu:
                     nvlink_kib=_nvlink_kib(nv, h, unread),
                     unread=tuple(unread),
                     pids=_pids(compute, graphics),
+                    samples=samples,
                 )
             )
         return out
+
+    def _samples(self, nv: Any, h: Any, index: int) -> tuple[tuple[int, float, float], ...] | None:
+        """NVML's per-process samples of GPU `index` since its previous reading (the highest
+        kernel and memory % per PID); () where it took none (NOT_FOUND: no process sampled),
+        None where the GPU cannot sample processes or the read fails."""
+        since = self._sampled.get(index, 0)
+        try:
+            got = nv.nvmlDeviceGetProcessUtilization(h, since)
+        except Exception as e:  # not supported, an old pynvml, an odd answer: not sampled
+            not_found = getattr(nv, "NVMLError_NotFound", None)
+            return () if not_found is not None and isinstance(e, not_found) else None
+        best: dict[int, tuple[float, float]] = {}
+        for s in got:
+            pid, sm, mem = int(s.pid), float(s.smUtil), float(s.memUtil)
+            was = best.get(pid, (0.0, 0.0))
+            best[pid] = (max(was[0], sm), max(was[1], mem))
+            self._sampled[index] = max(self._sampled.get(index, 0), int(s.timeStamp))
+        return tuple((pid, sm, mem) for pid, (sm, mem) in sorted(best.items()))
 
     def device_path(self, index: int) -> str:
         h = self._handle(index)

@@ -333,7 +333,11 @@ class SimGpu:
                 state, at = "idle", now
             if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
                 state = "idle"
-            out.append(GpuActivity(index, **COUNTERS[state], pids=listed[index], unread=unread))  # type: ignore[arg-type]
+            counters = COUNTERS[state]
+            pids = listed[index]
+            # NVML samples each process that lives: here each listed one reads the GPU's state.
+            samples = tuple((p, counters["util_gpu"], counters["util_memory"]) for p in pids or ())
+            out.append(GpuActivity(index, **counters, pids=pids, samples=samples, unread=unread))  # type: ignore[arg-type]
         return out
 
     def device_path(self, index: int) -> str:

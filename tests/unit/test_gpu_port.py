@@ -434,6 +434,55 @@ def test_the_gpus_own_counters_are_read_and_what_cannot_be_read_is_said_never_ze
     assert mute.pids is None and "processes: Unknown Error" in mute.unread, "unread, not none"
 
 
+class Sampled(Counters):
+    """Counters' GPUs, with NVML's per-process samples: GPU 0 has two of vLLM's worker (PID
+    102) and one of another's job, GPU 2 none since the last (NOT_FOUND); once `unsupported`,
+    no GPU can sample processes. Each call records the timestamp it was asked from."""
+
+    class NVMLError_NotFound(NVMLError):
+        pass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[object, int]] = []
+        self.unsupported = False
+
+    def nvmlDeviceGetProcessUtilization(self, h: object, since: int) -> list[Any]:
+        self.asked.append((h, since))
+        if self.unsupported:
+            raise self.NVMLError_NotSupported()
+        if h == ("handle", 2):
+            raise self.NVMLError_NotFound()
+        row = types.SimpleNamespace
+        return [row(pid=102, timeStamp=since + 10, smUtil=100, memUtil=0, encUtil=0, decUtil=0),
+                row(pid=102, timeStamp=since + 20, smUtil=99, memUtil=3, encUtil=0, decUtil=0),
+                row(pid=4242, timeStamp=since + 15, smUtil=50, memUtil=60, encUtil=0,
+                    decUtil=0)]  # fmt: skip
+
+
+def test_each_processs_samples_are_read_since_the_last_reading_and_vllms_own_told_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kimi_supervisor.decide.liveness import foreign_on, gpu_said
+
+    nv = Sampled()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    gpu = NvmlGpu()
+    first, lost, none = gpu.activity([0, 1, 2])
+    assert first.samples == ((102, 100.0, 3.0), (4242, 50.0, 60.0)), "each PID's highest"
+    assert none.samples == () and lost.samples is None, "none taken is not unsampled"
+    assert first.unread == (), "samples are no counter: none unread"
+    gpu.activity([0])
+    assert nv.asked[-1] == (("handle", 0), 20), "from the newest sample read, not again"
+    nv.unsupported = True
+    (cannot,) = gpu.activity([0])
+    assert cannot.samples is None and cannot.unread == ()
+    mine = foreign_on(first, {102})
+    assert mine.own == (100.0, 3.0) and foreign_on(first, {7}).own is None
+    assert foreign_on(none, {102}).own is None, "no sample of vLLM's: the counters judge"
+    assert "PCIe 1.767 MB/s; vLLM's: busy 100 %, memory 3 %, shared with" in gpu_said(mine, None)
+
+
 def test_the_simulated_host_lists_each_gpus_processes_with_its_counters_as_nvml_does(
     tmp_path: Path,
 ) -> None:
@@ -446,6 +495,7 @@ def test_the_simulated_host_lists_each_gpus_processes_with_its_counters_as_nvml_
     try:
         idle, held = gpu.activity([0, 1])
         assert (idle.pids, held.pids) == ((), (os.getpid(),))
+        assert (idle.samples, held.samples) == ((), ((os.getpid(), 0.0, 0.0),)), "each sampled"
         (sample,) = gpu.sample([1])
         assert [p.pid for p in sample.processes] == [os.getpid()], "as the reading lists"
     finally:

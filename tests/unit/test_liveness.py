@@ -46,6 +46,12 @@ def shared(reading: tuple[GpuActivity, ...], index: int, pid: int) -> tuple[GpuA
     )
 
 
+def sampled(reading: tuple[GpuActivity, ...], sm: float, mem: float) -> tuple[GpuActivity, ...]:
+    """`reading` with NVML's per-process samples of vLLM's processes reading `sm` % busy and
+    `mem` % memory (as the probe finds them: decide/liveness.foreign_on)."""
+    return tuple(dataclasses.replace(g, samples=((102, sm, mem),), own=(sm, mem)) for g in reading)
+
+
 # vLLM's processes as /proc shows them at a time: PID -> (parent, comm, CPU seconds with the
 # reaped children's, the reaped children's alone). MainPID is MAIN; its comm is not read. Every
 # process of it is in the unit's cgroup, whoever its parent is.
@@ -229,6 +235,19 @@ CASES = {
              gpus=lambda t: gpu("spin", nvlink_kib=1e6 * t)),
         None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 118.5 W, PCIe 59.4 MB/s, "
         "NVLink 1.024e+06 MB/s)"),
+    "nvlink bursts of another user's job that ended before each reading, vLLM's own samples "
+    "spinning, are hung at the bound": (
+        # NVML lists a process, and samples it, only while it lives: the job's traffic is in the
+        # GPU's counters and nowhere else; vLLM's own samples show its kernel moving no memory
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: sampled(gpu("spin", nvlink_kib=1e6 * t, util_memory=35.0), 100, 0)
+             if t > 60 else sampled(gpu("work"), 88, 80)),
+        (645, 660), "NVLink 1.024e+06 MB/s; vLLM's: busy 100 %, memory 0 %"),
+    "a long step whose own samples move memory is a doubt, whatever the gpu's counters": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: sampled(gpu("spin"), 99, 34), until=900),
+        None, "but the GPU works (GPU 0: busy 100 %, memory 0 %, 118.5 W, PCIe 59.4 MB/s; "
+        "vLLM's: busy 99 %, memory 34 %)"),
     "a pcie-bound copy at near the idle power past the bound is a doubt: its pcie is work": (
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin", util_memory=2.0, power_w=134.5, pcie_mb_s=63_900.0)),
@@ -346,24 +365,31 @@ CASES = {
         None, "but vLLM's helpers and ended children used 120.0 s of CPU in 120 s"),
     "a compile in a server out of vLLM's tree but in its unit's cgroup is a doubt, never a hang": (
         # sccache's server, double forked: its parent is PID 1, its cgroup the unit's; the
-        # worker and ninja wait on it, their CPU flat
+        # worker and its compile's client (sccache's, under ninja) wait on it, their CPU flat
         Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
-             tree=lambda t: waiting(t, p300=(1, "sccache", SPIN * t, 0.0)),
+             tree=lambda t: waiting(t, p103=(102, "sccache", 0.5, 0.0),
+                                    p300=(1, "sccache", SPIN * t, 0.0)),
              gpus=lambda t: gpu("idle"), until=900),
         None, "used 120.0 s of CPU in 120 s (PID 300 (sccache))"),
     "compiles that end under a server in the unit's cgroup, out of the tree, are a doubt": (
         # its compiler runs reaped into the server's own children's time
         Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
-             tree=lambda t: waiting(t, p300=(1, "sccache", t, 0.9 * t)),
+             tree=lambda t: waiting(t, p103=(102, "ninja", 0.5, 0.0),
+                                    p300=(1, "sccache", t, 0.9 * t)),
              gpus=lambda t: gpu("idle"), until=900),
         None, "children that ended, reaped by PID 300: 108.0 s"),
-    "a deadlock beside a busy process of the unit's cgroup out of the tree is a doubt": (
-        # what a process of the unit does out of the tree is taken for the engine's work, as
-        # a compiler's under a worker is: only vLLM's own user can put one there
+    "a deadlock beside a busy process of the unit's cgroup out of the tree is hung at stall_s": (
+        # a sidecar, or a double fork of vLLM's user: with no compile's client under the
+        # engine, what it does is not the engine's work
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
              tree=lambda t: waiting(t, p300=(1, "python3", SPIN * t, 0.0)),
              gpus=lambda t: gpu("idle"), until=900),
-        None, "used 120.0 s of CPU in 120 s (PID 300 (python3))"),
+        (180, 195), "and no engine step, prompt or generated token for 120 s"),
+    "a spinning hang beside a busy sidecar out of the tree is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p300=(1, "python3", SPIN * t, 0.5 * t)),
+             gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work: vLLM's helpers and ended children used 0.00 s"),
     "an engine orphaned out of the tree, spinning in the unit's cgroup, is no helper: hung": (
         # its parent gone, reparented to PID 1: vLLM's role, not a compiler's
         Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
