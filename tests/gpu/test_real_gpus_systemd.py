@@ -24,6 +24,7 @@ import pytest
 
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.gpu import GpuUnavailable, NvmlGpu
+from kimi_supervisor.sandbox.fake_options import FakeOptions
 from kimi_supervisor.sandbox.sandbox import Sandbox
 from kimi_supervisor.sandbox.usermanager import unavailable_reason
 
@@ -42,19 +43,29 @@ def _reason() -> str | None:
 REASON = _reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 GIB = 1024
+SEED_WORKER_MIB = 96 * GIB  # what each worker of the seed's vLLM held (96,844 MiB)
+GHOST_MIB = 20 * GIB
 
 
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Iterator[Sandbox]:
     gpu = NvmlGpu()
     try:
-        busy = [s.index for s in gpu.sample(range(gpu.device_count())) if s.processes]
+        samples = gpu.sample(range(gpu.device_count()))
     finally:
         gpu.close()
+    busy = [s.index for s in samples if s.processes]
     if busy:
         pytest.skip(f"the shared GPU host is busy on GPU(s) {busy}: not touching it")
-    sb = Sandbox.up(tmp_path / "sbx", gpus=8, real_gpus=True)
+    # The seed's worker held 96 GiB of an H200's 141 GB; beside the ghost, a card with less
+    # (an 80 GB H100) gets its free memory less the ghost and 4 GiB of CUDA's own (a worker
+    # sized for the H200 failed to load there and the test waited out the daemon's start).
+    free = min(s.total_mib - s.used_mib for s in samples[:8])
+    worker_mib = min(SEED_WORKER_MIB, free - GHOST_MIB - 4 * GIB)
+    sb = Sandbox.up(tmp_path / "sbx", gpus=8, real_gpus=True, daemon=False)
     try:
+        sb.set_fake_options(FakeOptions(mib_per_worker=worker_mib))
+        sb.start_daemon()
         yield sb
     finally:
         for log in (sb.root / "manager" / "manager.log", sb.daemon_log, sb.vllm_log):
@@ -104,14 +115,15 @@ def test_kimi_mode_switches_real_gpus_with_a_ghost_under_a_real_systemd_manager(
 ) -> None:
     sb = sandbox
     wait_serving(sb, "production")  # the daemon brought production up at its start
-    ghost = sb.start_ghost("all", 20 * GIB, "python3 train.py")
+    ghost = sb.start_ghost("all", GHOST_MIB, "python3 train.py")
     persistenced = sb.start_ghost("all", 0, "nvidia-persistenced")
     r = kimi_mode(sb, "profile")
     assert r.returncode == 0
     assert f"killed PID {ghost.pid} python3 train.py" in r.stdout
     assert not processes.is_alive(ghost) and processes.is_alive(persistenced)
     s = wait_serving(sb, "profile")
-    assert all(g["used_mib"] - g["baseline_mib"] >= 89_000 for g in s["gpus"])
+    held = json.loads(sb.fake_options_path.read_text())["mib_per_worker"]
+    assert all(g["used_mib"] - g["baseline_mib"] >= held for g in s["gpus"])
     r = kimi_mode(sb, "production")
     assert r.returncode == 0
     # The daemon's metrics name each real GPU by its NVML UUID, in bytes.
