@@ -618,6 +618,17 @@ def shared_start(nodeid: str) -> str | None:
     return path if path in OWN_WORKER else None
 
 
+def pytest_sessionstart(session: Any) -> None:
+    """Before any test (in the controller only, as root): booted hosts that an earlier, killed
+    session left running are ended (tests/booted/host.reap_leftover_hosts), and said."""
+    if hasattr(session.config, "workerinput") or os.geteuid() != 0:
+        return
+    from tests.booted.host import reap_leftover_hosts
+
+    for what in reap_leftover_hosts():
+        print(f"\nended a booted host that an earlier test session left running: {what}")
+
+
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """`--dist loadgroup` with the groups above, read from each test's path. (xdist's own
     loadgroup reads `xdist_group` marks through a node ID that pytest 9 no longer lets it

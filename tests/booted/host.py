@@ -286,3 +286,37 @@ class BootedHost:
 
     def _tail(self) -> str:
         return self.console.read_text(errors="replace")[-2000:] if self.console.exists() else ""
+
+
+def reap_leftover_hosts(*, wait_s: float = 15.0) -> list[str]:
+    """Hosts that an earlier test session booted and never powered off (it was killed, or
+    interrupted past its cleanup): each boot's cgroup is named for the pytest process that made
+    it (`kimi-booted-PID-NS`), and one whose process is gone is a leftover. Its processes
+    (nspawn, the host's PID 1, the daemon inside) share this machine's network and would answer
+    another host's daemon on its port: SIGKILLed, by the PIDs its cgroup lists, and the cgroup
+    removed. A live session's hosts are never touched. Returns the cgroups reaped."""
+    tops = [Path("/sys/fs/cgroup/systemd"), Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")]
+    reaped: list[str] = []
+    for top in tops:
+        if not (top / "cgroup.procs").exists():
+            continue
+        for d in top.glob("kimi-booted-*"):
+            parts = d.name.split("-")
+            if len(parts) != 4 or not parts[2].isdigit() or Path(f"/proc/{parts[2]}").exists():
+                continue  # not one of ours, or its session lives
+            pids = {int(p) for f in d.rglob("cgroup.procs") for p in f.read_text().split()}
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + wait_s
+            while any(f.read_text().strip() for f in d.rglob("cgroup.procs")):
+                if time.monotonic() > deadline:
+                    break  # a process in D: its cgroup stays, said by the caller's next run
+                time.sleep(0.05)
+            for sub in sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                with contextlib.suppress(OSError):
+                    sub.rmdir()
+            with contextlib.suppress(OSError):
+                d.rmdir()
+            reaped.append(f"{d} ({len(pids)} process(es))")
+    return reaped
