@@ -452,11 +452,30 @@ def stuck_readers() -> list[int]:
     return left + [pid for pid in _orphaned() if pid not in left]
 
 
+def _top_of(cgroup: str) -> str | None:
+    """The first folder of a process's cgroup (/proc/PID/cgroup's text): the unified
+    hierarchy's, else name=systemd's; None where there is neither."""
+    paths = {}
+    for line in cgroup.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) == 3:
+            paths[fields[1]] = fields[2]
+    path = paths.get("") or paths.get("name=systemd")
+    return None if path is None else path.strip("/").split("/", 1)[0]
+
+
 def _orphaned(proc: Path = Path("/proc")) -> list[int]:
     """Readers an earlier daemon left that are no child of this one (the daemon was restarted,
     not re-executed: they were handed to PID 1): root's processes named `kimi-warm` in a
-    `kimi-supervisor-warm-*` scope. Another user can name a process so, but not make it root's:
-    at worst a warming is skipped (an outside review found two readers left before)."""
+    `kimi-supervisor-warm-*` scope under the same top folder of the cgroup tree as this
+    process (its manager's: system.slice for the system's, a test's user manager's own
+    folder), so that another manager's daemon's stuck reader (sandboxes side by side) holds
+    no warming here. Another user can name a process so, but not make it root's: at worst a
+    warming is skipped (an outside review found two readers left before)."""
+    try:
+        mine = _top_of((proc / "self" / "cgroup").read_text())
+    except OSError:
+        mine = None  # unknown: every such reader counts
     found = []
     try:
         entries = list(os.scandir(proc))
@@ -473,7 +492,7 @@ def _orphaned(proc: Path = Path("/proc")) -> list[int]:
             cgroup = (proc / entry.name / "cgroup").read_text()
         except OSError:
             continue
-        if f"/{SCOPE_PREFIX}" in cgroup:
+        if f"/{SCOPE_PREFIX}" in cgroup and (mine is None or _top_of(cgroup) == mine):
             found.append(int(entry.name))
     return sorted(found)
 

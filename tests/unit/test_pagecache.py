@@ -197,5 +197,12 @@ def test_a_reader_an_earlier_daemon_left_is_found_by_its_name_owner_and_scope(
     process(42, b"kimi-warm", scope, uid=4245)  # another user's look-alike
     process(43, b"kimi-warm", "/system.slice/kimi-supervisor.service")  # not in its scope
     process(44, b"python3", scope)
+    process(45, b"kimi-warm", f"/kimi-sbx-1/app.slice/{pagecache.SCOPE_PREFIX}45.scope")
     (tmp_path / "self").mkdir()
+    assert pagecache._orphaned(tmp_path) == [41, 45], "where this process's cgroup is unknown"
+    (tmp_path / "self" / "cgroup").write_text(
+        "1:name=systemd:/system.slice/kimi-supervisor.service\n"
+        "0::/system.slice/kimi-supervisor.service\n"
+    )
+    # another manager's (a sandbox's, side by side) stuck reader holds no warming here
     assert pagecache._orphaned(tmp_path) == [41]
