@@ -364,9 +364,10 @@ class GpuActivity:
     # Those of `pids` that are not vLLM's (the probe knows its processes: loop/liveness.py): a
     # GPU shared with another's process has counters that say nothing of vLLM's work.
     foreign: tuple[int, ...] = ()
-    # NVML's per-process samples since the GPU's previous reading: (PID, % of the time a kernel
-    # of it ran, % the memory was read or written for it), the highest of each; () where none
-    # was taken, None where the GPU cannot sample processes. A process is sampled only while it
+    # NVML's per-process samples newer than the GPU's previous reading (often one a process: its
+    # last sample period, measured on an H100): (PID, % of the time a kernel of it ran, % the
+    # memory was read or written for it), the highest of each; () where none was taken, None
+    # where the GPU cannot sample processes. A process is sampled only while it
     # lives: one that ended before the reading is in neither `pids` nor here (measured on an
     # H100: bench/process_samples_probe.py), but its traffic is in the counters above.
     samples: tuple[tuple[int, float, float], ...] | None = None

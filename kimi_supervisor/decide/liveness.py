@@ -48,8 +48,8 @@ one of them from outside vLLM's HTTP server:
 | ... a helper (a JIT compiler, a worker's fork) or a child that ended used CPU | a doubt |
 | ... a GPU showed memory or link traffic | a doubt |
 | ... a GPU unread in this reading or in over half the window's (no NVML, an error) | a doubt |
-| ... a GPU shared: NVML lists a process not vLLM's on it (the nodes are 0666) | GPU set aside |
-| ... a GPU whose samples of vLLM's processes NVML has | their memory % alone judges it |
+| ... a GPU whose samples of vLLM's processes NVML has (shared or not) | their memory % judges it |
+| ... a GPU shared, vLLM's unsampled: NVML lists another's process (nodes 0666) | GPU set aside |
 | ... every GPU shared (another's kernel no spin, its copies no work) | CPU signals alone |
 | /metrics with no `vllm:*` series (stats off, a renamed metric) | "absent": CPU and canary judge |
 | /metrics unreachable or too slow | no work reading: the stall neither grows nor resets |
@@ -78,8 +78,11 @@ every GPU shared on the helpers' and ended children's CPU alone: a doubt that an
 held would be a hang that any user could keep for ever. A job that starts and ends between two
 readings is listed nowhere (NVML lists and samples a process only while it lives: measured on an
 H100, bench/process_samples_probe.py), yet its traffic is in the GPU's counters; so where NVML
-samples vLLM's own processes (`GpuActivity.own`), their memory traffic alone tells work, and
-the GPU's counters only where it does not (a doubt longer than `hang_bound_s` that
+samples vLLM's own processes (`GpuActivity.own`), their memory traffic alone tells work, on
+a shared GPU too (another's process is not sampled as vLLM's), and the GPU's counters only where
+it does not. Measured on the H100 (bench/gpu_hang_signature.py, the processes' own samples): a
+spin or a flag polled read memory 0 %, every shape of work 2 % (a PCIe-bound copy) to 100 %; an
+NVLink transfer's is unmeasured (no NVLink there) (a doubt longer than `hang_bound_s` that
 only the GPUs' traffic explains is a prefill of ten minutes with no step). The last proof of
 progress (a counter that moved, a canary answered) is when a hang's unavailable window starts;
 "nothing pending" is no proof: a frozen engine's gauges are frozen.
@@ -180,6 +183,10 @@ class Cpu:
     # More processes than were read (MAX_PROCESSES): a helper or a stopped rank may be among
     # those left out, so the bound gives no verdict on this reading.
     cut: bool = False
+    # The processes of vLLM's unit's cgroup out of its tree that are neither an engine's nor a
+    # compiler's (a sidecar, Ray's raylet): vLLM's (a GPU they hold is not another's), but
+    # what they use is no sign of the engine's work.
+    apart: tuple[int, ...] = ()
 
 
 def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
@@ -293,11 +300,8 @@ def gpu_said(g: GpuActivity, nvlink_mb_s: float | None) -> str:
         return "unread" if x is None else f"{x:g}{unit}"
 
     link = "" if g.nvlink_kib is None else f", NVLink {v(nvlink_mb_s, ' MB/s')}"
-    shared = (
-        f", shared with PID {', '.join(map(str, g.foreign))} (not vLLM's: not judged)"
-        if g.foreign
-        else ""
-    )
+    judged = "judged on vLLM's own samples" if g.own is not None else "not vLLM's: not judged"
+    shared = f", shared with PID {', '.join(map(str, g.foreign))} ({judged})" if g.foreign else ""
     own = "" if g.own is None else f"; vLLM's: busy {g.own[0]:g} %, memory {g.own[1]:g} %"
     return (
         f"GPU {g.index}: busy {v(g.util_gpu, ' %')}, memory {v(g.util_memory, ' %')}, "
@@ -379,7 +383,7 @@ def gpu_states(readings: Sequence[tuple[float, GpuReading]]) -> dict[int, str]:
     rates = nvlink_rates(readings)
     out = {}
     for g in now:
-        if g.foreign:
+        if g.foreign and g.own is None:
             out[g.index] = "shared"
             continue
         work = gpu_work(g, rates.get(g.index))

@@ -90,6 +90,17 @@ class Reading:
 # The engine's work: the engine core and one worker per tensor-parallel rank (the API servers
 # only take requests in).
 ENGINE_ROLES = ("EngineCore", "Worker")
+# vLLM's workers under Ray (`--distributed-executor-backend ray`): Ray's actors, titled
+# `ray::RayWorkerWrapper`, children of Ray's raylet, out of MainPID's tree (in the unit's
+# cgroup where the unit started Ray).
+RAY_WORKER = "RayWorkerWrapper"
+# A process of vLLM's unit's cgroup out of its tree named so is a compile's: a compiler's
+# server (sccache's, double forked), a compile under a Ray worker (ninja, nvcc, cc1plus).
+COMPILERS = frozenset({
+    "sccache", "ccache", "distcc", "icecc", "ninja", "make", "cmake", "nvcc", "cicc", "ptxas",
+    "fatbinary", "nvlink", "cc1", "cc1plus", "cc", "c++", "gcc", "g++", "clang", "clang++",
+    "collect2", "ld", "as",
+})  # fmt: skip
 # The processes that serve: a stopped one stops the serving (MainPID counts as well).
 SERVING_ROLES = (*ENGINE_ROLES, "APIServer", "DPCoordinator")
 COMM_CHARS = 15  # TASK_COMM_LEN less its NUL
@@ -132,15 +143,18 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
     (`Cpu.tree`) show what its children that ended used (a compiler run per kernel, spawned
     straight from a worker, ends between two readings).
 
-    With `unit` (the unit's name), while a helper under the engine runs (a compile's client:
-    ninja, nvcc, sccache's), the processes of its cgroup (v2: MainPID's, from the unit's folder
-    down) that the parent links do not reach are read too: a compiler that left the tree (an
-    sccache server, a double fork) and is still the unit's is a helper, with its reaped
-    children's time, unless it has one of vLLM's roles, and its CPU counts in the engine's sum
-    as a compiler under a worker does (the worker and ninja wait on it, flat: without it, a
-    compile through sccache was a stall with the CPU flat). They are never "stopped": they
-    serve nothing. With no such client they are not read: a sidecar's CPU is no engine's work.
-    Without cgroup v2, or MainPID outside the unit's folder, the tree alone is read.
+    With `unit` (the unit's name), the processes of its cgroup (v2: MainPID's, from the unit's
+    folder down) that the parent links do not reach are read too, all of them vLLM's for the
+    GPUs: a Ray worker of vLLM's (RAY_WORKER, raylet's child where the unit started Ray) is an
+    engine's process, its CPU in the engine's sum; one named as a compiler (COMPILERS: an
+    sccache server, double forked; ninja and nvcc under a Ray worker) is a helper, its CPU in
+    the engine's sum as a compiler's under a worker (without it, a compile through sccache was a
+    stall with the CPU flat); any other (a sidecar, Ray's raylet) is `Cpu.apart`: no sign of
+    the engine's work (a spinning sidecar held a deadlock as a doubt for ever), unless no
+    process has a role, when the whole tree's sum takes it. vLLM's user can title a process as
+    a compiler, as it can start one under a worker: at worst a doubt. They are never "stopped":
+    they serve nothing. Without cgroup v2, or MainPID outside the unit's folder, the tree alone
+    is read.
 
     Roles are read from each process's comm; the cmdline (which takes the process's mmap lock,
     held for as long as a fault on a hung mount lasts) is never read."""
@@ -183,12 +197,6 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
             feeding.add(up)
             up = parents.get(up) or processes.ppid_of(up)
     helpers = [h for h in helpers if h[0] not in feeding]
-    # A compile's client under the engine (ninja, nvcc, sccache's client: a helper the engine's
-    # processes started): only then is a process of the unit out of the tree a compiler's
-    # server doing their work. Without one it is a sidecar, or a double fork of vLLM's user,
-    # and its CPU says nothing of the engine (counted, a spinning sidecar held a deadlock as a
-    # doubt for ever). Where no process has a role, none can be told apart: counted.
-    compiling = not engine or any(h[0] in engine for h in helpers)
     stopped = [
         # Named by its comm alone: a stopped process's cmdline read waits on its memory-map
         # lock, which it may hold for ever (the probe would never come back).
@@ -199,11 +207,10 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
     ]  # fmt: skip
     n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
     try:  # a cgroup that cannot be read leaves the tree's reading as it is
-        members = (
-            processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit and compiling else None
-        )
+        members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
     except (OSError, ValueError):
         members = None
+    sidecars: list[int] = []
     if members is not None:
         known = {pid, *everyone}
         apart = [p for p in members[0] if p not in known]
@@ -212,14 +219,25 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
             got = processes.times_of(p)
             if got is None:
                 continue
-            tree.append(got)
             comm = processes.comm_of(p)
-            if not role_of(comm, SERVING_ROLES):
+            ray = role_of(comm, (RAY_WORKER,))
+            if role_of(comm, SERVING_ROLES) and not ray:
+                tree.append(got)  # an orphaned engine, say: vLLM's, never a helper
+                continue
+            if not ray and comm not in COMPILERS and engine:
+                # A sidecar, a double fork of vLLM's user, Ray's raylet: vLLM's process (a
+                # GPU it holds is not another's), but no sign of the engine's work (counted,
+                # a spinning sidecar held a deadlock as a doubt for ever). Where no process
+                # has a role none can be told apart: counted below, as the whole tree is.
+                sidecars.append(p)
+                continue
+            tree.append(got)
+            if not ray:
                 helpers.append((p, comm, got.cpu_s))
-                # The engine's work, as a compiler under a worker (where no process has an
-                # engine's role, the whole tree's sum is the engine's and takes it alike).
-                seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
-                engine_n += 1 if engine_n else 0
+            # The engine's work: a Ray worker is an engine's; a compiler's as under a worker
+            # (where no process has an engine's role, the whole tree's sum takes it alike).
+            seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
+            engine_n += 1 if engine_n or ray else 0
     if engine_only and engine_n:
         seconds, n = engine_s, engine_n
     return Cpu(
@@ -231,6 +249,7 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
         tuple(helpers),
         tuple(tree),
         cut=cut,
+        apart=tuple(sidecars),
     )
 
 
@@ -411,7 +430,7 @@ class Liveness:
             else:
                 # vLLM's processes: its tree and its unit's cgroup (none if MainPID is gone:
                 # every process listed on a GPU is then another's).
-                ours = {pid, *(t.pid for t in cpu.tree)} if cpu is not None else set()
+                ours = {pid, *(t.pid for t in cpu.tree), *cpu.apart} if cpu is not None else set()
                 gpu = self._gpus(ours)
         except Exception:  # a reading must always come back, or no probe would run again
             pass

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from kimi_supervisor.ports.bounded import IoWorker
 
 MIB = 1024 * 1024
+# NVML's per-process samples read per GPU and reading at most (it keeps one or a few a process).
+MAX_SAMPLES = 4096
 
 
 class GpuUnavailable(Exception):
@@ -340,18 +342,24 @@ class NvmlGpu:
         """NVML's per-process samples of GPU `index` since its previous reading (the highest
         kernel and memory % per PID); () where it took none (NOT_FOUND: no process sampled),
         None where the GPU cannot sample processes or the read fails."""
+        # NVML stamps a sample with the wall clock (µs): one stamped ahead of a clock that was
+        # then set back (NTP, an operator) would hide every sample until the clock caught up.
+        now_us = int(time.time() * 1e6)
         since = self._sampled.get(index, 0)
+        if since > now_us:
+            since = 0
+        best: dict[int, tuple[float, float]] = {}
+        newest = since
         try:
-            got = nv.nvmlDeviceGetProcessUtilization(h, since)
+            for s in nv.nvmlDeviceGetProcessUtilization(h, since)[:MAX_SAMPLES]:
+                pid, sm, mem = int(s.pid), float(s.smUtil), float(s.memUtil)
+                was = best.get(pid, (0.0, 0.0))
+                best[pid] = (max(was[0], sm), max(was[1], mem))
+                newest = max(newest, int(s.timeStamp))
         except Exception as e:  # not supported, an old pynvml, an odd answer: not sampled
             not_found = getattr(nv, "NVMLError_NotFound", None)
             return () if not_found is not None and isinstance(e, not_found) else None
-        best: dict[int, tuple[float, float]] = {}
-        for s in got:
-            pid, sm, mem = int(s.pid), float(s.smUtil), float(s.memUtil)
-            was = best.get(pid, (0.0, 0.0))
-            best[pid] = (max(was[0], sm), max(was[1], mem))
-            self._sampled[index] = max(self._sampled.get(index, 0), int(s.timeStamp))
+        self._sampled[index] = min(newest, now_us)
         return tuple((pid, sm, mem) for pid, (sm, mem) in sorted(best.items()))
 
     def device_path(self, index: int) -> str:

@@ -483,6 +483,65 @@ def test_each_processs_samples_are_read_since_the_last_reading_and_vllms_own_tol
     assert "PCIe 1.767 MB/s; vLLM's: busy 100 %, memory 3 %, shared with" in gpu_said(mine, None)
 
 
+def sample(pid: Any, ts: Any, sm: Any = 100, mem: Any = 0) -> Any:
+    return types.SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=mem, encUtil=0,
+                                 decUtil=0)  # fmt: skip
+
+
+ODD_SAMPLES = {
+    "a sample read raising a plain error leaves the counters read": RuntimeError("odd"),
+    "a sample read answering None leaves the counters read": None,
+    "a sample row with no timestamp leaves the counters read": [types.SimpleNamespace(pid=102)],
+    "a sample row whose pid is not a number leaves the counters read": [sample(None, 10)],
+}
+
+
+@pytest.mark.parametrize("answer", ODD_SAMPLES.values(), ids=list(ODD_SAMPLES))
+def test_an_odd_sample_answer_never_costs_the_gpus_counters(
+    monkeypatch: pytest.MonkeyPatch, answer: Any
+) -> None:
+    class Odd(Sampled):
+        def nvmlDeviceGetProcessUtilization(self, h: object, since: int) -> list[Any]:
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer  # type: ignore[no-any-return]
+
+    monkeypatch.setitem(sys.modules, "pynvml", Odd())
+    (g,) = NvmlGpu().activity([0])
+    assert g.util_gpu == 100.0 and g.util_memory == 0.0 and g.samples is None, g
+
+
+def test_a_sample_stamped_ahead_of_a_clock_set_back_does_not_end_sampling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NVML stamps samples with the wall clock (µs): a clock set back an hour after one (NTP, an
+    operator, an RTC corrected at boot) must not hide every later sample until it catches up
+    (the GPU's counters, with an ended job's bursts in them, would judge again)."""
+    import time
+
+    now_us = int(time.time() * 1e6)
+
+    class Clocked(Sampled):
+        clock = now_us + 3600 * 10**6  # the first sample, stamped an hour ahead
+
+        def nvmlDeviceGetProcessUtilization(self, h: object, since: int) -> list[Any]:
+            self.asked.append((h, since))
+            if self.clock <= since:
+                raise self.NVMLError_NotFound()
+            return [sample(102, self.clock, 100, 0)]
+
+    nv = Clocked()
+    monkeypatch.setitem(sys.modules, "pynvml", nv)
+    port = NvmlGpu()
+    (first,) = port.activity([0])
+    assert first.samples == ((102, 100.0, 0.0),)
+    nv.clock = now_us  # the clock set back: samples stamped now again
+    for _ in range(2):
+        nv.clock += 15 * 10**6
+        (g,) = port.activity([0])
+        assert g.samples == ((102, 100.0, 0.0),), f"asked from {nv.asked[-1][1]}"
+
+
 def test_the_simulated_host_lists_each_gpus_processes_with_its_counters_as_nvml_does(
     tmp_path: Path,
 ) -> None:

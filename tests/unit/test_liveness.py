@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work
+from kimi_supervisor.decide.liveness import Cpu, Hang, Judge, Work, foreign_on
 from kimi_supervisor.loop.liveness import engine_cpu
 from kimi_supervisor.model import GpuActivity, ProcessTimes
 from kimi_supervisor.ports import processes
@@ -172,6 +172,31 @@ def waiting(t: float, **more: tuple[int, str, float, float]) -> Tree:
     tree: Tree = {MAIN: (1, "", 0.01 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
                   102: (101, "VLLM::Worker_TP", 0.01 * t, 0.0)}  # fmt: skip
     return tree | {int(k[1:]): v for k, v in more.items()}
+
+
+def ray_in_unit(
+    t: float, worker: tuple[float, float], **more: tuple[int, str, float, float]
+) -> Tree:
+    """vLLM run with `--distributed-executor-backend ray` from a wrapper that first ran `ray start
+    --head` in the unit (its raylet double forked: parent PID 1, cgroup the unit's): MainPID (the
+    API server) and its engine core, waiting on the Ray workers (raylet's children, out of the
+    tree) that hold the GPUs; a worker's (CPU, reaped children's CPU) at `t`, and `more`."""
+    tree: Tree = {MAIN: (1, "", 0.05 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
+                  300: (1, "raylet", 0.02 * t, 0.0), 301: (300, "ray::RayWorkerW", *worker),
+                  302: (300, "ray::RayWorkerW", *worker)}  # fmt: skip
+    return tree | {int(k[1:]): v for k, v in more.items()}
+
+
+def listing(tree: Tree, at: float, state: str, own: tuple[float, float]) -> tuple[GpuActivity, ...]:
+    """Two GPUs reading `state`, each listing one Ray worker (301, 302) whose NVML samples read
+    `own` (kernel %, memory %), judged with the PIDs the probe reads as vLLM's (loop/liveness.
+    Liveness._probe: MainPID, the Cpu's tree and the unit's processes apart from it)."""
+    cpu = read_tree(tree, at)
+    ours = {MAIN, *(t.pid for t in cpu.tree), *cpu.apart}
+    return tuple(
+        foreign_on(GpuActivity(i, **COUNTERS[state], pids=(pid,), samples=((pid, *own),)), ours)  # type: ignore[arg-type]
+        for i, pid in enumerate((301, 302))
+    )
 
 
 # fmt: off
@@ -400,6 +425,79 @@ CASES = {
         Case(pending=lambda t: 4, tokens=lambda t: 10 * t, cpu_s=lambda t: SPIN * t,
              gpus=lambda t: gpu("spin"), capturing=lambda t: t > 60, until=1800),
         None, ""),
+    "a deadlock beside a busy sidecar and an idle child of a worker is hung at stall_s": (
+        # the idle child (a plugin's watchdog, a resource tracker of the engine's) makes the
+        # sidecar no compiler
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p103=(102, "python3", 0.3, 0.0),
+                                    p300=(1, "python3", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle")),
+        (180, 195), "and no engine step, prompt or generated token for 120 s"),
+    "a spinning hang beside a busy sidecar and an idle child of a worker is hung at the bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p103=(102, "python3", 0.3, 0.0),
+                                   p300=(1, "python3", SPIN * t, 0.5 * t)),
+             gpus=lambda t: gpu("spin")),
+        (645, 660), "with no sign of real work"),
+    "a process of the unit titled as a compiler out of the tree is a doubt: vllm's user's own": (
+        # as a spinning child it starts under a worker: the rule cannot tell it from sccache's
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p300=(1, "ninja", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "(PID 300 (ninja))"),
+    "a jit compile in a ray worker of the unit, out of the tree, is a doubt, never a hang": (
+        # `ray start --head` in the unit, then `vllm serve --distributed-executor-backend ray`:
+        # ninja and cc1plus under a Ray worker, the engine core waiting, flat
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (0.01 * t, 0.0), p303=(301, "ninja", 0.5, 0.0),
+                                        p304=(303, "cc1plus", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=700),
+        None, "(PID 304 (cc1plus)"),
+    "a prefill past the bound in ray workers of the unit, their samples at work, is a doubt": (
+        # the Ray workers are vLLM's: the GPUs they hold are not another's
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (SPIN * t, 0.0)) | {101: (MAIN, "VLLM::EngineCor",
+                                                                      SPIN * t, 0.0)},
+             gpus=lambda t: listing(ray_in_unit(t, (SPIN * t, 0.0)), t, "work", (88.0, 80.0)),
+             until=900),
+        None, "but the GPU works"),
+    "a deadlock of ray workers in the unit, idle, is hung at stall_s": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (0.9 * min(t, 60), 0.0)),
+             gpus=lambda t: gpu("idle")),
+        (180, 195), "and no engine step"),
+    "a prefill past the bound whose own samples move memory, beside another's idle context, is "
+    "a doubt": (
+        # any local user can open a context on each GPU (the nodes are 0666): vLLM's own
+        # samples still tell its work
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.9 * t,
+             gpus=lambda t: shared(shared(sampled(gpu("work"), 88, 80), 0, 4242), 1, 4242),
+             until=900),
+        None, "shared with PID 4242 (judged on vLLM's own samples)"),
+    "a spinning hang beside another's idle context, its own samples spinning, is hung at the "
+    "bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: shared(shared(sampled(gpu("spin", util_memory=40.0), 100, 0), 0,
+                                          4242), 1, 4242)),
+        (645, 660), "vLLM's: busy 100 %, memory 0 %, shared with PID 4242"),
+    "a pcie-bound copy whose own samples read memory 2 %, as measured, is a doubt": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: sampled(gpu("spin", util_memory=2.0, power_w=134.5,
+                                        pcie_mb_s=63_900.0), 99, 2), until=900),
+        None, "but the GPU works"),
+    "nvlink bursts of an ended job while no process of vLLM is sampled are a doubt": (
+        # NVML took no sample (NOT_FOUND): the GPU's counters judge, as where it cannot sample
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: tuple(dataclasses.replace(g, samples=()) for g in
+                                  gpu("spin", nvlink_kib=1e6 * t)), until=900),
+        None, "but the GPU works"),
+    "a spinning hang beside a pid 0 sample moving memory is hung at the bound": (
+        # another namespace's process reads PID 0: never vLLM's
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: SPIN * t,
+             gpus=lambda t: tuple(foreign_on(dataclasses.replace(g, samples=((0, 50.0, 90.0),
+                                  (102, 100.0, 0.0))), {MAIN, 101, 102})
+                                  for g in gpu("spin", util_memory=40.0))),
+        (645, 660), "vLLM's: busy 100 %, memory 0 %"),
 }
 # fmt: on
 

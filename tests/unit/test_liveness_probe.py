@@ -494,3 +494,60 @@ def test_a_process_on_a_gpu_that_is_not_vllms_is_named_with_its_reading(config: 
     assert alone.foreign == () and beside.foreign == (0, nobody), reading.gpu
     assert "GPU 1: busy 100 %" in gpu_said(beside, None)
     assert f"shared with PID 0, {nobody} (not vLLM's: not judged)" in gpu_said(beside, None)
+
+
+def test_on_real_processes_a_sidecar_of_the_unit_out_of_the_tree_is_no_engine_work(
+    tmp_path: Path,
+) -> None:
+    """On /proc (the unit's cgroup listing stood in for: no unit here): a tree titled as vLLM's
+    (EngineCore, its Worker) waiting on a FIFO with an idle child titled python3 under the
+    worker, and a process out of the tree spinning a core (a sidecar). The sidecar is vLLM's
+    (`apart`: a GPU it holds is not another's) but its CPU is not the engine's."""
+    from kimi_supervisor.loop.liveness import engine_cpu
+    from kimi_supervisor.ports import processes
+
+    def titled(title: str, program: str) -> str:
+        found = shutil.which(program)
+        assert found, program
+        (tmp_path / title).symlink_to(found)
+        return str(tmp_path / title)
+
+    core, worker, idle = (titled("VLLM::EngineCore", "sh"), titled("VLLM::Worker_TP0", "sh"),
+                          titled("python3", "sleep"))  # fmt: skip
+    fifo = tmp_path / "wait"
+    os.mkfifo(fifo)
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+    sidecar = subprocess.Popen([sys.executable, "-c", spin])
+    inner = f"{idle} 30 & read x < {fifo}"
+    main = subprocess.Popen(["sh", "-c", f"{core} -c '{worker} -c \"{inner}\" & wait' & wait"])
+    try:
+        wait_until(lambda: len(processes.descendants(main.pid)) >= 3, 30, "the tree to start")
+        tree = [main.pid, *processes.descendants(main.pid)]
+
+        def members(pid: int, unit: str, limit: int) -> tuple[list[int], bool]:
+            return [*tree, sidecar.pid], False
+
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(processes, "unit_pids", members)
+            before = engine_cpu(main.pid, engine_only=True, unit="vllm.service")
+            assert before is not None
+
+            def spun() -> float:
+                got = processes.times_of(sidecar.pid)
+                return got.cpu_s if got is not None else 0.0
+
+            start = spun()  # the sidecar spins a second more, however slow the machine
+            wait_until(lambda: spun() >= start + 1.0, 60, "the sidecar to spin a second")
+            after = engine_cpu(main.pid, engine_only=True, unit="vllm.service")
+        assert after is not None and sidecar.pid in after.apart
+        assert sidecar.pid not in {t.pid for t in after.tree}
+        assert after.seconds - before.seconds < 0.5, "the sidecar's second is not the engine's"
+    finally:
+        for p in processes.descendants(main.pid):
+            if processes.comm_of(p) == "python3":
+                os.kill(p, signal.SIGTERM)  # the idle child this test started
+        with open(fifo, "w"):
+            pass
+        main.wait(timeout=30)
+        sidecar.kill()  # our own child, by its handle
+        sidecar.wait()
