@@ -195,7 +195,7 @@ def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
     time did not grow between them: a sampling profiler (py-spy stops its target for each
     sample: state t in 44-58 % of reads of a busy real EngineCore at 100 Hz) or a debugger's
     moment during a long step is no hang. The sum going down (a process left the tree) says
-    nothing."""
+    nothing, nor does a reading of fewer processes than there are (`cut`)."""
     if cpu is None or base is None or cpu.at <= base.at:
         return ""
     took = cpu.at - base.at
@@ -207,6 +207,8 @@ def no_progress(base: Cpu | None, cpu: Cpu | None, idle_fraction: float) -> str:
     ]
     if stopped:
         return f"stopped: {', '.join(stopped)}"
+    if cpu.cut or base.cut:
+        return ""  # a flat sum of some of the processes proves none of the others idle
     used = cpu.seconds - base.seconds
     if 0 <= used < idle_fraction * took:
         return (
@@ -309,17 +311,19 @@ def gpu_said(g: GpuActivity, nvlink_mb_s: float | None) -> str:
     )
 
 
-def foreign_on(g: GpuActivity, ours: Set[int]) -> GpuActivity:
-    """`g` with the processes it lists that are not vLLM's (`ours`: its PIDs as read by the
-    probe) named in `foreign`, and vLLM's own per-process samples (`own`). Any PID not in
-    `ours` is another's: NVML's PIDs are the host's, and a process in another PID namespace may
-    read 0, or a PID that is nobody here. A list that could not be read names none (the
-    counters are judged as before)."""
+def foreign_on(g: GpuActivity, ours: Set[int], apart: Set[int] = frozenset()) -> GpuActivity:
+    """`g` with the processes it lists that are not vLLM's (`ours`: its engine's and helpers'
+    PIDs as read by the probe; `apart`: its unit's others, a sidecar's) named in `foreign`, and
+    the samples of `ours` (`own`: a sidecar's traffic is no more the engine's work than its CPU
+    is). Any PID in neither is another's: NVML's PIDs are the host's, and a process in another
+    PID namespace may read 0, or a PID that is nobody here. A list that could not be read names
+    none (the counters are judged as before)."""
     mine = [(sm, mem) for pid, sm, mem in g.samples or () if pid in ours]
     own = (max(m[0] for m in mine), max(m[1] for m in mine)) if mine else None
     if g.pids is None:
         return replace(g, own=own)
-    return replace(g, foreign=tuple(p for p in g.pids if p not in ours), own=own)
+    return replace(g, foreign=tuple(p for p in g.pids if p not in ours and p not in apart),
+                   own=own)  # fmt: skip
 
 
 def gpu_work(g: GpuActivity, nvlink_mb_s: float | None) -> bool | None:

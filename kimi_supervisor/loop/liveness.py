@@ -42,6 +42,11 @@ from kimi_supervisor.ports.http import request
 
 # vLLM's tree is an API server, an engine core and a worker per GPU: more is not read.
 MAX_PROCESSES = 256
+# The unit's cgroup is listed and its processes' names read up to this many: Ray keeps an idle
+# worker per CPU (`ray::IDLE`) under raylet, which are not read (they do nothing), nor count
+# towards MAX_PROCESSES (on a host of 256 CPUs and more they would cut every reading).
+MAX_LISTED = 4096
+RAY_IDLE = "ray::IDLE"
 # A hang's evidence (`Liveness.kept`): the stacks of this many of vLLM's processes (parents
 # first: MainPID, its engine, the workers), read for at most EVIDENCE_S in all; the newest
 # /metrics answer, at most KEPT_METRICS_BYTES (vLLM's is 60-100 KB).
@@ -197,6 +202,65 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
             feeding.add(up)
             up = parents.get(up) or processes.ppid_of(up)
     helpers = [h for h in helpers if h[0] not in feeding]
+    n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
+    try:  # a cgroup that cannot be read leaves the tree's reading as it is
+        members = processes.unit_pids(pid, unit, limit=MAX_LISTED) if unit else None
+    except (OSError, ValueError):
+        members = None
+    sidecars: list[int] = []
+    if members is not None:
+        known = {pid, *everyone}
+        read: dict[int, tuple[ProcessTimes, str]] = {}
+        cut = cut or members[1]
+        for p in members[0]:
+            if p in known:
+                continue
+            comm = processes.comm_of(p)
+            if comm == RAY_IDLE:
+                continue
+            if len(pids) + len(read) >= MAX_PROCESSES:
+                cut = True
+                break
+            got = processes.times_of(p)
+            if got is not None:
+                read[p] = (got, comm)
+
+        def engines(p: int) -> bool:
+            """An engine's process out of the tree: a Ray worker of vLLM's, one with an
+            engine's role (under raylet), and, as in the tree, their descendants (a Ray
+            worker's compile pool, its ninja and linker)."""
+            for _ in range(len(read) + 1):
+                if p not in read:
+                    return False
+                comm = read[p][1]
+                if role_of(comm, (RAY_WORKER, *ENGINE_ROLES)):
+                    return True
+                p = read[p][0].ppid
+            return False
+
+        for p, (got, comm) in read.items():
+            comms[p] = comm
+            own = role_of(comm, (RAY_WORKER, *ENGINE_ROLES))
+            if own and got.state in ("T", "t", "D"):  # a frozen Ray worker stops the serving
+                stuck.append((p, got.state, got.cpu_s, True))
+            if role_of(comm, SERVING_ROLES) and not own:
+                tree.append(got)  # an API server out of the tree: vLLM's, no helper
+                continue
+            under = not own and engines(got.ppid)
+            if not (own or under or comm in COMPILERS) and engine:
+                # A sidecar, a double fork of vLLM's user, Ray's raylet: vLLM's process (a
+                # GPU it holds is not another's), but no sign of the engine's work (counted,
+                # a spinning sidecar held a deadlock as a doubt for ever). Where no process
+                # has a role none can be told apart: counted below, as the whole tree is.
+                sidecars.append(p)
+                continue
+            tree.append(got)
+            if not own:
+                helpers.append((p, comm, got.cpu_s))
+            # The engine's work: an engine's process, a compiler's as under a worker (where no
+            # process has an engine's role, the whole tree's sum takes it alike).
+            seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
+            engine_n += 1 if engine_n or own else 0
     stopped = [
         # Named by its comm alone: a stopped process's cmdline read waits on its memory-map
         # lock, which it may hold for ever (the probe would never come back).
@@ -205,39 +269,6 @@ def engine_cpu(pid: int, engine_only: bool = False, *, unit: str = "") -> Cpu | 
         for p, state, cpu, serving in stuck
         if serving or not engine
     ]  # fmt: skip
-    n, cut = len(tree), len(everyone) > MAX_PROCESSES - 1
-    try:  # a cgroup that cannot be read leaves the tree's reading as it is
-        members = processes.unit_pids(pid, unit, limit=MAX_PROCESSES) if unit else None
-    except (OSError, ValueError):
-        members = None
-    sidecars: list[int] = []
-    if members is not None:
-        known = {pid, *everyone}
-        apart = [p for p in members[0] if p not in known]
-        cut = cut or members[1] or len(pids) + len(apart) > MAX_PROCESSES
-        for p in apart[: max(MAX_PROCESSES - len(pids), 0)]:
-            got = processes.times_of(p)
-            if got is None:
-                continue
-            comm = processes.comm_of(p)
-            ray = role_of(comm, (RAY_WORKER,))
-            if role_of(comm, SERVING_ROLES) and not ray:
-                tree.append(got)  # an orphaned engine, say: vLLM's, never a helper
-                continue
-            if not ray and comm not in COMPILERS and engine:
-                # A sidecar, a double fork of vLLM's user, Ray's raylet: vLLM's process (a
-                # GPU it holds is not another's), but no sign of the engine's work (counted,
-                # a spinning sidecar held a deadlock as a doubt for ever). Where no process
-                # has a role none can be told apart: counted below, as the whole tree is.
-                sidecars.append(p)
-                continue
-            tree.append(got)
-            if not ray:
-                helpers.append((p, comm, got.cpu_s))
-            # The engine's work: a Ray worker is an engine's; a compiler's as under a worker
-            # (where no process has an engine's role, the whole tree's sum takes it alike).
-            seconds, engine_s, n = seconds + got.cpu_s, engine_s + got.cpu_s, n + 1
-            engine_n += 1 if engine_n or ray else 0
     if engine_only and engine_n:
         seconds, n = engine_s, engine_n
     return Cpu(
@@ -375,7 +406,9 @@ class Liveness:
                 daemon=True,
             ).start()
 
-    def _gpus(self, ours: Set[int] | None = None) -> tuple[GpuActivity, ...] | str | None:
+    def _gpus(
+        self, ours: Set[int] | None = None, apart: Set[int] = frozenset()
+    ) -> tuple[GpuActivity, ...] | str | None:
         """The managed GPUs' own counters (errors as data), None where there is no GPU port;
         with `ours` (vLLM's PIDs), each GPU's processes that are not among them named
         (decide/liveness.foreign_on): another user's process on a GPU makes its counters no
@@ -386,7 +419,7 @@ class Liveness:
             got = tuple(self._gpu.activity(list(self._indices())))
         except Exception as e:  # GpuUnavailable, or the port's own bug: no reading
             return reading_error(e)
-        return got if ours is None else tuple(foreign_on(g, ours) for g in got)
+        return got if ours is None else tuple(foreign_on(g, ours, apart) for g in got)
 
     def _probe(self, pid: int, url: str, with_canary: bool, *, peer_uid: int | None) -> None:
         """One reading (`with_canary`: the canary's, whose own /metrics read decides whether it
@@ -430,8 +463,8 @@ class Liveness:
             else:
                 # vLLM's processes: its tree and its unit's cgroup (none if MainPID is gone:
                 # every process listed on a GPU is then another's).
-                ours = {pid, *(t.pid for t in cpu.tree), *cpu.apart} if cpu is not None else set()
-                gpu = self._gpus(ours)
+                ours = {pid, *(t.pid for t in cpu.tree)} if cpu is not None else set()
+                gpu = self._gpus(ours, set(cpu.apart) if cpu is not None else set())
         except Exception:  # a reading must always come back, or no probe would run again
             pass
         kind = "canary" if with_canary else "probe"

@@ -192,11 +192,51 @@ def listing(tree: Tree, at: float, state: str, own: tuple[float, float]) -> tupl
     `own` (kernel %, memory %), judged with the PIDs the probe reads as vLLM's (loop/liveness.
     Liveness._probe: MainPID, the Cpu's tree and the unit's processes apart from it)."""
     cpu = read_tree(tree, at)
-    ours = {MAIN, *(t.pid for t in cpu.tree), *cpu.apart}
+    ours = {MAIN, *(t.pid for t in cpu.tree)}
     return tuple(
-        foreign_on(GpuActivity(i, **COUNTERS[state], pids=(pid,), samples=((pid, *own),)), ours)  # type: ignore[arg-type]
+        foreign_on(
+            GpuActivity(i, **COUNTERS[state], pids=(pid,), samples=((pid, *own),)),  # type: ignore[arg-type]
+            ours,
+            set(cpu.apart),
+        )
         for i, pid in enumerate((301, 302))
     )
+
+
+def on_gpus(
+    tree: Tree, at: float, state: str, rows: dict[int, tuple[float, float]]
+) -> tuple[GpuActivity, ...]:
+    """Two GPUs reading `state`, each listing the processes of `rows` and NVML's samples of
+    them (PID -> kernel %, memory %), judged with the PIDs the probe reads as vLLM's
+    (loop/liveness.Liveness._probe: MainPID, the Cpu's tree and its `apart`)."""
+    cpu = read_tree(tree, at)
+    ours = {MAIN, *(t.pid for t in cpu.tree)}
+    samples = tuple((pid, sm, mem) for pid, (sm, mem) in rows.items())
+    return tuple(
+        foreign_on(
+            GpuActivity(i, **COUNTERS[state], pids=tuple(rows), samples=samples),
+            ours,  # type: ignore[arg-type]
+            set(cpu.apart),
+        )
+        for i in range(2)
+    )
+
+
+def ray_spinning(t: float, **more: tuple[int, str, float, float]) -> Tree:
+    """vLLM on Ray in the unit, a collective stuck: the engine core and both Ray workers spin."""
+    return ray_in_unit(t, (SPIN * t, 0.0), **more) | {101: (MAIN, "VLLM::EngineCor", SPIN * t, 0.0)}
+
+
+def ray_crowded(t: float, worker: tuple[float, float]) -> Tree:
+    """vLLM on Ray in the unit with 260 idle Ray workers (`ray::IDLE`, PIDs 310-569) listed
+    before vLLM's Ray workers (600, 601) in the unit's cgroup.procs."""
+    tree: Tree = {MAIN: (1, "", 0.05 * t, 0.0), 101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
+                  300: (1, "raylet", 0.02 * t, 0.0), 600: (300, "ray::RayWorkerW", *worker),
+                  601: (300, "ray::RayWorkerW", *worker)}  # fmt: skip
+    return tree | {310 + i: (300, "ray::IDLE", 0.0, 0.0) for i in range(260)}
+
+
+IDLE_RAY = {f"p{2000 + i}": (300, "ray::IDLE", 0.0, 0.0) for i in range(260)}
 
 
 # fmt: off
@@ -498,6 +538,95 @@ CASES = {
                                   (102, 100.0, 0.0))), {MAIN, 101, 102})
                                   for g in gpu("spin", util_memory=40.0))),
         (645, 660), "vLLM's: busy 100 %, memory 0 %"),
+    # vLLM on Ray inside its unit, and sidecars of it
+    "a ray worker's compile pool spawned as python (pt_main_thread) out of the tree is a doubt": (
+        # torch inductor's compile workers, a multiprocessing spawn pool: a fresh interpreter,
+        # comm `pt_main_thread` once torch is imported (or `python3`); the Ray worker and the
+        # engine core wait on it, flat: the Ray worker's descendant is the engine's, as in the
+        # tree (next row)
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (0.01 * t, 0.0),
+                                        p305=(301, "pt_main_thread", SPIN * t, 0.0),
+                                        p306=(305, "pt_main_thread", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=700),
+        None, "(PID 30"),
+    "the same compile pool under a worker in the tree is a doubt": (
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: waiting(t, p105=(102, "pt_main_thread", SPIN * t, 0.0),
+                                    p106=(105, "pt_main_thread", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=700),
+        None, "but the engine's processes are busy"),
+    "a ray worker's compile pool titled python3, the worker polling it, is a doubt past the "
+    "bound": (
+        # the Ray worker polls the pool, busy: a doubt; the pool (its descendant) is a helper
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (SPIN * t, 0.0), p305=(301, "python3", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=900),
+        None, "(PID 305 (python3))"),
+    "a ray worker titled as vllm's worker (out of the tree) in a long prefill is a doubt": (
+        # a worker under raylet titled `VLLM::Worker_TP0` (vLLM's own set_process_title, or an
+        # engine reparented): an engine's process, its CPU in the engine's sum
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: {MAIN: (1, "", 0.05 * t, 0.0),
+                             101: (MAIN, "VLLM::EngineCor", 0.01 * t, 0.0),
+                             300: (1, "raylet", 0.02 * t, 0.0),
+                             301: (300, "VLLM::Worker_TP", SPIN * t, 0.0),
+                             302: (300, "VLLM::Worker_TP", SPIN * t, 0.0)},
+             gpus=lambda t: on_gpus({MAIN: (1, "", 0, 0), 101: (MAIN, "VLLM::EngineCor", 0, 0),
+                                     301: (1, "VLLM::Worker_TP", 0, 0)}, t, "work",
+                                    {301: (88.0, 80.0)}),
+             until=900),
+        None, "but the GPU works"),
+    "a compile under a ray worker through a compiler not in COMPILERS is a doubt": (
+        # gcc's LTO back end (lto1), lld/gold/mold linking, nvcc's cudafe++: a helper under a
+        # worker in the tree, and under a Ray worker (its descendant) alike
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_in_unit(t, (0.01 * t, 0.0), p303=(301, "ninja", 0.5, 0.0),
+                                        p304=(303, "ld.lld", SPIN * t, 0.0)),
+             gpus=lambda t: gpu("idle"), until=700),
+        None, "(PID 304 (ld.lld))"),
+    "a long prefill of ray workers read after 260 idle ray workers of the unit is a doubt": (
+        # Ray's idle workers (`ray::IDLE`) are not read, nor count towards MAX_PROCESSES
+        Case(pending=lambda t: 1, tokens=lambda t: 5, cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_crowded(t, (SPIN * t, 0.0)),
+             gpus=lambda t: gpu("work"), until=900),
+        None, "but the GPU works"),
+    # a real hang beside the unit's other processes
+    "a spinning hang beside a sidecar of the unit moving memory on vllm's gpus is hung at the "
+    "bound": (
+        # a sidecar (Cpu.apart) is vLLM's, not another's, but neither its CPU nor its NVML
+        # samples are the engine's work (another model, a Ray actor of the unit)
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p300=(1, "python3", 0.2 * t, 0.0)),
+             gpus=lambda t: on_gpus(engine(t, (SPIN * t, 0.0), p300=(1, "python3", 0.2 * t, 0.0)),
+                                    t, "spin", {102: (100.0, 0.0), 300: (30.0, 60.0)})
+             if t > 60 else gpu("work"), until=1200),
+        (645, 660), "with no sign of real work"),
+    "a spinning hang with ray in the unit on a big host (260 idle ray workers) is hung at the "
+    "bound": (
+        # Ray keeps up to num_cpus idle workers (`ray::IDLE`) under raylet, in the unit's
+        # cgroup: not read, they cut no reading
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_spinning(t, **IDLE_RAY),
+             gpus=lambda t: gpu("spin") if t > 60 else gpu("work"), until=1200),
+        (645, 660), "with no sign of real work"),
+    "a spinning hang beside a local user's ray task moving memory on vllm's gpus is hung at the "
+    "bound": (
+        # the same task, untitled (`ray::IDLE`'s leased worker, `ray::f`), with a CUDA context
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: ray_spinning(t, p310=(300, "ray::f", 0.2 * t, 0.0)),
+             gpus=lambda t: on_gpus(ray_spinning(t, p310=(300, "ray::f", 0.2 * t, 0.0)), t,
+                                    "spin", {301: (100.0, 0.0), 310: (40.0, 70.0)})
+             if t > 60 else gpu("work"), until=1200),
+        (645, 660), "with no sign of real work"),
+    "comms with odd bytes in the unit's cgroup beside a spinning hang are read: hung at the "
+    "bound": (
+        Case(pending=lambda t: 4, tokens=load_then(60), cpu_s=lambda t: 0.0,
+             tree=lambda t: engine(t, (SPIN * t, 0.0), p300=(1, "ray::\ufffd\ufffd)\\x1b", 0, 0),
+                                   p301=(1, "::", 0.0, 0.0), p302=(1, "", 0.0, 0.0),
+                                   p303=(1, "ray::RayWorker\ufffd", 0.0, 0.0)),
+             gpus=lambda t: gpu("spin") if t > 60 else gpu("work")),
+        (645, 660), "with no sign of real work"),
 }
 # fmt: on
 
@@ -528,3 +657,29 @@ def test_a_helper_pid_reused_by_the_next_compile_counts_whole_not_less_the_old_o
     assert helpers_used(base, now) == (119.0, "PID 77 (cc1plus)")
     same = Cpu(120.0, 20.0, 3, helpers=((77, "cc1plus", 119.0),), tree=(old,))
     assert helpers_used(base, same) == (1.0, "PID 77 (cc1plus)")
+
+
+def test_a_frozen_ray_worker_of_the_unit_is_named_stopped_as_a_worker_in_the_tree_is() -> None:
+    """A worker in the tree in state T is "stopped" (a hang at stall_s whatever the engine core
+    does); so is a Ray worker of the unit (raylet's child): with the engine core polling it,
+    the hang would otherwise wait for the bound (600 s, not 120 s)."""
+    tree = ray_in_unit(100.0, (50.0, 0.0))
+
+    def times_of(pid: int) -> ProcessTimes | None:
+        if pid not in tree:
+            return None
+        ppid, _comm, cpu_s, reaped_s = tree[pid]
+        return ProcessTimes(pid, pid * 7, ppid, "T" if pid in (301, 302) else "R", cpu_s, reaped_s)
+
+    def descendants(root: int) -> list[int]:
+        return [p for p, row in tree.items() if row[0] == root]
+
+    with (
+        mock.patch.object(processes, "times_of", times_of),
+        mock.patch.object(processes, "comm_of", lambda pid: tree[pid][1] if pid in tree else ""),
+        mock.patch.object(processes, "descendants", descendants),
+        mock.patch.object(processes, "unit_pids", lambda pid, unit, limit: (sorted(tree), False)),
+    ):
+        cpu = engine_cpu(MAIN, engine_only=True, unit="vllm-kimi-k25.service")
+    assert cpu is not None
+    assert any("301" in s for s in cpu.stopped), cpu.stopped
