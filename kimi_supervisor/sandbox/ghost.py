@@ -102,7 +102,7 @@ def _spin(gpus: list[int]) -> None:
 
     root = holder.sim_dir()
     while True:
-        simgpu.set_activity(root, gpus, "spin")
+        simgpu.set_activity(root, gpus, "spin", pid=os.getpid())
         time.sleep(SPIN_EVERY_S)
 
 

@@ -152,15 +152,18 @@ def set_health(root: Path, index: int, **signals: object) -> None:
     _write_json(path, health)
 
 
-def set_activity(root: Path, indices: Sequence[int], state: str) -> None:
+def set_activity(root: Path, indices: Sequence[int], state: str, *, pid: int = 0) -> None:
     """What GPUs `indices` run now, as the fake engine says it: "work" (a step: read as work
     for simreader.WORK_HOLD_S), "spin" (a kernel spinning on a flag never set, until said
-    otherwise) or "idle". Best effort: a fake engine that may not write there (vLLM's user on
-    a booted host whose sim folder is root's) steps all the same, its GPUs read idle."""
+    otherwise) or "idle"; `pid`: the one process it is (a ghost's kernel: NVML samples only it
+    so), 0: every process on the GPU (the fake engine's workers). Best effort: a fake engine
+    that may not write there (vLLM's user on a booted host whose sim folder is root's) steps
+    all the same, its GPUs read idle."""
     try:
         (root / ACTIVITY).mkdir(exist_ok=True)
         for i in indices:
-            _write_json(root / ACTIVITY / str(i), {"state": state, "at": time.monotonic()})
+            _write_json(root / ACTIVITY / str(i),
+                        {"state": state, "at": time.monotonic(), "pid": pid})  # fmt: skip
     except OSError:
         pass
 

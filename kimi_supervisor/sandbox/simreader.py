@@ -328,15 +328,20 @@ class SimGpu:
                 continue
             try:
                 seen = json.loads((self.root / ACTIVITY / str(index)).read_text())
-                state, at = str(seen["state"]), float(seen["at"])
+                state, at, whose = str(seen["state"]), float(seen["at"]), int(seen.get("pid", 0))
             except (OSError, ValueError, KeyError, TypeError):
-                state, at = "idle", now
+                state, at, whose = "idle", now, 0
             if state not in COUNTERS or (state == "work" and now - at > WORK_HOLD_S):
                 state = "idle"
             counters = COUNTERS[state]
             pids = listed[index]
-            # NVML samples each process that lives: here each listed one reads the GPU's state.
-            samples = tuple((p, counters["util_gpu"], counters["util_memory"]) for p in pids or ())
+            # NVML samples each process that lives: each listed one reads the GPU's state, or,
+            # where the state is one process's (a ghost's kernel), that one alone, the rest idle.
+            samples = tuple(
+                (p, *((counters["util_gpu"], counters["util_memory"]) if whose in (0, p)
+                      else (0.0, 0.0)))
+                for p in pids or ()
+            )  # fmt: skip
             out.append(GpuActivity(index, **counters, pids=pids, samples=samples, unread=unread))  # type: ignore[arg-type]
         return out
 

@@ -555,6 +555,11 @@ def test_the_simulated_host_lists_each_gpus_processes_with_its_counters_as_nvml_
         idle, held = gpu.activity([0, 1])
         assert (idle.pids, held.pids) == ((), (os.getpid(),))
         assert (idle.samples, held.samples) == ((), ((os.getpid(), 0.0, 0.0),)), "each sampled"
+        simgpu.set_activity(root, [1], "spin", pid=os.getpid() + 1)  # another's kernel
+        (_idle, beside) = gpu.activity([0, 1])
+        assert beside.util_gpu == 100.0 and beside.samples == ((os.getpid(), 0.0, 0.0),)
+        simgpu.set_activity(root, [1], "spin")  # the engine's own
+        assert gpu.activity([1])[0].samples == ((os.getpid(), 100.0, 0.0),)
         (sample,) = gpu.sample([1])
         assert [p.pid for p in sample.processes] == [os.getpid()], "as the reading lists"
     finally:
