@@ -26,8 +26,12 @@ def test_a_stuck_leaves_a_root_only_bundle_naming_the_protected_holder_and_its_d
     holder = sandbox.ghost(gpu="1", mib=20_000, title="nvidia-fabricmanager")  # protected
     r = daemon.kimi_mode("profile")
     assert r.returncode == 6 and "STUCK" in r.stdout + r.stderr, r.stdout + r.stderr
+    # Its trigger, not only a path: a bundle an earlier test left in the sandbox's state is
+    # found at the daemon's start (a path, no trigger) before this one is written.
     st = daemon.wait_status(
-        lambda s: bool((s.get("incident_bundle") or {}).get("path")), 20, "the STUCK's bundle"
+        lambda s: (s.get("incident_bundle") or {}).get("trigger") == "stuck",
+        20,
+        "the STUCK's bundle",
     )
     b = st["incident_bundle"]
     path = Path(b["path"])

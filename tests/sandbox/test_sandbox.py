@@ -179,7 +179,11 @@ def test_starting_the_unit_without_an_argv_file_fails_with_the_reason_in_its_log
     argv_file = sandbox.config.vllm.argv_file
     argv_file.unlink(missing_ok=True)
     sandbox.systemd.start(UNIT)
-    wait_until(lambda: sandbox.systemd.status(UNIT).inactive, 10, "the unit to fail")
+    # "failed", not merely inactive: the start job may not have begun yet on a loaded machine
+    # (the unit still reads inactive, as before it).
+    wait_until(
+        lambda: sandbox.systemd.status(UNIT).active_state == "failed", 10, "the unit to fail"
+    )
     status = sandbox.systemd.status(UNIT)
     assert status.active_state == "failed" and status.exec_main_status == 1
     log = sandbox.config.vllm.log_file
