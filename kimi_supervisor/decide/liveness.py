@@ -71,20 +71,21 @@ never "idle": the bound judges on the readings that exist, each GPU read in at l
 window's readings and in the last one; with none, no verdict by the bound. During a capture,
 the GPUs read are judged: a GPU idle beside spinning ones is a rank that never reached the
 collective (the hang's shape); a flush leaves every GPU idle. A GPU on which NVML lists a
-process that is not vLLM's (any user may open the device nodes) is "shared": its counters are
-that process's as much as vLLM's, so it shows neither work, nor a spin, nor idle, and the
-verdict names it and the PID (`gpus_shared`); the bound is judged on the other GPUs, and with
-every GPU shared on the helpers' and ended children's CPU alone: a doubt that another's process
-held would be a hang that any user could keep for ever. A job that starts and ends between two
-readings is listed nowhere (NVML lists and samples a process only while it lives: measured on an
-H100, bench/process_samples_probe.py), yet its traffic is in the GPU's counters; so where NVML
-samples vLLM's own processes (`GpuActivity.own`), their memory traffic alone tells work, on
-a shared GPU too (another's process is not sampled as vLLM's), and the GPU's counters only where
-it does not. Measured on the H100 (bench/gpu_hang_signature.py, the processes' own samples): a
-spin or a flag polled read memory 0 %, every shape of work 2 % (a PCIe-bound copy) to 100 %; an
-NVLink transfer's is unmeasured (no NVLink there) (a doubt longer than `hang_bound_s` that
-only the GPUs' traffic explains is a prefill of ten minutes with no step). The last proof of
-progress (a counter that moved, a canary answered) is when a hang's unavailable window starts;
+process that is not vLLM's (any user may open the device nodes) and samples none of vLLM's is
+"shared": its counters are that process's as much as vLLM's, so it shows neither work, nor a
+spin, nor idle, and the verdict names it and the PID (`gpus_shared`); the bound is judged on
+the other GPUs, and with every GPU shared on the helpers' and ended children's CPU alone: a
+doubt that another's process held would be a hang that any user could keep for ever (a doubt
+longer than `hang_bound_s` that only the GPUs' traffic explains is a prefill of ten minutes with
+no step). A job that starts and ends between two readings is listed nowhere (NVML lists and
+samples a process only while it lives: measured on an H100, bench/process_samples_probe.py),
+yet its traffic is in the GPU's counters; so where NVML samples vLLM's own processes
+(`GpuActivity.own`), their memory traffic alone tells work, on a shared GPU too (another's
+process is not sampled as vLLM's, nor is a sidecar of vLLM's unit), and the GPU's counters only
+where it samples none. Measured on the H100 (bench/gpu_hang_signature.py, each process's own
+samples): a spin or a polled flag read memory 0 %, every shape of work 2 % (a PCIe-bound copy)
+to 100 %; an NVLink transfer's is unmeasured (no NVLink there). The last proof of progress (a
+counter that moved, a canary answered) is when a hang's unavailable window starts;
 "nothing pending" is no proof: a frozen engine's gauges are frozen.
 """
 
