@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kimi_supervisor.ports import safeopen
+from kimi_supervisor.ports import processes, safeopen
 
 CHUNK = 16 << 20  # one read
 REPORT_S = 0.5  # the reader's progress, at most this often
@@ -453,15 +453,10 @@ def stuck_readers() -> list[int]:
 
 
 def _top_of(cgroup: str) -> str | None:
-    """The first folder of a process's cgroup (/proc/PID/cgroup's text): the unified
-    hierarchy's, else name=systemd's; None where there is neither."""
-    paths = {}
-    for line in cgroup.splitlines():
-        fields = line.split(":", 2)
-        if len(fields) == 3:
-            paths[fields[1]] = fields[2]
-    path = paths.get("") or paths.get("name=systemd")
-    return None if path is None else path.strip("/").split("/", 1)[0]
+    """The first folder of a process's cgroup (/proc/PID/cgroup's text), None where it names
+    none."""
+    path = processes.cgroup_path(cgroup)
+    return path.strip("/").split("/", 1)[0] if path else None
 
 
 def _orphaned(proc: Path = Path("/proc")) -> list[int]:

@@ -181,8 +181,12 @@ def cgroup_of(pid: int) -> str:
     """The process's cgroup path: the unified (v2) one, else the name=systemd (v1) one (bytes
     that are no UTF-8 kept as surrogates: shown_path shows it)."""
     text = _cgroup_text(pid)
-    if text is None:
-        return ""
+    return "" if text is None else cgroup_path(text)
+
+
+def cgroup_path(text: str) -> str:
+    """The cgroup path a /proc/PID/cgroup text names: its unified (v2) line's, else its
+    name=systemd (v1) line's; "" where it has neither."""
     v1 = ""
     for line in text.splitlines():
         hier, _, rest = line.partition(":")
