@@ -429,8 +429,9 @@ class DaemonHelper:
                 "show", DAEMON_UNIT, "-p", "ActiveState,SubState,NRestarts,Result,"
                 "ExecMainPID,ExecMainStatus,ExecMainCode", check=False,
             ).stdout  # fmt: skip
-            tail = "\n".join(self.log().splitlines()[-15:])
-            raise Unreachable(f"{e}\nthe daemon's unit: {unit}\nits log's end:\n{tail}") from e
+            # The unit's state last: a report that keeps a failure's head and tail shows it.
+            tail = "\n".join(line[:200] for line in self.log().splitlines()[-10:])
+            raise Unreachable(f"{e}\nits log's end:\n{tail}\nthe daemon's unit: {unit}") from e
 
     def status(self) -> dict[str, Any]:
         (reply,) = self.request({"cmd": "status"}, 10)

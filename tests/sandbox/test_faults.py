@@ -316,7 +316,8 @@ print(sum("too_many_clients" in a for a in answers), sum('"idle"' in a for a in 
 def test_a_slow_client_flood_from_a_group_member_never_locks_root_out(
     daemon: DaemonHelper,
 ) -> None:
-    daemon.start()
+    with daemon.configured(control={"idle_timeout_s": 2}):  # the slow clients' deadline
+        daemon.start()
     daemon.wait_serving("production")
     flood = subprocess.Popen(
         [*as_user(*MEMBER), "-c",

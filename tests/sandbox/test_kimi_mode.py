@@ -26,6 +26,7 @@ from ..conftest import (
     SandboxHelper,
     flat,
     like_a_terminal,
+    loaded,
     too_wide,
     wait_until,
 )
@@ -246,7 +247,9 @@ def test_fifty_status_clients_and_ten_switch_clients_at_once_get_one_switch_and_
 def test_bad_input_gets_a_clear_error_and_the_daemon_keeps_serving(
     serving: DaemonHelper, payload: bytes, code: str
 ) -> None:
-    (reply,) = raw_exchange(serving.socket, payload)
+    # "idle" is answered once control.idle_timeout_s has passed; the others at once.
+    idle_s = serving.config.control.idle_timeout_s
+    (reply,) = raw_exchange(serving.socket, payload, read_s=loaded(idle_s + 5))
     assert reply["type"] == "reply" and not reply["ok"]
     assert reply["code"] == code and reply["message"]
     assert serving.status()["state"] == "serving"
