@@ -106,6 +106,18 @@ class LeftoverKept:
 
 
 @dataclass(frozen=True)
+class LeftoversUnlisted:
+    """Leftovers kept as not provably vLLM's past the ones listed one by one."""
+
+    kind: ClassVar[str] = "leftovers_not_listed"
+    count: int
+    why: str
+
+    def data(self) -> dict[str, Any]:
+        return {"count": self.count, "why": self.why}
+
+
+@dataclass(frozen=True)
 class TeardownFinished:
     kind: ClassVar[str] = "teardown_finished"
     outcome: Outcome
@@ -125,6 +137,7 @@ TeardownEvent = (
     | RespawnWatch
     | Warned
     | LeftoverKept
+    | LeftoversUnlisted
     | TeardownFinished
 )
 EventSink = Callable[[TeardownEvent], None]

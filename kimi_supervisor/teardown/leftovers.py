@@ -38,7 +38,7 @@ from kimi_supervisor.ports import openfiles, processes
 from kimi_supervisor.ports.openfiles import Key
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.ports.sockets import bound_unix_paths, unix_paths_by_inode
-from kimi_supervisor.teardown.events import EventSink, LeftoverKept
+from kimi_supervisor.teardown.events import EventSink, LeftoverKept, LeftoversUnlisted
 
 # A ZMQ IPC socket of vLLM: `$TMPDIR/<uuid4>` (vllm/utils/network_utils.py get_open_zmq_ipc_path).
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -47,6 +47,10 @@ _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12
 _PID_FIRST = re.compile(r"(\d+)-")
 # A directory with more entries than this is not judged (kept): its walk is bounded.
 MAX_ENTRIES = 10_000
+# Kept leftovers that are not provably vLLM's are logged one by one up to this many a teardown,
+# the rest as a count: another program's files in /dev/shm would otherwise add a line each to
+# every teardown's log (a hundred of them, left by vLLM's CPU build on a test host).
+FOREIGN_LISTED = 20
 ROOT = 0
 ROOTS_RULE = (
     "owned by root, and vLLM runs as root: only what its processes held when the teardown "
@@ -239,8 +243,10 @@ def remove(t: TeardownConfig, removed: list[str], on_event: EventSink, *, owner:
         if why is not None:
             foreign[path] = why
     kept = in_use(found - set(foreign))
-    for path, why in foreign.items():
+    for path, why in list(foreign.items())[:FOREIGN_LISTED]:
         on_event(LeftoverKept(str(path), f"not provably vLLM's: {why}"))
+    if len(foreign) > FOREIGN_LISTED:
+        on_event(LeftoversUnlisted(len(foreign) - FOREIGN_LISTED, "not provably vLLM's"))
     for path in sorted(found - kept - set(foreign)):
         try:
             if stat.S_ISDIR(os.lstat(path).st_mode):

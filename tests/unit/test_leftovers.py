@@ -23,7 +23,7 @@ from kimi_supervisor.config import TeardownConfig
 from kimi_supervisor.ports import processes
 from kimi_supervisor.ports.processes import ProcessRef
 from kimi_supervisor.teardown import leftovers
-from kimi_supervisor.teardown.events import LeftoverKept
+from kimi_supervisor.teardown.events import LeftoverKept, LeftoversUnlisted
 from kimi_supervisor.teardown.leftovers import ROOTS_RULE, Owner
 
 VLLM = 64_321  # vLLM's own user (the package's kimi-vllm), as a uid
@@ -252,6 +252,24 @@ def test_a_switch_removes_vllms_users_leftovers_and_keeps_every_root_programs_lo
         assert p.exists() and "not vLLM's user" in kept[str(p)], (p, kept)
     assert note == "3 leftover(s) removed; 3 not provably vLLM's, kept"
     assert processes.is_alive(bystander)
+
+
+def test_a_hundred_foreign_files_in_shm_give_twenty_lines_and_a_count_not_a_hundred_lines(
+    tmp_path: Path,
+) -> None:
+    """As vLLM's CPU build leaves them on a test host: 4 MiB `PID-tp:...-cpushm_N` files of
+    root's, from runs long gone, at every teardown."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    roots = [_plant(shm / f"psm_{i:04x}", 0) for i in range(100)]
+    owner = Owner.of([], activated_at=time.time() - 1, unit_uid=VLLM, dirs=[shm])
+    events: list[object] = []
+    note = leftovers.remove(_config(shm), [], events.append, owner=owner)
+    listed = [e for e in events if isinstance(e, LeftoverKept)]
+    (unlisted,) = [e for e in events if isinstance(e, LeftoversUnlisted)]
+    assert len(listed) == leftovers.FOREIGN_LISTED and unlisted.count == 100 - len(listed)
+    assert note == "0 leftover(s) removed; 100 not provably vLLM's, kept"
+    assert all(p.exists() for p in roots)
 
 
 @needs_root
