@@ -431,8 +431,9 @@ class LoopHost:
         self.until(msg.reply.done, "the request to be answered")
         return msg.reply.result()
 
-    def until(self, cond: Callable[[], bool], what: str, real_s: float = 90.0) -> None:
-        """Turns until `cond` holds; `real_s` bounds the real time (a loaded 2-core host starts
+    def until(self, cond: Callable[[], bool], what: str, real_s: float = 300.0) -> None:
+        """Turns until `cond` holds; `real_s` bounds the real time (90 s ran out once at load 25
+        on 2 cores, with a fake vLLM still not serving; a loaded 2-core host starts
         the child's interpreter in seconds, not milliseconds: only a defect runs into it)."""
         d, deadline = self.daemon, time.monotonic() + real_s
         while True:
