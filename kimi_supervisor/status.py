@@ -38,6 +38,9 @@ class UnitStatus(BaseModel):
     name: str
     active_state: str = "unknown"
     sub_state: str = "unknown"
+    # "not-found": the unit runs with its file gone (moved away, then a daemon-reload); vLLM
+    # serves on, and the next start fails until the file is back.
+    load_state: str = "unknown"
     main_pid: int = 0
     running_mode: str | None = None
     # running_mode's vLLM runs an earlier config's argv (the config was edited and reloaded).

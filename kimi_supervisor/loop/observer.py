@@ -168,6 +168,7 @@ class Observer:
         return Observed(
             active_state=st.active_state,
             sub_state=st.sub_state,
+            load_state=st.load_state,
             main_pid=st.main_pid,
             running_mode=running.mode if running else None,
             argv_stale=running is not None and running.stale,

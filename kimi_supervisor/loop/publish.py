@@ -28,6 +28,7 @@ from kimi_supervisor.status import (
 )
 
 if TYPE_CHECKING:
+    from kimi_supervisor.decide.reconcile import Observed
     from kimi_supervisor.loop.loopstate import LoopState
 
 
@@ -120,6 +121,7 @@ def build(
             name=unit,
             active_state=obs.active_state if obs else "unknown",
             sub_state=obs.sub_state if obs else "unknown",
+            load_state=obs.load_state if obs else "unknown",
             main_pid=obs.main_pid if obs else 0,
             running_mode=obs.running_mode.value if obs and obs.running_mode else None,
             argv_stale=bool(obs and obs.argv_stale),
@@ -143,7 +145,7 @@ def build(
             if waiting and s.next_attempt_at is not None
             else None
         ),
-        warnings=list(s.warnings),
+        warnings=list(s.warnings) + unit_file_gone(obs, unit),
         last_intrusion=s.last_intrusion,
         incident_bundle=s.bundle,
         last_failure=s.last_failure,
@@ -219,6 +221,16 @@ def eta_said(s: LoopState, now: float) -> tuple[float, str]:
 
 def whole_s(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def unit_file_gone(obs: Observed | None, unit: str) -> list[str]:
+    """A warning while vLLM's unit runs with its file gone (systemd reads it "not-found")."""
+    if obs is None or obs.load_state != "not-found" or not obs.unit_up:
+        return []
+    return [
+        f"{unit} runs with its unit file gone (systemd: not-found): vLLM serves on, but the "
+        "next start fails; put the file back and run `systemctl daemon-reload`"
+    ]
 
 
 def restart_needed(s: LoopState) -> str | None:

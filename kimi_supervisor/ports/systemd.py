@@ -154,7 +154,9 @@ class PystemdSystemd:
             _name, _desc, load, active, sub, *_rest = rows[0]
             load_state, active_state = _s(load), _s(active)
             main_pid, exec_status, result = 0, 0, ""
-            if load_state == "loaded":
+            # A running unit whose file was moved away reads "not-found" after a daemon-reload
+            # and still runs its MainPID: read it, or a healthy vLLM would read as dead.
+            if load_state == "loaded" or active_state not in ("inactive", "failed"):
                 service = self._unit(unit).Service
                 main_pid = int(service.MainPID)
                 if active_state in ("inactive", "failed"):

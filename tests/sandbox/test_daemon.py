@@ -428,6 +428,32 @@ def test_systemctl_restart_of_the_daemon_adopts_vllm_instead_of_tearing_it_down(
     assert sandbox.systemd.status("vllm-kimi-k25.service").inactive
 
 
+def test_a_serving_vllm_whose_unit_file_is_moved_away_serves_on_and_status_says_so(
+    sandbox: SandboxHelper, daemon: DaemonHelper
+) -> None:
+    """An operator moves vLLM's unit file away and runs `daemon-reload`: systemd then reads
+    the running unit as "not-found", and its MainPID runs on. Read as gone, a healthy vLLM was
+    torn down and could not start again (the file missing): a booted host's doctor test, with
+    its file away a few seconds longer on a loaded machine, ended FAILED so."""
+    daemon.start()
+    daemon.wait_serving("production")
+    vllm, teardowns = daemon.vllm_pid(), daemon.teardown_count()
+    unit_file = sandbox.sb.manager.unit_dir / UNIT
+    away = unit_file.with_name(f"{UNIT}.away")
+    unit_file.rename(away)
+    try:
+        sandbox.sb.manager.systemctl("daemon-reload")
+        st = daemon.wait_status(lambda s: s["unit"]["load_state"] == "not-found", 30, "not-found")
+        assert st["state"] == "serving" and st["unit"]["main_pid"] == vllm, st
+        assert any("runs with its unit file gone" in w for w in st["warnings"]), st["warnings"]
+    finally:
+        away.rename(unit_file)
+        sandbox.sb.manager.systemctl("daemon-reload")
+    st = daemon.wait_status(lambda s: s["unit"]["load_state"] == "loaded", 30, "loaded again")
+    assert st["state"] == "serving" and daemon.vllm_pid() == vllm and not st["warnings"], st
+    assert daemon.teardown_count() == teardowns and "vllm_died" not in daemon.log()
+
+
 def test_the_daemon_runs_confined_by_its_units_hardening(daemon: DaemonHelper) -> None:
     """The unit's hardening is in force on the running daemon (what /proc says of it), and vLLM
     runs with no capability at all (the sandbox runs it as root, so the bounding set is what
