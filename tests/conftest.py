@@ -604,29 +604,21 @@ def debian_package_2(debian_package: Path) -> Path:
 # `make test TIER_WORKERS=2` runs the tiers past the unit tier on two pytest-xdist workers
 # (`--dist loadgroup`; CI runs them one at a time: the Makefile says why). The heavy tiers (a
 # real vLLM, the Debian package and the hosts booted from it: each a core or more while it
-# starts) run as one group, whole and in order, on one worker: never two of them at once. On
-# four workers or more they are two groups, the real vLLM apart from the package and its booted
-# hosts, so the longest group is the real vLLM's alone. A module with a module-scoped start of
-# its own is a group too. Every other test goes to whichever worker is free, each worker with a
-# sandbox of its own: the sandbox tier keeps a core 0.67 busy on average (it waits on timers and
-# on the daemon), so it runs beside the heavy groups.
+# starts) run as one group, whole and in order, on one worker: never two of them at once. A
+# module with a module-scoped start of its own is a group too. Every other test goes to
+# whichever worker is free, each worker with a sandbox of its own: the sandbox tier keeps a core
+# 0.67 busy on average (it waits on timers and on the daemon), so it runs beside the heavy group.
 HEAVY = ("realvllm", "booted", "package")
 OWN_WORKER = ("tests/sandbox/test_install.py", "tests/sandbox/test_fleet.py")
-SPLIT_HEAVY_AT = 4  # workers
 
 
-def shared_start(nodeid: str, *, workers: int = 1) -> str | None:
-    """The group of the test `nodeid` ("tests/TIER/MODULE.py::NAME") on `workers` workers,
-    None for a test alone."""
+def shared_start(nodeid: str) -> str | None:
+    """The group of the test `nodeid` ("tests/TIER/MODULE.py::NAME"), None for a test alone."""
     path = nodeid.split("::", 1)[0]
     parts = path.split("/")
     if len(parts) < 3 or parts[0] != "tests":
         return None
     if parts[1] in HEAVY:
-        if workers >= SPLIT_HEAVY_AT and parts[1] == "realvllm":
-            return "the heavy tiers: a real vLLM"
-        if workers >= SPLIT_HEAVY_AT:
-            return "the heavy tiers: the Debian package, the booted hosts"
         return "the heavy tiers: a real vLLM, the Debian package, the booted hosts"
     return path if path in OWN_WORKER else None
 
@@ -651,11 +643,9 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    workers = int(config.getoption("numprocesses") or 1)
-
     class SharedStarts(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return shared_start(nodeid, workers=workers) or nodeid
+            return shared_start(nodeid) or nodeid
 
     return SharedStarts(config, log)
 

@@ -8,9 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.conftest import shared_start
 from tests.realvllm import env
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -53,34 +50,3 @@ def test_a_tier_whose_tests_all_skipped_is_named_at_the_end_and_in_the_report(
     assert "tiers that did not run" in r.stdout, r.stdout
     said = report.read_text()
     assert said.startswith("THE GPU TIER DID NOT RUN: all ") and "skipped (" in said, said
-
-
-ALL = "the heavy tiers: a real vLLM, the Debian package, the booted hosts"
-PACKAGE = "the heavy tiers: the Debian package, the booted hosts"
-
-
-@pytest.mark.parametrize(
-    ("nodeid", "workers", "group"),
-    [
-        ("tests/realvllm/test_real_vllm.py::t", 2, ALL),
-        ("tests/booted/test_booted.py::t", 2, ALL),
-        ("tests/realvllm/test_real_vllm.py::t", 4, "the heavy tiers: a real vLLM"),
-        ("tests/package/test_package.py::t", 4, PACKAGE),
-        ("tests/booted/test_booted.py::t", 4, PACKAGE),
-        ("tests/sandbox/test_fleet.py::t", 4, "tests/sandbox/test_fleet.py"),
-        ("tests/sandbox/test_daemon.py::t", 4, None),
-    ],
-    ids=[
-        "on two workers a real vLLM shares its group with the package",
-        "on two workers the booted hosts share it too",
-        "on four workers a real vLLM has a group of its own",
-        "on four workers the package goes with its booted hosts",
-        "on four workers the booted hosts go with their package",
-        "a module with a start of its own is a group at any count",
-        "a sandbox test is scheduled alone",
-    ],
-)
-def test_the_heavy_tiers_are_one_group_on_two_workers_and_two_on_four(
-    nodeid: str, workers: int, group: str | None
-) -> None:
-    assert shared_start(nodeid, workers=workers) == group
