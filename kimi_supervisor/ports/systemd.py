@@ -229,7 +229,8 @@ class PystemdSystemd:
 
     def cgroup_pids(self, unit: str) -> list[int]:
         u = self._unit(unit)
-        if _s(u.Unit.LoadState) != "loaded":
+        # A unit running with its file gone ("not-found") still has its processes.
+        if _s(u.Unit.LoadState) != "loaded" and _s(u.Unit.ActiveState) in ("inactive", "failed"):
             return []
         rows = self._call(f"listing the processes of {unit}", u.Service.GetProcesses)
         return sorted({int(pid) for _path, pid, _cmd in rows})
