@@ -224,12 +224,13 @@ def whole_s(seconds: float) -> str:
 
 
 def unit_file_gone(obs: Observed | None, unit: str) -> list[str]:
-    """A warning while vLLM's unit runs with its file gone (systemd reads it "not-found")."""
-    if obs is None or obs.load_state != "not-found" or not obs.unit_up:
+    """A warning while vLLM's unit runs with no file to start it again (systemd reads it
+    "not-found", "masked", "bad-setting" or "error")."""
+    if obs is None or obs.load_state == "loaded" or not obs.unit_up:
         return []
     return [
-        f"{unit} runs with its unit file gone (systemd: not-found): vLLM serves on, but the "
-        "next start fails; put the file back and run `systemctl daemon-reload`"
+        f"{unit} runs with its unit file gone or broken (systemd: {obs.load_state}): vLLM "
+        "serves on, but the next start fails; put the file back and run `systemctl daemon-reload`"
     ]
 
 

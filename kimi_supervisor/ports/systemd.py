@@ -229,11 +229,15 @@ class PystemdSystemd:
 
     def cgroup_pids(self, unit: str) -> list[int]:
         u = self._unit(unit)
-        # A unit running with its file gone ("not-found") still has its processes.
-        if _s(u.Unit.LoadState) != "loaded" and _s(u.Unit.ActiveState) in ("inactive", "failed"):
-            return []
-        rows = self._call(f"listing the processes of {unit}", u.Service.GetProcesses)
-        return sorted({int(pid) for _path, pid, _cmd in rows})
+
+        def read() -> list[int]:
+            # A unit running with its file gone ("not-found", "masked") still has processes.
+            loaded = _s(u.Unit.LoadState) == "loaded"
+            if not loaded and _s(u.Unit.ActiveState) in ("inactive", "failed"):
+                return []
+            return sorted({int(pid) for _path, pid, _cmd in u.Service.GetProcesses()})
+
+        return self._call(f"listing the processes of {unit}", read)  # type: ignore[no-any-return]
 
     def daemon_reload(self) -> None:
         self._call("daemon-reload", self._manager().Manager.Reload)

@@ -48,8 +48,9 @@ _PID_FIRST = re.compile(r"(\d+)-")
 # A directory with more entries than this is not judged (kept): its walk is bounded.
 MAX_ENTRIES = 10_000
 # Kept leftovers that are not provably vLLM's are logged one by one up to this many a teardown,
-# the rest as a count: another program's files in /dev/shm would otherwise add a line each to
-# every teardown's log (a hundred of them, left by vLLM's CPU build on a test host).
+# the most recently changed first, the rest as a count: another program's files in /dev/shm
+# would otherwise add a line each to every teardown's log (a hundred of them, left by vLLM's CPU
+# build on a test host), and the same old ones would hide a new one.
 FOREIGN_LISTED = 20
 ROOT = 0
 ROOTS_RULE = (
@@ -240,11 +241,13 @@ def remove(t: TeardownConfig, removed: list[str], on_event: EventSink, *, owner:
     foreign: dict[Path, str] = {}
     for path in sorted(found):
         why = _why_not_vllms(path, owner)
-        if why is not None:
+        if why == GONE:
+            found.discard(path)
+        elif why is not None:
             foreign[path] = why
     kept = in_use(found - set(foreign))
-    for path, why in list(foreign.items())[:FOREIGN_LISTED]:
-        on_event(LeftoverKept(str(path), f"not provably vLLM's: {why}"))
+    for path in sorted(foreign, key=_changed, reverse=True)[:FOREIGN_LISTED]:  # newest first
+        on_event(LeftoverKept(str(path), f"not provably vLLM's: {foreign[path]}"))
     if len(foreign) > FOREIGN_LISTED:
         on_event(LeftoversUnlisted(len(foreign) - FOREIGN_LISTED, "not provably vLLM's"))
     for path in sorted(found - kept - set(foreign)):
@@ -264,11 +267,21 @@ def remove(t: TeardownConfig, removed: list[str], on_event: EventSink, *, owner:
     return f"{len(removed)} leftover(s) removed{note}"
 
 
+GONE = "gone"
+
+
+def _changed(path: Path) -> float:
+    try:
+        return os.lstat(path).st_ctime
+    except FileNotFoundError:
+        return 0.0
+
+
 def _why_not_vllms(path: Path, owner: Owner) -> str | None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return "gone"
+        return GONE
     why = owner.why_not(path, st)
     if why is not None or not stat.S_ISDIR(st.st_mode):
         return why

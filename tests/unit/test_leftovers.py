@@ -261,13 +261,15 @@ def test_a_hundred_foreign_files_in_shm_give_twenty_lines_and_a_count_not_a_hund
     root's, from runs long gone, at every teardown."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    roots = [_plant(shm / f"psm_{i:04x}", 0) for i in range(100)]
+    roots = [_plant(shm / f"psm_{i:04x}", 0) for i in range(99)]
+    roots.append(_plant(shm / "psm_zzzz", 0))  # the newest, last by name: listed all the same
     owner = Owner.of([], activated_at=time.time() - 1, unit_uid=VLLM, dirs=[shm])
     events: list[object] = []
     note = leftovers.remove(_config(shm), [], events.append, owner=owner)
     listed = [e for e in events if isinstance(e, LeftoverKept)]
     (unlisted,) = [e for e in events if isinstance(e, LeftoversUnlisted)]
     assert len(listed) == leftovers.FOREIGN_LISTED and unlisted.count == 100 - len(listed)
+    assert listed[0].path == str(roots[-1])
     assert note == "0 leftover(s) removed; 100 not provably vLLM's, kept"
     assert all(p.exists() for p in roots)
 
