@@ -74,6 +74,7 @@ _REFUSAL = {
     "stopping": Exit.REFUSED,
     "no_capture": Exit.REFUSED,
     "port_taken": Exit.REFUSED,
+    "unit_not_loaded": Exit.REFUSED,
 }
 
 

@@ -215,6 +215,13 @@ def _decide(
             + (f", MainPID now {obs.main_pid}" if obs.main_pid else ""),
         )
 
+    if obs.unit_up and obs.load_state != "loaded":
+        # Torn down, it could not be started again: the unit has no file to start from.
+        return Action(
+            Do.NOTHING,
+            f"vLLM's unit runs with its file {obs.load_state}: it is not torn down for "
+            f"{desired.value}, whose start would fail, until the file is back",
+        )
     if obs.unit_up:
         running = obs.running_mode.value if obs.running_mode else "an argv matching no mode"
         return Action(Do.SWITCH, f"vLLM runs {running}; {desired.value} is desired")

@@ -119,6 +119,16 @@ class Desk:
                     message=f"{r.mode.value} is already running and healthy (vLLM PID "
                     f"{pid}){said}; nothing to do",
                 )
+        if obs is not None and obs.load_state != "loaded":
+            u = self.ctx.unit
+            return Reply(
+                ok=False,
+                code="unit_not_loaded",
+                message=f"not switching to {r.mode.value}: systemd reads {u} as "
+                f"{obs.load_state} (its file moved away, masked or broken), so vLLM could not be "
+                f"started again; nothing was stopped. Put the file back, run `systemctl "
+                "daemon-reload`, and ask again",
+            )
         if blocked := self._port_blocked(r.mode):
             return blocked
         try:

@@ -448,6 +448,12 @@ def test_a_serving_vllm_whose_unit_file_is_moved_away_serves_on_and_status_says_
         assert any("unit file gone or broken (systemd: not-found)" in w for w in st["warnings"])
         # Its processes are still listed, for the liveness readings and a teardown's kills.
         assert vllm in sandbox.systemd.cgroup_pids(UNIT)
+        # A switch would stop it and fail to start the next: refused before anything stops.
+        r = daemon.kimi_mode("profile")
+        assert r.returncode == 5 and "systemd reads vllm-kimi-k25.service as not-found" in flat(
+            r.stdout + r.stderr
+        ), r.stdout + r.stderr
+        assert daemon.status()["state"] == "serving" and daemon.vllm_pid() == vllm
     finally:
         away.rename(unit_file)
         sandbox.sb.manager.systemctl("daemon-reload")

@@ -30,6 +30,11 @@ def obs(
     return Observed(active, "running", pid if active == "active" else 0, mode, health, True)
 
 
+def unloaded(load_state: str) -> Observed:
+    """Production serving with its unit file moved away or masked, then a daemon-reload."""
+    return Observed("active", "running", 10, P, 200, True, load_state=load_state)
+
+
 @pytest.mark.parametrize(
     ("desired", "mem", "seen", "now", "expect"),
     [
@@ -42,6 +47,9 @@ def obs(
         (R, Memory(State.SERVING, serving_pid=10), obs(mode=P), 0, Do.SWITCH),
         (P, Memory(State.BOOTING), obs(mode=None), 0, Do.SWITCH),
         (P, Memory(State.BOOTING), obs(active="inactive", mode=None, health=-1), 0, Do.SWITCH),
+        # ... but never a running vLLM whose unit has no file to start it again from
+        (R, Memory(State.SERVING, serving_pid=10), unloaded("not-found"), 0, Do.NOTHING),
+        (R, Memory(State.SERVING, serving_pid=10), unloaded("masked"), 0, Do.NOTHING),
         # vLLM died while serving, or was replaced behind our back
         (P, Memory(State.SERVING, serving_pid=10), obs(active="failed", health=-1), 0, Do.DIED),
         (P, Memory(State.SERVING, serving_pid=10), obs(pid=11, health=503), 0, Do.DIED),
