@@ -61,7 +61,8 @@ class Observed:
     # /health gave no answer that says anything (none in daemon.health_timeout_s, a reset, the
     # daemon's own error): a second sign is needed (decide/liveness.health_failure).
     health_slow: bool = False
-    # The unit's LoadState: "not-found" while it runs with its file moved away (a start fails).
+    # The unit's LoadState: anything but "loaded" (not-found, masked, bad-setting) while it runs
+    # means its file is gone or broken: it runs on, and a start would fail.
     load_state: str = "loaded"
 
     @property
