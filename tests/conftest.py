@@ -608,7 +608,11 @@ def debian_package_2(debian_package: Path) -> Path:
 # module with a module-scoped start of its own is a group too. Every other test goes to
 # whichever worker is free, each worker with a sandbox of its own: the sandbox tier keeps a core
 # 0.67 busy on average (it waits on timers and on the daemon), so it runs beside the heavy group.
+# A sandbox module that starts a whole test session of its own (a systemd user manager, a
+# daemon, a fake vLLM: test_how_started) is as heavy, and joins the heavy group: beside a real
+# vLLM under load, its `systemctl stop` of the daemon once ran past 60 s.
 HEAVY = ("realvllm", "booted", "package")
+HEAVY_MODULES = ("tests/sandbox/test_how_started.py",)
 OWN_WORKER = ("tests/sandbox/test_install.py", "tests/sandbox/test_fleet.py")
 
 
@@ -618,7 +622,7 @@ def shared_start(nodeid: str) -> str | None:
     parts = path.split("/")
     if len(parts) < 3 or parts[0] != "tests":
         return None
-    if parts[1] in HEAVY:
+    if parts[1] in HEAVY or path in HEAVY_MODULES:
         return "the heavy tiers: a real vLLM, the Debian package, the booted hosts"
     return path if path in OWN_WORKER else None
 
