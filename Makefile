@@ -38,8 +38,8 @@ typecheck: setup
 # session's fixtures are shared: one package build, one sandbox), whatever the first's outcome,
 # one test at a time. TIER_WORKERS=2 runs them on two pytest-xdist workers instead, the heavy
 # tiers (a real vLLM, the Debian package and its booted hosts) one after the other on one
-# worker and the sandbox tier beside them (tests/conftest.py, "the tiers side by side"): 38 min
-# where one at a time took 68-71 in CI. CI runs them one at a time until that passes three
+# worker and the sandbox tier beside them (tests/conftest.py, "the tiers side by side"): 42-45
+# min where one at a time took 68-74 in CI. CI runs them one at a time until that passes three
 # times in a row under load (docs/development.md, "The test tiers"). A short temporary folder,
 # kept when one failed.
 TIER_WORKERS ?= 0
