@@ -501,7 +501,10 @@ def test_a_history_flood_from_one_member_costs_bounded_memory_and_never_slows_ro
     with open(sandbox.config.state.dir / "history.jsonl", "w") as f:
         for _ in range(10_000):  # 60 MB
             f.write(record + "\n")
-    daemon.start()
+    # The one reader let in reads up to HISTORY_MAX_BYTES of it on the history process, within
+    # state.timeout_s (10 s), or answers busy: at load 12 it took longer, and all 60 were busy.
+    with daemon.configured(state={"timeout_s": 60}):
+        daemon.start()
     daemon.wait_serving("production")
     pid = daemon.pid()
     before = peak = rss_mb(pid)
