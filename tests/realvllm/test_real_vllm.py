@@ -631,7 +631,7 @@ def test_a_real_worker_frozen_during_a_captures_flush_is_hung_and_the_capture_sa
     assert "a capture is under way, and the engine: stopped: PID" in incident["what"], incident
     assert f"PID {worker.pid} (VLLM::Worker_TP" in str(incident["stopped"]), incident  # its comm
     # Found by the stopped worker (the verdict's words above), not by the bound on a doubt; how
-    # soon is a figure (a wall-clock bound failed under load: 10.5 s against 10 at load 12).
+    # soon is a recorded figure, not a bound: under load the loop's readings come late.
     assert noticed_s < real.config.liveness.hang_bound_s, (noticed_s, incident["what"])
     taken = [e for e in real.history() if e["kind"] == "capture"][-1]
     assert not taken["ok"] and "the capture failed: vLLM hung: a capture is under way" in str(
